@@ -1,0 +1,10 @@
+//! kvlb: a KV-cache-aware load balancer for LLM inference fleets.
+//!
+//! A request's path: `worker` (pinned io_uring event loop) -> `http` (framing) -> `select`
+//! (replica choice) -> `proxy` (forwarding, upstream pool). `engine` and `replica` are the
+//! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
+
+pub mod engine;
+pub mod kv_events;
+pub mod replica;
+pub mod zmtp;

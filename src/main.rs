@@ -1,0 +1,33 @@
+use mimalloc::MiMalloc;
+
+#[global_allocator]
+static GLOBAL: MiMalloc = MiMalloc;
+
+const USAGE: &str = "usage: kvlb <command> [options]
+
+commands:
+  serve     run the load balancer
+  replica   run simulated GPU replicas (vLLM interfaces)
+
+`kvlb <command> --help` lists a command's options.";
+
+fn main() {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if args.is_empty() {
+        eprintln!("{USAGE}");
+        std::process::exit(2);
+    }
+    let cmd = args.remove(0);
+    let code = match cmd.as_str() {
+        "replica" => kvlb::replica::main(args),
+        "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            0
+        }
+        other => {
+            eprintln!("kvlb: unknown command {other:?}\n\n{USAGE}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
