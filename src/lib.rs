@@ -5,6 +5,8 @@
 //! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
 
 pub mod engine;
+pub mod http;
 pub mod kv_events;
 pub mod replica;
+pub mod rt;
 pub mod zmtp;
