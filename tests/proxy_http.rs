@@ -6,9 +6,7 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::client::Framing;
 use support::curl::{self, curl};
@@ -328,32 +326,9 @@ fn eight_mib_chunked_response_via_curl() {
 fn sse_events_are_streamed_as_they_are_produced() {
     let (_backend, kvlb) = proxied(&[]);
     // Five events 400 ms apart: the backend needs 1.6 s for the whole stream.
-    let url = kvlb.url("/sse?n=5&interval_ms=400");
-    let mut args = curl::base_args(20);
-    args.extend(["-N".to_string(), url]);
-    let start = Instant::now();
-    let mut child = Command::new("curl")
-        .args(&args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn curl");
-    let stdout = child.stdout.take().unwrap();
-    let mut events: Vec<(Duration, String)> = Vec::new();
-    for line in BufReader::new(stdout).lines() {
-        let Ok(line) = line else { break };
-        if line.starts_with("data: ") {
-            events.push((start.elapsed(), line));
-        }
-    }
-    let status = child.wait().expect("curl wait");
-    let shown: Vec<String> = events
-        .iter()
-        .map(|(t, l)| format!("{:>5} ms  {l}", t.as_millis()))
-        .collect();
-    let shown = shown.join("\n");
-    assert!(status.success(), "curl failed; events:\n{shown}");
+    let (events, ok) = curl::sse_events(&kvlb.url("/sse?n=5&interval_ms=400"), 20);
+    let shown = curl::show_events(&events);
+    assert!(ok, "curl failed; events:\n{shown}");
     assert_eq!(events.len(), 6, "expected 5 events and [DONE]:\n{shown}");
     assert_eq!(events[5].1, "data: [DONE]");
     let first = events[0].0;

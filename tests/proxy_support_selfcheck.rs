@@ -175,3 +175,16 @@ fn metric_sum_reads_prometheus_text() {
     assert_eq!(metric_sum(text, "kvlb_in_flight", &[]), Some(0.0));
     assert_eq!(metric_sum(text, "kvlb_missing", &[]), None);
 }
+
+#[test]
+fn curl_streams_backend_sse() {
+    let backend = Backend::start();
+    let (events, ok) = curl::sse_events(&format!("{}/sse?n=3&interval_ms=300", backend.url()), 10);
+    let shown = curl::show_events(&events);
+    assert!(ok, "{shown}");
+    assert_eq!(events.len(), 4, "{shown}");
+    assert!(
+        events[2].0 >= events[0].0 + Duration::from_millis(500),
+        "{shown}"
+    );
+}

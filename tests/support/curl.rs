@@ -75,3 +75,38 @@ pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str
         .find(|(n, _)| n == name)
         .map(|(_, v)| v.as_str())
 }
+
+/// Streams `url` with `curl -N` and returns each `data:` line with its arrival time, measured
+/// from just before curl starts; also whether curl exited successfully.
+pub fn sse_events(url: &str, max_secs: u32) -> (Vec<(std::time::Duration, String)>, bool) {
+    use std::io::{BufRead, BufReader};
+    let mut args = base_args(max_secs);
+    args.extend(["-N".to_string(), url.to_string()]);
+    let start = std::time::Instant::now();
+    let mut child = Command::new("curl")
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn curl");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut events = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let Ok(line) = line else { break };
+        if line.starts_with("data: ") {
+            events.push((start.elapsed(), line));
+        }
+    }
+    let ok = child.wait().map(|s| s.success()).unwrap_or(false);
+    (events, ok)
+}
+
+/// Events as `  123 ms  data: ...` lines for failure messages.
+pub fn show_events(events: &[(std::time::Duration, String)]) -> String {
+    events
+        .iter()
+        .map(|(t, l)| format!("{:>5} ms  {l}", t.as_millis()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
