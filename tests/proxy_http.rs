@@ -694,3 +694,38 @@ fn least_loaded_avoids_the_busy_replica() {
 fn power_of_two_avoids_the_busy_replica() {
     load_aware_policy_avoids_busy_replica("power_of_two");
 }
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let (_backend, kvlb) = proxied(&[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let mut raw = Vec::new();
+    for i in 0..3 {
+        raw.extend_from_slice(
+            format!(
+                "POST /echo?i={i} HTTP/1.1\r\nHost: kvlb.test\r\nContent-Length: 5\r\n\r\nbody{i}"
+            )
+            .as_bytes(),
+        );
+    }
+    conn.send(&raw).expect("send three pipelined requests");
+    for i in 0..3 {
+        let resp = conn.read_response("POST").unwrap_or_else(|e| {
+            panic!(
+                "pipelined response {i}: {e}\nkvlb stderr:\n{}",
+                kvlb.stderr()
+            )
+        });
+        expect_ok(&resp, &kvlb, "pipelined POST");
+        assert_eq!(
+            resp.body,
+            format!("body{i}").as_bytes(),
+            "{}",
+            resp.describe()
+        );
+        assert_eq!(
+            resp.header("x-got-path"),
+            Some(format!("/echo?i={i}").as_str())
+        );
+    }
+}
