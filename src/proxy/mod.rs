@@ -194,6 +194,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
 
         let outcome = forward(w, conn, replica, &head, body_end, received_at).await;
+        w.stats()
+            .allocations
+            .store(crate::alloc::thread_allocations(), Relaxed);
 
         // Keep pipelined bytes for the next round.
         let len = conn.cbuf.len();
