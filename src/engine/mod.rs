@@ -2,6 +2,43 @@
 //! and a calibrated timing model. Pure: time is passed in (seconds of engine time), no I/O, no
 //! clocks, no threads. `kvlb replica` wraps it in HTTP and ZeroMQ; `kvlb simulate` drives it
 //! from a discrete-event loop. There is one copy of this model and both use it.
+//!
+//! The model follows vLLM v1 wherever the balancer can observe it:
+//!
+//! * **Steps.** The engine runs one step at a time. A step's duration comes from the timing
+//!   model (`timing.rs`); its outputs appear at its end. A `submit` on an idle engine starts a
+//!   step at once, at `now`; afterwards each step starts when the previous one ends, while
+//!   there is work. `advance(now)` runs every step ending at or before `now`;
+//!   `next_event_time` says when the step in progress ends. A request only joins steps that
+//!   start at or after its submit time, even when the caller advances late.
+//! * **Scheduling** (continuous batching, chunked prefill). Each step first serves running
+//!   requests in admission order, each taking what it still needs (one decode token, or the
+//!   next chunk of its prompt) from the `max_num_batched_tokens` budget; then admits waiting
+//!   requests first-come first-served while budget and `max_num_seqs` last.
+//! * **KV cache** (`kv_cache.rs`). Admission looks up the request's chained block hashes:
+//!   the longest cached run of whole blocks, at most all but the last prompt token, is a
+//!   prefix hit (`cached_tokens`); the request then holds those blocks plus fresh ones for the
+//!   rest of its prompt. If they do not fit the waiting queue stops there (head of line).
+//!   A running request grows by one block every `block_size` tokens; when no block is free
+//!   the newest running request is preempted (vLLM's recompute policy): it frees its blocks
+//!   (they stay cached), goes back to the front of the queue with its generated tokens, and
+//!   recomputes them on re-admission, where its own cached blocks usually hit. A request
+//!   finishing or cancelled releases its blocks; they stay cached until evicted.
+//! * **KV events.** Blocks are registered and announced (BlockStored) when the step that
+//!   fills them is scheduled, as vLLM does; one event covers the consecutive blocks one
+//!   request fills in one step. Reused blocks announce nothing; every eviction is one
+//!   BlockRemoved; `reset_prefix_cache` emits AllBlocksCleared.
+//! * **Outputs.** The step that computes a request's last prompt token emits FirstToken;
+//!   each later step one Token; the step producing token `max_tokens` also emits Finished
+//!   with reason Length (the simulated model never stops early). Generated ids are a hash of
+//!   the request id and position: deterministic, text ids only.
+//! * **Counters** as vLLM's /metrics: prefix-cache queries and hits count each request's
+//!   first admission only (vLLM counts re-admissions after preemption apart); prompt tokens
+//!   count at the first token; finished requests include aborts.
+//!
+//! Cost per step is O(running requests) plus the blocks that change hands; admission costs
+//! O(prompt blocks) once per request. Nothing allocates per token except the KV events
+//! themselves (turn them off with `set_kv_events_enabled(false)` when nobody listens).
 
 mod kv_cache;
 mod timing;
@@ -264,7 +301,8 @@ fn sample_token(id: RequestId, index: u32) -> u32 {
 
 impl Engine {
     /// An engine with `cfg`. Out-of-range values are clamped to the nearest working one
-    /// (at least one block, one sequence, one token per step); use
+    /// (at least one block, one sequence, one token per step, no more sequences than tokens
+    /// per step); use
     /// [`EngineConfig::validate`] first to reject them with a message instead.
     pub fn new(cfg: EngineConfig) -> Engine {
         let block_size = cfg.block_size.max(1);
@@ -274,7 +312,7 @@ impl Engine {
         let cfg = EngineConfig {
             block_size,
             max_model_len: cfg.max_model_len.max(1),
-            max_num_seqs: cfg.max_num_seqs.max(1),
+            max_num_seqs: cfg.max_num_seqs.clamp(1, cfg.max_num_batched_tokens.max(1)),
             max_num_batched_tokens: cfg.max_num_batched_tokens.max(1),
             ..cfg
         };
@@ -318,7 +356,9 @@ impl Engine {
     }
 
     /// Queue a request at time `now`. Rejects prompts over the context limit.
+    /// `max_tokens` 0 is served as 1 (every request produces a first token).
     pub fn submit(&mut self, now: f64, req: EngineRequest) -> Result<(), EngineError> {
+        let now = self.sane_time(now);
         if req.prompt_tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -376,6 +416,7 @@ impl Engine {
     /// Abort a request (the client went away). Its blocks become evictable. Returns whether it
     /// was known. A `Finished { reason: Abort }` is emitted by the next `advance`.
     pub fn cancel(&mut self, now: f64, id: RequestId) -> bool {
+        let now = self.sane_time(now);
         let Some(slot) = self.by_id.get(&id).copied() else {
             return false;
         };
@@ -481,6 +522,17 @@ impl Engine {
             hits += 1;
         }
         (hits * bs) as u32
+    }
+
+    /// A time that is a number: NaN and infinities become the engine's current time.
+    fn sane_time(&self, now: f64) -> f64 {
+        if now.is_finite() {
+            now
+        } else if self.clock.is_finite() {
+            self.clock
+        } else {
+            0.0
+        }
     }
 
     fn request(&self, slot: u32) -> &Request {
@@ -1357,6 +1409,22 @@ mod tests {
     }
 
     #[test]
+    fn hostile_times_do_not_break_the_engine() {
+        let mut e = Engine::new(small(1000));
+        e.submit(f64::NAN, request(1, &tokens(0, 10), 2)).unwrap();
+        assert!(e.next_event_time().unwrap().is_finite());
+        e.submit(f64::INFINITY, request(2, &tokens(50, 10), 2))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(f64::NAN, &mut out);
+        assert!(out.is_empty());
+        let out = run(&mut e);
+        assert_eq!(finished(&out, 1).1, 2);
+        assert_eq!(finished(&out, 2).1, 2);
+        assert!(!e.cancel(f64::NAN, 1));
+    }
+
+    #[test]
     fn deterministic() {
         let go = || {
             let mut e = Engine::new(EngineConfig {
@@ -1415,5 +1483,65 @@ mod tests {
         let s = e.stats();
         assert_eq!(s.generation_tokens_total, 100_000);
         assert!(s.prefix_cache_hits_tokens > 900 * 992);
+    }
+
+    /// The scale the simulator needs: an hour of traffic for four replicas, 12k requests of
+    /// about 12k prompt tokens (shared prefixes) and 343 output tokens, KV events on.
+    /// `cargo test --release --lib engine::tests::hour_of_four_replicas -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn hour_of_four_replicas() {
+        let started = std::time::Instant::now();
+        let mut replicas: Vec<Engine> = (0..4)
+            .map(|_| Engine::new(EngineConfig::default()))
+            .collect();
+        let (mut out, mut ev) = (vec![], vec![]);
+        let mut prompt = Vec::new();
+        let mut seed = 1u64;
+        let mut finished = 0;
+        let mut events = 0;
+        for id in 0..12_000u64 {
+            let t = id as f64 * 0.3;
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let r = (seed >> 33) as u32;
+            prompt.clear();
+            prompt.extend(tokens(0, 1024)); // shared system prompt
+            prompt.extend(tokens(100_000 + (r % 200) * 20_000, 4000)); // one of 200 documents
+            prompt.extend(tokens(10_000_000 + id as u32 * 10_000, 3000 + r % 8000));
+            let engine = &mut replicas[(r % 4) as usize];
+            engine.submit(t, request(id, &prompt, 343)).unwrap();
+            for e in replicas.iter_mut() {
+                e.advance(t, &mut out);
+                e.take_kv_events(&mut ev);
+            }
+            finished += out
+                .iter()
+                .filter(|o| matches!(o, EngineOutput::Finished { .. }))
+                .count();
+            events += ev.len();
+            out.clear();
+            ev.clear();
+        }
+        for e in replicas.iter_mut() {
+            out.extend(run(e));
+            e.take_kv_events(&mut ev);
+        }
+        finished += out
+            .iter()
+            .filter(|o| matches!(o, EngineOutput::Finished { .. }))
+            .count();
+        events += ev.len();
+        assert_eq!(finished, 12_000);
+        let s: Vec<EngineStats> = replicas.iter().map(|e| e.stats()).collect();
+        let hits: u64 = s.iter().map(|s| s.prefix_cache_hits_tokens).sum();
+        let queries: u64 = s.iter().map(|s| s.prefix_cache_queries_tokens).sum();
+        let preempted: u64 = replicas.iter().map(|e| e.preemptions_total()).sum();
+        println!(
+            "{:.2} s wall, {events} KV events, hit rate {:.2}, {preempted} preemptions",
+            started.elapsed().as_secs_f64(),
+            hits as f64 / queries as f64
+        );
     }
 }

@@ -97,6 +97,13 @@ impl EngineConfig {
                 return Err(format!("engine {name} must be at least 1, got {v}"));
             }
         }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(format!(
+                "engine max_num_batched_tokens ({}) must be at least max_num_seqs ({}), or \
+                 running sequences would starve",
+                self.max_num_batched_tokens, self.max_num_seqs
+            ));
+        }
         if self.kv_capacity_tokens < self.block_size as u64 {
             return Err(format!(
                 "engine kv_capacity_tokens must hold at least one block of {} tokens, got {}",
@@ -132,8 +139,8 @@ impl EngineConfig {
 /// and 8 KV heads of 128) in bf16 on one H100 SXM 80GB under vLLM with its defaults.
 ///
 /// * `block_size` 16: vLLM's default.
-/// * `kv_capacity_tokens` 400,000 (25,000 blocks). KV bytes per token = 32 layers * 8 KV heads
-///   * 128 dims * 2 (K and V) * 2 bytes = 128 KiB. vLLM takes 90% of 80 GB = 72 GB, minus
+/// * `kv_capacity_tokens` 400,000 (25,000 blocks). KV bytes per token = 32 layers x 8 KV heads
+///   x 128 dims x 2 (K and V) x 2 bytes = 128 KiB. vLLM takes 90% of 80 GB = 72 GB, minus
 ///   about 16 GB of weights (8.0 B params * 2 bytes) and a few GB of activations and CUDA
 ///   graphs, leaving about 50 GB: 50e9 / 131072 = 381k tokens, rounded to 400k (a little more
 ///   memory for KV with `--gpu-memory-utilization 0.92` gives exactly that).
@@ -144,8 +151,8 @@ impl EngineConfig {
 ///   OpenAI server on GPUs with 70 GB or more (chunked prefill always on).
 /// * Prefill: about 2 FLOP per parameter per token, 2 * 7.5e9 non-embedding parameters = 15
 ///   GFLOP per token; H100 bf16 dense peak 989 TFLOP/s, prefill GEMMs reach about 50% of it,
-///   so `prefill_b_s` = 15e9 / 5e14 = 3.0e-5 s (33k tokens/s). Attention costs 4 * 32 layers
-///   * 4096 (query dims) = 0.52 MFLOP per (query, key) pair; at about 500 TFLOP/s (FlashAttention
+///   so `prefill_b_s` = 15e9 / 5e14 = 3.0e-5 s (33k tokens/s). Attention costs 4 x 32 layers
+///   x 4096 (query dims) = 0.52 MFLOP per (query, key) pair; at about 500 TFLOP/s (FlashAttention
 ///   on H100), `prefill_c_s` = 1.0e-9 s. `prefill_a_s` = 8 ms: one forward pass reads all 16 GB
 ///   of weights (5 ms at 3.35 TB/s) plus scheduling overhead. Resulting throughput from an
 ///   empty cache: a 2k-token prompt in 72 ms, an 8k chunk in 287 ms (28.5k tokens/s), a 32k
