@@ -1425,6 +1425,12 @@ mod tests {
     }
 
     #[test]
+    fn engine_moves_between_threads() {
+        fn send<T: Send + 'static>() {}
+        send::<Engine>();
+    }
+
+    #[test]
     fn deterministic() {
         let go = || {
             let mut e = Engine::new(EngineConfig {
