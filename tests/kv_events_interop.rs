@@ -9,7 +9,7 @@
 use kvlb::kv_events::{
     decode_batch, replay, EventFormat, KvEvent, KvEventBatch, KvEventPublisher, Medium,
 };
-use kvlb::zmtp::SubClient;
+use kvlb::zmtp::{PubServer, SubClient};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -230,6 +230,36 @@ fn pyzmq_subscriber_decodes_what_kvlb_publishes() {
             );
         }
     }
+}
+
+#[test]
+fn kvlb_pub_filters_pyzmq_subscriptions() {
+    let server = PubServer::bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", server.local_addr());
+    let mut script = Script::start(&["topics", &endpoint, "3", "kv@", "sglang"]);
+    let deadline = Instant::now() + T;
+    // Both prefixes must have landed before publishing, or ZeroMQ semantics drop messages.
+    while server.subscriptions() < 2 {
+        script.check_running();
+        assert!(Instant::now() < deadline, "the pyzmq SUB never subscribed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let big = vec![0x5Au8; 3 << 20];
+    server.send(&[b"other", b"x"]);
+    server.send(&[b"kv", b"x"]);
+    server.send(&[b"kv@pod", &0u64.to_be_bytes(), &big]);
+    server.send(&[b"vllm", b"x"]);
+    server.send(&[b"sglang@pod", b""]);
+    server.send(&[b"kv@", b"one frame"]);
+    let got: Vec<Value> = (0..3).map(|_| script.next_json()).collect();
+    assert_eq!(
+        got,
+        vec![
+            json!({"topic": "kv@pod", "sizes": [6, 8, 3 << 20]}),
+            json!({"topic": "sglang@pod", "sizes": [10, 0]}),
+            json!({"topic": "kv@", "sizes": [3, 9]}),
+        ]
+    );
 }
 
 #[test]

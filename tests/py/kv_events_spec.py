@@ -5,6 +5,7 @@ tests/kv_events_interop.rs runs this script in three modes and reads JSON lines 
 
   subscribe ENDPOINT FORMAT COUNT PREFIX   SUB: decode COUNT messages (FORMAT map|array)
   replay ENDPOINT FORMAT START             DEALER: ask a replay ROUTER for batches from START
+  topics ENDPOINT COUNT PREFIX...          SUB: print the topic and frame sizes of COUNT messages
   serve                                    bind a PUB and a replay ROUTER that engines would run
 
 Every batch is printed in one canonical JSON shape that the Rust side also builds:
@@ -169,6 +170,21 @@ def subscribe(endpoint, fmt, count, prefix):
                 "nil_keys": nil_keys(payload),
             }
         )
+    sub.close()
+    ctx.term()
+
+
+def topics(endpoint, count, prefixes):
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    for p in prefixes:
+        sub.setsockopt(zmq.SUBSCRIBE, p.encode())
+    sub.connect(endpoint)
+    for _ in range(count):
+        frames = sub.recv_multipart()
+        emit({"topic": frames[0].decode(), "sizes": [len(f) for f in frames]})
     sub.close()
     ctx.term()
 
@@ -344,6 +360,8 @@ def main(argv):
     mode = argv[1] if len(argv) > 1 else ""
     if mode == "subscribe":
         subscribe(argv[2], argv[3], int(argv[4]), argv[5])
+    elif mode == "topics":
+        topics(argv[2], int(argv[3]), argv[4:])
     elif mode == "replay":
         replay(argv[2], argv[3], int(argv[4]))
     elif mode == "serve":
