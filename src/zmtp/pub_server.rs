@@ -272,11 +272,7 @@ fn serve_subscriber(stream: TcpStream, shared: Arc<Shared>) {
             Ok(Some(Incoming::Command { name, data })) => match name.as_slice() {
                 b"SUBSCRIBE" => subscriber.subscribe(&data),
                 b"CANCEL" => subscriber.cancel(&data),
-                b"PING" => {
-                    if conn.answer_ping(&data).is_err() {
-                        break;
-                    }
-                }
+                b"PING" if conn.answer_ping(&data).is_err() => break,
                 _ => {}
             },
             Ok(Some(Incoming::Message(frames))) => {
