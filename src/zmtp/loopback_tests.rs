@@ -202,3 +202,40 @@ fn random_bytes_after_handshake_never_panic() {
         server.join().unwrap();
     }
 }
+
+#[test]
+fn a_timeout_in_the_middle_of_a_frame_loses_nothing() {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let message = wire::encode_message(&[b"kv@a", &7u64.to_be_bytes(), &[9u8; 1000]]);
+    let (half_sent_tx, half_sent_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let props = [&[11u8][..], b"Socket-Type", &[0, 0, 0, 3], b"PUB"].concat();
+        s.write_all(&greeting(true)).unwrap();
+        s.write_all(&wire::encode_command("READY", &props)).unwrap();
+        s.write_all(&message[..20]).unwrap();
+        half_sent_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        s.write_all(&message[20..]).unwrap();
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
+    });
+    let mut sub = SubClient::connect(&format!("tcp://{addr}"), T).unwrap();
+    half_sent_rx.recv().unwrap();
+    assert_eq!(sub.recv(Duration::from_millis(100)).unwrap(), None);
+    go_tx.send(()).unwrap();
+    let got = sub.recv(T).unwrap().unwrap();
+    assert_eq!(
+        got,
+        vec![
+            b"kv@a".to_vec(),
+            7u64.to_be_bytes().to_vec(),
+            vec![9u8; 1000]
+        ]
+    );
+    drop(sub);
+    server.join().unwrap();
+}
