@@ -177,6 +177,10 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 method: head.method,
                 path: &conn.cbuf[head.target.0..head.target.1],
                 body: &conn.cbuf[head.head_len..body_end],
+                blocks: &[],
+                block_tokens: 0,
+                prompt_tokens: 0,
+                now_us: w.shared.epoch.elapsed().as_micros() as u64,
             };
             let random = w.rng.borrow_mut().next_u64();
             let cands = w.candidates.borrow();
