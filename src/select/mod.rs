@@ -84,6 +84,10 @@ pub(crate) fn view() -> RequestView<'static> {
         method: Method::Post,
         path: b"/v1/chat/completions",
         body: b"{}",
+        blocks: &[],
+        block_tokens: 64,
+        prompt_tokens: 1,
+        now_us: 0,
     }
 }
 
@@ -95,6 +99,7 @@ pub(crate) fn cands(loads: &[u32]) -> Vec<Candidate> {
         .map(|(i, l)| Candidate {
             replica: i,
             in_flight: *l,
+            ..Default::default()
         })
         .collect()
 }
