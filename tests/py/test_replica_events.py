@@ -1,0 +1,207 @@
+"""KV cache events of a simulated replica as a vLLM consumer sees them: a pyzmq SUB socket
+(three frames: topic, u64 big-endian sequence, msgpack batch) decoded with msgspec structs
+written from the wire spec (replica-interfaces.md section 1), in both the map and the array
+encodings, plus replay through a DEALER."""
+
+import random
+import time
+from typing import Optional, Union
+
+import msgspec
+import pytest
+import requests
+import zmq
+
+from test_replica_launch import ReplicaProcess
+
+BLOCK = 16
+
+# --- Array form (older vLLM): ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class ABlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = None
+    lora_name: Optional[str] = None
+
+
+class ABlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str] = None
+
+
+class AAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Union[ABlockStored, ABlockRemoved, AAllBlocksCleared]]
+    data_parallel_rank: Optional[int] = None
+
+
+# --- Map form (vLLM >= 0.24): {"type": "BlockStored", ...}; optional keys may be left out.
+
+
+class MapEvent(msgspec.Struct, tag_field="type", tag=True):
+    pass
+
+
+class MBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    token_ids: list[int]
+    block_size: int
+    parent_block_hash: Optional[int] = None
+    lora_id: Optional[int] = None
+    medium: Optional[str] = None
+    lora_name: Optional[str] = None
+
+
+class MBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str] = None
+
+
+class MAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Union[MBlockStored, MBlockRemoved, MAllBlocksCleared]]
+    data_parallel_rank: Optional[int] = None
+
+
+DECODERS = {
+    "map": msgspec.msgpack.Decoder(MapBatch),
+    "array": msgspec.msgpack.Decoder(ArrayBatch),
+}
+
+
+def kind(event):
+    return type(event).__name__[1:]
+
+
+def complete(url, tokens, max_tokens=1):
+    r = requests.post(f"{url}/v1/completions", json={"prompt": tokens, "max_tokens": max_tokens}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def receive_until(sub, decoder, done, timeout=10.0):
+    """Collect (seq, batch) until done(batches) or timeout."""
+    got = []
+    deadline = time.time() + timeout
+    while not done(got):
+        left = deadline - time.time()
+        assert left > 0, f"timed out; got {[(s, [kind(e) for e in b.events]) for s, b in got]}"
+        if sub.poll(int(left * 1000)):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b""
+            assert len(seq) == 8
+            got.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+    return got
+
+
+@pytest.mark.parametrize("fmt", ["map", "array"])
+def test_stored_then_removed_and_replay(fmt):
+    decoder = DECODERS[fmt]
+    rng = random.Random(fmt)
+    with ReplicaProcess(
+        "--time-scale", "100", "--kv-capacity-tokens", "256", "--block-size", str(BLOCK),
+        "--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
+        "--kv-events-format", fmt,
+    ) as r:
+        ctx = zmq.Context()
+        try:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(r.replicas[0]["kv_events"])
+            time.sleep(0.5)  # let the subscription reach the publisher
+
+            first = [rng.randrange(1, 150000) for _ in range(8 * BLOCK)]
+            complete(r.url, first)
+            batches = receive_until(
+                sub, decoder,
+                lambda got: sum(len(e.token_ids) for _, b in got for e in b.events if kind(e) == "BlockStored") >= len(first),
+            )
+            stored = [e for _, b in batches for e in b.events if kind(e) == "BlockStored"]
+            assert stored[0].parent_block_hash is None
+            assert stored[0].block_size == BLOCK
+            for e in stored:
+                assert len(e.token_ids) == len(e.block_hashes) * BLOCK
+                assert e.medium in (None, "GPU")
+            stored_tokens = [t for e in stored for t in e.token_ids]
+            assert stored_tokens[: len(first)] == first
+            first_hashes = {h for e in stored for h in e.block_hashes}
+
+            # A second, unrelated prompt that does not fit beside the first: its blocks go.
+            second = [rng.randrange(1, 150000) for _ in range(12 * BLOCK)]
+            complete(r.url, second)
+            batches += receive_until(
+                sub, decoder,
+                lambda got: any(kind(e) == "BlockRemoved" for _, b in got for e in b.events),
+            )
+            removed = {h for _, b in batches for e in b.events if kind(e) == "BlockRemoved" for h in e.block_hashes}
+            assert removed and removed <= first_hashes | {h for _, b in batches for e in b.events if kind(e) == "BlockStored" for h in e.block_hashes}
+            assert removed & first_hashes
+            order = [kind(e) for _, b in batches for e in b.events]
+            assert order.index("BlockStored") < order.index("BlockRemoved")
+
+            seqs = [s for s, _ in batches]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+            for _, b in batches:
+                assert abs(b.ts - time.time()) < 60
+
+            # Replay from sequence 0 through a DEALER.
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(r.replicas[0]["kv_replay"])
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            replayed = []
+            deadline = time.time() + 10
+            while True:
+                assert dealer.poll(int(max(deadline - time.time(), 0.01) * 1000)), "replay timed out"
+                frames = dealer.recv_multipart()
+                assert frames[0] == b""
+                if len(frames) == 4:  # vLLM 0.33: ["", topic, seq, payload]
+                    _, topic, seq, payload = frames
+                else:  # older: ["", seq, payload]
+                    _, seq, payload = frames
+                if seq == b"\xff" * 8:
+                    break
+                replayed.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+            assert [s for s, _ in replayed][: len(seqs)] == list(range(0, len(seqs))) or replayed[0][0] == 0
+            live = {s: b for s, b in batches}
+            for s, b in replayed:
+                if s in live:
+                    assert b == live[s]
+        finally:
+            ctx.destroy(linger=0)
+
+
+def test_reset_prefix_cache_publishes_all_blocks_cleared():
+    decoder = DECODERS["map"]
+    with ReplicaProcess("--time-scale", "100", "--kv-events", "tcp://127.0.0.1:0") as r:
+        assert r.replicas[0]["kv_replay"] is None
+        ctx = zmq.Context()
+        try:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(r.replicas[0]["kv_events"])
+            time.sleep(0.5)
+            complete(r.url, list(range(100, 100 + 4 * BLOCK)))
+            receive_until(sub, decoder, lambda got: any(kind(e) == "BlockStored" for _, b in got for e in b.events))
+            assert requests.post(f"{r.url}/reset_prefix_cache", timeout=10).status_code == 200
+            receive_until(sub, decoder, lambda got: any(kind(e) == "AllBlocksCleared" for _, b in got for e in b.events))
+        finally:
+            ctx.destroy(linger=0)
