@@ -5,7 +5,17 @@
 //! wire form (unsigned, signed or 32-byte digests): the engine hash only links parents and
 //! applies removals; content identity comes from `token_ids`.
 
+pub mod decode;
+pub mod encode;
 pub mod publisher;
+pub mod reference_hash;
+
+pub use decode::{decode_batch, DecodeError};
+pub use encode::encode_batch;
+pub use publisher::{replay, KvEventPublisher};
+
+#[cfg(test)]
+mod codec_tests;
 
 /// Where a block lives. Anything other than `Gpu` is an offloaded tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

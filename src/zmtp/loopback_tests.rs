@@ -133,7 +133,7 @@ fn wrong_peer_types_and_garbage_are_refused() {
     // HTTP is not ZMTP.
     let mut s = TcpStream::connect(server.local_addr()).unwrap();
     use std::io::{Read, Write};
-    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: replica.example\r\nAccept: */*\r\n\r\n")
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: replica.example\r\nAccept: */*;\r\n\r\n")
         .unwrap();
     let mut buf = Vec::new();
     s.set_read_timeout(Some(T)).unwrap();
