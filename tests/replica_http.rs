@@ -299,7 +299,7 @@ fn endpoints_answer_like_vllm() {
             "no {family} in\n{text}"
         );
     }
-    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"test/model\"} 5.0"), "{text}");
+    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"test/model\"} 8.0"), "{text}");
     assert!(
         text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"test/model\"} 0.0"),
         "{text}"

@@ -33,13 +33,15 @@ def ttft(url, tokens, max_tokens=1):
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
+    # Raw lines of the chunked body: chunk sizes, events and blank lines.
+    first = None
     while True:
         line = resp.fp.readline()
-        assert line, "stream ended without events"
-        if line.startswith(b"data: "):
+        assert line, "stream ended without [DONE]"
+        if line.startswith(b"data: ") and first is None:
             first = time.perf_counter() - t0
+        if line.startswith(b"data: [DONE]"):
             break
-    resp.read()
     conn.close()
     return first
 
@@ -59,6 +61,7 @@ def test_ttft_grows_with_uncached_prompt_tokens(replica):
     short = min(ttft(replica, fresh(rng, 64)) for _ in range(3))
     long = min(ttft(replica, fresh(rng, 4096)) for _ in range(3))
     # Engine: 5 ms + 0.1 ms/token -> 11.4 ms vs 415 ms; wall / 5 -> 2.3 ms vs 83 ms.
+    print(f"ttft short={short:.4f}s long={long:.4f}s")
     assert long > short + 0.05, (short, long)
     assert 0.06 < long < 0.3, long
 
@@ -68,6 +71,7 @@ def test_ttft_drops_for_a_warm_prefix(replica):
     prompt = fresh(rng, 4096)
     cold = ttft(replica, prompt)
     warm = ttft(replica, prompt[:-16] + fresh(rng, 16))
+    print(f"ttft cold={cold:.4f}s warm={warm:.4f}s")
     assert warm < cold / 3, (cold, warm)
 
 
@@ -83,6 +87,7 @@ def test_ttft_grows_with_queue_depth(replica):
     queued = ttft(replica, fresh(rng, 2048))
     for t in threads:
         t.join()
+    print(f"ttft alone={alone:.4f}s queued={queued:.4f}s")
     assert queued > alone + 0.2, (alone, queued)
 
 
