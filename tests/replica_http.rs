@@ -527,6 +527,33 @@ fn client_disconnect_mid_stream_cancels_the_request() {
         "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\"",
     );
     assert_eq!(aborted, 1.0);
+    // A non-streaming request whose client leaves is cancelled too.
+    let mut c = connect(a);
+    send(
+        &mut c,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "another long story", "max_tokens": 5000}"#,
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(a, running) != 1.0 {
+        assert!(Instant::now() < deadline, "request never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(c);
+    while metric(a, running) != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "request still running after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let aborted = metric(
+        a,
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\"",
+    );
+    assert_eq!(aborted, 2.0);
+    assert_eq!(request(a, "GET", "/health", "").status, 200);
 }
 
 #[test]
@@ -621,8 +648,7 @@ fn consecutive_ports_with_count() {
             }
             return;
         }
-        // A port of the run was taken: try another base.
-        drop(proc.child.kill());
+        // A port of the run was taken: try another base (the guard kills the process).
     }
     panic!("no free run of 3 ports found");
 }
