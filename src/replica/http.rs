@@ -223,6 +223,12 @@ impl Connection {
                 let mut body = Vec::new();
                 let mut pos = head_len;
                 loop {
+                    if self.filled - head_len > 2 * MAX_BODY_BYTES {
+                        return Err(bad(
+                            413,
+                            format!("request body is over the limit of {MAX_BODY_BYTES} bytes"),
+                        ));
+                    }
                     match httparse::parse_chunk_size(&self.buf[pos..self.filled]) {
                         Ok(httparse::Status::Complete((line, size))) => {
                             if size == 0 {

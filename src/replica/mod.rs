@@ -105,7 +105,18 @@ pub fn main(args: Vec<String>) -> i32 {
         let driven = replica.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("replica{}-driver", replica.index))
-            .spawn(move || driven.drive())
+            .spawn(move || {
+                // An engine failure must not leave clients waiting forever on a dead replica.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driven.drive()))
+                    .is_err()
+                {
+                    eprintln!(
+                        "kvlb replica: replica {}: engine driver failed; exiting",
+                        driven.index
+                    );
+                    std::process::exit(70);
+                }
+            })
             .and_then(|_| {
                 let index = replica.index;
                 std::thread::Builder::new()
