@@ -424,7 +424,7 @@ fn errors_say_what_is_wrong() {
     let mut deep = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90, 0xc0];
     deep.push(0x9f); // an extra batch element nested far too deep
     deep[0] = 0x94;
-    deep.extend(std::iter::repeat(0x91).take(10_000));
+    deep.extend(std::iter::repeat_n(0x91, 10_000));
     assert!(msg(&deep).contains("nested deeper"));
 }
 

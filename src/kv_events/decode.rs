@@ -395,7 +395,7 @@ impl<'a> Reader<'a> {
         let m = self.peek()?;
         match m {
             0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => self.pos += 1,
-            0xcc..=0xcf | 0xd0..=0xd3 => {
+            0xcc..=0xd3 => {
                 self.int("value")?;
             }
             0xca => {

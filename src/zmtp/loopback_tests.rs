@@ -153,3 +153,89 @@ fn wrong_peer_types_and_garbage_are_refused() {
     let r = conn.read_incoming(Some(Instant::now() + T));
     assert!(r.is_err(), "{r:?}");
 }
+
+#[test]
+fn random_bytes_after_handshake_never_panic() {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for case in 0..200 {
+        let len = (next() % 300) as usize;
+        let mut garbage: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        if case % 2 == 0 {
+            // Mostly plausible flags, so frames and commands get parsed further.
+            for b in garbage.iter_mut().step_by(7) {
+                *b &= 0x07;
+            }
+        }
+        let server = std::thread::spawn({
+            let listener = listener.try_clone().unwrap();
+            move || {
+                let (mut s, _) = listener.accept().unwrap();
+                let props = [&[11u8][..], b"Socket-Type", &[0, 0, 0, 3], b"PUB"].concat();
+                let ready = wire::encode_command("READY", &props);
+                let _ = s.write_all(&greeting(true));
+                let _ = s.write_all(&ready);
+                let _ = s.write_all(&garbage);
+                // Half-close and drain, so the peer sees a clean end and not a reset.
+                let _ = s.shutdown(std::net::Shutdown::Write);
+                let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
+            }
+        });
+        let stream = TcpStream::connect(addr).unwrap();
+        let mut conn = Connection::handshake(stream, false, "SUB", &["PUB"], T).unwrap();
+        loop {
+            match conn.read_incoming(Some(Instant::now() + Duration::from_secs(2))) {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("case {case}: closed connection read as a timeout"),
+                Err(_) => break,
+            }
+        }
+        drop(conn);
+        server.join().unwrap();
+    }
+}
+
+#[test]
+fn a_timeout_in_the_middle_of_a_frame_loses_nothing() {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let message = wire::encode_message(&[b"kv@a", &7u64.to_be_bytes(), &[9u8; 1000]]);
+    let (half_sent_tx, half_sent_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let props = [&[11u8][..], b"Socket-Type", &[0, 0, 0, 3], b"PUB"].concat();
+        s.write_all(&greeting(true)).unwrap();
+        s.write_all(&wire::encode_command("READY", &props)).unwrap();
+        s.write_all(&message[..20]).unwrap();
+        half_sent_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        s.write_all(&message[20..]).unwrap();
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
+    });
+    let mut sub = SubClient::connect(&format!("tcp://{addr}"), T).unwrap();
+    half_sent_rx.recv().unwrap();
+    assert_eq!(sub.recv(Duration::from_millis(100)).unwrap(), None);
+    go_tx.send(()).unwrap();
+    let got = sub.recv(T).unwrap().unwrap();
+    assert_eq!(
+        got,
+        vec![
+            b"kv@a".to_vec(),
+            7u64.to_be_bytes().to_vec(),
+            vec![9u8; 1000]
+        ]
+    );
+    drop(sub);
+    server.join().unwrap();
+}

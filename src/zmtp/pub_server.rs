@@ -161,6 +161,27 @@ impl PubServer {
             .count()
     }
 
+    /// Topic prefixes subscribed, summed over connected subscribers (duplicates count once per
+    /// subscriber).
+    pub fn subscriptions(&self) -> usize {
+        let subscribers = self
+            .shared
+            .subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        subscribers
+            .iter()
+            .filter(|p| p.subscriber.alive.load(Ordering::Acquire))
+            .map(|p| {
+                p.subscriber
+                    .prefixes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .len()
+            })
+            .sum()
+    }
+
     /// Messages lost so far because a subscriber's queue was full.
     pub fn dropped_messages(&self) -> u64 {
         self.shared.dropped.load(Ordering::Relaxed)
@@ -251,11 +272,7 @@ fn serve_subscriber(stream: TcpStream, shared: Arc<Shared>) {
             Ok(Some(Incoming::Command { name, data })) => match name.as_slice() {
                 b"SUBSCRIBE" => subscriber.subscribe(&data),
                 b"CANCEL" => subscriber.cancel(&data),
-                b"PING" => {
-                    if conn.answer_ping(&data).is_err() {
-                        break;
-                    }
-                }
+                b"PING" if conn.answer_ping(&data).is_err() => break,
                 _ => {}
             },
             Ok(Some(Incoming::Message(frames))) => {
