@@ -97,6 +97,9 @@ impl Replica {
     ) -> Arc<Replica> {
         let (wake_tx, wake_rx) = channel::bounded(1);
         let max_model_len = cfg.max_model_len;
+        let mut engine = Engine::new(cfg);
+        // Without a publisher nobody reads the events: don't record them.
+        engine.set_kv_events_enabled(publisher.is_some());
         Arc::new(Replica {
             index,
             model,
@@ -104,7 +107,7 @@ impl Replica {
             created: unix_now() as u64,
             clock: Clock::new(Instant::now(), time_scale),
             state: Mutex::new(ReplicaState {
-                engine: Engine::new(cfg),
+                engine,
                 routes: HashMap::new(),
                 counters: ReplicaCounters::default(),
             }),
@@ -207,7 +210,9 @@ impl Replica {
     pub fn metrics_text(&self) -> String {
         let (stats, counters) = {
             let st = self.lock();
-            (st.engine.stats(), st.counters.clone())
+            let mut counters = st.counters.clone();
+            counters.preemptions_total = st.engine.preemptions_total();
+            (st.engine.stats(), counters)
         };
         metrics::render(&self.model, &stats, &counters)
     }

@@ -24,25 +24,11 @@ pub struct ReplicaFlags {
     pub engine: EngineConfig,
 }
 
-/// Defaults for an 8B model on one H100 (bf16 weights, about 360k tokens of KV cache).
-pub fn default_engine_config() -> EngineConfig {
-    EngineConfig {
-        block_size: 16,
-        kv_capacity_tokens: 360_000,
-        max_model_len: 32_768,
-        max_num_seqs: 256,
-        max_num_batched_tokens: 8_192,
-        prefill_a_s: 0.004,
-        prefill_b_s: 0.000_04,
-        prefill_c_s: 2.0e-9,
-        decode_base_s: 0.006,
-        decode_per_seq_s: 0.000_03,
-        decode_per_ctx_token_s: 4.4e-8,
-        hash_seed: 0,
-    }
-}
-
-pub const HELP: &str = "usage: kvlb replica --listen ADDR [options]
+/// The help text, with the engine's calibrated defaults.
+pub fn help() -> String {
+    let d = EngineConfig::default();
+    format!(
+        "usage: kvlb replica --listen ADDR [options]
 
 Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV events).
 
@@ -55,23 +41,52 @@ options:
   --kv-events-topic TOPIC       topic frame of every event message (default empty)
   --time-scale X                engine seconds per wall second (default 1; 100 = 100x faster)
   --model NAME                  served model name (default Qwen/Qwen3-8B)
-  --seed N                      seed of ids and of the engine's block hash ids (default 0)
-  --max-model-len N             longest prompt + completion in tokens (default 32768)
-  --kv-capacity-tokens N        KV cache capacity in tokens (default 360000)
-  --block-size N                tokens per KV block (default 16)
-  --max-num-seqs N              most sequences running at once (default 256)
-  --max-num-batched-tokens N    tokens scheduled per engine step (default 8192)
-  --prefill-a-s X               prefill step time a + b*new + c*new*context, seconds (default 0.004)
-  --prefill-b-s X               (default 0.00004)
-  --prefill-c-s X               (default 2e-9)
-  --decode-base-s X             decode step time base + per_seq*batch + per_ctx_token*context (default 0.006)
-  --decode-per-seq-s X          (default 0.00003)
-  --decode-per-ctx-token-s X    (default 4.4e-8)
+  --seed N                      seed of response ids and of the engine's block hash ids (default 0)
+  --max-model-len N             longest prompt + completion in tokens (default {})
+  --kv-capacity-tokens N        KV cache capacity in tokens (default {})
+  --block-size N                tokens per KV block (default {})
+  --max-num-seqs N              most sequences running at once (default {})
+  --max-num-batched-tokens N    tokens scheduled per engine step (default {})
+  --prefill-a-s X               prefill step seconds: a + b*new + c*new*context (default {:e})
+  --prefill-b-s X               (default {:e})
+  --prefill-c-s X               (default {:e})
+  --decode-base-s X             decode step seconds: base + per_seq*batch + per_ctx_token*context (default {:e})
+  --decode-per-seq-s X          (default {:e})
+  --decode-per-ctx-token-s X    (default {:e})
   -h, --help                    this text
 
 On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
 (plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled), then `kvlb replica: ready`.
-/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).";
+Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
+/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).",
+        d.max_model_len,
+        d.kv_capacity_tokens,
+        d.block_size,
+        d.max_num_seqs,
+        d.max_num_batched_tokens,
+        d.prefill_a_s,
+        d.prefill_b_s,
+        d.prefill_c_s,
+        d.decode_base_s,
+        d.decode_per_seq_s,
+        d.decode_per_ctx_token_s
+    )
+}
+
+/// Engine fields and the flags that set them, to name the flag in validation errors.
+const ENGINE_FLAGS: [(&str, &str); 11] = [
+    ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("kv_capacity_tokens", "--kv-capacity-tokens"),
+    ("max_model_len", "--max-model-len"),
+    ("max_num_seqs", "--max-num-seqs"),
+    ("block_size", "--block-size"),
+    ("prefill_a_s", "--prefill-a-s"),
+    ("prefill_b_s", "--prefill-b-s"),
+    ("prefill_c_s", "--prefill-c-s"),
+    ("decode_base_s", "--decode-base-s"),
+    ("decode_per_seq_s", "--decode-per-seq-s"),
+    ("decode_per_ctx_token_s", "--decode-per-ctx-token-s"),
+];
 
 /// What the command line asked for.
 #[derive(Debug)]
@@ -95,7 +110,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         time_scale: 1.0,
         model: "Qwen/Qwen3-8B".to_string(),
         seed: 0,
-        engine: default_engine_config(),
+        engine: EngineConfig::default(),
     };
     let mut i = 0;
     while i < args.len() {
@@ -176,6 +191,14 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "bad value for --kv-capacity-tokens: {} (less than one block of {} tokens)",
             flags.engine.kv_capacity_tokens, flags.engine.block_size
         ));
+    }
+    if let Err(e) = flags.engine.validate() {
+        let named: Vec<&str> = ENGINE_FLAGS
+            .iter()
+            .filter(|(f, _)| e.contains(f))
+            .map(|(_, flag)| *flag)
+            .collect();
+        return Err(format!("invalid engine flags ({}): {e}", named.join(", ")));
     }
     flags.kv_events = kv_events;
     flags.kv_replay = kv_replay;
@@ -315,5 +338,19 @@ mod tests {
         assert!(run(&["--count", "2"]).unwrap_err().contains("--listen"));
         assert!(run(&["--listen"]).unwrap_err().contains("needs a value"));
         assert!(matches!(parse(&["--help".to_string()]), Ok(Parsed::Help)));
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--max-num-seqs",
+            "512",
+            "--max-num-batched-tokens",
+            "100",
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("--max-num-batched-tokens") && e.contains("100"),
+            "{e}"
+        );
+        assert!(help().contains("--decode-per-ctx-token-s"));
     }
 }

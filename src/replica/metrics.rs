@@ -49,6 +49,8 @@ pub struct ReplicaCounters {
     pub finished_stop: u64,
     pub finished_length: u64,
     pub finished_abort: u64,
+    /// Copied from the engine when rendering.
+    pub preemptions_total: u64,
 }
 
 impl ReplicaCounters {
@@ -142,6 +144,13 @@ pub fn render(model: &str, stats: &EngineStats, counters: &ReplicaCounters) -> S
         "counter",
         "Number of generation tokens processed.",
         stats.generation_tokens_total as f64,
+    );
+    family(
+        &mut out,
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        counters.preemptions_total as f64,
     );
     let _ = write!(
         out,

@@ -30,7 +30,7 @@ pub fn main(args: Vec<String>) -> i32 {
     let flags = match flags::parse(&args) {
         Ok(flags::Parsed::Run(f)) => f,
         Ok(flags::Parsed::Help) => {
-            println!("{}", flags::HELP);
+            println!("{}", flags::help());
             return 0;
         }
         Err(e) => {

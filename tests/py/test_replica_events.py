@@ -1,93 +1,28 @@
 """KV cache events of a simulated replica as a vLLM consumer sees them: a pyzmq SUB socket
 (three frames: topic, u64 big-endian sequence, msgpack batch) decoded with msgspec structs
 written from the wire spec (replica-interfaces.md section 1), in both the map and the array
-encodings, plus replay through a DEALER."""
+encodings, plus replay through a DEALER. The structs come from kv_events_spec.py, which
+was written from the spec, not from kvlb's code."""
 
 import random
 import time
-from typing import Optional, Union
-
-import msgspec
 import pytest
 import requests
 import zmq
 
+from kv_events_spec import DECODERS, hash_id  # the spec's msgspec structs (map and array forms)
 from test_replica_launch import ReplicaProcess
 
 BLOCK = 16
 
-# --- Array form (older vLLM): ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]
-
-
-class ArrayEvent(msgspec.Struct, array_like=True, tag=True):
-    pass
-
-
-class ABlockStored(ArrayEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int] = None
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
-
-
-class ABlockRemoved(ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Optional[str] = None
-
-
-class AAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class ArrayBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Union[ABlockStored, ABlockRemoved, AAllBlocksCleared]]
-    data_parallel_rank: Optional[int] = None
-
-
-# --- Map form (vLLM >= 0.24): {"type": "BlockStored", ...}; optional keys may be left out.
-
-
-class MapEvent(msgspec.Struct, tag_field="type", tag=True):
-    pass
-
-
-class MBlockStored(MapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    token_ids: list[int]
-    block_size: int
-    parent_block_hash: Optional[int] = None
-    lora_id: Optional[int] = None
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
-
-
-class MBlockRemoved(MapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Optional[str] = None
-
-
-class MAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class MapBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Union[MBlockStored, MBlockRemoved, MAllBlocksCleared]]
-    data_parallel_rank: Optional[int] = None
-
-
-DECODERS = {
-    "map": msgspec.msgpack.Decoder(MapBatch),
-    "array": msgspec.msgpack.Decoder(ArrayBatch),
-}
-
 
 def kind(event):
-    return type(event).__name__[1:]
+    """"BlockStored" | "BlockRemoved" | "AllBlocksCleared" for either encoding's struct."""
+    return type(event).__name__.removesuffix("Array")
+
+
+def hashes(event):
+    return [hash_id(h) for h in event.block_hashes]
 
 
 def complete(url, tokens, max_tokens=1):
@@ -136,13 +71,15 @@ def test_stored_then_removed_and_replay(fmt):
             )
             stored = [e for _, b in batches for e in b.events if kind(e) == "BlockStored"]
             assert stored[0].parent_block_hash is None
+            for prev, e in zip(stored, stored[1:]):
+                assert hash_id(e.parent_block_hash) == hashes(prev)[-1]
             assert stored[0].block_size == BLOCK
             for e in stored:
                 assert len(e.token_ids) == len(e.block_hashes) * BLOCK
                 assert e.medium in (None, "GPU")
             stored_tokens = [t for e in stored for t in e.token_ids]
             assert stored_tokens[: len(first)] == first
-            first_hashes = {h for e in stored for h in e.block_hashes}
+            first_hashes = {h for e in stored for h in hashes(e)}
 
             # A second, unrelated prompt that does not fit beside the first: its blocks go.
             second = [rng.randrange(1, 150000) for _ in range(12 * BLOCK)]
@@ -151,8 +88,9 @@ def test_stored_then_removed_and_replay(fmt):
                 sub, decoder,
                 lambda got: any(kind(e) == "BlockRemoved" for _, b in got for e in b.events),
             )
-            removed = {h for _, b in batches for e in b.events if kind(e) == "BlockRemoved" for h in e.block_hashes}
-            assert removed and removed <= first_hashes | {h for _, b in batches for e in b.events if kind(e) == "BlockStored" for h in e.block_hashes}
+            removed = {h for _, b in batches for e in b.events if kind(e) == "BlockRemoved" for h in hashes(e)}
+            all_stored = {h for _, b in batches for e in b.events if kind(e) == "BlockStored" for h in hashes(e)}
+            assert removed and removed <= all_stored
             assert removed & first_hashes
             order = [kind(e) for _, b in batches for e in b.events]
             assert order.index("BlockStored") < order.index("BlockRemoved")

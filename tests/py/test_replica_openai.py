@@ -9,7 +9,7 @@ from test_replica_launch import ReplicaProcess
 
 @pytest.fixture(scope="module")
 def client():
-    with ReplicaProcess("--time-scale", "100", "--model", "sim/model") as r:
+    with ReplicaProcess("--time-scale", "100", "--model", "sim/model", "--max-model-len", "8192") as r:
         yield openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
@@ -82,5 +82,5 @@ def test_chat_stream_with_tools(client):
 
 def test_errors_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="sim/model", prompt=list(range(40000)), max_tokens=5)
+        client.completions.create(model="sim/model", prompt=list(range(10000)), max_tokens=5)
     assert "maximum context length" in str(e.value)
