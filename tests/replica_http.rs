@@ -652,3 +652,50 @@ fn consecutive_ports_with_count() {
     }
     panic!("no free run of 3 ports found");
 }
+
+#[test]
+fn small_kv_cache_evicts_and_the_prefix_stops_hitting() {
+    let p = start(&[
+        "--time-scale",
+        "100",
+        "--kv-capacity-tokens",
+        "512",
+        "--max-model-len",
+        "512",
+    ]);
+    let a = p.addrs[0];
+    let hits = "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"}";
+    let body = |start: u32, n: u32| {
+        let ids: Vec<String> = (start..start + n).map(|i| i.to_string()).collect();
+        format!("{{\"prompt\": [{}], \"max_tokens\": 1}}", ids.join(","))
+    };
+    let cached = |b: &str| {
+        request(a, "POST", "/v1/completions", b).json()["usage"]["prompt_tokens_details"]
+            ["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let first = body(1000, 256);
+    assert_eq!(cached(&first), 0);
+    assert!(cached(&first) >= 240);
+    let before = metric(a, hits);
+    // A different prompt that needs nearly the whole cache pushes the first one out.
+    assert_eq!(cached(&body(50_000, 480)), 0);
+    // vLLM frees a request's blocks tail first, so at most the head of the first prompt stays.
+    let left = cached(&first);
+    assert!(
+        left < 240,
+        "the first prompt should have been evicted, {left} tokens still hit"
+    );
+    let after = metric(a, hits);
+    assert!(
+        after - before < 240.0,
+        "hits grew by {} after eviction",
+        after - before
+    );
+    let usage = metric(
+        a,
+        "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"}",
+    );
+    assert!((0.0..=1.0).contains(&usage));
+}

@@ -2,8 +2,12 @@
 //! section 3): request JSON -> prompt token ids and sampling limits, and the JSON of responses,
 //! stream chunks and errors. Pure: no I/O, no clocks (ids and timestamps are passed in).
 //!
-//! Unknown fields are ignored, as vLLM does. The served model name is echoed whatever `model`
-//! the client sent, so a balancer may use any name.
+//! Unknown fields are ignored, as vLLM does. Where this differs from vLLM, on purpose:
+//! - the served model name is echoed whatever `model` the client sent (vLLM answers 404 for an
+//!   unknown name), so a balancer may use any name;
+//! - `max_tokens` defaults to 16 on both endpoints (vLLM's chat default is the rest of the
+//!   context), keeping simulated answers short unless asked otherwise;
+//! - sampling fields (temperature, stop, logprobs, ...) are accepted and ignored.
 
 use crate::engine::tokenizer::{self, ChatMessage};
 use crate::engine::FinishReason;
