@@ -216,6 +216,30 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             }
         }
     }
+    // Port runs of different sockets must not overlap (e.g. --kv-events :5557 --kv-replay :5558
+    // with --count 2 would give replica 1 the replay port of replica 0).
+    let runs = [
+        ("--listen", Some(flags.listen)),
+        ("--kv-events", kv_events),
+        ("--kv-replay", kv_replay),
+    ];
+    for (i, (name_a, a)) in runs.iter().enumerate() {
+        for (name_b, b) in runs.iter().skip(i + 1) {
+            let (Some(a), Some(b)) = (a, b) else { continue };
+            if a.port() == 0 || b.port() == 0 {
+                continue;
+            }
+            let (pa, pb) = (a.port() as u32, b.port() as u32);
+            if pa < pb + flags.count && pb < pa + flags.count {
+                return Err(format!(
+                    "bad value for {name_b}: {b} (ports {pb}..{} overlap {name_a} ports {pa}..{} with --count {})",
+                    pb + flags.count - 1,
+                    pa + flags.count - 1,
+                    flags.count
+                ));
+            }
+        }
+    }
     Ok(Parsed::Run(Box::new(flags)))
 }
 
@@ -297,7 +321,7 @@ mod tests {
             "--count=4",
             "--kv-events",
             "tcp://127.0.0.1:5557",
-            "--kv-replay=tcp://127.0.0.1:5558",
+            "--kv-replay=tcp://127.0.0.1:6557",
             "--kv-events-format",
             "array",
             "--time-scale",
@@ -310,7 +334,7 @@ mod tests {
         .unwrap();
         assert_eq!(f.count, 4);
         assert_eq!(f.kv_events.unwrap().port(), 5557);
-        assert_eq!(f.kv_replay.unwrap().port(), 5558);
+        assert_eq!(f.kv_replay.unwrap().port(), 6557);
         assert_eq!(f.kv_events_format, EventFormat::Array);
         assert_eq!(f.time_scale, 100.0);
         assert_eq!(f.engine.block_size, 32);
@@ -352,5 +376,26 @@ mod tests {
             "{e}"
         );
         assert!(help().contains("--decode-per-ctx-token-s"));
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--count",
+            "2",
+            "--kv-events",
+            "tcp://127.0.0.1:5557",
+            "--kv-replay",
+            "tcp://127.0.0.1:5558",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--kv-replay") && e.contains("overlap"), "{e}");
+        assert!(run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--count",
+            "2",
+            "--kv-events",
+            "tcp://127.0.0.1:8002"
+        ])
+        .is_ok());
     }
 }
