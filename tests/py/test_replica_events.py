@@ -146,3 +146,24 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared():
             receive_until(sub, decoder, lambda got: any(kind(e) == "AllBlocksCleared" for _, b in got for e in b.events))
         finally:
             ctx.destroy(linger=0)
+
+
+def test_each_replica_of_a_process_publishes_its_own_events():
+    decoder = DECODERS["map"]
+    with ReplicaProcess("--count", "2", "--time-scale", "100", "--kv-events", "tcp://127.0.0.1:0") as r:
+        ctx = zmq.Context()
+        try:
+            subs = []
+            for rep in r.replicas:
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(rep["kv_events"])
+                subs.append(sub)
+            time.sleep(0.5)
+            url1 = f"http://{r.replicas[1]['http']}"
+            complete(url1, list(range(500, 500 + 4 * BLOCK)))
+            got = receive_until(subs[1], decoder, lambda got: any(kind(e) == "BlockStored" for _, b in got for e in b.events))
+            assert got[0][0] == 0  # each publisher numbers from 0
+            assert not subs[0].poll(300), "replica 0 published events of replica 1's request"
+        finally:
+            ctx.destroy(linger=0)
