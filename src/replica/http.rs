@@ -296,6 +296,24 @@ impl Connection {
         self.stream.write_all(bytes)
     }
 
+    /// Close after an error answer without destroying it: closing with unread input makes the
+    /// kernel send a reset that can discard the answer before the client reads it. So send FIN,
+    /// then read and drop what the client still sends, for a short while.
+    pub fn lingering_close(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        let _ = self
+            .stream
+            .set_read_timeout(Some(Duration::from_millis(500)));
+        let mut sink = [0u8; 16 * 1024];
+        let mut total = 0usize;
+        while total < 4 * 1024 * 1024 {
+            match self.stream.read(&mut sink) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => total += n,
+            }
+        }
+    }
+
     /// Whether the peer has closed its side (a non-blocking peek reads end of stream). Bytes of
     /// a pipelined next request do not count as closed.
     pub fn peer_closed(&self) -> bool {

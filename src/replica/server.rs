@@ -73,6 +73,7 @@ fn handle_connection(stream: TcpStream, replica: &Replica) {
                     err.body().as_bytes(),
                     false,
                 ));
+                conn.lingering_close();
                 return;
             }
         };
