@@ -1,7 +1,5 @@
-use mimalloc::MiMalloc;
-
 #[global_allocator]
-static GLOBAL: MiMalloc = MiMalloc;
+static GLOBAL: kvlb::alloc::CountingMiMalloc = kvlb::alloc::CountingMiMalloc;
 
 const USAGE: &str = "usage: kvlb <command> [options]
 
@@ -19,6 +17,7 @@ fn main() {
     }
     let cmd = args.remove(0);
     let code = match cmd.as_str() {
+        "serve" => kvlb::serve::main(args),
         "replica" => kvlb::replica::main(args),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

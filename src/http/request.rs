@@ -45,6 +45,8 @@ pub struct RequestHead {
     pub keep_alive: bool,
     /// `Expect: 100-continue` was sent.
     pub expect_continue: bool,
+    /// The client sent a Host header (HTTP/1.0 clients may not; the caller adds one).
+    pub has_host: bool,
 }
 
 fn method_of(m: &str) -> Method {
@@ -145,7 +147,6 @@ pub fn parse_request(
     buf: &[u8],
     head_end: usize,
     client_ip: Option<IpAddr>,
-    default_host: &str,
     out: &mut Vec<u8>,
 ) -> Result<RequestHead, HttpError> {
     let head_bytes = &buf[..head_end];
@@ -312,11 +313,6 @@ pub fn parse_request(
             let _ = write!(out, "x-forwarded-for: {ip}\r\n");
         }
     }
-    if host_count == 0 {
-        out.extend_from_slice(b"host: ");
-        out.extend_from_slice(default_host.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
 
     let target_start = path.as_ptr() as usize - buf.as_ptr() as usize;
     Ok(RequestHead {
@@ -327,6 +323,7 @@ pub fn parse_request(
         body,
         keep_alive,
         expect_continue,
+        has_host: host_count == 1,
     })
 }
 
@@ -346,8 +343,7 @@ mod tests {
         let end = find_head_end(raw).expect("complete head");
         let mut out = Vec::new();
         let ip: IpAddr = "10.1.2.3".parse().unwrap();
-        parse_request(raw, end, Some(ip), "replica:8000", &mut out)
-            .map(|h| (h, String::from_utf8(out).unwrap()))
+        parse_request(raw, end, Some(ip), &mut out).map(|h| (h, String::from_utf8(out).unwrap()))
     }
 
     #[test]
@@ -420,7 +416,8 @@ mod tests {
     fn http10_defaults() {
         let (h, up) = parse(b"GET / HTTP/1.0\r\n\r\n").unwrap();
         assert!(!h.keep_alive);
-        assert!(up.contains("host: replica:8000\r\n"));
+        assert!(!h.has_host);
+        assert!(!up.to_ascii_lowercase().contains("host:"));
         let (h, _) = parse(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").unwrap();
         assert!(h.keep_alive);
     }

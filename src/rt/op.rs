@@ -171,6 +171,43 @@ impl AddrBuf {
     }
 }
 
+/// The address a socket is bound to.
+pub fn local_addr(fd: RawFd) -> io::Result<SocketAddr> {
+    let mut b = AddrBuf::new();
+    b.len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // Safety: getsockname writes at most `len` bytes into the storage we own.
+    let r = unsafe {
+        libc::getsockname(
+            fd,
+            &mut b.storage as *mut _ as *mut libc::sockaddr,
+            &mut b.len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    b.to_socket_addr()
+        .ok_or_else(|| io::Error::other("unknown address family"))
+}
+
+/// Bind `fd` to `addr`.
+pub fn bind(fd: RawFd, addr: SocketAddr) -> io::Result<()> {
+    let raw = std_to_sockaddr(addr);
+    // Safety: raw holds a valid sockaddr of raw.len bytes for addr's family.
+    let r = unsafe {
+        libc::bind(
+            fd,
+            &raw.storage as *const _ as *const libc::sockaddr,
+            raw.len,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Accept one connection; the peer address lands in `addr` (reused across calls).
 pub async fn accept(fd: RawFd, mut addr: Box<AddrBuf>) -> (io::Result<RawFd>, Box<AddrBuf>) {
     addr.len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;

@@ -1,0 +1,359 @@
+//! One simulated replica's engine in wall time: the engine behind a mutex, the clock that maps
+//! wall time to engine time (engine seconds = wall seconds since start * time scale), and the
+//! driver thread that sleeps until the engine's next step ends, advances it, hands each
+//! request's outputs to the connection waiting for them, keeps the /metrics counters and
+//! publishes the step's KV events as one batch.
+//!
+//! Connections submit and cancel under the same mutex and wake the driver through a one-slot
+//! channel, so a request arriving at an idle engine starts at once.
+
+use super::metrics::{self, ReplicaCounters};
+use crate::engine::{Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, RequestId};
+use crate::kv_events::publisher::KvEventPublisher;
+use crate::kv_events::{KvEvent, KvEventBatch};
+use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Maps wall time to engine time.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    start: Instant,
+    scale: f64,
+}
+
+impl Clock {
+    pub fn new(start: Instant, scale: f64) -> Clock {
+        Clock { start, scale }
+    }
+
+    /// Engine seconds at wall instant `at`.
+    pub fn engine_time(&self, at: Instant) -> f64 {
+        at.saturating_duration_since(self.start).as_secs_f64() * self.scale
+    }
+
+    /// Wall instant at which the engine reaches `t` (far future for absurd values).
+    pub fn wall_time(&self, t: f64) -> Instant {
+        let secs = t / self.scale;
+        let secs = if secs.is_finite() {
+            secs.clamp(0.0, 1.0e9)
+        } else {
+            1.0e9
+        };
+        self.start + Duration::from_secs_f64(secs)
+    }
+}
+
+/// Where a request's outputs go.
+struct Route {
+    tx: Sender<Vec<EngineOutput>>,
+    /// Streamed requests get their outputs after every step; the others once, when finished.
+    stream: bool,
+    pending: Vec<EngineOutput>,
+    submitted_at: f64,
+    /// The receiver is gone and the engine was told to cancel.
+    cancelled: bool,
+}
+
+struct ReplicaState {
+    engine: Engine,
+    routes: HashMap<RequestId, Route>,
+    counters: ReplicaCounters,
+}
+
+/// One simulated replica: engine, clock, routes, counters and event publisher.
+pub struct Replica {
+    pub index: u32,
+    pub model: String,
+    pub max_model_len: u32,
+    /// Unix seconds at start (the `created` of /v1/models).
+    pub created: u64,
+    clock: Clock,
+    state: Mutex<ReplicaState>,
+    wake_tx: Sender<()>,
+    wake_rx: Receiver<()>,
+    next_request_id: AtomicU64,
+    id_seed: u64,
+    publisher: Option<KvEventPublisher>,
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl Replica {
+    pub fn new(
+        index: u32,
+        model: String,
+        cfg: EngineConfig,
+        time_scale: f64,
+        id_seed: u64,
+        publisher: Option<KvEventPublisher>,
+    ) -> Arc<Replica> {
+        let (wake_tx, wake_rx) = channel::bounded(1);
+        let max_model_len = cfg.max_model_len;
+        let mut engine = Engine::new(cfg);
+        // Without a publisher nobody reads the events: don't record them.
+        engine.set_kv_events_enabled(publisher.is_some());
+        Arc::new(Replica {
+            index,
+            model,
+            max_model_len,
+            created: unix_now() as u64,
+            clock: Clock::new(Instant::now(), time_scale),
+            state: Mutex::new(ReplicaState {
+                engine,
+                routes: HashMap::new(),
+                counters: ReplicaCounters::default(),
+            }),
+            wake_tx,
+            wake_rx,
+            next_request_id: AtomicU64::new(1),
+            id_seed,
+            publisher,
+        })
+    }
+
+    pub fn publisher(&self) -> Option<&KvEventPublisher> {
+        self.publisher.as_ref()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ReplicaState> {
+        // A panic elsewhere must not take the replica down: the state stays usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wake(&self) {
+        let _ = self.wake_tx.try_send(());
+    }
+
+    pub fn next_request_id(&self) -> RequestId {
+        self.next_request_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// 128 random-looking bits for response ids.
+    pub fn response_random(&self) -> u128 {
+        let n = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        xxhash_rust::xxh3::xxh3_128_with_seed(&n.to_le_bytes(), self.id_seed ^ nanos)
+    }
+
+    /// Queue `requests` (all or none); their outputs go to `tx`.
+    pub fn submit(
+        &self,
+        requests: Vec<EngineRequest>,
+        stream: bool,
+        tx: &Sender<Vec<EngineOutput>>,
+    ) -> Result<(), EngineError> {
+        let mut st = self.lock();
+        let now = self.clock.engine_time(Instant::now());
+        let mut accepted: Vec<RequestId> = Vec::with_capacity(requests.len());
+        for req in requests {
+            let id = req.id;
+            if let Err(e) = st.engine.submit(now, req) {
+                for id in accepted {
+                    st.engine.cancel(now, id);
+                    if let Some(r) = st.routes.get_mut(&id) {
+                        r.cancelled = true;
+                    }
+                }
+                drop(st);
+                self.wake();
+                return Err(e);
+            }
+            st.routes.insert(
+                id,
+                Route {
+                    tx: tx.clone(),
+                    stream,
+                    pending: Vec::new(),
+                    submitted_at: now,
+                    cancelled: false,
+                },
+            );
+            accepted.push(id);
+        }
+        drop(st);
+        self.wake();
+        Ok(())
+    }
+
+    /// The client went away: abort these requests.
+    pub fn cancel(&self, ids: &[RequestId]) {
+        let mut st = self.lock();
+        let now = self.clock.engine_time(Instant::now());
+        for &id in ids {
+            if st.engine.cancel(now, id) {
+                if let Some(r) = st.routes.get_mut(&id) {
+                    r.cancelled = true;
+                }
+            }
+        }
+        drop(st);
+        self.wake();
+    }
+
+    pub fn reset_prefix_cache(&self) -> bool {
+        let done = self.lock().engine.reset_prefix_cache();
+        self.wake();
+        done
+    }
+
+    pub fn metrics_text(&self) -> String {
+        let (stats, counters) = {
+            let st = self.lock();
+            let mut counters = st.counters.clone();
+            counters.preemptions_total = st.engine.preemptions_total();
+            (st.engine.stats(), counters)
+        };
+        metrics::render(&self.model, &stats, &counters)
+    }
+
+    /// The driver loop; runs forever on its own thread.
+    pub fn drive(&self) {
+        set_precise_timers();
+        let mut outputs: Vec<EngineOutput> = Vec::new();
+        let mut events: Vec<KvEvent> = Vec::new();
+        let mut touched: Vec<RequestId> = Vec::new();
+        loop {
+            let next = {
+                let mut st = self.lock();
+                let now = self.clock.engine_time(Instant::now());
+                st.engine.advance(now, &mut outputs);
+                route_outputs(&mut st, now, &mut outputs, &mut touched);
+                st.engine.take_kv_events(&mut events);
+                st.engine.next_event_time()
+            };
+            if !events.is_empty() {
+                if let Some(p) = &self.publisher {
+                    p.publish(&KvEventBatch {
+                        ts: unix_now(),
+                        events: std::mem::take(&mut events),
+                        dp_rank: None,
+                    });
+                }
+                events.clear();
+            }
+            match next {
+                None => {
+                    if self.wake_rx.recv().is_err() {
+                        return;
+                    }
+                }
+                Some(t) => {
+                    let deadline = self.clock.wall_time(t);
+                    loop {
+                        let now = Instant::now();
+                        if now >= deadline {
+                            break;
+                        }
+                        let left = deadline - now;
+                        if left < Duration::from_micros(20) {
+                            // Below timer precision: yield until the step ends.
+                            match self.wake_rx.try_recv() {
+                                Ok(()) => break,
+                                Err(TryRecvError::Empty) => std::thread::yield_now(),
+                                Err(TryRecvError::Disconnected) => return,
+                            }
+                            continue;
+                        }
+                        match self.wake_rx.recv_timeout(left - Duration::from_micros(10)) {
+                            Ok(()) => break,
+                            Err(RecvTimeoutError::Timeout) => {}
+                            Err(RecvTimeoutError::Disconnected) => return,
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Hand `outputs` to their routes and update the counters.
+fn route_outputs(
+    st: &mut ReplicaState,
+    now: f64,
+    outputs: &mut Vec<EngineOutput>,
+    touched: &mut Vec<RequestId>,
+) {
+    touched.clear();
+    let ReplicaState {
+        engine,
+        routes,
+        counters,
+    } = st;
+    for out in outputs.drain(..) {
+        let id = match &out {
+            EngineOutput::FirstToken { id, t, .. } => {
+                if let Some(r) = routes.get(id) {
+                    counters.ttft.observe(t - r.submitted_at);
+                }
+                *id
+            }
+            EngineOutput::Token { id, .. } => *id,
+            EngineOutput::Finished { id, reason, .. } => {
+                counters.finished(*reason);
+                *id
+            }
+        };
+        let finished = matches!(out, EngineOutput::Finished { .. });
+        let Some(route) = routes.get_mut(&id) else {
+            continue;
+        };
+        route.pending.push(out);
+        if finished {
+            if let Some(r) = routes.remove(&id) {
+                let _ = r.tx.send(r.pending);
+            }
+        } else if route.stream && !touched.contains(&id) {
+            touched.push(id);
+        }
+    }
+    for id in touched.iter() {
+        let Some(route) = routes.get_mut(id) else {
+            continue;
+        };
+        if route.pending.is_empty() {
+            continue;
+        }
+        let batch = std::mem::take(&mut route.pending);
+        if route.tx.send(batch).is_err() && !route.cancelled {
+            route.cancelled = true;
+            engine.cancel(now, *id);
+        }
+    }
+}
+
+/// Let this thread's timed waits end within microseconds instead of the default 50 us slack.
+fn set_precise_timers() {
+    // Safety: PR_SET_TIMERSLACK takes an integer argument and only changes the calling
+    // thread's timer slack; no memory is passed.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_round_trips() {
+        let start = Instant::now();
+        let c = Clock::new(start, 100.0);
+        let at = c.wall_time(8.0);
+        assert_eq!(at - start, Duration::from_millis(80));
+        assert!((c.engine_time(at) - 8.0).abs() < 1e-9);
+        assert!(c.wall_time(f64::INFINITY) > start);
+        assert!(c.wall_time(f64::NAN) > start);
+        assert_eq!(c.wall_time(-5.0), start);
+    }
+}

@@ -1,0 +1,190 @@
+//! The hot path allocates nothing per request once warm: drive keep-alive traffic through a
+//! real `kvlb serve` and read the worker's allocation counter from /metrics before and after.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A keep-alive backend answering every request with a small JSON body.
+fn backend() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            s.set_nodelay(true).unwrap();
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 65536];
+                loop {
+                    // One request: head + Content-Length body.
+                    let (head_end, cl) = loop {
+                        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
+                            let cl = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .map(|v| v.trim().parse::<usize>().unwrap())
+                                .unwrap_or(0);
+                            break (p + 4, cl);
+                        }
+                        match s.read(&mut tmp) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    };
+                    while buf.len() < head_end + cl {
+                        match s.read(&mut tmp) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + cl);
+                    let body = br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#;
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let mut out = resp.into_bytes();
+                    out.extend_from_slice(body);
+                    if s.write_all(&out).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+fn start_kvlb(backend: u16) -> (Kill, u16, u16) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--workers",
+            "1",
+        ])
+        .args(["--replica", &format!("http://127.0.0.1:{backend}")])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let guard = Kill(child);
+    let mut lines = BufReader::new(stderr).lines();
+    let (mut port, mut admin) = (0, 0);
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(a) = line.strip_prefix("kvlb: listening on ") {
+            port = a.rsplit(':').next().unwrap().parse().unwrap();
+        } else if let Some(a) = line.strip_prefix("kvlb: admin on ") {
+            admin = a.rsplit(':').next().unwrap().parse().unwrap();
+        } else if line.starts_with("kvlb: ready") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    assert!(port > 0 && admin > 0, "kvlb did not start");
+    (guard, port, admin)
+}
+
+fn metric(admin: u16, name: &str) -> u64 {
+    let mut s = TcpStream::connect(("127.0.0.1", admin)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        .parse()
+        .unwrap()
+}
+
+/// Send one POST on a keep-alive connection and read the whole response.
+fn request(s: &mut TcpStream, body: &[u8], buf: &mut Vec<u8>) {
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: kvlb\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body);
+    s.write_all(&out).unwrap();
+    buf.clear();
+    let mut tmp = [0u8; 8192];
+    loop {
+        let n = s.read(&mut tmp).unwrap();
+        assert!(n > 0, "connection closed");
+        buf.extend_from_slice(&tmp[..n]);
+        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
+            assert!(head.starts_with("http/1.1 200"), "{head}");
+            let cl: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            if buf.len() >= p + 4 + cl {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn warm_keep_alive_requests_allocate_nothing() {
+    let be = backend();
+    let (_kvlb, port, admin) = start_kvlb(be);
+    let body = format!(
+        r#"{{"model":"m","stream":false,"messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"hi"}}]}}"#,
+        "You are a helpful assistant. ".repeat(60)
+    );
+    let mut conns: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.set_nodelay(true).unwrap();
+            s
+        })
+        .collect();
+    let mut buf = Vec::new();
+    for _ in 0..100 {
+        for c in conns.iter_mut() {
+            request(c, body.as_bytes(), &mut buf);
+        }
+    }
+    let before = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
+    let served_before = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}");
+    for _ in 0..500 {
+        for c in conns.iter_mut() {
+            request(c, body.as_bytes(), &mut buf);
+        }
+    }
+    let after = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
+    let served = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}") - served_before;
+    assert_eq!(served, 2000);
+    eprintln!(
+        "allocations over {served} warm requests: {}",
+        after - before
+    );
+    assert!(
+        after - before <= 2,
+        "{} allocations for {served} warm keep-alive requests",
+        after - before
+    );
+}
