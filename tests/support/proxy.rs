@@ -92,7 +92,7 @@ impl Kvlb {
                         listeners.push(parse_addr(a, &line));
                     } else if let Some(a) = line.strip_prefix("kvlb: admin on ") {
                         admin = Some(parse_addr(a, &line));
-                    } else if line.trim() == "kvlb: ready" {
+                    } else if line.starts_with("kvlb: ready") {
                         break true;
                     }
                 }
