@@ -23,9 +23,17 @@ handle:
   /hang                 never answers (gives up after 120 s or when the peer closes)
   /die?after=headers    writes the head and part of the body, then the process exits
   /die?after=nothing    the process exits without answering
+  /bigheaders?size=N&fields=F
+                        a response head of about N bytes in F x-pad-* fields (default 8)
+  /raw?kind=K           exact, possibly malformed, response bytes, then the connection closes:
+                        cl_te, dup_cl, bad_chunk, bad_status, garbage, short_cl
+  /echo?conn_close=1    the echo answer with `Connection: close`; the connection then closes
   /stats                JSON counters: connections_opened, connections_closed, requests,
                         aborted (slow/hang requests whose peer closed first)
 HEAD on any path answers the head of a 11-byte response without the body.
+
+`--idle-close-ms N` closes a kept-alive connection that stays idle for N ms, without notice
+(as real servers do), to exercise a proxy's handling of stale pooled connections.
 """
 
 import hashlib
@@ -223,6 +231,8 @@ class Handler(BaseHTTPRequestHandler):
             "/hang": self.route_hang,
             "/die": self.route_die,
             "/stats": self.route_stats,
+            "/bigheaders": self.route_bigheaders,
+            "/raw": self.route_raw,
         }.get(path)
         if route is None:
             self.send_simple(404, b"no such path\n")
@@ -237,6 +247,10 @@ class Handler(BaseHTTPRequestHandler):
             return "<none>" if not values else ", ".join(values)
 
         names = ",".join(k.lower() for k in h.keys())
+        extra_close = []
+        if q.get("conn_close") == "1":
+            self.close_connection = True
+            extra_close = [("Connection", "close")]
         self.send_simple(
             200,
             body,
@@ -254,7 +268,8 @@ class Handler(BaseHTTPRequestHandler):
                 ("x-got-connection-count", str(self.served_on_connection)),
                 ("x-got-body-len", str(len(body))),
                 ("x-got-body-sha256", hashlib.sha256(body).hexdigest()),
-            ],
+            ]
+            + extra_close,
         )
 
     def route_bytes(self, q, body):
@@ -348,6 +363,34 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(0.05)
         os._exit(3)
 
+    def route_bigheaders(self, q, body):
+        size = int(q.get("size", "20000"))
+        fields = max(1, int(q.get("fields", "8")))
+        value = "p" * max(1, size // fields - 14)
+        pad = [("x-pad-%04d" % i, value) for i in range(fields)]
+        self.send_simple(200, b"big headers\n", extra=pad)
+
+    RAW = {
+        "cl_te": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled",
+        "dup_cl": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 13\r\n\r\n"
+        b"hello smuggled",
+        "bad_chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\nhello\r\n0\r\n\r\n",
+        "bad_status": b"HTTP/1.1 abc OK\r\nContent-Length: 2\r\n\r\nhi",
+        "garbage": b"\x00\x01\x02 this is not http\r\n\r\n",
+        "short_cl": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b",
+    }
+
+    def route_raw(self, q, body):
+        self.close_connection = True
+        self.wfile.write(self.RAW[q.get("kind", "garbage")])
+        self.wfile.flush()
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
     def route_stats(self, q, body):
         with STATS_LOCK:
             snapshot = dict(STATS)
@@ -361,7 +404,14 @@ class Server(ThreadingHTTPServer):
 
 
 def main():
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    args = sys.argv[1:]
+    port = 0
+    while args:
+        arg = args.pop(0)
+        if arg == "--idle-close-ms":
+            Handler.timeout = int(args.pop(0)) / 1000.0
+        else:
+            port = int(arg)
     server = Server(("127.0.0.1", port), Handler)
     print(server.server_address[1], flush=True)
     # Exit when the parent closes our stdin (the test process died without killing us).

@@ -39,9 +39,15 @@ pub struct BackendStats {
 impl Backend {
     /// Starts the backend; panics (with its stderr) if it does not print a port in 15 s.
     pub fn start() -> Backend {
+        Backend::start_with(&[])
+    }
+
+    /// Starts the backend with extra arguments, e.g. `["--idle-close-ms", "300"]`.
+    pub fn start_with(args: &[&str]) -> Backend {
         let mut child = Command::new(python())
             .arg("-u")
             .arg(backend_script())
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -1,0 +1,353 @@
+//! Robustness of `kvlb serve` beyond the happy path: stale pooled upstream connections,
+//! upstream `Connection: close`, malformed upstream responses, HTTP/1.0 clients, heads that
+//! arrive a byte at a time, large response heads, idle and closing client connections, and
+//! many concurrent clients over two workers.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use support::digest::{payload, sha256_hex};
+use support::{show_bytes, Backend, HttpConn, Kvlb};
+
+fn proxied_to(backend: &Backend, extra: &[&str]) -> Kvlb {
+    let url = backend.url();
+    let mut args = vec!["--replica", url.as_str(), "--workers", "1"];
+    args.extend_from_slice(extra);
+    Kvlb::serve(&args)
+}
+
+fn expect_ok(resp: &support::Response, kvlb: &Kvlb, what: &str) {
+    assert_eq!(
+        resp.status,
+        200,
+        "{what}: expected 200, got:\n{}\nkvlb stderr:\n{}",
+        resp.describe(),
+        kvlb.stderr()
+    );
+}
+
+#[test]
+fn stale_pooled_upstream_connection_is_not_used_for_a_post() {
+    // The backend silently closes a kept-alive connection after 300 ms idle, as servers do.
+    let backend = Backend::start_with(&["--idle-close-ms", "300"]);
+    let kvlb = proxied_to(&backend, &[]);
+    let body = br#"{"model":"m","prompt":"first"}"#;
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let resp = conn
+        .request("POST", "/echo", &[], body)
+        .expect("first POST");
+    expect_ok(&resp, &kvlb, "first POST");
+    std::thread::sleep(Duration::from_millis(900));
+    let body = br#"{"model":"m","prompt":"second"}"#;
+    let resp = conn
+        .request("POST", "/echo", &[], body)
+        .unwrap_or_else(|e| panic!("POST after the upstream closed its idle connection: {e}"));
+    expect_ok(
+        &resp,
+        &kvlb,
+        "POST after the backend closed the pooled upstream connection (stale connection reused?)",
+    );
+    assert_eq!(resp.body, body);
+}
+
+#[test]
+fn stale_pooled_upstream_connection_is_not_used_for_a_get() {
+    let backend = Backend::start_with(&["--idle-close-ms", "300"]);
+    let kvlb = proxied_to(&backend, &[]);
+    expect_ok(&kvlb.get("/echo"), &kvlb, "first GET");
+    std::thread::sleep(Duration::from_millis(900));
+    expect_ok(
+        &kvlb.get("/echo"),
+        &kvlb,
+        "GET after the backend closed the pooled upstream connection",
+    );
+}
+
+#[test]
+fn upstream_connection_close_is_honoured() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let resp = conn
+        .request("POST", "/echo?conn_close=1", &[], b"one")
+        .expect("POST with upstream Connection: close");
+    expect_ok(&resp, &kvlb, "upstream answered with Connection: close");
+    assert_eq!(resp.body, b"one");
+    // Right away: the closed upstream connection must not be reused.
+    let resp = conn
+        .request("POST", "/echo", &[], b"two")
+        .unwrap_or_else(|e| panic!("request after an upstream Connection: close: {e}"));
+    expect_ok(&resp, &kvlb, "request after an upstream Connection: close");
+    assert_eq!(resp.body, b"two");
+    assert_eq!(
+        resp.header("x-got-connection-count"),
+        Some("1"),
+        "expected a fresh upstream connection"
+    );
+}
+
+/// What a client of a replica that sent malformed bytes may see.
+enum Outcome {
+    /// Content-Length with Transfer-Encoding: RFC 9112 section 6.1 lets an intermediary
+    /// either reject it (502) or forward it framed by Transfer-Encoding with the
+    /// Content-Length removed.
+    BadGatewayOrChunkedOnly,
+    /// Only a 502 JSON error is right (the head itself is bad).
+    BadGateway,
+    /// The head may already have been forwarded: a 502, or the connection closed before a
+    /// complete response; never garbage parsed as a response, never a hang.
+    BadGatewayOrTruncated,
+}
+
+fn malformed_upstream(kind: &str, outcome: Outcome) {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send_request("GET", &format!("/raw?kind={kind}"), &[], b"")
+        .unwrap();
+    let result = conn.read_response("GET");
+    match (&result, &outcome) {
+        (Ok(resp), _) if resp.status == 502 && resp.is_json_error() => {}
+        (Ok(resp), Outcome::BadGatewayOrChunkedOnly)
+            if resp.status == 200
+                && resp.header("content-length").is_none()
+                && resp.framing == support::client::Framing::Chunked
+                && resp.body.is_empty() => {}
+        (Err(e), Outcome::BadGatewayOrTruncated)
+            if matches!(
+                e.kind(),
+                ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+            ) => {}
+        (Ok(resp), _) => panic!(
+            "replica sent malformed response {kind:?}; client got instead of a 502:\n{}",
+            resp.describe()
+        ),
+        (Err(e), _) => panic!(
+            "replica sent malformed response {kind:?}; client read failed with {:?}: {e}\n\
+             kvlb stderr:\n{}",
+            e.kind(),
+            kvlb.stderr()
+        ),
+    }
+    let (more, _) = conn.read_for(Duration::from_millis(500));
+    assert!(
+        !String::from_utf8_lossy(&more).contains("smuggled"),
+        "bytes of the replica's malformed response reached the client: {}",
+        show_bytes(&more)
+    );
+    expect_ok(&kvlb.get("/echo"), &kvlb, "normal request afterwards");
+}
+
+#[test]
+fn upstream_response_with_content_length_and_transfer_encoding_is_not_ambiguous() {
+    malformed_upstream("cl_te", Outcome::BadGatewayOrChunkedOnly);
+}
+
+#[test]
+fn upstream_response_with_conflicting_content_lengths_gets_502() {
+    malformed_upstream("dup_cl", Outcome::BadGateway);
+}
+
+#[test]
+fn upstream_response_with_bad_status_line_gets_502() {
+    malformed_upstream("bad_status", Outcome::BadGateway);
+}
+
+#[test]
+fn upstream_garbage_gets_502() {
+    malformed_upstream("garbage", Outcome::BadGateway);
+}
+
+#[test]
+fn upstream_bad_chunk_size_is_not_passed_through() {
+    malformed_upstream("bad_chunk", Outcome::BadGatewayOrTruncated);
+}
+
+#[test]
+fn upstream_short_body_is_not_completed() {
+    malformed_upstream("short_cl", Outcome::BadGatewayOrTruncated);
+}
+
+#[test]
+fn http10_client_gets_a_body_it_can_read() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(b"GET /chunked?n=3&size=1000 HTTP/1.0\r\n\r\n")
+        .unwrap();
+    let resp = conn.read_response("GET").expect("response to HTTP/1.0");
+    expect_ok(&resp, &kvlb, "HTTP/1.0 GET /chunked");
+    let te = resp.header("transfer-encoding").unwrap_or("");
+    assert!(
+        !te.to_ascii_lowercase().contains("chunked"),
+        "chunked coding sent to an HTTP/1.0 client:\n{}",
+        resp.describe()
+    );
+    assert_eq!(resp.body.len(), 3000);
+    assert_eq!(
+        resp.header("x-body-sha256"),
+        Some(sha256_hex(&resp.body).as_str())
+    );
+}
+
+#[test]
+fn request_arriving_one_byte_at_a_time_is_served() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let body = b"{\"prompt\":\"dribbled\"}";
+    let raw = format!(
+        "POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut bytes = raw.into_bytes();
+    bytes.extend_from_slice(body);
+    for b in &bytes {
+        conn.send(std::slice::from_ref(b)).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let resp = conn.read_response("POST").expect("response");
+    expect_ok(&resp, &kvlb, "byte-at-a-time POST");
+    assert_eq!(resp.body, body);
+}
+
+#[test]
+fn large_response_head_is_forwarded() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    // 24 KB in 8 fields: more than one read of the replica's socket, well under the 64 KiB
+    // response-head limit and the field-count limit.
+    let resp = kvlb.get("/bigheaders?size=24000&fields=8");
+    expect_ok(&resp, &kvlb, "24 KB response head");
+    let pads = resp
+        .headers
+        .iter()
+        .filter(|(n, _)| n.starts_with("x-pad-"))
+        .count();
+    assert_eq!(pads, 8, "response header fields lost");
+    assert!(resp
+        .headers
+        .iter()
+        .all(|(n, v)| !n.starts_with("x-pad-") || v.len() == 2986));
+    assert_eq!(resp.body, b"big headers\n");
+}
+
+#[test]
+fn client_connection_close_is_honoured() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let resp = conn
+        .request("GET", "/echo", &[("Connection", "close")], b"")
+        .expect("GET with Connection: close");
+    expect_ok(&resp, &kvlb, "GET with Connection: close");
+    let (more, closed) = conn.read_for(Duration::from_secs(3));
+    assert!(
+        more.is_empty(),
+        "bytes after the response: {}",
+        show_bytes(&more)
+    );
+    assert!(
+        closed,
+        "connection kept open after the client sent Connection: close"
+    );
+}
+
+#[test]
+fn idle_client_connection_is_closed_after_idle_timeout() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &["--idle-timeout", "1s"]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    expect_ok(
+        &conn.request("GET", "/echo", &[], b"").unwrap(),
+        &kvlb,
+        "first",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    expect_ok(
+        &conn
+            .request("GET", "/echo", &[], b"")
+            .expect("second request within the idle timeout"),
+        &kvlb,
+        "second",
+    );
+    let idle_from = Instant::now();
+    let (more, closed) = conn.read_for(Duration::from_secs(5));
+    assert!(
+        closed,
+        "idle connection still open after 5 s with --idle-timeout 1s"
+    );
+    assert!(
+        idle_from.elapsed() >= Duration::from_millis(800),
+        "closed after {} ms idle",
+        idle_from.elapsed().as_millis()
+    );
+    // Closing silently is usual; a 408 is allowed.
+    assert!(
+        more.is_empty() || more.starts_with(b"HTTP/1.1 408"),
+        "unexpected bytes on an idle connection: {}",
+        show_bytes(&more)
+    );
+}
+
+#[test]
+fn concurrent_clients_over_two_workers_get_their_own_bodies() {
+    let backend = Backend::start();
+    let url = backend.url();
+    let kvlb = Kvlb::serve(&["--replica", url.as_str(), "--workers", "2"]);
+    let listen = kvlb.listen;
+    let started = Instant::now();
+    let threads: Vec<_> = (0..16u64)
+        .map(|t| {
+            std::thread::spawn(move || -> Result<(), String> {
+                let mut conn = HttpConn::connect(listen);
+                for i in 0..12u64 {
+                    let seed = t * 1000 + i;
+                    let len = ((seed * 7919) % 150_000) as usize;
+                    let body = payload(len, seed);
+                    let resp = if i % 3 == 2 {
+                        conn.request("GET", "/chunked?n=4&size=5000", &[], b"")
+                    } else {
+                        conn.request("POST", &format!("/echo?t={t}&i={i}"), &[], &body)
+                    }
+                    .map_err(|e| format!("client {t} request {i}: {e}"))?;
+                    if resp.status != 200 {
+                        return Err(format!("client {t} request {i}:\n{}", resp.describe()));
+                    }
+                    let want = if i % 3 == 2 {
+                        resp.header("x-body-sha256").unwrap_or("").to_string()
+                    } else {
+                        sha256_hex(&body)
+                    };
+                    if sha256_hex(&resp.body) != want {
+                        return Err(format!("client {t} request {i}: body mixed up"));
+                    }
+                    if i % 3 != 2
+                        && resp.header("x-got-path") != Some(format!("/echo?t={t}&i={i}").as_str())
+                    {
+                        return Err(format!(
+                            "client {t} request {i}: answer to another request:\n{}",
+                            resp.describe()
+                        ));
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let errors: Vec<String> = threads
+        .into_iter()
+        .filter_map(|t| t.join().unwrap().err())
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{} of 16 clients failed:\n{}\nkvlb stderr:\n{}",
+        errors.len(),
+        errors.join("\n"),
+        kvlb.stderr()
+    );
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
