@@ -351,3 +351,103 @@ fn concurrent_clients_over_two_workers_get_their_own_bodies() {
     );
     assert!(started.elapsed() < Duration::from_secs(60));
 }
+
+#[test]
+fn chunked_request_arriving_one_byte_at_a_time_is_served() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let raw = b"POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n3;x=y\r\nefg\r\n0\r\n\r\n";
+    for b in raw.iter() {
+        conn.send(std::slice::from_ref(b)).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let resp = conn.read_response("POST").expect("response");
+    expect_ok(&resp, &kvlb, "byte-at-a-time chunked POST");
+    assert_eq!(resp.body, b"abcdefg");
+}
+
+#[test]
+fn transfer_encoding_is_case_insensitive() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(b"POST /echo HTTP/1.1\r\nHost: kvlb.test\r\ntransfer-encoding: Chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        .unwrap();
+    let resp = conn.read_response("POST").expect("response");
+    expect_ok(&resp, &kvlb, "Transfer-Encoding: Chunked");
+    assert_eq!(resp.body, b"hello");
+}
+
+#[test]
+fn empty_post_body_is_forwarded() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let resp = conn
+        .request("POST", "/echo", &[("Content-Length", "0")], b"")
+        .expect("POST");
+    expect_ok(&resp, &kvlb, "POST with Content-Length: 0");
+    assert_eq!(resp.header("x-got-body-len"), Some("0"));
+    let resp = conn.request("GET", "/echo", &[], b"").expect("GET after");
+    expect_ok(&resp, &kvlb, "GET after an empty POST");
+}
+
+#[test]
+fn long_request_target_is_forwarded() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let path = format!("/echo?q={}", "k".repeat(10_000));
+    let resp = support::client::get(kvlb.listen, &path);
+    expect_ok(&resp, &kvlb, "10 KB request target");
+    assert_eq!(resp.header("x-got-path"), Some(path.as_str()));
+}
+
+#[test]
+fn chunked_body_at_the_limit_is_served() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &["--max-body-bytes", "1000"]);
+    let mut raw =
+        b"POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..4 {
+        raw.extend_from_slice(b"fa\r\n");
+        raw.extend_from_slice(&[b'e'; 250]);
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(&raw).unwrap();
+    let resp = conn.read_response("POST").expect("response");
+    expect_ok(
+        &resp,
+        &kvlb,
+        "1000-byte chunked body with --max-body-bytes 1000",
+    );
+    assert_eq!(resp.body.len(), 1000);
+}
+
+#[test]
+fn expect_100_continue_with_too_large_body_gets_413_without_the_body() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &["--max-body-bytes", "1000"]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(
+        b"POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .unwrap();
+    conn.set_read_timeout(Duration::from_secs(3));
+    let resp = conn.read_response("POST").unwrap_or_else(|e| {
+        panic!("no final answer to an oversized Expect: 100-continue request within 3 s: {e}")
+    });
+    assert_eq!(resp.status, 413, "{}", resp.describe());
+    assert!(
+        resp.interim.is_empty(),
+        "100 Continue invited a body that is then refused: {:?}",
+        resp.interim
+    );
+    assert_eq!(
+        backend.stats().requests,
+        1,
+        "oversized request reached the backend"
+    );
+}
