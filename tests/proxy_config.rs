@@ -288,3 +288,26 @@ fn two_listeners_both_serve() {
         assert_eq!(resp.status, 200, "listener {addr}: {}", resp.describe());
     }
 }
+
+#[test]
+fn cores_list_pins_workers_and_serves() {
+    let backend = Backend::start();
+    let url = backend.url();
+    for (cores, workers) in [("0", "1"), ("0-1", "2"), ("0,1", "2")] {
+        let kvlb = Kvlb::serve(&[
+            "--replica",
+            url.as_str(),
+            "--workers",
+            workers,
+            "--cores",
+            cores,
+        ]);
+        let resp = kvlb.get("/echo");
+        assert_eq!(
+            resp.status,
+            200,
+            "--cores {cores} --workers {workers}: {}",
+            resp.describe()
+        );
+    }
+}

@@ -451,3 +451,46 @@ fn expect_100_continue_with_too_large_body_gets_413_without_the_body() {
         "oversized request reached the backend"
     );
 }
+
+#[test]
+fn max_connections_refuses_extra_clients_and_recovers() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &["--max-connections", "2"]);
+    let mut held: Vec<HttpConn> = (0..2)
+        .map(|i| {
+            let mut c = HttpConn::connect(kvlb.listen);
+            let resp = c
+                .request("GET", "/echo", &[], b"")
+                .expect("held connection");
+            expect_ok(&resp, &kvlb, &format!("held connection {i}"));
+            c
+        })
+        .collect();
+    // A third client is not served while two are open: refused, closed, or a 503.
+    let third = HttpConn::try_connect(kvlb.listen).ok().and_then(|mut c| {
+        c.set_read_timeout(Duration::from_secs(3));
+        c.request("GET", "/echo", &[], b"").ok()
+    });
+    if let Some(resp) = &third {
+        assert!(
+            resp.status == 503 && resp.is_json_error(),
+            "third connection with --max-connections 2 got:\n{}",
+            resp.describe()
+        );
+    }
+    // Once one client leaves, a new one is served.
+    drop(held.pop());
+    let served = support::wait_until(Duration::from_secs(3), || {
+        HttpConn::try_connect(kvlb.listen)
+            .ok()
+            .and_then(|mut c| {
+                c.set_read_timeout(Duration::from_secs(2));
+                c.request("GET", "/echo", &[], b"").ok()
+            })
+            .is_some_and(|r| r.status == 200)
+    });
+    assert!(served, "no client served after a held connection closed");
+    // The remaining held connection still works.
+    let resp = held[0].request("GET", "/echo", &[], b"").expect("held");
+    expect_ok(&resp, &kvlb, "remaining held connection");
+}

@@ -188,3 +188,22 @@ fn curl_streams_backend_sse() {
         "{shown}"
     );
 }
+
+#[test]
+fn smuggling_check_detects_a_lenient_server() {
+    // The Python backend itself prefers Transfer-Encoding and then serves the smuggled
+    // request: the harness must see that second response, as it would behind a lax proxy.
+    let backend = Backend::start();
+    let mut conn = HttpConn::connect(backend.addr);
+    let smuggled = "GET /echo?smuggled=1 HTTP/1.1\r\nHost: x\r\n\r\n";
+    let body = format!("0\r\n\r\n{smuggled}");
+    let raw = format!(
+        "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nTransfer-Encoding: chunked\r\n\r\n{body}",
+        body.len()
+    );
+    conn.send(raw.as_bytes()).unwrap();
+    let first = conn.read_response("POST").unwrap();
+    assert_eq!(first.status, 200);
+    let (more, _) = conn.read_for(Duration::from_millis(700));
+    assert!(String::from_utf8_lossy(&more).contains("smuggled=1"));
+}
