@@ -187,9 +187,7 @@ fn obs_fold_header_with_space_is_rejected() {
 #[test]
 fn obs_fold_header_with_tab_is_rejected() {
     // A folded Transfer-Encoding is the classic smuggling variant.
-    let raw = format!(
-        "POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nContent-Length: 5\r\nX-Padding: a\r\n\tTransfer-Encoding: chunked\r\n\r\nhello"
-    );
+    let raw = "POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nContent-Length: 5\r\nX-Padding: a\r\n\tTransfer-Encoding: chunked\r\n\r\nhello";
     assert_rejected(raw.as_bytes(), &[400], Fault::Head, &[]);
 }
 

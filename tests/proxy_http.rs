@@ -78,7 +78,7 @@ fn keep_alive_reuses_client_and_upstream_connections() {
 fn keep_alive_with_curl_reuses_both_connections() {
     let (_backend, kvlb) = proxied(&[]);
     let url = kvlb.url("/echo");
-    let urls: Vec<&str> = std::iter::repeat(url.as_str()).take(6).collect();
+    let urls = vec![url.as_str(); 6];
     let mut args = vec!["-i", "-w", "num_connects=%{num_connects}\\n"];
     args.extend(urls);
     let out = curl(&args);

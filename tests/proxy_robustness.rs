@@ -94,12 +94,12 @@ enum Outcome {
     /// Content-Length with Transfer-Encoding: RFC 9112 section 6.1 lets an intermediary
     /// either reject it (502) or forward it framed by Transfer-Encoding with the
     /// Content-Length removed.
-    BadGatewayOrChunkedOnly,
+    ChunkedOnlyAllowed,
     /// Only a 502 JSON error is right (the head itself is bad).
-    BadGateway,
+    OnlyBadGateway,
     /// The head may already have been forwarded: a 502, or the connection closed before a
     /// complete response; never garbage parsed as a response, never a hang.
-    BadGatewayOrTruncated,
+    TruncationAllowed,
 }
 
 fn malformed_upstream(kind: &str, outcome: Outcome) {
@@ -111,12 +111,12 @@ fn malformed_upstream(kind: &str, outcome: Outcome) {
     let result = conn.read_response("GET");
     match (&result, &outcome) {
         (Ok(resp), _) if resp.status == 502 && resp.is_json_error() => {}
-        (Ok(resp), Outcome::BadGatewayOrChunkedOnly)
+        (Ok(resp), Outcome::ChunkedOnlyAllowed)
             if resp.status == 200
                 && resp.header("content-length").is_none()
                 && resp.framing == support::client::Framing::Chunked
                 && resp.body.is_empty() => {}
-        (Err(e), Outcome::BadGatewayOrTruncated)
+        (Err(e), Outcome::TruncationAllowed)
             if matches!(
                 e.kind(),
                 ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
@@ -143,32 +143,32 @@ fn malformed_upstream(kind: &str, outcome: Outcome) {
 
 #[test]
 fn upstream_response_with_content_length_and_transfer_encoding_is_not_ambiguous() {
-    malformed_upstream("cl_te", Outcome::BadGatewayOrChunkedOnly);
+    malformed_upstream("cl_te", Outcome::ChunkedOnlyAllowed);
 }
 
 #[test]
 fn upstream_response_with_conflicting_content_lengths_gets_502() {
-    malformed_upstream("dup_cl", Outcome::BadGateway);
+    malformed_upstream("dup_cl", Outcome::OnlyBadGateway);
 }
 
 #[test]
 fn upstream_response_with_bad_status_line_gets_502() {
-    malformed_upstream("bad_status", Outcome::BadGateway);
+    malformed_upstream("bad_status", Outcome::OnlyBadGateway);
 }
 
 #[test]
 fn upstream_garbage_gets_502() {
-    malformed_upstream("garbage", Outcome::BadGateway);
+    malformed_upstream("garbage", Outcome::OnlyBadGateway);
 }
 
 #[test]
 fn upstream_bad_chunk_size_is_not_passed_through() {
-    malformed_upstream("bad_chunk", Outcome::BadGatewayOrTruncated);
+    malformed_upstream("bad_chunk", Outcome::TruncationAllowed);
 }
 
 #[test]
 fn upstream_short_body_is_not_completed() {
-    malformed_upstream("short_cl", Outcome::BadGatewayOrTruncated);
+    malformed_upstream("short_cl", Outcome::TruncationAllowed);
 }
 
 #[test]

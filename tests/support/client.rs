@@ -101,6 +101,9 @@ impl Response {
     }
 }
 
+/// A status line and headers: (version, status, reason, headers).
+pub type Head = (String, u16, String, Vec<(String, String)>);
+
 /// One client connection with its own read buffer.
 pub struct HttpConn {
     stream: TcpStream,
@@ -270,8 +273,8 @@ impl HttpConn {
         Ok(())
     }
 
-    /// Reads a status line and headers: (version, status, reason, headers).
-    pub fn read_head(&mut self) -> io::Result<(String, u16, String, Vec<(String, String)>)> {
+    /// Reads a status line and headers.
+    pub fn read_head(&mut self) -> io::Result<Head> {
         let line = self.read_line(16 * 1024)?;
         let text = String::from_utf8_lossy(&line).into_owned();
         let mut parts = text.splitn(3, ' ');
