@@ -494,3 +494,139 @@ fn max_connections_refuses_extra_clients_and_recovers() {
     let resp = held[0].request("GET", "/echo", &[], b"").expect("held");
     expect_ok(&resp, &kvlb, "remaining held connection");
 }
+
+#[test]
+fn upstream_chunk_extensions_and_trailer_are_handled() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let resp = conn
+        .request("GET", "/chunked?n=5&size=777&ext=1&trailer=1", &[], b"")
+        .unwrap_or_else(|e| panic!("chunked response with extensions and a trailer: {e}"));
+    expect_ok(
+        &resp,
+        &kvlb,
+        "chunked response with extensions and a trailer",
+    );
+    assert_eq!(resp.body.len(), 5 * 777);
+    assert_eq!(
+        resp.header("x-body-sha256"),
+        Some(sha256_hex(&resp.body).as_str())
+    );
+    let resp = conn
+        .request("GET", "/echo", &[], b"")
+        .unwrap_or_else(|e| panic!("request after a response trailer: {e}"));
+    expect_ok(&resp, &kvlb, "request after a response trailer");
+}
+
+#[test]
+fn head_answered_with_transfer_encoding_has_no_body() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.set_read_timeout(Duration::from_secs(4));
+    let resp = conn
+        .request("HEAD", "/chunked", &[], b"")
+        .unwrap_or_else(|e| panic!("HEAD answered with Transfer-Encoding: chunked: {e}"));
+    expect_ok(&resp, &kvlb, "HEAD /chunked");
+    let (stray, _) = conn.read_for(Duration::from_millis(300));
+    assert!(
+        stray.is_empty(),
+        "body bytes after HEAD: {}",
+        show_bytes(&stray)
+    );
+    let resp = conn
+        .request("GET", "/echo", &[], b"")
+        .unwrap_or_else(|e| panic!("request after HEAD /chunked (proxy waiting for a body?): {e}"));
+    expect_ok(&resp, &kvlb, "request after HEAD /chunked");
+}
+
+#[test]
+fn not_modified_with_content_length_has_no_body() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.set_read_timeout(Duration::from_secs(4));
+    let resp = conn
+        .request("GET", "/status?code=304&cl=100", &[], b"")
+        .unwrap_or_else(|e| panic!("304 announcing Content-Length: 100: {e}"));
+    assert_eq!(resp.status, 304, "{}", resp.describe());
+    let resp = conn.request("GET", "/echo", &[], b"").unwrap_or_else(|e| {
+        panic!("request after a 304 with Content-Length (proxy waiting for a body?): {e}")
+    });
+    expect_ok(&resp, &kvlb, "request after a 304 with Content-Length");
+}
+
+#[test]
+fn pipelined_slow_request_keeps_responses_in_order() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(
+        b"GET /slow?ms=600 HTTP/1.1\r\nHost: kvlb.test\r\n\r\nGET /echo?second HTTP/1.1\r\nHost: kvlb.test\r\n\r\n",
+    )
+    .unwrap();
+    let first = conn.read_response("GET").expect("first pipelined response");
+    expect_ok(&first, &kvlb, "first pipelined (slow) request");
+    assert_eq!(
+        first.body,
+        b"slow done\n",
+        "responses out of order:\n{}",
+        first.describe()
+    );
+    let second = conn
+        .read_response("GET")
+        .expect("second pipelined response");
+    expect_ok(&second, &kvlb, "second pipelined request");
+    assert_eq!(second.header("x-got-path"), Some("/echo?second"));
+}
+
+#[test]
+fn request_pipelined_after_connection_close_is_not_served() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(
+        b"GET /echo?first HTTP/1.1\r\nHost: kvlb.test\r\nConnection: close\r\n\r\nGET /echo?after-close HTTP/1.1\r\nHost: kvlb.test\r\n\r\n",
+    )
+    .unwrap();
+    let first = conn.read_response("GET").expect("first response");
+    expect_ok(&first, &kvlb, "request with Connection: close");
+    let (more, closed) = conn.read_for(Duration::from_secs(2));
+    assert!(
+        more.is_empty(),
+        "request after Connection: close was answered: {}",
+        show_bytes(&more)
+    );
+    assert!(closed, "connection not closed after Connection: close");
+    let stats = backend.stats();
+    assert_eq!(
+        stats.requests, 2,
+        "the backend saw the request after Connection: close"
+    );
+}
+
+#[test]
+fn client_leaving_mid_stream_stops_the_upstream_stream() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send_request("GET", "/sse?n=50&interval_ms=100", &[], b"")
+        .unwrap();
+    let (_, status, _, _) = conn.read_head().expect("stream head");
+    assert_eq!(status, 200);
+    // Read a couple of events, then leave (like a user pressing stop).
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\"i\": 1") {
+        let chunk = conn.read_some().expect("events");
+        assert!(!chunk.is_empty(), "stream ended early");
+        got.extend_from_slice(&chunk);
+    }
+    drop(conn);
+    let stopped = support::wait_until(Duration::from_millis(2000), || backend.stats().aborted >= 1);
+    assert!(
+        stopped,
+        "backend still streaming 2 s after the client left (the stream lasts 5 s): {:?}",
+        backend.stats()
+    );
+}

@@ -13,13 +13,16 @@ handle:
                         x-got-connection-count (requests carried by this TCP connection),
                         x-got-body-len, x-got-body-sha256
   /bytes?n=N            N deterministic bytes (content-length), x-body-sha256
-  /chunked?n=N&size=S   chunked response of N chunks of S bytes, x-body-sha256
+  /chunked?n=N&size=S[&ext=1][&trailer=1]
+                        chunked response of N chunks of S bytes, x-body-sha256; with chunk
+                        extensions and/or a trailer field
   /close?size=S         close-delimited response (no content-length, no chunked)
   /sse?n=N&interval_ms=M
                         text/event-stream, chunked: N `data: {...}` events M ms apart,
                         then `data: [DONE]`
   /slow?ms=M            answers after M ms; notices and counts a peer that closes meanwhile
-  /status?code=C        204 / 304 (no body) or any other code with a short body
+  /status?code=C[&cl=N] 204 / 304 (no body; a 304 may announce Content-Length N) or any other
+                        code with a short body
   /hang                 never answers (gives up after 120 s or when the peer closes)
   /die?after=headers    writes the head and part of the body, then the process exits
   /die?after=nothing    the process exits without answering
@@ -30,7 +33,8 @@ handle:
   /echo?conn_close=1    the echo answer with `Connection: close`; the connection then closes
   /stats                JSON counters: connections_opened, connections_closed, requests,
                         aborted (slow/hang requests whose peer closed first)
-HEAD on any path answers the head of a 11-byte response without the body.
+HEAD on any path answers the head of a 11-byte response without the body; HEAD /chunked
+announces Transfer-Encoding: chunked instead.
 
 `--idle-close-ms N` closes a kept-alive connection that stays idle for N ms, without notice
 (as real servers do), to exercise a proxy's handling of stale pooled connections.
@@ -186,7 +190,10 @@ class Handler(BaseHTTPRequestHandler):
         bump("requests")
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", "11")
+        if urlsplit(self.path).path == "/chunked":
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", "11")
         self.send_header("x-got-method", "HEAD")
         self.send_header("x-got-connection-count", str(self.served_on_connection))
         self.end_headers()
@@ -290,9 +297,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("x-body-sha256", hashlib.sha256(data).hexdigest())
         self.end_headers()
+        ext = b";name=value" if q.get("ext") == "1" else b""
         for i in range(n):
-            self.write_chunk(data[i * size : (i + 1) * size])
-        self.wfile.write(b"0\r\n\r\n")
+            chunk = data[i * size : (i + 1) * size]
+            self.wfile.write(b"%x%s\r\n" % (len(chunk), ext) + chunk + b"\r\n")
+            self.wfile.flush()
+        if q.get("trailer") == "1":
+            self.wfile.write(b"0\r\nx-trailer: done\r\n\r\n")
+        else:
+            self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
     def route_close(self, q, body):
@@ -343,6 +356,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(code)
             if code == 304:
                 self.send_header("ETag", '"v1"')
+                if "cl" in q:
+                    self.send_header("Content-Length", q["cl"])
             self.end_headers()
             self.wfile.flush()
         else:
