@@ -377,3 +377,50 @@ fn stalled_request_body_gets_408() {
     }
     assert_eq!(kvlb.get("/echo").status, 200);
 }
+
+#[test]
+fn overflowing_content_length_is_rejected() {
+    let raw = post("Content-Length: 99999999999999999999999\r\n", "hello");
+    assert_rejected(&raw, &[400, 413], Fault::Head, &[]);
+}
+
+#[test]
+fn header_name_with_space_inside_is_rejected() {
+    let raw = b"GET /echo HTTP/1.1\r\nHost: kvlb.test\r\nX Bad: 1\r\n\r\n";
+    assert_rejected(raw, &[400], Fault::Head, &[]);
+}
+
+#[test]
+fn bare_cr_in_header_value_is_rejected_or_neutralised() {
+    let (_backend, kvlb) = proxied(&[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(
+        b"GET /echo HTTP/1.1\r\nHost: kvlb.test\r\nX-A: a\rTransfer-Encoding: chunked\r\n\r\n",
+    )
+    .unwrap();
+    let resp = conn.read_response("GET").expect("response");
+    match resp.status {
+        400 => assert!(resp.is_json_error(), "{}", resp.describe()),
+        200 => {
+            // RFC 9112 section 2.2: a bare CR may be replaced by SP; it must not split the line.
+            let json = resp.header("x-got-headers-json").unwrap_or("");
+            assert!(
+                !json.to_ascii_lowercase().contains("\"transfer-encoding\""),
+                "bare CR split a header line at the backend: {json}"
+            );
+        }
+        _ => panic!("bare CR in a header value: {}", resp.describe()),
+    }
+}
+
+#[test]
+fn content_length_with_leading_zeros_is_accepted() {
+    let (_backend, kvlb) = proxied(&[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(b"POST /echo HTTP/1.1\r\nHost: kvlb.test\r\nContent-Length: 005\r\n\r\nhello")
+        .unwrap();
+    let resp = conn.read_response("POST").expect("response");
+    // 1*DIGIT: "005" is 5.
+    assert_eq!(resp.status, 200, "{}", resp.describe());
+    assert_eq!(resp.body, b"hello");
+}

@@ -729,3 +729,40 @@ fn pipelined_requests_are_answered_in_order() {
         );
     }
 }
+
+#[test]
+fn x_forwarded_for_over_several_lines_keeps_order() {
+    let (_backend, kvlb) = proxied(&[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let resp = conn
+        .request(
+            "GET",
+            "/echo",
+            &[
+                ("X-Forwarded-For", "203.0.113.7"),
+                ("X-Forwarded-For", "198.51.100.2"),
+            ],
+            b"",
+        )
+        .expect("GET /echo");
+    expect_ok(&resp, &kvlb, "GET /echo");
+    assert_eq!(
+        forwarded_for(&resp),
+        vec!["203.0.113.7", "198.51.100.2", "127.0.0.1"],
+        "{}",
+        resp.describe()
+    );
+}
+
+#[test]
+fn absolute_form_request_target_is_accepted() {
+    // RFC 9112 section 3.2.2: a server must accept the absolute form.
+    let (_backend, kvlb) = proxied(&[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(b"GET http://kvlb.test/echo?abs=1 HTTP/1.1\r\nHost: kvlb.test\r\n\r\n")
+        .unwrap();
+    let resp = conn.read_response("GET").expect("response");
+    expect_ok(&resp, &kvlb, "absolute-form GET");
+    let path = resp.header("x-got-path").unwrap_or("");
+    assert!(path.ends_with("/echo?abs=1"), "backend saw target {path:?}");
+}
