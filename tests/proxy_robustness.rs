@@ -630,3 +630,56 @@ fn client_leaving_mid_stream_stops_the_upstream_stream() {
         backend.stats()
     );
 }
+
+#[test]
+fn long_pipelined_burst_is_answered_in_order() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let n = 200;
+    let mut raw = Vec::new();
+    for i in 0..n {
+        raw.extend_from_slice(
+            format!("GET /echo?n={i} HTTP/1.1\r\nHost: kvlb.test\r\n\r\n").as_bytes(),
+        );
+    }
+    conn.send(&raw).expect("send the burst");
+    for i in 0..n {
+        let resp = conn.read_response("GET").unwrap_or_else(|e| {
+            panic!(
+                "pipelined response {i} of {n}: {e}\nkvlb stderr:\n{}",
+                kvlb.stderr()
+            )
+        });
+        expect_ok(&resp, &kvlb, "pipelined GET");
+        assert_eq!(
+            resp.header("x-got-path"),
+            Some(format!("/echo?n={i}").as_str())
+        );
+    }
+}
+
+#[test]
+fn many_simultaneous_connections_are_all_served() {
+    let backend = Backend::start();
+    let url = backend.url();
+    let kvlb = Kvlb::serve(&["--replica", url.as_str(), "--workers", "2"]);
+    // 200 clients connect and send at once, then read.
+    let mut conns: Vec<HttpConn> = (0..200).map(|_| HttpConn::connect(kvlb.listen)).collect();
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.send_request(
+            "POST",
+            &format!("/echo?c={i}"),
+            &[],
+            format!("client {i}").as_bytes(),
+        )
+        .expect("send");
+    }
+    for (i, c) in conns.iter_mut().enumerate() {
+        let resp = c
+            .read_response("POST")
+            .unwrap_or_else(|e| panic!("client {i} of 200: {e}\nkvlb stderr:\n{}", kvlb.stderr()));
+        expect_ok(&resp, &kvlb, "simultaneous client");
+        assert_eq!(resp.body, format!("client {i}").as_bytes());
+    }
+}
