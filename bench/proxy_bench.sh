@@ -1,0 +1,332 @@
+#!/usr/bin/env bash
+# L7 proxy overhead benchmark: kvlb vs nginx vs HAProxy, side by side in one invocation.
+#
+# Every proxy runs alone on core PROXY_CORE (default 0) in front of the same static nginx
+# backend; the backend and the load generator (wrk: keep-alive, 64 connections, POST of a
+# ~2 KiB OpenAI chat-completions body) share core LOAD_CORE (default 1). For each proxy it
+# reports req/s, p50 and p99 latency, and the proxy's CPU time per request, taken from
+# /proc/PID/stat (utime+stime of all its processes and threads) before and after the run; the
+# busy time of the proxy's core from /proc/stat is printed as a cross-check (it also holds the
+# softirq work of loopback traffic, and any other process that happened to run there).
+# Then it prints kvlb's ratios to nginx against the target (CPU/request <= 0.7x nginx, p99 no
+# worse). Results also go to bench/results/proxy_bench-<date>.txt.
+#
+# Environment: DURATION (seconds per measured run, 10), WARMUP (seconds, 3), CONNECTIONS (64),
+# WRK_THREADS (1), PROXY_CORE (0), LOAD_CORE (1), PROXIES ("nginx haproxy kvlb"),
+# KVLB_ARGS (extra flags for `kvlb serve`), PYTHON (python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+# shellcheck source=lib/packages.sh
+source bench/lib/packages.sh
+
+DURATION=${DURATION:-10}
+DURATION=${DURATION%s}
+WARMUP=${WARMUP:-3}
+WARMUP=${WARMUP%s}
+CONNECTIONS=${CONNECTIONS:-64}
+WRK_THREADS=${WRK_THREADS:-1}
+PROXY_CORE=${PROXY_CORE:-0}
+LOAD_CORE=${LOAD_CORE:-1}
+PROXIES=${PROXIES:-nginx haproxy kvlb}
+KVLB_ARGS=${KVLB_ARGS:-}
+PYTHON=${PYTHON:-python3}
+LIB=$ROOT/bench/lib
+LUA=$LIB/chat_completion.lua
+PATH_URI=/v1/chat/completions
+
+for n in "$DURATION" "$WARMUP" "$CONNECTIONS" "$WRK_THREADS" "$PROXY_CORE" "$LOAD_CORE"; do
+    if ! [[ $n =~ ^[0-9]+$ ]]; then
+        echo "error: DURATION, WARMUP, CONNECTIONS, WRK_THREADS, PROXY_CORE and LOAD_CORE" \
+            "must be whole numbers (got '$n')" >&2
+        exit 2
+    fi
+done
+cores=$(nproc)
+if [ "$PROXY_CORE" -ge "$cores" ] || [ "$LOAD_CORE" -ge "$cores" ]; then
+    echo "error: PROXY_CORE=$PROXY_CORE / LOAD_CORE=$LOAD_CORE, but this machine has $cores cores" >&2
+    exit 2
+fi
+
+kvlb_ensure_packages nginx haproxy wrk curl
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvlb-proxy-bench.XXXXXX")
+chmod 755 "$TMP"
+PIDS=()
+
+procstat() { taskset -c "$LOAD_CORE" "$PYTHON" "$LIB/procstat.py" "$@"; }
+
+# Stops a process we started and everything it forked (nginx master + workers).
+stop_tree() {
+    local root=$1 pid tree i
+    kill -0 "$root" 2>/dev/null || return 0
+    tree=$(procstat tree "$root" 2>/dev/null || echo "$root")
+    kill -TERM "$root" 2>/dev/null || true
+    for i in $(seq 30); do
+        kill -0 "$root" 2>/dev/null || break
+        sleep 0.1
+    done
+    for pid in $tree; do
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+    wait "$root" 2>/dev/null || true
+}
+
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]+"${PIDS[@]}"}"; do
+        stop_tree "$pid"
+    done
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+mkdir -p bench/results
+RESULTS=$ROOT/bench/results/proxy_bench-$(date -u +%Y%m%d-%H%M%S).txt
+: >"$RESULTS"
+say() { echo "$@" | tee -a "$RESULTS"; }
+
+# Fills a config template: @TMP@, @PORT@, @BACKEND_PORT@, @USER@.
+render() {
+    local template=$1 out=$2 port=$3 user=""
+    # Workers run as root when we are root, so they can use the temp dir we own.
+    [ "$(id -u)" -eq 0 ] && user="user root root;"
+    sed -e "s|@TMP@|$TMP|g" -e "s|@PORT@|$port|g" -e "s|@BACKEND_PORT@|$BACKEND_PORT|g" \
+        -e "s|@USER@|$user|g" "$template" >"$out"
+}
+
+# Starts a command pinned to a core in the background; sets STARTED_PID.
+start_pinned() {
+    local core=$1 log=$2
+    shift 2
+    taskset -c "$core" "$@" >"$log" 2>&1 &
+    STARTED_PID=$!
+    PIDS+=("$STARTED_PID")
+}
+
+# POSTs the benchmark body once; prints the HTTP status (000 when nothing answered).
+probe() {
+    curl -s -o "$TMP/probe.body" -D "$TMP/probe.head" -w '%{http_code}' --max-time 2 \
+        -H 'Content-Type: application/json' --data-binary "@$TMP/body.json" \
+        "http://127.0.0.1:$1$PATH_URI" 2>/dev/null || true
+}
+
+# Waits until the server on port $2 (process $1) answers the POST with 200 and the backend body.
+wait_ready() {
+    local pid=$1 port=$2 log=$3 i code=""
+    for i in $(seq 100); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "error: process exited during start-up; its output:" >&2
+            tail -n 20 "$log" >&2
+            return 1
+        fi
+        code=$(probe "$port")
+        if [ "$code" = 200 ] && grep -q chatcmpl-bench0001 "$TMP/probe.body"; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "error: no 200 answer on port $port after 10 s (last status $code); output:" >&2
+    tail -n 20 "$log" >&2
+    return 1
+}
+
+# The request body, as the wrk script sends it (for the start-up probes).
+body=$(sed -n '/^wrk.body = \[==\[$/,/^\]==\]$/p' "$LUA" | sed '1d;$d')
+printf '%s' "$body" >"$TMP/body.json"
+
+# Runs wrk against a port for some seconds; the output file ends with the script's BENCH line.
+run_wrk() {
+    local port=$1 seconds=$2 out=$3
+    taskset -c "$LOAD_CORE" wrk -t "$WRK_THREADS" -c "$CONNECTIONS" -d "${seconds}s" \
+        --timeout 5s --latency -s "$LUA" "http://127.0.0.1:$port$PATH_URI" >"$out" 2>&1
+}
+
+field() { sed -n "s/.* $2=\([0-9.]*\).*/\1/p" <<<"$1"; }
+
+CLK_TCK=$(getconf CLK_TCK)
+declare -A RPS P50 P99 CPU CORE IRQ UTIL OTHER ERRS
+
+# Warms up, then measures one proxy (process tree $2) listening on port $3.
+measure() {
+    local name=$1 pid=$2 port=$3 ticks0 ticks1 busy0 total0 irq0 busy1 total1 irq1 line
+    run_wrk "$port" "$WARMUP" "$TMP/$name-warmup.txt" || true
+    ticks0=$(procstat ticks "$pid")
+    read -r busy0 total0 irq0 < <(procstat core "$PROXY_CORE")
+    if ! run_wrk "$port" "$DURATION" "$TMP/$name-wrk.txt"; then
+        echo "error: wrk failed against $name:" >&2
+        cat "$TMP/$name-wrk.txt" >&2
+        return 1
+    fi
+    ticks1=$(procstat ticks "$pid")
+    read -r busy1 total1 irq1 < <(procstat core "$PROXY_CORE")
+    line=$(grep '^BENCH ' "$TMP/$name-wrk.txt" || true)
+    if [ -z "$line" ] || [ "$(field "$line" requests)" = 0 ]; then
+        echo "error: wrk completed no request against $name:" >&2
+        cat "$TMP/$name-wrk.txt" >&2
+        return 1
+    fi
+    local req dur
+    req=$(field "$line" requests)
+    dur=$(field "$line" duration_us)
+    RPS[$name]=$(awk -v r="$req" -v d="$dur" 'BEGIN { printf "%.0f", r / (d / 1e6) }')
+    P50[$name]=$(field "$line" p50_us)
+    P99[$name]=$(field "$line" p99_us)
+    CPU[$name]=$(awk -v t="$((ticks1 - ticks0))" -v hz="$CLK_TCK" -v r="$req" \
+        'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
+    CORE[$name]=$(awk -v t="$((busy1 - busy0))" -v hz="$CLK_TCK" -v r="$req" \
+        'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
+    IRQ[$name]=$(awk -v t="$((irq1 - irq0))" -v hz="$CLK_TCK" -v r="$req" \
+        'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
+    # Share of the core's busy time not charged to the proxy: other processes, and interrupt
+    # work that did not run in the proxy's context.
+    OTHER[$name]=$(awk -v b="$((busy1 - busy0))" -v p="$((ticks1 - ticks0))" \
+        'BEGIN { o = b - p; printf "%.0f", (b > 0 && o > 0) ? 100 * o / b : 0 }')
+    UTIL[$name]=$(awk -v b="$((busy1 - busy0))" -v t="$((total1 - total0))" \
+        'BEGIN { printf "%.0f", (t > 0) ? 100 * b / t : 0 }')
+    ERRS[$name]=$(($(field "$line" err_connect) + $(field "$line" err_read) + \
+        $(field "$line" err_write) + $(field "$line" err_status) + $(field "$line" err_timeout)))
+    {
+        echo "--- wrk output, $name ---"
+        grep -v '^BENCH ' "$TMP/$name-wrk.txt"
+    } >>"$TMP/raw.txt"
+}
+
+# --- build kvlb first, so the compile does not overlap any measurement ------------------
+KVLB=$ROOT/target/release/kvlb
+kvlb_skip=""
+if [[ " $PROXIES " == *" kvlb "* ]]; then
+    if ! command -v cargo >/dev/null 2>&1; then
+        kvlb_skip="cargo not found"
+    elif ! cargo build --release >"$TMP/cargo.log" 2>&1; then
+        tail -n 20 "$TMP/cargo.log" >&2
+        kvlb_skip="cargo build --release failed (output above)"
+    else
+        help=$("$KVLB" serve --help 2>&1) && help_rc=0 || help_rc=$?
+        if [ "$help_rc" -ne 0 ] && [[ $help != *--replica* ]]; then
+            kvlb_skip="this build has no 'kvlb serve' ('$KVLB serve --help' exited $help_rc)"
+        fi
+    fi
+fi
+
+read -r BACKEND_PORT NGINX_PORT HAPROXY_PORT KVLB_PORT <<<"$(procstat ports 4 | tr "\n" " ")"
+
+say "kvlb proxy benchmark, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+say "kvlb commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
+    git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
+say "machine: $(uname -r), $cores cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+say "versions: $(nginx -v 2>&1 | sed 's/.*: //'), $(haproxy -v 2>&1 | head -n 1 |
+    sed 's/ - .*//'), $(wrk -v 2>&1 | head -n 1 | cut -d' ' -f1-2)"
+say "setup: proxy on core $PROXY_CORE; nginx backend and wrk on core $LOAD_CORE;" \
+    "wrk -t$WRK_THREADS -c$CONNECTIONS keep-alive POST $PATH_URI with a $(wc -c <"$TMP/body.json")-byte body;" \
+    "warm-up ${WARMUP}s, then ${DURATION}s measured per proxy"
+say ""
+
+# --- the backend ------------------------------------------------------------------------
+render "$LIB/nginx-backend.conf.in" "$TMP/backend.conf" "$BACKEND_PORT"
+start_pinned "$LOAD_CORE" "$TMP/backend.log" nginx -p "$TMP" -c "$TMP/backend.conf"
+BACKEND_PID=$STARTED_PID
+wait_ready "$BACKEND_PID" "$BACKEND_PORT" "$TMP/backend.log"
+
+MEASURED=()
+failed=0
+for proxy in $PROXIES; do
+    case $proxy in
+    nginx)
+        render "$LIB/nginx-proxy.conf.in" "$TMP/nginx-proxy.conf" "$NGINX_PORT"
+        start_pinned "$PROXY_CORE" "$TMP/nginx.log" nginx -p "$TMP" -c "$TMP/nginx-proxy.conf"
+        port=$NGINX_PORT
+        ;;
+    haproxy)
+        render "$LIB/haproxy.cfg.in" "$TMP/haproxy.cfg" "$HAPROXY_PORT"
+        start_pinned "$PROXY_CORE" "$TMP/haproxy.log" haproxy -db -f "$TMP/haproxy.cfg"
+        port=$HAPROXY_PORT
+        ;;
+    kvlb)
+        if [ -n "$kvlb_skip" ]; then
+            say "kvlb: SKIPPED: $kvlb_skip"
+            continue
+        fi
+        # shellcheck disable=SC2086 # KVLB_ARGS holds several flags
+        start_pinned "$PROXY_CORE" "$TMP/kvlb.log" "$KVLB" serve --workers 1 \
+            --cores "$PROXY_CORE" --listen "127.0.0.1:$KVLB_PORT" \
+            --replica "http://127.0.0.1:$BACKEND_PORT" --admin 127.0.0.1:0 $KVLB_ARGS
+        port=$KVLB_PORT
+        ;;
+    *)
+        echo "error: unknown proxy '$proxy' in PROXIES (known: nginx haproxy kvlb)" >&2
+        exit 2
+        ;;
+    esac
+    pid=$STARTED_PID
+    if ! wait_ready "$pid" "$port" "$TMP/$proxy.log"; then
+        say "$proxy: FAILED to start (see above)"
+        failed=1
+        stop_tree "$pid"
+        continue
+    fi
+    if [ "$proxy" = kvlb ] && ! grep -qi '^x-kvlb-replica:' "$TMP/probe.head"; then
+        say "kvlb: warning: the response has no x-kvlb-replica header"
+    fi
+    echo "measuring $proxy (port $port, pid $pid): ${WARMUP}s warm-up + ${DURATION}s ..." >&2
+    if measure "$proxy" "$pid" "$port"; then
+        MEASURED+=("$proxy")
+    else
+        say "$proxy: FAILED during the run (see above)"
+        failed=1
+    fi
+    stop_tree "$pid"
+done
+
+say ""
+fmt="%-8s %8s %8s %8s %11s %13s %12s %6s %7s"
+say "$(printf "$fmt" proxy req/s p50_us p99_us cpu_us/req "core${PROXY_CORE}_us/req" irq_us/req \
+    core% errors)"
+for proxy in "${MEASURED[@]+"${MEASURED[@]}"}"; do
+    say "$(printf "$fmt" "$proxy" "${RPS[$proxy]}" "${P50[$proxy]}" "${P99[$proxy]}" \
+        "${CPU[$proxy]}" "${CORE[$proxy]}" "${IRQ[$proxy]}" "${UTIL[$proxy]}" "${ERRS[$proxy]}")"
+done
+say ""
+say "cpu_us/req: utime+stime of the proxy's processes and threads (/proc/PID/stat) per request."
+say "core${PROXY_CORE}_us/req: busy time of core $PROXY_CORE (/proc/stat) per request: also holds" \
+    "anything else that ran there."
+say "irq_us/req: interrupt + softirq time of core $PROXY_CORE per request (loopback network work; the" \
+    "part that ran in the proxy's context is in its cpu_us/req too)."
+for proxy in "${MEASURED[@]+"${MEASURED[@]}"}"; do
+    if [ "${OTHER[$proxy]}" -gt 15 ]; then
+        say "warning: during the $proxy run ${OTHER[$proxy]}% of core $PROXY_CORE's busy time was not" \
+            "charged to it: other processes ran there, so core${PROXY_CORE}_us/req and latency are" \
+            "inflated (cpu_us/req is not)."
+    fi
+    if [ "${ERRS[$proxy]}" != 0 ]; then
+        say "warning: $proxy had ${ERRS[$proxy]} errors (socket errors, timeouts or non-2xx)."
+    fi
+done
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0) ? a / b : 0 }'; }
+if [ -n "${CPU[kvlb]:-}" ]; then
+    for ref in nginx haproxy; do
+        [ -n "${CPU[$ref]:-}" ] || continue
+        say "kvlb / $ref: cpu per request $(ratio "${CPU[kvlb]}" "${CPU[$ref]}")x," \
+            "core busy per request $(ratio "${CORE[kvlb]}" "${CORE[$ref]}")x," \
+            "p99 $(ratio "${P99[kvlb]}" "${P99[$ref]}")x, req/s $(ratio "${RPS[kvlb]}" "${RPS[$ref]}")x"
+    done
+    if [ -n "${CPU[nginx]:-}" ]; then
+        cpu_ok=$(awk -v a="${CPU[kvlb]}" -v b="${CPU[nginx]}" 'BEGIN { print (a <= 0.7 * b) ? "PASS" : "FAIL" }')
+        p99_ok=$(awk -v a="${P99[kvlb]}" -v b="${P99[nginx]}" 'BEGIN { print (a <= b) ? "PASS" : "FAIL" }')
+        say "target: kvlb cpu/request <= 0.70x nginx: $cpu_ok; kvlb p99 <= nginx p99: $p99_ok"
+    fi
+elif [ -n "$kvlb_skip" ]; then
+    say "kvlb was not measured ($kvlb_skip): no ratios."
+fi
+
+if [ -s "$TMP/raw.txt" ]; then
+    { echo; cat "$TMP/raw.txt"; } >>"$RESULTS"
+fi
+echo "results written to ${RESULTS#"$ROOT"/}"
+exit "$failed"
