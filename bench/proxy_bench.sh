@@ -76,12 +76,21 @@ stop_tree() {
     wait "$root" 2>/dev/null || true
 }
 
+WRK_PID=""
+FINISHED=""
 cleanup() {
     local pid
+    if [ -n "$WRK_PID" ]; then
+        kill -TERM "$WRK_PID" 2>/dev/null || true
+        wait "$WRK_PID" 2>/dev/null || true
+    fi
     for pid in "${PIDS[@]+"${PIDS[@]}"}"; do
         stop_tree "$pid"
     done
     rm -rf "$TMP"
+    if [ -z "$FINISHED" ] && [ -n "${RESULTS:-}" ] && [ -f "$RESULTS" ]; then
+        echo "(run aborted before completion)" >>"$RESULTS"
+    fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -142,9 +151,14 @@ printf '%s' "$body" >"$TMP/body.json"
 
 # Runs wrk against a port for some seconds; the output file ends with the script's BENCH line.
 run_wrk() {
-    local port=$1 seconds=$2 out=$3
+    local port=$1 seconds=$2 out=$3 status=0
+    # In the background so that a signal reaches our trap at once, not after the run.
     taskset -c "$LOAD_CORE" wrk -t "$WRK_THREADS" -c "$CONNECTIONS" -d "${seconds}s" \
-        --timeout 5s --latency -s "$LUA" "http://127.0.0.1:$port$PATH_URI" >"$out" 2>&1
+        --timeout 5s --latency -s "$LUA" "http://127.0.0.1:$port$PATH_URI" >"$out" 2>&1 &
+    WRK_PID=$!
+    wait "$WRK_PID" || status=$?
+    WRK_PID=""
+    return "$status"
 }
 
 field() { sed -n "s/.* $2=\([0-9.]*\).*/\1/p" <<<"$1"; }
@@ -328,5 +342,6 @@ fi
 if [ -s "$TMP/raw.txt" ]; then
     { echo; cat "$TMP/raw.txt"; } >>"$RESULTS"
 fi
+FINISHED=1
 echo "results written to ${RESULTS#"$ROOT"/}"
 exit "$failed"

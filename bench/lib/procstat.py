@@ -83,11 +83,12 @@ def core_ticks(core):
             parts = line.split()
             if parts[0] == f"cpu{core}":
                 values = [int(v) for v in parts[1:]]
-                # user nice system idle iowait irq softirq steal guest guest_nice;
-                # guest time is already part of user time.
-                idle = values[3] + values[4]
+                # user nice system idle iowait irq softirq steal guest guest_nice; guest time
+                # is already part of user time, and steal is time the hypervisor ran something
+                # else: busy counts only the work this core did.
+                busy = values[0] + values[1] + values[2] + values[5] + values[6]
                 total = sum(values[:8])
-                return total - idle, total, values[5] + values[6]
+                return busy, total, values[5] + values[6]
     raise SystemExit(f"procstat: no cpu{core} line in /proc/stat")
 
 
