@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-# shellcheck source=lib/packages.sh
+# shellcheck source=bench/lib/packages.sh
 source bench/lib/packages.sh
 
 DURATION=${DURATION:-10}
@@ -62,11 +62,11 @@ procstat() { taskset -c "$LOAD_CORE" "$PYTHON" "$LIB/procstat.py" "$@"; }
 
 # Stops a process we started and everything it forked (nginx master + workers).
 stop_tree() {
-    local root=$1 pid tree i
+    local root=$1 pid tree
     kill -0 "$root" 2>/dev/null || return 0
     tree=$(procstat tree "$root" 2>/dev/null || echo "$root")
     kill -TERM "$root" 2>/dev/null || true
-    for i in $(seq 30); do
+    for _ in $(seq 30); do
         kill -0 "$root" 2>/dev/null || break
         sleep 0.1
     done
@@ -78,6 +78,7 @@ stop_tree() {
 
 WRK_PID=""
 FINISHED=""
+# shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
     local pid
     if [ -n "$WRK_PID" ]; then
@@ -127,8 +128,8 @@ probe() {
 
 # Waits until the server on port $2 (process $1) answers the POST with 200 and the backend body.
 wait_ready() {
-    local pid=$1 port=$2 log=$3 i code=""
-    for i in $(seq 100); do
+    local pid=$1 port=$2 log=$3 code=""
+    for _ in $(seq 100); do
         if ! kill -0 "$pid" 2>/dev/null; then
             echo "error: process exited during start-up; its output:" >&2
             tail -n 20 "$log" >&2
@@ -298,12 +299,11 @@ for proxy in $PROXIES; do
 done
 
 say ""
-fmt="%-8s %8s %8s %8s %11s %13s %12s %6s %7s"
-say "$(printf "$fmt" proxy req/s p50_us p99_us cpu_us/req "core${PROXY_CORE}_us/req" irq_us/req \
-    core% errors)"
+row() { printf '%-8s %8s %8s %8s %11s %13s %12s %6s %7s' "$@"; }
+say "$(row proxy req/s p50_us p99_us cpu_us/req "core${PROXY_CORE}_us/req" irq_us/req core% errors)"
 for proxy in "${MEASURED[@]+"${MEASURED[@]}"}"; do
-    say "$(printf "$fmt" "$proxy" "${RPS[$proxy]}" "${P50[$proxy]}" "${P99[$proxy]}" \
-        "${CPU[$proxy]}" "${CORE[$proxy]}" "${IRQ[$proxy]}" "${UTIL[$proxy]}" "${ERRS[$proxy]}")"
+    say "$(row "$proxy" "${RPS[$proxy]}" "${P50[$proxy]}" "${P99[$proxy]}" "${CPU[$proxy]}" \
+        "${CORE[$proxy]}" "${IRQ[$proxy]}" "${UTIL[$proxy]}" "${ERRS[$proxy]}")"
 done
 say ""
 say "cpu_us/req: utime+stime of the proxy's processes and threads (/proc/PID/stat) per request."

@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-# shellcheck source=../bench/lib/packages.sh
+# shellcheck source=bench/lib/packages.sh
 source bench/lib/packages.sh
 
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by tests/run.sh and bench/proxy_bench.sh: installs Debian packages the tests and
 # benchmarks need, idempotently (nothing is fetched when everything is already installed), and
 # makes sure the nginx/haproxy services that Debian's install scripts may start are stopped:
@@ -46,19 +47,18 @@ kvlb_stop_service() {
 # Installs the given Debian packages if any is missing: `apt-get update` only then.
 kvlb_ensure_packages() {
     local missing
-    missing=$(kvlb_missing_packages "$@")
+    missing=$(kvlb_missing_packages "$@" | tr '\n' ' ')
     if [ -z "$missing" ]; then
         return 0
     fi
-    # shellcheck disable=SC2086 # one package name per word
-    echo "installing Debian packages:" $missing >&2
+    echo "installing Debian packages: $missing" >&2
     if ! command -v apt-get >/dev/null 2>&1; then
-        echo "error: apt-get not found; install these packages by hand:" $missing >&2
+        echo "error: apt-get not found; install these packages by hand: $missing" >&2
         return 1
     fi
     local log
     log=$(mktemp)
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2086 # one package name per word
     if ! { kvlb_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q &&
         kvlb_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
             --no-install-recommends $missing; } >"$log" 2>&1; then
@@ -68,9 +68,9 @@ kvlb_ensure_packages() {
         return 1
     fi
     rm -f "$log"
-    missing=$(kvlb_missing_packages "$@")
+    missing=$(kvlb_missing_packages "$@" | tr '\n' ' ')
     if [ -n "$missing" ]; then
-        echo "error: still missing after apt-get install:" $missing >&2
+        echo "error: still missing after apt-get install: $missing" >&2
         return 1
     fi
     case " $* " in *" nginx "*) kvlb_stop_service nginx /run/nginx.pid ;; esac
