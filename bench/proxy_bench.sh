@@ -11,9 +11,11 @@
 # Then it prints kvlb's ratios to nginx against the target (CPU/request <= 0.7x nginx, p99 no
 # worse). Results also go to bench/results/proxy_bench-<date>.txt.
 #
-# Environment: DURATION (seconds per measured run, 10), WARMUP (seconds, 3), CONNECTIONS (64),
+# Environment: DURATION (seconds per measured run, 10), WARMUP (seconds, 3), ROUNDS (1: measured
+# runs per proxy, alternating between proxies; CPU is summed, latency is the median), CONNECTIONS (64),
 # WRK_THREADS (1), PROXY_CORE (0), LOAD_CORE (1), PROXIES ("nginx haproxy kvlb"),
-# KVLB_ARGS (extra flags for `kvlb serve`), PYTHON (python3).
+# KVLB_ARGS (extra flags for `kvlb serve`), KVLB_BIN (a kvlb binary to use instead of building
+# target/release/kvlb), PYTHON (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,6 +27,7 @@ DURATION=${DURATION:-10}
 DURATION=${DURATION%s}
 WARMUP=${WARMUP:-3}
 WARMUP=${WARMUP%s}
+ROUNDS=${ROUNDS:-1}
 CONNECTIONS=${CONNECTIONS:-64}
 WRK_THREADS=${WRK_THREADS:-1}
 PROXY_CORE=${PROXY_CORE:-0}
@@ -36,9 +39,9 @@ LIB=$ROOT/bench/lib
 LUA=$LIB/chat_completion.lua
 PATH_URI=/v1/chat/completions
 
-for n in "$DURATION" "$WARMUP" "$CONNECTIONS" "$WRK_THREADS" "$PROXY_CORE" "$LOAD_CORE"; do
+for n in "$DURATION" "$WARMUP" "$ROUNDS" "$CONNECTIONS" "$WRK_THREADS" "$PROXY_CORE" "$LOAD_CORE"; do
     if ! [[ $n =~ ^[0-9]+$ ]]; then
-        echo "error: DURATION, WARMUP, CONNECTIONS, WRK_THREADS, PROXY_CORE and LOAD_CORE" \
+        echo "error: DURATION, WARMUP, ROUNDS, CONNECTIONS, WRK_THREADS, PROXY_CORE, LOAD_CORE" \
             "must be whole numbers (got '$n')" >&2
         exit 2
     fi
@@ -165,63 +168,94 @@ run_wrk() {
 field() { sed -n "s/.* $2=\([0-9.]*\).*/\1/p" <<<"$1"; }
 
 CLK_TCK=$(getconf CLK_TCK)
+# Per proxy: process and port; sums over the measured runs; per-run latency percentiles.
+declare -A PID_OF PORT_OF N_REQ N_DUR N_TICKS N_BUSY N_IRQ N_TOTAL N_ERRS P50S P99S
+# Per proxy, the figures reported.
 declare -A RPS P50 P99 CPU CORE IRQ UTIL OTHER ERRS
 
-# Warms up, then measures one proxy (process tree $2) listening on port $3.
-measure() {
-    local name=$1 pid=$2 port=$3 ticks0 ticks1 busy0 total0 irq0 busy1 total1 irq1 line
+# One measured run of proxy $1 (round $2): a warm-up run, then DURATION seconds between two
+# CPU snapshots. Adds the run to the proxy's sums.
+measure_run() {
+    local name=$1 round=$2 pid=${PID_OF[$1]} port=${PORT_OF[$1]} out line req dur
+    local ticks0 ticks1 busy0 total0 irq0 busy1 total1 irq1
+    out=$TMP/$name-round$round.txt
     run_wrk "$port" "$WARMUP" "$TMP/$name-warmup.txt" || true
     ticks0=$(procstat ticks "$pid")
     read -r busy0 total0 irq0 < <(procstat core "$PROXY_CORE")
-    if ! run_wrk "$port" "$DURATION" "$TMP/$name-wrk.txt"; then
+    if ! run_wrk "$port" "$DURATION" "$out"; then
         echo "error: wrk failed against $name:" >&2
-        cat "$TMP/$name-wrk.txt" >&2
+        cat "$out" >&2
         return 1
     fi
     ticks1=$(procstat ticks "$pid")
     read -r busy1 total1 irq1 < <(procstat core "$PROXY_CORE")
-    line=$(grep '^BENCH ' "$TMP/$name-wrk.txt" || true)
-    if [ -z "$line" ] || [ "$(field "$line" requests)" = 0 ]; then
+    line=$(grep '^BENCH ' "$out" || true)
+    req=$(field "$line" requests)
+    if [ -z "$line" ] || [ "${req:-0}" = 0 ]; then
         echo "error: wrk completed no request against $name:" >&2
-        cat "$TMP/$name-wrk.txt" >&2
+        cat "$out" >&2
         return 1
     fi
-    local req dur
-    req=$(field "$line" requests)
     dur=$(field "$line" duration_us)
-    RPS[$name]=$(awk -v r="$req" -v d="$dur" 'BEGIN { printf "%.0f", r / (d / 1e6) }')
-    P50[$name]=$(field "$line" p50_us)
-    P99[$name]=$(field "$line" p99_us)
-    CPU[$name]=$(awk -v t="$((ticks1 - ticks0))" -v hz="$CLK_TCK" -v r="$req" \
-        'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
-    CORE[$name]=$(awk -v t="$((busy1 - busy0))" -v hz="$CLK_TCK" -v r="$req" \
-        'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
-    IRQ[$name]=$(awk -v t="$((irq1 - irq0))" -v hz="$CLK_TCK" -v r="$req" \
-        'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
-    # Share of the core's busy time not charged to the proxy: other processes, and interrupt
-    # work that did not run in the proxy's context.
-    OTHER[$name]=$(awk -v b="$((busy1 - busy0))" -v p="$((ticks1 - ticks0))" \
-        'BEGIN { o = b - p; printf "%.0f", (b > 0 && o > 0) ? 100 * o / b : 0 }')
-    UTIL[$name]=$(awk -v b="$((busy1 - busy0))" -v t="$((total1 - total0))" \
-        'BEGIN { printf "%.0f", (t > 0) ? 100 * b / t : 0 }')
-    ERRS[$name]=$(($(field "$line" err_connect) + $(field "$line" err_read) + \
-        $(field "$line" err_write) + $(field "$line" err_status) + $(field "$line" err_timeout)))
+    N_REQ[$name]=$((${N_REQ[$name]:-0} + req))
+    N_DUR[$name]=$((${N_DUR[$name]:-0} + dur))
+    N_TICKS[$name]=$((${N_TICKS[$name]:-0} + ticks1 - ticks0))
+    N_BUSY[$name]=$((${N_BUSY[$name]:-0} + busy1 - busy0))
+    N_IRQ[$name]=$((${N_IRQ[$name]:-0} + irq1 - irq0))
+    N_TOTAL[$name]=$((${N_TOTAL[$name]:-0} + total1 - total0))
+    N_ERRS[$name]=$((${N_ERRS[$name]:-0} + $(field "$line" err_connect) + \
+        $(field "$line" err_read) + $(field "$line" err_write) + $(field "$line" err_status) + \
+        $(field "$line" err_timeout)))
+    P50S[$name]="${P50S[$name]:-} $(field "$line" p50_us)"
+    P99S[$name]="${P99S[$name]:-} $(field "$line" p99_us)"
     {
-        echo "--- wrk output, $name ---"
-        grep -v '^BENCH ' "$TMP/$name-wrk.txt"
+        echo "--- wrk output, $name, round $round:" \
+            "$(per_request "$((ticks1 - ticks0))" "$req") us of $name CPU per request ---"
+        grep -v '^BENCH ' "$out"
     } >>"$TMP/raw.txt"
 }
 
+# Microseconds per request from clock ticks $1 over $2 requests.
+per_request() { awk -v t="$1" -v hz="$CLK_TCK" -v r="$2" 'BEGIN { printf "%.1f", t * 1e6 / hz / r }'; }
+
+# The median of a space-separated list of numbers.
+median() {
+    tr ' ' '\n' <<<"$1" | grep -v '^$' | sort -n |
+        awk '{ a[NR] = $1 } END { if (NR % 2) print a[(NR + 1) / 2];
+            else printf "%.0f\n", (a[NR / 2] + a[NR / 2 + 1]) / 2 }'
+}
+
+# Turns a proxy's sums into the reported figures.
+summarise() {
+    local name=$1 req=${N_REQ[$1]} busy=${N_BUSY[$1]} ticks=${N_TICKS[$1]}
+    RPS[$name]=$(awk -v r="$req" -v d="${N_DUR[$name]}" 'BEGIN { printf "%.0f", r / (d / 1e6) }')
+    P50[$name]=$(median "${P50S[$name]}")
+    P99[$name]=$(median "${P99S[$name]}")
+    CPU[$name]=$(per_request "$ticks" "$req")
+    CORE[$name]=$(per_request "$busy" "$req")
+    IRQ[$name]=$(per_request "${N_IRQ[$name]}" "$req")
+    # Share of the core's busy time not charged to the proxy: other processes, and interrupt
+    # work that did not run in the proxy's context.
+    OTHER[$name]=$(awk -v b="$busy" -v p="$ticks" \
+        'BEGIN { o = b - p; printf "%.0f", (b > 0 && o > 0) ? 100 * o / b : 0 }')
+    UTIL[$name]=$(awk -v b="$busy" -v t="${N_TOTAL[$name]}" \
+        'BEGIN { printf "%.0f", (t > 0) ? 100 * b / t : 0 }')
+    ERRS[$name]=${N_ERRS[$name]}
+}
+
 # --- build kvlb first, so the compile does not overlap any measurement ------------------
-KVLB=$ROOT/target/release/kvlb
+KVLB=${KVLB_BIN:-$ROOT/target/release/kvlb}
 kvlb_skip=""
 if [[ " $PROXIES " == *" kvlb "* ]]; then
-    if ! command -v cargo >/dev/null 2>&1; then
+    if [ -n "${KVLB_BIN:-}" ]; then
+        [ -x "$KVLB" ] || kvlb_skip="KVLB_BIN=$KVLB is not an executable file"
+    elif ! command -v cargo >/dev/null 2>&1; then
         kvlb_skip="cargo not found"
     elif ! cargo build --release >"$TMP/cargo.log" 2>&1; then
         tail -n 20 "$TMP/cargo.log" >&2
         kvlb_skip="cargo build --release failed (output above)"
-    else
+    fi
+    if [ -z "$kvlb_skip" ]; then
         help=$("$KVLB" serve --help 2>&1) && help_rc=0 || help_rc=$?
         if [ "$help_rc" -ne 0 ] && [[ $help != *--replica* ]]; then
             kvlb_skip="this build has no 'kvlb serve' ('$KVLB serve --help' exited $help_rc)"
@@ -239,7 +273,7 @@ say "versions: $(nginx -v 2>&1 | sed 's/.*: //'), $(haproxy -v 2>&1 | head -n 1 
     sed 's/ - .*//'), $(wrk -v 2>&1 | head -n 1 | cut -d' ' -f1-2)"
 say "setup: proxy on core $PROXY_CORE; nginx backend and wrk on core $LOAD_CORE;" \
     "wrk -t$WRK_THREADS -c$CONNECTIONS keep-alive POST $PATH_URI with a $(wc -c <"$TMP/body.json")-byte body;" \
-    "warm-up ${WARMUP}s, then ${DURATION}s measured per proxy"
+    "warm-up ${WARMUP}s, then ${DURATION}s measured per proxy, $ROUNDS round(s)"
 say ""
 
 # --- the backend ------------------------------------------------------------------------
@@ -248,8 +282,8 @@ start_pinned "$LOAD_CORE" "$TMP/backend.log" nginx -p "$TMP" -c "$TMP/backend.co
 BACKEND_PID=$STARTED_PID
 wait_ready "$BACKEND_PID" "$BACKEND_PORT" "$TMP/backend.log"
 
-MEASURED=()
 failed=0
+ACTIVE=()
 for proxy in $PROXIES; do
     case $proxy in
     nginx)
@@ -288,14 +322,36 @@ for proxy in $PROXIES; do
     if [ "$proxy" = kvlb ] && ! grep -qi '^x-kvlb-replica:' "$TMP/probe.head"; then
         say "kvlb: warning: the response has no x-kvlb-replica header"
     fi
-    echo "measuring $proxy (port $port, pid $pid): ${WARMUP}s warm-up + ${DURATION}s ..." >&2
-    if measure "$proxy" "$pid" "$port"; then
+    PID_OF[$proxy]=$pid
+    PORT_OF[$proxy]=$port
+    ACTIVE+=("$proxy")
+done
+
+# The proxies stay up, idle, while another one is measured; with several rounds the order
+# alternates so that no proxy always runs first or last.
+declare -A BROKEN
+order=("${ACTIVE[@]+"${ACTIVE[@]}"}")
+for round in $(seq "$ROUNDS"); do
+    for proxy in "${order[@]+"${order[@]}"}"; do
+        [ -z "${BROKEN[$proxy]:-}" ] || continue
+        echo "round $round/$ROUNDS: $proxy (port ${PORT_OF[$proxy]}, pid ${PID_OF[$proxy]}):" \
+            "${WARMUP}s warm-up + ${DURATION}s ..." >&2
+        if ! measure_run "$proxy" "$round"; then
+            say "$proxy: FAILED during round $round (see above)"
+            BROKEN[$proxy]=1
+            failed=1
+        fi
+    done
+    reversed=()
+    for proxy in "${order[@]+"${order[@]}"}"; do reversed=("$proxy" "${reversed[@]+"${reversed[@]}"}"); done
+    order=("${reversed[@]+"${reversed[@]}"}")
+done
+MEASURED=()
+for proxy in "${ACTIVE[@]+"${ACTIVE[@]}"}"; do
+    if [ -z "${BROKEN[$proxy]:-}" ] && [ -n "${N_REQ[$proxy]:-}" ]; then
+        summarise "$proxy"
         MEASURED+=("$proxy")
-    else
-        say "$proxy: FAILED during the run (see above)"
-        failed=1
     fi
-    stop_tree "$pid"
 done
 
 say ""
