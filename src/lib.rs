@@ -4,7 +4,16 @@
 //! (replica choice) -> `proxy` (forwarding, upstream pool). `engine` and `replica` are the
 //! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
 
+pub mod admin;
+pub mod config;
 pub mod engine;
+pub mod http;
 pub mod kv_events;
+pub mod metrics;
+pub mod proxy;
 pub mod replica;
+pub mod rt;
+pub mod select;
+pub mod serve;
+pub mod worker;
 pub mod zmtp;

@@ -19,6 +19,7 @@ fn main() {
     }
     let cmd = args.remove(0);
     let code = match cmd.as_str() {
+        "serve" => kvlb::serve::main(args),
         "replica" => kvlb::replica::main(args),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

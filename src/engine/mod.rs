@@ -49,7 +49,11 @@ pub struct EngineRequest {
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineError {
     /// prompt + max_tokens over max_model_len.
-    ContextTooLong { prompt_tokens: u32, max_tokens: u32, max_model_len: u32 },
+    ContextTooLong {
+        prompt_tokens: u32,
+        max_tokens: u32,
+        max_model_len: u32,
+    },
     EmptyPrompt,
     DuplicateId(RequestId),
 }
@@ -82,7 +86,12 @@ pub enum FinishReason {
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineOutput {
     /// The prompt is fully prefilled and the first output token exists at time `t`.
-    FirstToken { id: RequestId, t: f64, token: u32, cached_tokens: u32 },
+    FirstToken {
+        id: RequestId,
+        t: f64,
+        token: u32,
+        cached_tokens: u32,
+    },
     /// A further output token at time `t`.
     Token { id: RequestId, t: f64, token: u32 },
     Finished {

@@ -1,0 +1,556 @@
+//! `kvlb serve` configuration: a TOML file and command-line flags (flags win), validated into
+//! one `ServeConfig`. Every error names the key (or flag) and the bad value.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyName {
+    RoundRobin,
+    LeastLoaded,
+    PowerOfTwo,
+}
+
+impl PolicyName {
+    pub const NAMES: &'static str = "round_robin, least_loaded, power_of_two";
+
+    pub fn parse(s: &str) -> Option<PolicyName> {
+        match s {
+            "round_robin" => Some(PolicyName::RoundRobin),
+            "least_loaded" => Some(PolicyName::LeastLoaded),
+            "power_of_two" => Some(PolicyName::PowerOfTwo),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::RoundRobin => "round_robin",
+            PolicyName::LeastLoaded => "least_loaded",
+            PolicyName::PowerOfTwo => "power_of_two",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaConfig {
+    /// The URL as configured (echoed in `x-kvlb-replica`).
+    pub url: String,
+    pub addr: SocketAddr,
+    /// host[:port] for a Host header when the client sent none.
+    pub authority: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    pub max_header_bytes: usize,
+    pub max_body_bytes: usize,
+    /// Client connections per worker.
+    pub max_connections: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timeouts {
+    /// To receive a whole request once its first byte arrived (408 after).
+    pub client: Duration,
+    /// Keep-alive idle time between requests.
+    pub idle: Duration,
+    pub connect: Duration,
+    /// From sending a request to the replica's response head (504 after).
+    pub upstream: Duration,
+    /// How long SIGTERM waits for in-flight requests.
+    pub drain: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeConfig {
+    pub listen: Vec<SocketAddr>,
+    pub replicas: Vec<ReplicaConfig>,
+    pub policy: PolicyName,
+    pub workers: usize,
+    /// Core of each worker (worker i runs on cores[i % len]); None = worker i on core i.
+    pub cores: Option<Vec<usize>>,
+    pub admin: SocketAddr,
+    pub limits: Limits,
+    pub timeouts: Timeouts,
+}
+
+/// A configuration error: printed as `kvlb: invalid configuration: {0}`, exit status 2.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn bad(key: &str, value: &str, why: &str) -> ConfigError {
+    ConfigError(format!("{key} = {value:?}: {why}"))
+}
+
+pub fn parse_addr(key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
+    if let Ok(a) = v.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    match v.to_socket_addrs() {
+        Ok(mut it) => it
+            .next()
+            .ok_or_else(|| bad(key, v, "resolves to no address")),
+        Err(_) => Err(bad(key, v, "expected HOST:PORT, e.g. 127.0.0.1:8080")),
+    }
+}
+
+/// `http://host:port[/]` -> replica.
+pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigError> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        bad(
+            key,
+            url,
+            "expected an http:// URL such as http://10.0.0.5:8000",
+        )
+    })?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.is_empty() || authority.contains('/') || authority.contains('@') {
+        return Err(bad(key, url, "expected http://HOST:PORT with no path"));
+    }
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (h, after) = rest
+            .split_once(']')
+            .ok_or_else(|| bad(key, url, "unterminated IPv6 literal"))?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p
+                .parse::<u16>()
+                .map_err(|_| bad(key, url, "invalid port"))?,
+            None if after.is_empty() => 80,
+            None => return Err(bad(key, url, "expected http://[IPV6]:PORT")),
+        };
+        (h, port)
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (
+                h,
+                p.parse::<u16>()
+                    .map_err(|_| bad(key, url, "invalid port"))?,
+            ),
+            None => (authority, 80),
+        }
+    };
+    if host.is_empty()
+        || !host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b':' || b == b'_')
+    {
+        return Err(bad(key, url, "invalid host"));
+    }
+    let addr = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| bad(key, url, &format!("cannot resolve host: {e}")))?
+        .next()
+        .ok_or_else(|| bad(key, url, "host resolves to no address"))?;
+    Ok(ReplicaConfig {
+        url: url.to_string(),
+        addr,
+        authority: authority.to_string(),
+    })
+}
+
+/// `0`, `2-5`, `0,2`, `0-1,4` -> core ids.
+pub fn parse_cores(key: &str, v: &str) -> Result<Vec<usize>, ConfigError> {
+    let mut out = Vec::new();
+    for part in v.split(',') {
+        let part = part.trim();
+        let err = || bad(key, v, "expected a core list such as 0, 2-5 or 0,2");
+        if let Some((a, b)) = part.split_once('-') {
+            let a: usize = a.trim().parse().map_err(|_| err())?;
+            let b: usize = b.trim().parse().map_err(|_| err())?;
+            if a > b || b > 4095 {
+                return Err(err());
+            }
+            out.extend(a..=b);
+        } else {
+            let c: usize = part.parse().map_err(|_| err())?;
+            if c > 4095 {
+                return Err(err());
+            }
+            out.push(c);
+        }
+    }
+    if out.is_empty() {
+        return Err(bad(key, v, "empty core list"));
+    }
+    let available = core_affinity::get_core_ids().map(|c| c.len()).unwrap_or(0);
+    if available > 0 {
+        if let Some(c) = out.iter().find(|c| **c >= available) {
+            return Err(bad(
+                key,
+                v,
+                &format!("core {c} does not exist (this machine has {available})"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// `10s`, `500ms`, `2m`, `1h`, or a bare number of seconds.
+pub fn parse_duration(key: &str, v: &str) -> Result<Duration, ConfigError> {
+    let v = v.trim();
+    let err = || bad(key, v, "expected a duration such as 500ms, 10s or 2m");
+    let (num, unit) = match v.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => (&v[..i], &v[i..]),
+        None => (v, "s"),
+    };
+    let n: f64 = num.parse().map_err(|_| err())?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(err()),
+    };
+    if !secs.is_finite() || secs <= 0.0 || secs > 7.0 * 86400.0 {
+        return Err(err());
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// `64KiB`, `8MiB`, `1048576`.
+pub fn parse_size(key: &str, v: &str) -> Result<usize, ConfigError> {
+    let v = v.trim();
+    let err = || bad(key, v, "expected a size such as 65536, 64KiB or 8MiB");
+    let (num, unit) = match v.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => (&v[..i], v[i..].trim()),
+        None => (v, ""),
+    };
+    let n: usize = num.parse().map_err(|_| err())?;
+    let mul = match unit {
+        "" | "B" => 1,
+        "KiB" | "K" | "k" | "KB" => 1024,
+        "MiB" | "M" | "MB" => 1024 * 1024,
+        "GiB" | "G" | "GB" => 1024 * 1024 * 1024,
+        _ => return Err(err()),
+    };
+    n.checked_mul(mul).filter(|n| *n > 0).ok_or_else(err)
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            listen: Vec::new(),
+            replicas: Vec::new(),
+            policy: PolicyName::RoundRobin,
+            workers: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            cores: None,
+            admin: "127.0.0.1:9100".parse().unwrap(),
+            limits: Limits {
+                max_header_bytes: 64 * 1024,
+                max_body_bytes: 64 * 1024 * 1024,
+                max_connections: 65536,
+            },
+            timeouts: Timeouts {
+                client: Duration::from_secs(30),
+                idle: Duration::from_secs(60),
+                connect: Duration::from_secs(3),
+                upstream: Duration::from_secs(300),
+                drain: Duration::from_secs(30),
+            },
+        }
+    }
+}
+
+pub const SERVE_HELP: &str = "usage: kvlb serve [options]
+
+  --config FILE            TOML configuration (flags override it)
+  --listen ADDR            client listener, repeatable (e.g. 0.0.0.0:8080)
+  --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
+  --policy NAME            round_robin | least_loaded | power_of_two (default round_robin)
+  --workers N              worker threads (default: one per core)
+  --cores LIST             cores for the workers, e.g. 0, 2-5, 0,2 (default: worker i on core i)
+  --admin ADDR             admin listener for /metrics, /healthz, /replicas (default 127.0.0.1:9100)
+  --max-header-bytes SIZE  request head limit, 431 beyond (default 64KiB)
+  --max-body-bytes SIZE    request body limit, 413 beyond (default 64MiB)
+  --max-connections N      client connections per worker (default 65536)
+  --client-timeout DUR     time to receive a whole request, 408 beyond (default 30s)
+  --idle-timeout DUR       keep-alive idle time (default 60s)
+  --connect-timeout DUR    replica connect timeout (default 3s)
+  --upstream-timeout DUR   time to the replica's response head, 504 beyond (default 300s)
+  --drain-timeout DUR      how long SIGTERM waits for in-flight requests (default 30s)";
+
+const FILE_KEYS: &[&str] = &[
+    "listen",
+    "replica",
+    "policy",
+    "workers",
+    "cores",
+    "admin",
+    "max_header_bytes",
+    "max_body_bytes",
+    "max_connections",
+    "client_timeout",
+    "idle_timeout",
+    "connect_timeout",
+    "upstream_timeout",
+    "drain_timeout",
+];
+
+/// Apply one setting given as text (from a flag or a file string).
+fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
+    match key {
+        "policy" => {
+            cfg.policy = PolicyName::parse(v).ok_or_else(|| {
+                bad(
+                    key,
+                    v,
+                    &format!("unknown policy; one of {}", PolicyName::NAMES),
+                )
+            })?
+        }
+        "workers" => {
+            cfg.workers = v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=1024).contains(n))
+                .ok_or_else(|| bad(key, v, "expected a number of workers from 1 to 1024"))?
+        }
+        "cores" => cfg.cores = Some(parse_cores(key, v)?),
+        "admin" => cfg.admin = parse_addr(key, v)?,
+        "max_header_bytes" => cfg.limits.max_header_bytes = parse_size(key, v)?,
+        "max_body_bytes" => cfg.limits.max_body_bytes = parse_size(key, v)?,
+        "max_connections" => {
+            cfg.limits.max_connections = v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| bad(key, v, "expected a positive number"))?
+        }
+        "client_timeout" => cfg.timeouts.client = parse_duration(key, v)?,
+        "idle_timeout" => cfg.timeouts.idle = parse_duration(key, v)?,
+        "connect_timeout" => cfg.timeouts.connect = parse_duration(key, v)?,
+        "upstream_timeout" => cfg.timeouts.upstream = parse_duration(key, v)?,
+        "drain_timeout" => cfg.timeouts.drain = parse_duration(key, v)?,
+        _ => return Err(ConfigError(format!("unknown key {key:?}"))),
+    }
+    Ok(())
+}
+
+fn toml_scalar(key: &str, v: &toml::Value) -> Result<String, ConfigError> {
+    match v {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Float(f) => Ok(f.to_string()),
+        other => Err(bad(
+            key,
+            &other.to_string(),
+            "expected a string or a number",
+        )),
+    }
+}
+
+/// Load a TOML file into `cfg`.
+pub fn load_file(cfg: &mut ServeConfig, path: &str) -> Result<(), ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("--config {path:?}: cannot read: {e}")))?;
+    apply_toml(cfg, &text).map_err(|e| ConfigError(format!("{path}: {}", e.0)))
+}
+
+pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> {
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError(format!("not valid TOML: {}", e.message())))?;
+    for (key, value) in &table {
+        if !FILE_KEYS.contains(&key.as_str()) {
+            return Err(ConfigError(format!(
+                "unknown key {key:?} (known keys: {})",
+                FILE_KEYS.join(", ")
+            )));
+        }
+        match key.as_str() {
+            "listen" => {
+                let list = match value {
+                    toml::Value::Array(a) => a.clone(),
+                    toml::Value::String(_) => vec![value.clone()],
+                    other => {
+                        return Err(bad(
+                            "listen",
+                            &other.to_string(),
+                            "expected a list of addresses",
+                        ))
+                    }
+                };
+                cfg.listen.clear();
+                for v in list {
+                    let s = v.as_str().ok_or_else(|| {
+                        bad("listen", &v.to_string(), "expected a string HOST:PORT")
+                    })?;
+                    cfg.listen.push(parse_addr("listen", s)?);
+                }
+            }
+            "replica" => {
+                let arr = value.as_array().ok_or_else(|| {
+                    bad("replica", &value.to_string(), "expected [[replica]] tables")
+                })?;
+                cfg.replicas.clear();
+                for (i, r) in arr.iter().enumerate() {
+                    let t = r.as_table().ok_or_else(|| {
+                        bad(
+                            &format!("replica[{i}]"),
+                            &r.to_string(),
+                            "expected a table with url = \"http://...\"",
+                        )
+                    })?;
+                    for k in t.keys() {
+                        if k != "url" {
+                            return Err(ConfigError(format!(
+                                "unknown key \"replica[{i}].{k}\" (known keys: url)"
+                            )));
+                        }
+                    }
+                    let url = t.get("url").and_then(|u| u.as_str()).ok_or_else(|| {
+                        ConfigError(format!("replica[{i}].url is missing or not a string"))
+                    })?;
+                    cfg.replicas
+                        .push(parse_replica_url(&format!("replica[{i}].url"), url)?);
+                }
+            }
+            _ => {
+                let s = toml_scalar(key, value)?;
+                apply(cfg, key, &s)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the command line asked for: Err(None) means --help was printed.
+pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
+    let mut cfg = ServeConfig::default();
+    // The file first, then flags over it.
+    let mut i = 0;
+    while i < args.len() {
+        if args[i] == "--config" {
+            let path = args
+                .get(i + 1)
+                .ok_or_else(|| Some(ConfigError("--config needs a FILE".into())))?;
+            load_file(&mut cfg, path).map_err(Some)?;
+        } else if args[i] == "-h" || args[i] == "--help" {
+            println!("{SERVE_HELP}");
+            return Err(None);
+        }
+        i += 1;
+    }
+    let mut listen_flag = Vec::new();
+    let mut replica_flag = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let flag = args[i].as_str();
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
+            _ => (flag, None),
+        };
+        if !name.starts_with("--") {
+            return Err(Some(ConfigError(format!(
+                "unexpected argument {flag:?}\n\n{SERVE_HELP}"
+            ))));
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                i += 1;
+                args.get(i)
+                    .cloned()
+                    .ok_or_else(|| Some(ConfigError(format!("{name} needs a value"))))?
+            }
+        };
+        i += 1;
+        match name {
+            "--config" => {}
+            "--listen" => listen_flag.push(parse_addr("--listen", &value).map_err(Some)?),
+            "--replica" => replica_flag.push(parse_replica_url("--replica", &value).map_err(Some)?),
+            _ => {
+                let key = name.trim_start_matches("--").replace('-', "_");
+                if !FILE_KEYS.contains(&key.as_str()) || key == "listen" || key == "replica" {
+                    return Err(Some(ConfigError(format!(
+                        "unknown flag {name}\n\n{SERVE_HELP}"
+                    ))));
+                }
+                apply(&mut cfg, &key, &value)
+                    .map_err(|e| Some(ConfigError(e.0.replacen(&key, name, 1))))?;
+            }
+        }
+    }
+    if !listen_flag.is_empty() {
+        cfg.listen = listen_flag;
+    }
+    if !replica_flag.is_empty() {
+        cfg.replicas = replica_flag;
+    }
+    if cfg.listen.is_empty() {
+        return Err(Some(ConfigError(
+            "no listener: give --listen ADDR or listen = [\"ADDR\"] in the file".into(),
+        )));
+    }
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn flags() {
+        let c = from_args(&args("--listen 127.0.0.1:0 --replica http://127.0.0.1:8000 --replica http://127.0.0.1:8001/ --policy least_loaded --workers 2 --cores 0-1 --client-timeout 500ms --max-body-bytes 8MiB")).unwrap();
+        assert_eq!(c.replicas.len(), 2);
+        assert_eq!(c.replicas[1].url, "http://127.0.0.1:8001/");
+        assert_eq!(c.replicas[1].addr, "127.0.0.1:8001".parse().unwrap());
+        assert_eq!(c.policy, PolicyName::LeastLoaded);
+        assert_eq!(c.timeouts.client, Duration::from_millis(500));
+        assert_eq!(c.limits.max_body_bytes, 8 << 20);
+        assert_eq!(c.cores, Some(vec![0, 1]));
+    }
+
+    #[test]
+    fn errors_name_key_and_value() {
+        let e = from_args(&args("--listen 127.0.0.1:0 --policy fastest"))
+            .unwrap_err()
+            .unwrap();
+        assert!(e.0.contains("--policy") && e.0.contains("fastest"), "{e}");
+        let e = from_args(&args("--listen 127.0.0.1:0 --replica ftp://x"))
+            .unwrap_err()
+            .unwrap();
+        assert!(e.0.contains("--replica") && e.0.contains("ftp://x"), "{e}");
+        let e = from_args(&args("--listen nowhere")).unwrap_err().unwrap();
+        assert!(e.0.contains("nowhere"), "{e}");
+        let e = from_args(&args("--listen 127.0.0.1:0 --cores 3-1"))
+            .unwrap_err()
+            .unwrap();
+        assert!(e.0.contains("--cores") && e.0.contains("3-1"), "{e}");
+        let e = from_args(&args("--listen 127.0.0.1:0 --client-timeout forever"))
+            .unwrap_err()
+            .unwrap();
+        assert!(
+            e.0.contains("--client-timeout") && e.0.contains("forever"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn toml_file() {
+        let mut c = ServeConfig::default();
+        apply_toml(&mut c, "listen = [\"127.0.0.1:0\"]\npolicy = \"power_of_two\"\nclient_timeout = \"5s\"\nworkers = 1\n[[replica]]\nurl = \"http://127.0.0.1:9000\"\n[[replica]]\nurl = \"http://localhost:9001\"\n").unwrap();
+        assert_eq!(c.policy, PolicyName::PowerOfTwo);
+        assert_eq!(c.replicas.len(), 2);
+        assert_eq!(c.workers, 1);
+        let e = apply_toml(&mut c, "policy = \"x\"").unwrap_err();
+        assert!(e.0.contains("policy") && e.0.contains("\"x\""), "{e}");
+        let e = apply_toml(&mut c, "[[replica]]\nurl = \"http://a:b:c\"").unwrap_err();
+        assert!(e.0.contains("replica[0].url"), "{e}");
+        let e = apply_toml(&mut c, "bogus = 1").unwrap_err();
+        assert!(e.0.contains("bogus"), "{e}");
+    }
+}

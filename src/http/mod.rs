@@ -1,0 +1,318 @@
+//! HTTP/1.1 framing for both sides of the proxy: request heads (strict, re-framed upstream),
+//! the chunked codec, response heads, and the OpenAI-style error responses kvlb sends itself.
+
+pub mod chunked;
+pub mod request;
+pub mod response;
+
+use std::sync::OnceLock;
+
+/// Everything kvlb answers itself, each mapped to one status and one message in one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpError {
+    MalformedRequestLine,
+    InvalidTarget,
+    BadVersion,
+    InvalidHeader,
+    ObsFold,
+    ContentLengthWithTransferEncoding,
+    DuplicateContentLength,
+    InvalidContentLength,
+    TransferEncodingInHttp10,
+    UnsupportedTransferEncoding,
+    InvalidChunkedBody,
+    MissingHost,
+    DuplicateHost,
+    ExpectationFailed,
+    HeaderTooLarge,
+    BodyTooLarge,
+    RequestTimeout,
+    NoReplica,
+    Overloaded,
+}
+
+impl HttpError {
+    pub const ALL: [HttpError; 19] = [
+        HttpError::MalformedRequestLine,
+        HttpError::InvalidTarget,
+        HttpError::BadVersion,
+        HttpError::InvalidHeader,
+        HttpError::ObsFold,
+        HttpError::ContentLengthWithTransferEncoding,
+        HttpError::DuplicateContentLength,
+        HttpError::InvalidContentLength,
+        HttpError::TransferEncodingInHttp10,
+        HttpError::UnsupportedTransferEncoding,
+        HttpError::InvalidChunkedBody,
+        HttpError::MissingHost,
+        HttpError::DuplicateHost,
+        HttpError::ExpectationFailed,
+        HttpError::HeaderTooLarge,
+        HttpError::BodyTooLarge,
+        HttpError::RequestTimeout,
+        HttpError::NoReplica,
+        HttpError::Overloaded,
+    ];
+
+    /// Status code, reason phrase, OpenAI error type and message.
+    pub fn parts(self) -> (u16, &'static str, &'static str, &'static str) {
+        use HttpError::*;
+        match self {
+            MalformedRequestLine => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "malformed request line",
+            ),
+            InvalidTarget => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid request target: expected an absolute path such as /v1/chat/completions",
+            ),
+            BadVersion => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "unsupported HTTP version: kvlb speaks HTTP/1.0 and HTTP/1.1",
+            ),
+            InvalidHeader => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid header field",
+            ),
+            ObsFold => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "obsolete line folding in a header field is not allowed",
+            ),
+            ContentLengthWithTransferEncoding => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "Content-Length together with Transfer-Encoding is not allowed",
+            ),
+            DuplicateContentLength => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "more than one Content-Length header",
+            ),
+            InvalidContentLength => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid Content-Length: expected one decimal number",
+            ),
+            TransferEncodingInHttp10 => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "Transfer-Encoding is not allowed in an HTTP/1.0 request",
+            ),
+            UnsupportedTransferEncoding => (
+                501,
+                "Not Implemented",
+                "invalid_request_error",
+                "unsupported Transfer-Encoding: only a single chunked coding is accepted",
+            ),
+            InvalidChunkedBody => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid chunked body: bad chunk size or framing",
+            ),
+            MissingHost => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "HTTP/1.1 request without a Host header",
+            ),
+            DuplicateHost => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "more than one Host header",
+            ),
+            ExpectationFailed => (
+                417,
+                "Expectation Failed",
+                "invalid_request_error",
+                "only Expect: 100-continue is supported",
+            ),
+            HeaderTooLarge => (
+                431,
+                "Request Header Fields Too Large",
+                "invalid_request_error",
+                "request header section too large",
+            ),
+            BodyTooLarge => (
+                413,
+                "Content Too Large",
+                "invalid_request_error",
+                "request body too large",
+            ),
+            RequestTimeout => (
+                408,
+                "Request Timeout",
+                "timeout_error",
+                "request not received in time",
+            ),
+            NoReplica => (
+                503,
+                "Service Unavailable",
+                "service_unavailable",
+                "no replica available",
+            ),
+            Overloaded => (
+                503,
+                "Service Unavailable",
+                "service_unavailable",
+                "kvlb is at its connection limit",
+            ),
+        }
+    }
+
+    pub fn status(self) -> u16 {
+        self.parts().0
+    }
+
+    /// The complete response (head and JSON body), built once per process. Error responses
+    /// close the connection: after a framing error the byte stream cannot be trusted.
+    pub fn response(self) -> &'static [u8] {
+        static TABLE: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+        let table = TABLE.get_or_init(|| {
+            HttpError::ALL
+                .iter()
+                .map(|e| {
+                    let (status, reason, kind, msg) = e.parts();
+                    render_error(status, reason, kind, msg, None, true)
+                })
+                .collect()
+        });
+        let idx = HttpError::ALL.iter().position(|e| *e == self).unwrap_or(0);
+        &table[idx]
+    }
+}
+
+/// Render an error response. `replica`, when given, is echoed in `x-kvlb-replica`.
+pub fn render_error(
+    status: u16,
+    reason: &str,
+    kind: &str,
+    message: &str,
+    replica: Option<&str>,
+    close: bool,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    write_error(&mut out, status, reason, kind, message, replica, close);
+    out
+}
+
+/// Append an error response to `out` (no allocation once `out` has room).
+pub fn write_error(
+    out: &mut Vec<u8>,
+    status: u16,
+    reason: &str,
+    kind: &str,
+    message: &str,
+    replica: Option<&str>,
+    close: bool,
+) {
+    use std::io::Write;
+    let body_len = r#"{"error":{"message":"","type":"","code":}}"#.len()
+        + json_escaped_len(message)
+        + kind.len()
+        + 3;
+    let _ = write!(
+        out,
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n"
+    );
+    if let Some(r) = replica {
+        let _ = write!(out, "x-kvlb-replica: {r}\r\n");
+    }
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n{\"error\":{\"message\":\"");
+    json_escape_into(out, message);
+    let _ = write!(out, "\",\"type\":\"{kind}\",\"code\":{status}}}}}");
+}
+
+fn json_escaped_len(s: &str) -> usize {
+    s.bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\n' | b'\r' | b'\t' => 2,
+            0..=0x1f => 6,
+            _ => 1,
+        })
+        .sum()
+}
+
+fn json_escape_into(out: &mut Vec<u8>, s: &str) {
+    use std::io::Write;
+    for b in s.bytes() {
+        match b {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            0..=0x1f => {
+                let _ = write!(out, "\\u{b:04x}");
+            }
+            _ => out.push(b),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_responses_are_valid_json_with_right_length() {
+        for e in HttpError::ALL {
+            let r = e.response();
+            let text = std::str::from_utf8(r).unwrap();
+            let (head, body) = text.split_once("\r\n\r\n").unwrap();
+            assert!(head.starts_with(&format!("HTTP/1.1 {} ", e.status())));
+            let cl: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert_eq!(cl, body.len(), "{e:?}");
+            let v: serde_json::Value = serde_json::from_str(body).unwrap();
+            assert_eq!(v["error"]["message"], e.parts().3);
+            assert_eq!(v["error"]["type"], e.parts().2);
+        }
+    }
+
+    #[test]
+    fn escapes_messages() {
+        let r = render_error(
+            502,
+            "Bad Gateway",
+            "upstream_error",
+            "a \"q\"\n\u{1}",
+            Some("http://x"),
+            false,
+        );
+        let text = String::from_utf8(r).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains("x-kvlb-replica: http://x"));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["message"], "a \"q\"\n\u{1}");
+        let cl: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(cl, body.len());
+    }
+}

@@ -1,0 +1,444 @@
+//! Request heads: parse with httparse, apply RFC 9112's framing rules strictly (the defences
+//! against request smuggling), and write the head kvlb sends upstream in the same pass.
+//!
+//! Requests are always re-framed upstream with a Content-Length (chunked bodies are decoded
+//! by kvlb), so a replica never has to agree with kvlb on how a body was delimited.
+
+use super::HttpError;
+use std::io::Write;
+use std::net::IpAddr;
+
+/// Most header fields accepted in a request (more is a 431).
+pub const MAX_HEADERS: usize = 100;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Get,
+    Head,
+    Post,
+    Put,
+    Delete,
+    Options,
+    Patch,
+    Other,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// What the proxy needs to know about a parsed request head.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead {
+    /// Bytes of the head, through the empty line.
+    pub head_len: usize,
+    pub method: Method,
+    /// Byte range of the request target in the buffer.
+    pub target: (usize, usize),
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub minor_version: u8,
+    pub body: BodyFraming,
+    /// The client wants the connection kept open after this exchange.
+    pub keep_alive: bool,
+    /// `Expect: 100-continue` was sent.
+    pub expect_continue: bool,
+    /// The client sent a Host header (HTTP/1.0 clients may not; the caller adds one).
+    pub has_host: bool,
+}
+
+fn method_of(m: &str) -> Method {
+    match m {
+        "GET" => Method::Get,
+        "HEAD" => Method::Head,
+        "POST" => Method::Post,
+        "PUT" => Method::Put,
+        "DELETE" => Method::Delete,
+        "OPTIONS" => Method::Options,
+        "PATCH" => Method::Patch,
+        _ => Method::Other,
+    }
+}
+
+/// Header fields never forwarded (RFC 9110 section 7.6.1), plus the framing fields kvlb
+/// rewrites itself and `Expect` (kvlb answers 100-continue itself and sends whole bodies).
+fn is_hop_by_hop(name: &str) -> bool {
+    const HOP: &[&str] = &[
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "transfer-encoding",
+        "upgrade",
+        "trailer",
+        "content-length",
+        "expect",
+        "proxy-authorization",
+        "proxy-authenticate",
+    ];
+    HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+}
+
+/// Trim optional whitespace (SP / HTAB) at both ends.
+fn trim_ows(v: &[u8]) -> &[u8] {
+    let mut s = 0;
+    let mut e = v.len();
+    while s < e && (v[s] == b' ' || v[s] == b'\t') {
+        s += 1;
+    }
+    while e > s && (v[e - 1] == b' ' || v[e - 1] == b'\t') {
+        e -= 1;
+    }
+    &v[s..e]
+}
+
+fn parse_content_length(v: &[u8]) -> Result<u64, HttpError> {
+    let v = trim_ows(v);
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return Err(HttpError::InvalidContentLength);
+    }
+    let mut n: u64 = 0;
+    for d in v {
+        n = n * 10 + (d - b'0') as u64;
+    }
+    Ok(n)
+}
+
+/// Does a comma-separated header value contain `token` (case-insensitive)?
+pub fn has_token(value: &[u8], token: &str) -> bool {
+    value
+        .split(|b| *b == b',')
+        .any(|t| trim_ows(t).eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Does the head in `buf` fold a header line (a line starting with SP or HTAB)?
+fn has_obs_fold(head: &[u8]) -> bool {
+    head.windows(2)
+        .any(|w| w[0] == b'\n' && (w[1] == b' ' || w[1] == b'\t'))
+}
+
+/// Where the head ends (index after the empty line), if it is complete.
+pub fn find_head_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while let Some(p) = memchr(b'\n', &buf[i..]) {
+        let nl = i + p;
+        // "\n\n" or "\n\r\n"
+        if nl + 1 < buf.len() && buf[nl + 1] == b'\n' {
+            return Some(nl + 2);
+        }
+        if nl + 2 < buf.len() && buf[nl + 1] == b'\r' && buf[nl + 2] == b'\n' {
+            return Some(nl + 3);
+        }
+        i = nl + 1;
+    }
+    None
+}
+
+fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
+    hay.iter().position(|b| *b == needle)
+}
+
+/// Parse a complete request head (`buf[..head_end]`, as found by `find_head_end`) and write the
+/// upstream head into `out` without its final CRLF: the caller appends Content-Length (if a body
+/// goes upstream) and the empty line with `finish_upstream_head`.
+pub fn parse_request(
+    buf: &[u8],
+    head_end: usize,
+    client_ip: Option<IpAddr>,
+    out: &mut Vec<u8>,
+) -> Result<RequestHead, HttpError> {
+    let head_bytes = &buf[..head_end];
+    if has_obs_fold(head_bytes) {
+        return Err(HttpError::ObsFold);
+    }
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let status = match req.parse(head_bytes) {
+        Ok(s) => s,
+        Err(httparse::Error::TooManyHeaders) => return Err(HttpError::HeaderTooLarge),
+        Err(httparse::Error::Version) => return Err(HttpError::BadVersion),
+        Err(httparse::Error::HeaderName) | Err(httparse::Error::HeaderValue) => {
+            return Err(HttpError::InvalidHeader)
+        }
+        Err(_) => return Err(HttpError::MalformedRequestLine),
+    };
+    let head_len = match status {
+        httparse::Status::Complete(n) => n,
+        httparse::Status::Partial => return Err(HttpError::MalformedRequestLine),
+    };
+    let method_str = req.method.unwrap_or("");
+    let path = req.path.unwrap_or("");
+    let minor_version = req.version.unwrap_or(1);
+    if path.is_empty()
+        || !(path.starts_with('/')
+            || (path == "*" && method_str == "OPTIONS")
+            || path.starts_with("http://")
+            || path.starts_with("https://"))
+    {
+        return Err(HttpError::InvalidTarget);
+    }
+    let method = method_of(method_str);
+
+    let mut content_length: Option<u64> = None;
+    let mut chunked = false;
+    let mut te_seen = false;
+    let mut host_count = 0;
+    let mut conn_close = false;
+    let mut conn_keep_alive = false;
+    let mut expect_continue = false;
+    // Names listed in Connection are hop-by-hop too (up to 16 of them).
+    let mut conn_named: [&[u8]; 16] = [&[]; 16];
+    let mut n_named = 0;
+
+    for h in req.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            if content_length.is_some() {
+                return Err(HttpError::DuplicateContentLength);
+            }
+            content_length = Some(parse_content_length(h.value)?);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            if te_seen {
+                return Err(HttpError::UnsupportedTransferEncoding);
+            }
+            te_seen = true;
+            if trim_ows(h.value).eq_ignore_ascii_case(b"chunked") {
+                chunked = true;
+            } else {
+                return Err(HttpError::UnsupportedTransferEncoding);
+            }
+        } else if name.eq_ignore_ascii_case("host") {
+            host_count += 1;
+        } else if name.eq_ignore_ascii_case("connection") {
+            for t in h.value.split(|b| *b == b',') {
+                let t = trim_ows(t);
+                if t.eq_ignore_ascii_case(b"close") {
+                    conn_close = true;
+                } else if t.eq_ignore_ascii_case(b"keep-alive") {
+                    conn_keep_alive = true;
+                } else if !t.is_empty() && n_named < conn_named.len() {
+                    conn_named[n_named] = t;
+                    n_named += 1;
+                }
+            }
+        } else if name.eq_ignore_ascii_case("expect") {
+            if trim_ows(h.value).eq_ignore_ascii_case(b"100-continue") {
+                expect_continue = true;
+            } else {
+                return Err(HttpError::ExpectationFailed);
+            }
+        }
+    }
+    if te_seen && content_length.is_some() {
+        return Err(HttpError::ContentLengthWithTransferEncoding);
+    }
+    if te_seen && minor_version == 0 {
+        return Err(HttpError::TransferEncodingInHttp10);
+    }
+    if host_count > 1 {
+        return Err(HttpError::DuplicateHost);
+    }
+    if host_count == 0 && minor_version == 1 {
+        return Err(HttpError::MissingHost);
+    }
+    let body = if chunked {
+        BodyFraming::Chunked
+    } else {
+        match content_length {
+            Some(0) | None => BodyFraming::None,
+            Some(n) => BodyFraming::Length(n),
+        }
+    };
+    let keep_alive = if minor_version == 1 {
+        !conn_close
+    } else {
+        conn_keep_alive && !conn_close
+    };
+
+    // The upstream head.
+    out.clear();
+    out.extend_from_slice(method_str.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(path.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut xff_written = false;
+    for h in req.headers.iter() {
+        let name = h.name;
+        if is_hop_by_hop(name)
+            || conn_named[..n_named]
+                .iter()
+                .any(|n| n.eq_ignore_ascii_case(name.as_bytes()))
+        {
+            continue;
+        }
+        if name.eq_ignore_ascii_case("x-forwarded-for") {
+            if xff_written {
+                continue;
+            }
+            // Join every X-Forwarded-For field in order, then append the client.
+            xff_written = true;
+            out.extend_from_slice(b"x-forwarded-for: ");
+            let mut first = true;
+            for x in req.headers.iter() {
+                if x.name.eq_ignore_ascii_case("x-forwarded-for") {
+                    let v = trim_ows(x.value);
+                    if v.is_empty() {
+                        continue;
+                    }
+                    if !first {
+                        out.extend_from_slice(b", ");
+                    }
+                    out.extend_from_slice(v);
+                    first = false;
+                }
+            }
+            if let Some(ip) = client_ip {
+                if !first {
+                    out.extend_from_slice(b", ");
+                }
+                let _ = write!(out, "{ip}");
+            }
+            out.extend_from_slice(b"\r\n");
+            continue;
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value);
+        out.extend_from_slice(b"\r\n");
+    }
+    if !xff_written {
+        if let Some(ip) = client_ip {
+            let _ = write!(out, "x-forwarded-for: {ip}\r\n");
+        }
+    }
+
+    let target_start = path.as_ptr() as usize - buf.as_ptr() as usize;
+    Ok(RequestHead {
+        head_len,
+        method,
+        target: (target_start, target_start + path.len()),
+        minor_version,
+        body,
+        keep_alive,
+        expect_continue,
+        has_host: host_count == 1,
+    })
+}
+
+/// Append Content-Length (when a body goes upstream) and the empty line.
+pub fn finish_upstream_head(out: &mut Vec<u8>, method: Method, body_len: usize) {
+    if body_len > 0 || matches!(method, Method::Post | Method::Put | Method::Patch) {
+        let _ = write!(out, "content-length: {body_len}\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(raw: &[u8]) -> Result<(RequestHead, String), HttpError> {
+        let end = find_head_end(raw).expect("complete head");
+        let mut out = Vec::new();
+        let ip: IpAddr = "10.1.2.3".parse().unwrap();
+        parse_request(raw, end, Some(ip), &mut out).map(|h| (h, String::from_utf8(out).unwrap()))
+    }
+
+    #[test]
+    fn simple_post_with_length() {
+        let (h, up) = parse(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 12\r\nConnection: keep-alive\r\n\r\n").unwrap();
+        assert_eq!(h.body, BodyFraming::Length(12));
+        assert!(h.keep_alive);
+        assert!(up.starts_with("POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n"));
+        assert!(!up.to_ascii_lowercase().contains("content-length"));
+        assert!(!up.to_ascii_lowercase().contains("connection"));
+        assert!(up.contains("x-forwarded-for: 10.1.2.3\r\n"));
+    }
+
+    #[test]
+    fn smuggling_cases_are_rejected() {
+        let cases: &[(&[u8], HttpError)] = &[
+            (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", HttpError::ContentLengthWithTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n", HttpError::DuplicateContentLength),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", HttpError::DuplicateContentLength),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1,2\r\n\r\n", HttpError::InvalidContentLength),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\n", HttpError::InvalidContentLength),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999\r\n\r\n", HttpError::InvalidContentLength),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nX-A: b\r\n c\r\n\r\n", HttpError::ObsFold),
+            (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", HttpError::BadVersion),
+            (b"GET\r\nHost: a\r\n\r\n", HttpError::MalformedRequestLine),
+            (b"GET / HTTP/1.1\r\n\r\n", HttpError::MissingHost),
+            (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", HttpError::DuplicateHost),
+            (b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", HttpError::TransferEncodingInHttp10),
+            (b"GET foo HTTP/1.1\r\nHost: a\r\n\r\n", HttpError::InvalidTarget),
+        ];
+        for (raw, want) in cases {
+            match parse(raw) {
+                Err(e) => assert_eq!(e, *want, "{}", String::from_utf8_lossy(raw)),
+                Ok(_) => panic!("accepted {}", String::from_utf8_lossy(raw)),
+            }
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_are_dropped() {
+        let (h, up) = parse(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close, X-Secret\r\nX-Secret: 1\r\nKeep-Alive: 5\r\nTE: trailers\r\nUpgrade: h2c\r\nProxy-Connection: x\r\nX-Ok: yes\r\n\r\n").unwrap();
+        assert!(!h.keep_alive);
+        let low = up.to_ascii_lowercase();
+        for gone in [
+            "x-secret",
+            "keep-alive",
+            "te:",
+            "upgrade",
+            "proxy-connection",
+            "connection",
+        ] {
+            assert!(!low.contains(gone), "{gone} forwarded: {up}");
+        }
+        assert!(up.contains("X-Ok: yes"));
+    }
+
+    #[test]
+    fn forwarded_for_is_appended() {
+        let (_, up) = parse(b"GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 1.1.1.1\r\nx-forwarded-for: 2.2.2.2\r\n\r\n").unwrap();
+        assert!(
+            up.contains("x-forwarded-for: 1.1.1.1, 2.2.2.2, 10.1.2.3\r\n"),
+            "{up}"
+        );
+        assert_eq!(up.matches("x-forwarded-for").count(), 1);
+    }
+
+    #[test]
+    fn http10_defaults() {
+        let (h, up) = parse(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        assert!(!h.keep_alive);
+        assert!(!h.has_host);
+        assert!(!up.to_ascii_lowercase().contains("host:"));
+        let (h, _) = parse(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").unwrap();
+        assert!(h.keep_alive);
+    }
+
+    #[test]
+    fn expect_continue() {
+        let (h, up) = parse(
+            b"POST / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n",
+        )
+        .unwrap();
+        assert!(h.expect_continue);
+        assert!(!up.to_ascii_lowercase().contains("expect"));
+    }
+
+    #[test]
+    fn head_end_detection() {
+        assert_eq!(
+            find_head_end(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nxyz"),
+            Some(27)
+        );
+        assert_eq!(find_head_end(b"GET / HTTP/1.1\nHost: a\n\nxyz"), Some(24));
+        assert_eq!(find_head_end(b"GET / HTTP/1.1\r\nHost: a\r\n"), None);
+    }
+}

@@ -1,0 +1,274 @@
+//! Response heads from replicas: parse, decide how the body is delimited (RFC 9112 section 6.3),
+//! and write the head kvlb sends to the client (hop-by-hop fields dropped, `x-kvlb-replica`
+//! added).
+
+use super::request::has_token;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseBody {
+    /// HEAD responses, 1xx, 204 and 304.
+    None,
+    Length(u64),
+    Chunked,
+    /// Delimited by the replica closing the connection.
+    UntilClose,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct ResponseHead {
+    pub head_len: usize,
+    pub status: u16,
+    pub body: ResponseBody,
+    /// The replica keeps the connection open afterwards.
+    pub reusable: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseError {
+    Partial,
+    TooLarge,
+    Invalid,
+}
+
+/// Most header fields accepted in a replica's response.
+const MAX_HEADERS: usize = 128;
+
+/// How the client side wants the head written.
+pub struct ClientFraming {
+    /// The client's request was HEAD.
+    pub head_request: bool,
+    /// Close the client connection after this response.
+    pub close: bool,
+    /// The client speaks HTTP/1.0 (cannot receive chunked).
+    pub http10: bool,
+}
+
+/// Parse a response head from `buf`; on success write the client-facing head to `out`.
+/// Returns `Partial` when more bytes are needed.
+pub fn parse_response(
+    buf: &[u8],
+    max_head: usize,
+    replica: &str,
+    client: &ClientFraming,
+    out: &mut Vec<u8>,
+) -> Result<ResponseHead, ResponseError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let head_len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => {
+            return Err(if buf.len() > max_head {
+                ResponseError::TooLarge
+            } else {
+                ResponseError::Partial
+            })
+        }
+        Err(_) => return Err(ResponseError::Invalid),
+    };
+    let status = resp.code.unwrap_or(0);
+    let minor = resp.version.unwrap_or(1);
+    let mut content_length: Option<u64> = None;
+    let mut chunked = false;
+    let mut conn_close = minor == 0;
+    for h in resp.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let v = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or(ResponseError::Invalid)?;
+            if content_length.is_some_and(|c| c != v) {
+                return Err(ResponseError::Invalid);
+            }
+            content_length = Some(v);
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            if has_token(h.value, "chunked") {
+                chunked = true;
+            }
+        } else if h.name.eq_ignore_ascii_case("connection") {
+            if has_token(h.value, "close") {
+                conn_close = true;
+            } else if minor == 0 && has_token(h.value, "keep-alive") {
+                conn_close = false;
+            }
+        }
+    }
+    let body =
+        if client.head_request || (100..200).contains(&status) || status == 204 || status == 304 {
+            ResponseBody::None
+        } else if chunked {
+            ResponseBody::Chunked
+        } else if let Some(n) = content_length {
+            ResponseBody::Length(n)
+        } else {
+            ResponseBody::UntilClose
+        };
+    let reusable = !conn_close && body != ResponseBody::UntilClose;
+
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    let mut code = [0u8; 3];
+    code[0] = b'0' + (status / 100 % 10) as u8;
+    code[1] = b'0' + (status / 10 % 10) as u8;
+    code[2] = b'0' + (status % 10) as u8;
+    out.extend_from_slice(&code);
+    out.push(b' ');
+    out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    // Connection-named fields are hop-by-hop too.
+    let mut named: [&[u8]; 16] = [&[]; 16];
+    let mut n_named = 0;
+    for h in resp.headers.iter() {
+        if h.name.eq_ignore_ascii_case("connection") {
+            for t in h.value.split(|b| *b == b',') {
+                let t = t.trim_ascii();
+                if !t.is_empty() && n_named < named.len() {
+                    named[n_named] = t;
+                    n_named += 1;
+                }
+            }
+        }
+    }
+    // A body kvlb must re-delimit for an HTTP/1.0 client is sent until close.
+    let dechunk = client.http10 && body == ResponseBody::Chunked;
+    for h in resp.headers.iter() {
+        let n = h.name;
+        let hop = n.eq_ignore_ascii_case("connection")
+            || n.eq_ignore_ascii_case("keep-alive")
+            || n.eq_ignore_ascii_case("proxy-connection")
+            || n.eq_ignore_ascii_case("upgrade")
+            || n.eq_ignore_ascii_case("te")
+            || n.eq_ignore_ascii_case("trailer")
+            || (n.eq_ignore_ascii_case("transfer-encoding") && (dechunk || !chunked))
+            || (n.eq_ignore_ascii_case("content-length") && chunked)
+            || named[..n_named]
+                .iter()
+                .any(|x| x.eq_ignore_ascii_case(n.as_bytes()));
+        if hop {
+            continue;
+        }
+        out.extend_from_slice(n.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"x-kvlb-replica: ");
+    out.extend_from_slice(replica.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let client_close = client.close || body == ResponseBody::UntilClose || dechunk;
+    if client_close {
+        out.extend_from_slice(b"connection: close\r\n");
+    } else if client.http10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    Ok(ResponseHead {
+        head_len,
+        status,
+        body,
+        reusable,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client() -> ClientFraming {
+        ClientFraming {
+            head_request: false,
+            close: false,
+            http10: false,
+        }
+    }
+
+    #[test]
+    fn framing_rules() {
+        let mut out = Vec::new();
+        let r = parse_response(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+            8192,
+            "http://r",
+            &client(),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(r.body, ResponseBody::Length(5));
+        assert!(r.reusable);
+        let r = parse_response(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            8192,
+            "http://r",
+            &client(),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(r.body, ResponseBody::Chunked);
+        assert!(String::from_utf8_lossy(&out).contains("Transfer-Encoding: chunked"));
+        let r = parse_response(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+            8192,
+            "http://r",
+            &client(),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(r.body, ResponseBody::UntilClose);
+        assert!(!r.reusable);
+        assert!(String::from_utf8_lossy(&out).contains("connection: close"));
+        for s in ["204 No Content", "304 Not Modified"] {
+            let raw = format!("HTTP/1.1 {s}\r\nContent-Length: 10\r\n\r\n");
+            let r = parse_response(raw.as_bytes(), 8192, "http://r", &client(), &mut out).unwrap();
+            assert_eq!(r.body, ResponseBody::None);
+        }
+        let head = ClientFraming {
+            head_request: true,
+            close: false,
+            http10: false,
+        };
+        let r = parse_response(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n",
+            8192,
+            "http://r",
+            &head,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(r.body, ResponseBody::None);
+        assert!(String::from_utf8_lossy(&out).contains("Content-Length: 10"));
+    }
+
+    #[test]
+    fn replica_header_and_hop_by_hop() {
+        let mut out = Vec::new();
+        parse_response(b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\nX-Keep: 2\r\nContent-Length: 0\r\n\r\n", 8192, "http://127.0.0.1:9", &client(), &mut out).unwrap();
+        let s = String::from_utf8(out).unwrap();
+        assert!(s.contains("x-kvlb-replica: http://127.0.0.1:9\r\n"));
+        assert!(s.contains("X-Keep: 2"));
+        assert!(!s.contains("X-Hop"));
+        assert!(!s.to_ascii_lowercase().contains("keep-alive"));
+    }
+
+    #[test]
+    fn partial_and_invalid() {
+        let mut out = Vec::new();
+        assert_eq!(
+            parse_response(b"HTTP/1.1 200 OK\r\n", 8192, "r", &client(), &mut out).unwrap_err(),
+            ResponseError::Partial
+        );
+        assert_eq!(
+            parse_response(b"garbage\r\n\r\n", 8192, "r", &client(), &mut out).unwrap_err(),
+            ResponseError::Invalid
+        );
+        assert_eq!(
+            parse_response(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                8192,
+                "r",
+                &client(),
+                &mut out
+            )
+            .unwrap_err(),
+            ResponseError::Invalid
+        );
+    }
+}

@@ -1,0 +1,283 @@
+//! Counters and histograms of the data plane. Each worker writes only its own `WorkerStats`
+//! (relaxed atomics on its own cache lines: no locks, no sharing between writers); the admin
+//! thread sums them when /metrics is scraped. Replica in-flight counts are the one figure
+//! shared by all workers, since `least_loaded` and `power_of_two` read them.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+/// Latency bucket upper bounds, seconds.
+pub const BUCKETS: [f64; 16] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
+
+#[derive(Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe_us(&self, us: u64) {
+        let s = us as f64 / 1e6;
+        let i = BUCKETS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(BUCKETS.len());
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_us.fetch_add(us, Relaxed);
+    }
+}
+
+/// Per replica, per worker.
+#[derive(Default)]
+pub struct ReplicaCounters {
+    /// Responses by status class 1xx..5xx (index 0..4), as forwarded from the replica.
+    pub responses: [AtomicU64; 5],
+    /// Errors kvlb answered for this replica: 502 and 504.
+    pub bad_gateway: AtomicU64,
+    pub gateway_timeout: AtomicU64,
+    /// Client went away before the response completed.
+    pub client_aborts: AtomicU64,
+    pub bytes_to_replica: AtomicU64,
+    pub bytes_from_replica: AtomicU64,
+    pub connects: AtomicU64,
+    pub reuses: AtomicU64,
+}
+
+#[repr(align(128))]
+pub struct WorkerStats {
+    pub accepted: AtomicU64,
+    pub open_connections: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub requests: AtomicU64,
+    /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
+    pub local_errors: [AtomicU64; 7],
+    pub ttfb: Histogram,
+    pub total: Histogram,
+    pub replicas: Vec<ReplicaCounters>,
+}
+
+pub const LOCAL_ERROR_CODES: [u16; 7] = [400, 408, 413, 431, 501, 503, 0];
+
+impl WorkerStats {
+    pub fn new(replicas: usize) -> WorkerStats {
+        WorkerStats {
+            accepted: AtomicU64::new(0),
+            open_connections: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            local_errors: Default::default(),
+            ttfb: Histogram::default(),
+            total: Histogram::default(),
+            replicas: (0..replicas).map(|_| ReplicaCounters::default()).collect(),
+        }
+    }
+
+    pub fn local_error(&self, status: u16) {
+        let i = LOCAL_ERROR_CODES
+            .iter()
+            .position(|c| *c == status)
+            .unwrap_or(LOCAL_ERROR_CODES.len() - 1);
+        self.local_errors[i].fetch_add(1, Relaxed);
+    }
+}
+
+/// Shared by every worker: requests in flight at one replica.
+#[repr(align(128))]
+#[derive(Default)]
+pub struct ReplicaLoad {
+    pub in_flight: AtomicU32,
+    /// Milliseconds since start until which the replica is skipped after a connect failure.
+    pub down_until_ms: AtomicU64,
+}
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+fn histogram(out: &mut String, name: &str, help: &str, hs: &[&Histogram]) {
+    family(out, name, "histogram", help);
+    let mut cum = 0u64;
+    for (i, b) in BUCKETS.iter().enumerate() {
+        cum += hs.iter().map(|h| h.counts[i].load(Relaxed)).sum::<u64>();
+        let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+    }
+    cum += hs
+        .iter()
+        .map(|h| h.counts[BUCKETS.len()].load(Relaxed))
+        .sum::<u64>();
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cum}");
+    let sum: u64 = hs.iter().map(|h| h.sum_us.load(Relaxed)).sum();
+    let _ = writeln!(out, "{name}_sum {}", sum as f64 / 1e6);
+    let _ = writeln!(out, "{name}_count {cum}");
+}
+
+/// Prometheus text for the whole process.
+pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[String]) -> String {
+    let mut out = String::with_capacity(8192);
+    let sum = |f: &dyn Fn(&WorkerStats) -> u64| -> u64 { workers.iter().map(f).sum() };
+
+    family(
+        &mut out,
+        "kvlb_requests_total",
+        "counter",
+        "Responses forwarded from replicas, by replica and status class.",
+    );
+    for (r, url) in replica_urls.iter().enumerate() {
+        for (c, class) in ["1xx", "2xx", "3xx", "4xx", "5xx"].iter().enumerate() {
+            let v = sum(&|w| w.replicas[r].responses[c].load(Relaxed));
+            let _ = writeln!(
+                out,
+                "kvlb_requests_total{{replica=\"{url}\",status=\"{class}\"}} {v}"
+            );
+        }
+        let v = sum(&|w| w.replicas[r].bad_gateway.load(Relaxed));
+        let _ = writeln!(
+            out,
+            "kvlb_requests_total{{replica=\"{url}\",status=\"502\"}} {v}"
+        );
+        let v = sum(&|w| w.replicas[r].gateway_timeout.load(Relaxed));
+        let _ = writeln!(
+            out,
+            "kvlb_requests_total{{replica=\"{url}\",status=\"504\"}} {v}"
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_local_responses_total",
+        "counter",
+        "Error responses kvlb answered itself, by status.",
+    );
+    for (i, code) in LOCAL_ERROR_CODES.iter().enumerate() {
+        let v = sum(&|w| w.local_errors[i].load(Relaxed));
+        let label = if *code == 0 {
+            "other".to_string()
+        } else {
+            code.to_string()
+        };
+        let _ = writeln!(out, "kvlb_local_responses_total{{status=\"{label}\"}} {v}");
+    }
+    family(&mut out, "kvlb_client_aborts_total", "counter", "Requests whose client went away before the response completed; the replica request was cancelled.");
+    for (r, url) in replica_urls.iter().enumerate() {
+        let v = sum(&|w| w.replicas[r].client_aborts.load(Relaxed));
+        let _ = writeln!(out, "kvlb_client_aborts_total{{replica=\"{url}\"}} {v}");
+    }
+    family(
+        &mut out,
+        "kvlb_replica_in_flight",
+        "gauge",
+        "Requests in flight per replica, across workers.",
+    );
+    for (r, url) in replica_urls.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_replica_in_flight{{replica=\"{url}\"}} {}",
+            loads[r].in_flight.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_in_flight",
+        "gauge",
+        "Requests in flight per worker.",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_in_flight{{worker=\"{i}\"}} {}",
+            w.in_flight.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_connections",
+        "gauge",
+        "Open client connections per worker.",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_connections{{worker=\"{i}\"}} {}",
+            w.open_connections.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_accepted_total",
+        "counter",
+        "Client connections accepted per worker.",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_accepted_total{{worker=\"{i}\"}} {}",
+            w.accepted.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_requests_total",
+        "counter",
+        "Requests handled per worker.",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_requests_total{{worker=\"{i}\"}} {}",
+            w.requests.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_bytes_total",
+        "counter",
+        "Bytes exchanged with replicas.",
+    );
+    for (r, url) in replica_urls.iter().enumerate() {
+        let to = sum(&|w| w.replicas[r].bytes_to_replica.load(Relaxed));
+        let from = sum(&|w| w.replicas[r].bytes_from_replica.load(Relaxed));
+        let _ = writeln!(
+            out,
+            "kvlb_bytes_total{{replica=\"{url}\",direction=\"to_replica\"}} {to}"
+        );
+        let _ = writeln!(
+            out,
+            "kvlb_bytes_total{{replica=\"{url}\",direction=\"from_replica\"}} {from}"
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_upstream_connections_total",
+        "counter",
+        "Replica connections used: new (connect) or reused from the keep-alive pool.",
+    );
+    for (r, url) in replica_urls.iter().enumerate() {
+        let c = sum(&|w| w.replicas[r].connects.load(Relaxed));
+        let u = sum(&|w| w.replicas[r].reuses.load(Relaxed));
+        let _ = writeln!(
+            out,
+            "kvlb_upstream_connections_total{{replica=\"{url}\",kind=\"new\"}} {c}"
+        );
+        let _ = writeln!(
+            out,
+            "kvlb_upstream_connections_total{{replica=\"{url}\",kind=\"reused\"}} {u}"
+        );
+    }
+    let ttfb: Vec<&Histogram> = workers.iter().map(|w| &w.ttfb).collect();
+    histogram(
+        &mut out,
+        "kvlb_time_to_first_byte_seconds",
+        "From the request fully received to the replica's first response byte.",
+        &ttfb,
+    );
+    let total: Vec<&Histogram> = workers.iter().map(|w| &w.total).collect();
+    histogram(
+        &mut out,
+        "kvlb_request_duration_seconds",
+        "From the request fully received to the response fully sent.",
+        &total,
+    );
+    out
+}

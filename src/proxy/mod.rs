@@ -1,0 +1,794 @@
+//! A client connection's life: read a request (head strictly parsed, body de-chunked in place),
+//! select a replica, forward over a pooled keep-alive connection, and relay the response as it
+//! arrives (SSE chunks are never held back). Errors before the first response byte become
+//! OpenAI-style JSON errors; a client that goes away cancels its replica request by closing
+//! that connection.
+//!
+//! Buffers come from the worker's pool and go back to it, so a warm keep-alive connection
+//! allocates nothing per request.
+
+use crate::http::chunked::ChunkedDecoder;
+use crate::http::request::{self, BodyFraming, Method, RequestHead};
+use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
+use crate::http::{write_error, HttpError};
+use crate::rt::op;
+use crate::rt::select::{select, Either};
+use crate::select::RequestView;
+use crate::worker::Worker;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::RawFd;
+use std::pin::pin;
+use std::rc::Rc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+/// Bodies up to this size are sent upstream in the same write as the head.
+const COALESCE_BODY: usize = 16 * 1024;
+/// Most bytes of a replica's response head.
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+/// How long a replica that refused a connection is skipped.
+const DOWN_AFTER_CONNECT_FAILURE_MS: u64 = 1000;
+
+struct Conn {
+    fd: RawFd,
+    client_ip: Option<IpAddr>,
+    cbuf: Vec<u8>,
+    obuf: Vec<u8>,
+    ubuf: Vec<u8>,
+}
+
+/// Answer a connection over the limit with 503 and close it.
+pub async fn refuse(w: Rc<Worker>, fd: RawFd) {
+    w.stats().local_error(503);
+    let _ = op::send_static(fd, HttpError::Overloaded.response()).await;
+    op::close(fd);
+}
+
+pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>) {
+    w.open.set(w.open.get() + 1);
+    w.stats().open_connections.fetch_add(1, Relaxed);
+    let mut conn = Conn {
+        fd,
+        client_ip: peer.map(|p| p.ip()),
+        cbuf: w.take_buf(),
+        obuf: w.take_buf(),
+        ubuf: w.take_buf(),
+    };
+    let _ = connection_loop(&w, &mut conn).await;
+    // Safety: linger-free close of our own socket; shutdown first so a client still sending
+    // sees the end instead of a reset where possible.
+    unsafe { libc::shutdown(fd, libc::SHUT_WR) };
+    op::close(fd);
+    w.give_buf(std::mem::take(&mut conn.cbuf));
+    w.give_buf(std::mem::take(&mut conn.obuf));
+    w.give_buf(std::mem::take(&mut conn.ubuf));
+    w.open.set(w.open.get() - 1);
+    w.stats().open_connections.fetch_sub(1, Relaxed);
+}
+
+/// Why a connection ends.
+enum End {
+    /// Close the client connection.
+    Close,
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+/// Receive more client bytes into cbuf before `deadline`.
+async fn recv_client(conn: &mut Conn, deadline: Instant, max: usize) -> io::Result<usize> {
+    let len = conn.cbuf.len();
+    if conn.cbuf.capacity() - len < 4096 {
+        let extra = len.max(4096).min(max.saturating_sub(len).max(4096));
+        conn.cbuf.reserve(extra);
+    }
+    let (r, b) = op::recv(
+        conn.fd,
+        std::mem::take(&mut conn.cbuf),
+        Some(remaining(deadline)),
+    )
+    .await;
+    conn.cbuf = b;
+    r
+}
+
+async fn send_local_error(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
+    w.stats().local_error(e.status());
+    let _ = op::send_static(conn.fd, e.response()).await;
+    End::Close
+}
+
+async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
+    let cfg = &w.shared.cfg;
+    loop {
+        // Wait for the first bytes of the next request.
+        if conn.cbuf.is_empty() {
+            if w.draining.get() {
+                return End::Close;
+            }
+            let slot = w.idle_client_enter(conn.fd);
+            let (r, b) = op::recv(
+                conn.fd,
+                std::mem::take(&mut conn.cbuf),
+                Some(cfg.timeouts.idle),
+            )
+            .await;
+            w.idle_client_leave(slot);
+            conn.cbuf = b;
+            match r {
+                Ok(n) if n > 0 => {}
+                _ => return End::Close,
+            }
+        }
+        let received_at = Instant::now();
+        let deadline = received_at + cfg.timeouts.client;
+        let max_head = cfg.limits.max_header_bytes;
+
+        // The head.
+        let mut scanned: usize = 0;
+        let head_end = loop {
+            let from = scanned.saturating_sub(3);
+            if let Some(e) = request::find_head_end(&conn.cbuf[from..]) {
+                let e = e + from;
+                if e > max_head {
+                    return send_local_error(w, conn, HttpError::HeaderTooLarge).await;
+                }
+                break e;
+            }
+            scanned = conn.cbuf.len();
+            if scanned > max_head {
+                return send_local_error(w, conn, HttpError::HeaderTooLarge).await;
+            }
+            match recv_client(conn, deadline, max_head + 1).await {
+                Ok(0) => return End::Close,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    return send_local_error(w, conn, HttpError::RequestTimeout).await
+                }
+                Err(_) => return End::Close,
+            }
+        };
+        let head =
+            match request::parse_request(&conn.cbuf, head_end, conn.client_ip, &mut conn.obuf) {
+                Ok(h) => h,
+                Err(e) => return send_local_error(w, conn, e).await,
+            };
+
+        // The body, whole, de-chunked in place.
+        let (body_end, req_end) = match read_body(w, conn, &head, deadline).await {
+            Ok(v) => v,
+            Err(end) => return end,
+        };
+        let body_len = body_end - head.head_len;
+        w.stats().requests.fetch_add(1, Relaxed);
+
+        // Select.
+        let n = w.fill_candidates();
+        if n == 0 {
+            let end = send_local_error(w, conn, HttpError::NoReplica).await;
+            return end;
+        }
+        let replica = {
+            let view = RequestView {
+                method: head.method,
+                path: &conn.cbuf[head.target.0..head.target.1],
+                body: &conn.cbuf[head.head_len..body_end],
+            };
+            let random = w.rng.borrow_mut().next_u64();
+            let cands = w.candidates.borrow();
+            let i = w.policy.borrow_mut().select(&view, &cands, random);
+            cands[i.min(cands.len() - 1)].replica
+        };
+
+        // The host header falls back to the replica's authority (HTTP/1.0 clients).
+        if !head.has_host {
+            let auth = &cfg.replicas[replica].authority;
+            conn.obuf.extend_from_slice(b"host: ");
+            conn.obuf.extend_from_slice(auth.as_bytes());
+            conn.obuf.extend_from_slice(b"\r\n");
+        }
+        request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
+
+        let outcome = forward(w, conn, replica, &head, body_end, received_at).await;
+
+        // Keep pipelined bytes for the next round.
+        let len = conn.cbuf.len();
+        conn.cbuf.copy_within(req_end..len, 0);
+        conn.cbuf.truncate(len - req_end);
+        if conn.cbuf.capacity() > 1 << 20 && conn.cbuf.len() < 16 * 1024 {
+            conn.cbuf.shrink_to(16 * 1024);
+        }
+        match outcome {
+            Forwarded::KeepAlive if head.keep_alive && !w.draining.get() => continue,
+            _ => return End::Close,
+        }
+    }
+}
+
+/// Read the request body; returns (body_end, request_end) offsets in cbuf.
+async fn read_body(
+    w: &Worker,
+    conn: &mut Conn,
+    head: &RequestHead,
+    deadline: Instant,
+) -> Result<(usize, usize), End> {
+    let max_body = w.shared.cfg.limits.max_body_bytes;
+    let start = head.head_len;
+    match head.body {
+        BodyFraming::None => Ok((start, start)),
+        BodyFraming::Length(n) => {
+            if n > max_body as u64 {
+                return Err(send_local_error(w, conn, HttpError::BodyTooLarge).await);
+            }
+            let n = n as usize;
+            if head.expect_continue && conn.cbuf.len() == start {
+                let _ = op::send_static(conn.fd, b"HTTP/1.1 100 Continue\r\n\r\n").await;
+            }
+            let need = start + n;
+            if conn.cbuf.capacity() < need {
+                conn.cbuf.reserve(need - conn.cbuf.len());
+            }
+            while conn.cbuf.len() < need {
+                match recv_client(conn, deadline, need).await {
+                    Ok(0) => return Err(End::Close),
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                        return Err(send_local_error(w, conn, HttpError::RequestTimeout).await)
+                    }
+                    Err(_) => return Err(End::Close),
+                }
+            }
+            Ok((need, need))
+        }
+        BodyFraming::Chunked => {
+            if head.expect_continue && conn.cbuf.len() == start {
+                let _ = op::send_static(conn.fd, b"HTTP/1.1 100 Continue\r\n\r\n").await;
+            }
+            let mut dec = ChunkedDecoder::new();
+            let mut write = start;
+            let mut read = start;
+            loop {
+                {
+                    let mut spans = w.spans.borrow_mut();
+                    spans.clear();
+                    let consumed = match dec.feed(&conn.cbuf[read..], |s, e| spans.push((s, e))) {
+                        Ok(c) => c,
+                        Err(_) => {
+                            drop(spans);
+                            return Err(
+                                send_local_error(w, conn, HttpError::InvalidChunkedBody).await
+                            );
+                        }
+                    };
+                    for &(s, e) in spans.iter() {
+                        conn.cbuf.copy_within(read + s..read + e, write);
+                        write += e - s;
+                    }
+                    read += consumed;
+                }
+                if write - start > max_body {
+                    return Err(send_local_error(w, conn, HttpError::BodyTooLarge).await);
+                }
+                if dec.is_done() {
+                    return Ok((write, read));
+                }
+                match recv_client(conn, deadline, max_body).await {
+                    Ok(0) => return Err(End::Close),
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                        return Err(send_local_error(w, conn, HttpError::RequestTimeout).await)
+                    }
+                    Err(_) => return Err(End::Close),
+                }
+            }
+        }
+    }
+}
+
+enum Forwarded {
+    /// Response complete; the client connection may carry another request.
+    KeepAlive,
+    /// The client connection must close (error, abort, or close-delimited response).
+    Close,
+}
+
+/// Counts a request in flight at a replica and on the worker until dropped.
+struct InFlight<'a> {
+    w: &'a Worker,
+    replica: usize,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(w: &'a Worker, replica: usize) -> InFlight<'a> {
+        w.shared.loads[replica].in_flight.fetch_add(1, Relaxed);
+        w.stats().in_flight.fetch_add(1, Relaxed);
+        InFlight { w, replica }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.w.shared.loads[self.replica]
+            .in_flight
+            .fetch_sub(1, Relaxed);
+        self.w.stats().in_flight.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A failure before anything reached the client.
+enum UpstreamFailure {
+    Connect(io::Error),
+    /// The replica closed or reset the connection before a response head.
+    Closed,
+    Timeout,
+    Invalid,
+    ClientGone,
+}
+
+async fn connect_upstream(w: &Worker, replica: usize) -> io::Result<RawFd> {
+    let addr = w.shared.cfg.replicas[replica].addr;
+    let fd = op::tcp_socket(&addr)?;
+    match op::connect(fd, addr, w.shared.cfg.timeouts.connect).await {
+        Ok(()) => Ok(fd),
+        Err(e) => {
+            op::close(fd);
+            Err(e)
+        }
+    }
+}
+
+const HUP_MASK: u32 = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
+
+async fn forward(
+    w: &Worker,
+    conn: &mut Conn,
+    replica: usize,
+    head: &RequestHead,
+    body_end: usize,
+    received_at: Instant,
+) -> Forwarded {
+    let _in_flight = InFlight::new(w, replica);
+    let stats = w.stats();
+    let rc = &stats.replicas[replica];
+    let url: &str = &w.shared.cfg.replicas[replica].url;
+    let body_len = body_end - head.head_len;
+    let coalesce = body_len <= COALESCE_BODY;
+    let head_len_up = conn.obuf.len();
+    if coalesce {
+        conn.obuf
+            .extend_from_slice(&conn.cbuf[head.head_len..body_end]);
+    }
+    let upstream_deadline = Instant::now() + w.shared.cfg.timeouts.upstream;
+
+    // Send the request and read the response head; a pooled connection that turns out to be
+    // closed is retried once on a fresh connection (nothing has reached the replica's
+    // application then).
+    let mut attempt = 0;
+    let (ufd, rhead) = loop {
+        attempt += 1;
+        let (ufd, reused) = match w.pooled_upstream(replica) {
+            Some(fd) if attempt == 1 => {
+                rc.reuses.fetch_add(1, Relaxed);
+                (fd, true)
+            }
+            pooled => {
+                if let Some(fd) = pooled {
+                    op::close(fd);
+                }
+                match connect_upstream(w, replica).await {
+                    Ok(fd) => {
+                        rc.connects.fetch_add(1, Relaxed);
+                        (fd, false)
+                    }
+                    Err(e) => {
+                        w.mark_down(replica, DOWN_AFTER_CONNECT_FAILURE_MS);
+                        conn.obuf.truncate(head_len_up);
+                        return fail(w, conn, replica, UpstreamFailure::Connect(e)).await;
+                    }
+                }
+            }
+        };
+        match send_request(conn, ufd, head, body_end, coalesce).await {
+            Ok(()) => {}
+            Err(_) if reused => {
+                op::close(ufd);
+                continue;
+            }
+            Err(_) => {
+                op::close(ufd);
+                conn.obuf.truncate(head_len_up);
+                return fail(w, conn, replica, UpstreamFailure::Closed).await;
+            }
+        }
+        rc.bytes_to_replica
+            .fetch_add((head_len_up + body_len) as u64, Relaxed);
+        match read_response_head(w, conn, ufd, url, head, upstream_deadline).await {
+            Ok(h) => break (ufd, h),
+            Err(UpstreamFailure::Closed) if reused && attempt == 1 => {
+                op::close(ufd);
+                continue;
+            }
+            Err(f) => {
+                op::close(ufd);
+                conn.obuf.truncate(head_len_up);
+                return fail(w, conn, replica, f).await;
+            }
+        }
+    };
+    let first_byte = Instant::now();
+    stats
+        .ttfb
+        .observe_us(first_byte.duration_since(received_at).as_micros() as u64);
+    let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
+    rc.responses[class].fetch_add(1, Relaxed);
+
+    let result = relay_body(w, conn, ufd, replica, head, &rhead).await;
+    stats
+        .total
+        .observe_us(received_at.elapsed().as_micros() as u64);
+    match result {
+        Relayed::Complete {
+            upstream_reusable,
+            client_close,
+        } => {
+            if upstream_reusable && rhead.reusable {
+                w.return_upstream(replica, ufd);
+            } else {
+                op::close(ufd);
+            }
+            if client_close {
+                Forwarded::Close
+            } else {
+                Forwarded::KeepAlive
+            }
+        }
+        Relayed::ClientGone => {
+            rc.client_aborts.fetch_add(1, Relaxed);
+            op::close(ufd);
+            Forwarded::Close
+        }
+        Relayed::UpstreamBroken => {
+            op::close(ufd);
+            Forwarded::Close
+        }
+    }
+}
+
+async fn send_request(
+    conn: &mut Conn,
+    ufd: RawFd,
+    head: &RequestHead,
+    body_end: usize,
+    coalesce: bool,
+) -> io::Result<()> {
+    let n = conn.obuf.len();
+    let (r, b) = op::send_all(ufd, std::mem::take(&mut conn.obuf), 0, n).await;
+    conn.obuf = b;
+    r?;
+    if !coalesce {
+        let (r, b) =
+            op::send_all(ufd, std::mem::take(&mut conn.cbuf), head.head_len, body_end).await;
+        conn.cbuf = b;
+        r?;
+    }
+    Ok(())
+}
+
+async fn read_response_head(
+    w: &Worker,
+    conn: &mut Conn,
+    ufd: RawFd,
+    url: &str,
+    head: &RequestHead,
+    deadline: Instant,
+) -> Result<response::ResponseHead, UpstreamFailure> {
+    conn.ubuf.clear();
+    let framing = ClientFraming {
+        head_request: head.method == Method::Head,
+        close: !head.keep_alive || w.draining.get(),
+        http10: head.minor_version == 0,
+    };
+    let mut hup = pin!(op::poll(conn.fd, HUP_MASK));
+    let mut watching = true;
+    loop {
+        let buf = std::mem::take(&mut conn.ubuf);
+        let timeout = Some(remaining(deadline));
+        let got = if watching {
+            let recv = pin!(op::recv(ufd, buf, timeout));
+            match select(recv, hup.as_mut()).await {
+                Either::Left(v) => v,
+                Either::Right(Ok(_)) => return Err(UpstreamFailure::ClientGone),
+                Either::Right(Err(_)) => {
+                    // The watch itself failed; carry on without it.
+                    watching = false;
+                    continue;
+                }
+            }
+        } else {
+            op::recv(ufd, buf, timeout).await
+        };
+        let (r, b) = got;
+        conn.ubuf = b;
+        match r {
+            Ok(0) => return Err(UpstreamFailure::Closed),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => return Err(UpstreamFailure::Timeout),
+            Err(_) => return Err(UpstreamFailure::Closed),
+        }
+        loop {
+            match response::parse_response(
+                &conn.ubuf,
+                MAX_RESPONSE_HEAD,
+                url,
+                &framing,
+                &mut conn.obuf,
+            ) {
+                Ok(h) if (100..200).contains(&h.status) => {
+                    // Interim response (kvlb already handled 100-continue): drop it.
+                    let len = conn.ubuf.len();
+                    conn.ubuf.copy_within(h.head_len..len, 0);
+                    conn.ubuf.truncate(len - h.head_len);
+                    if conn.ubuf.is_empty() {
+                        break;
+                    }
+                }
+                Ok(h) => return Ok(h),
+                Err(ResponseError::Partial) => break,
+                Err(_) => return Err(UpstreamFailure::Invalid),
+            }
+        }
+        if conn.ubuf.capacity() - conn.ubuf.len() < 4096 {
+            conn.ubuf.reserve(8192);
+        }
+    }
+}
+
+/// Answer the client for a failure before any response byte was sent.
+async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -> Forwarded {
+    let rc = &w.stats().replicas[replica];
+    let url: &str = &w.shared.cfg.replicas[replica].url;
+    conn.obuf.clear();
+    let close = true;
+    match f {
+        UpstreamFailure::ClientGone => {
+            rc.client_aborts.fetch_add(1, Relaxed);
+            return Forwarded::Close;
+        }
+        UpstreamFailure::Timeout => {
+            rc.gateway_timeout.fetch_add(1, Relaxed);
+            let msg = format!("replica {url} did not answer within the upstream timeout");
+            write_error(
+                &mut conn.obuf,
+                504,
+                "Gateway Timeout",
+                "upstream_timeout",
+                &msg,
+                Some(url),
+                close,
+            );
+        }
+        UpstreamFailure::Connect(e) => {
+            rc.bad_gateway.fetch_add(1, Relaxed);
+            let msg = format!("cannot connect to replica {url}: {e}");
+            write_error(
+                &mut conn.obuf,
+                502,
+                "Bad Gateway",
+                "upstream_error",
+                &msg,
+                Some(url),
+                close,
+            );
+        }
+        UpstreamFailure::Closed => {
+            rc.bad_gateway.fetch_add(1, Relaxed);
+            let msg = format!("replica {url} closed the connection before answering");
+            write_error(
+                &mut conn.obuf,
+                502,
+                "Bad Gateway",
+                "upstream_error",
+                &msg,
+                Some(url),
+                close,
+            );
+        }
+        UpstreamFailure::Invalid => {
+            rc.bad_gateway.fetch_add(1, Relaxed);
+            let msg = format!("replica {url} sent an invalid response head");
+            write_error(
+                &mut conn.obuf,
+                502,
+                "Bad Gateway",
+                "upstream_error",
+                &msg,
+                Some(url),
+                close,
+            );
+        }
+    }
+    let n = conn.obuf.len();
+    let (_, b) = op::send_all(conn.fd, std::mem::take(&mut conn.obuf), 0, n).await;
+    conn.obuf = b;
+    Forwarded::Close
+}
+
+enum Relayed {
+    Complete {
+        upstream_reusable: bool,
+        client_close: bool,
+    },
+    ClientGone,
+    UpstreamBroken,
+}
+
+/// Send obuf (the client head plus any body bytes appended) to the client.
+async fn flush_obuf(conn: &mut Conn) -> io::Result<()> {
+    let n = conn.obuf.len();
+    let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.obuf), 0, n).await;
+    conn.obuf = b;
+    r
+}
+
+/// Receive the next piece of the response body while watching for the client going away.
+async fn recv_upstream(
+    conn: &mut Conn,
+    ufd: RawFd,
+    hup: std::pin::Pin<&mut impl std::future::Future<Output = io::Result<u32>>>,
+) -> Result<usize, Relayed> {
+    conn.ubuf.clear();
+    let recv = pin!(op::recv(ufd, std::mem::take(&mut conn.ubuf), None));
+    match select(recv, hup).await {
+        Either::Left((r, b)) => {
+            conn.ubuf = b;
+            match r {
+                Ok(0) | Err(_) => Err(Relayed::UpstreamBroken),
+                Ok(n) => Ok(n),
+            }
+        }
+        Either::Right(_) => Err(Relayed::ClientGone),
+    }
+}
+
+async fn relay_body(
+    w: &Worker,
+    conn: &mut Conn,
+    ufd: RawFd,
+    replica: usize,
+    head: &RequestHead,
+    rhead: &response::ResponseHead,
+) -> Relayed {
+    let rc = &w.stats().replicas[replica];
+    let client_close = !head.keep_alive
+        || w.draining.get()
+        || rhead.body == ResponseBody::UntilClose
+        || (head.minor_version == 0 && rhead.body == ResponseBody::Chunked);
+    let avail_start = rhead.head_len;
+    let avail_end = conn.ubuf.len();
+    rc.bytes_from_replica.fetch_add(avail_end as u64, Relaxed);
+    let mut hup = pin!(op::poll(conn.fd, HUP_MASK));
+    let gone = |e: io::Error| {
+        let _ = e;
+        Relayed::ClientGone
+    };
+    match rhead.body {
+        ResponseBody::None => {
+            if let Err(e) = flush_obuf(conn).await {
+                return gone(e);
+            }
+            Relayed::Complete {
+                upstream_reusable: avail_end == avail_start,
+                client_close,
+            }
+        }
+        ResponseBody::Length(n) => {
+            let first = ((avail_end - avail_start) as u64).min(n) as usize;
+            conn.obuf
+                .extend_from_slice(&conn.ubuf[avail_start..avail_start + first]);
+            let mut reusable = avail_end - avail_start == first;
+            if let Err(e) = flush_obuf(conn).await {
+                return gone(e);
+            }
+            let mut left = n - first as u64;
+            while left > 0 {
+                let got = match recv_upstream(conn, ufd, hup.as_mut()).await {
+                    Ok(g) => g,
+                    Err(r) => return r,
+                };
+                rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
+                let take = (got as u64).min(left) as usize;
+                if take < got {
+                    reusable = false;
+                }
+                let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, take).await;
+                conn.ubuf = b;
+                if let Err(e) = r {
+                    return gone(e);
+                }
+                left -= take as u64;
+            }
+            Relayed::Complete {
+                upstream_reusable: reusable,
+                client_close,
+            }
+        }
+        ResponseBody::Chunked => {
+            let dechunk = head.minor_version == 0;
+            let mut dec = ChunkedDecoder::new();
+            let mut start = avail_start;
+            let mut reusable = true;
+            loop {
+                let end = conn.ubuf.len();
+                let consumed;
+                {
+                    let mut spans = w.spans.borrow_mut();
+                    spans.clear();
+                    consumed = match dec.feed(&conn.ubuf[start..end], |s, e| spans.push((s, e))) {
+                        Ok(c) => c,
+                        Err(_) => return Relayed::UpstreamBroken,
+                    };
+                    if dechunk {
+                        for &(s, e) in spans.iter() {
+                            conn.obuf
+                                .extend_from_slice(&conn.ubuf[start + s..start + e]);
+                        }
+                    } else {
+                        conn.obuf
+                            .extend_from_slice(&conn.ubuf[start..start + consumed]);
+                    }
+                }
+                if start + consumed < end {
+                    reusable = false;
+                }
+                if !conn.obuf.is_empty() {
+                    if let Err(e) = flush_obuf(conn).await {
+                        return gone(e);
+                    }
+                    conn.obuf.clear();
+                }
+                if dec.is_done() {
+                    break;
+                }
+                match recv_upstream(conn, ufd, hup.as_mut()).await {
+                    Ok(got) => rc.bytes_from_replica.fetch_add(got as u64, Relaxed),
+                    Err(r) => return r,
+                };
+                start = 0;
+            }
+            Relayed::Complete {
+                upstream_reusable: reusable,
+                client_close,
+            }
+        }
+        ResponseBody::UntilClose => {
+            conn.obuf
+                .extend_from_slice(&conn.ubuf[avail_start..avail_end]);
+            if let Err(e) = flush_obuf(conn).await {
+                return gone(e);
+            }
+            loop {
+                match recv_upstream(conn, ufd, hup.as_mut()).await {
+                    Ok(got) => {
+                        rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
+                        let (r, b) =
+                            op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;
+                        conn.ubuf = b;
+                        if let Err(e) = r {
+                            return gone(e);
+                        }
+                    }
+                    Err(Relayed::UpstreamBroken) => break,
+                    Err(r) => return r,
+                }
+            }
+            Relayed::Complete {
+                upstream_reusable: false,
+                client_close: true,
+            }
+        }
+    }
+}

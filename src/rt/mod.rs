@@ -1,0 +1,481 @@
+//! A single-threaded io_uring executor: one per worker thread, owning its ring.
+//!
+//! Tasks are `!Send` futures polled on the thread that spawned them; per-worker state lives in
+//! `Rc`/`Cell`, never behind a lock. Every I/O operation (see `op`) is a future that owns its
+//! buffers while the kernel may touch them: dropping a pending operation moves those buffers into
+//! its slot and submits an async cancel, so memory is never freed under the kernel's feet.
+//!
+//! Why the io-uring crate rather than tokio-uring: tokio-uring (last release 0.5.0, 2024) drives
+//! its ring from an epoll loop inside a tokio runtime and offers no linked timeouts, splice or
+//! registered resources; this executor is a few hundred lines, submits and reaps in one
+//! `io_uring_enter` per loop turn, and lets deadlines ride on the kernel's linked timeouts so
+//! no user-space timer wheel is needed on the request path.
+
+pub mod op;
+pub mod select;
+
+use io_uring::{opcode, squeue, IoUring};
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
+
+/// user_data of completions nobody waits for (async cancels, linked timeouts).
+const IGNORED: u64 = u64::MAX;
+
+/// Opcodes the data plane submits; checked at start-up.
+pub const REQUIRED_OPCODES: &[(u8, &str)] = &[
+    (opcode::Accept::CODE, "IORING_OP_ACCEPT"),
+    (opcode::Connect::CODE, "IORING_OP_CONNECT"),
+    (opcode::Recv::CODE, "IORING_OP_RECV"),
+    (opcode::Send::CODE, "IORING_OP_SEND"),
+    (opcode::Read::CODE, "IORING_OP_READ"),
+    (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD"),
+    (opcode::Timeout::CODE, "IORING_OP_TIMEOUT"),
+    (opcode::LinkTimeout::CODE, "IORING_OP_LINK_TIMEOUT"),
+    (opcode::AsyncCancel::CODE, "IORING_OP_ASYNC_CANCEL"),
+];
+
+/// Check that this kernel's io_uring supports every opcode the data plane uses.
+/// The error names what is missing.
+pub fn probe_kernel() -> Result<(), String> {
+    let ring = IoUring::new(4).map_err(|e| {
+        format!(
+            "io_uring is not available ({e}); kvlb needs Linux 5.19 or later with io_uring enabled \
+             (check /proc/sys/kernel/io_uring_disabled and seccomp filters)"
+        )
+    })?;
+    let mut probe = io_uring::Probe::new();
+    ring.submitter()
+        .register_probe(&mut probe)
+        .map_err(|e| format!("io_uring probe failed: {e}"))?;
+    let missing: Vec<&str> = REQUIRED_OPCODES
+        .iter()
+        .filter(|(code, _)| !probe.is_supported(*code))
+        .map(|(_, name)| *name)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "this kernel's io_uring lacks {}; kvlb needs Linux 5.19 or later",
+            missing.join(", ")
+        ))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    /// Submitted, a future waits for it.
+    Pending,
+    /// Completed, result not yet taken by its future.
+    Done,
+    /// Its future was dropped; the slot keeps the buffers until the kernel lets go.
+    Abandoned,
+}
+
+/// The kernel-facing half of one operation. Boxed individually so its address is stable:
+/// timespecs for linked timeouts live here until submission.
+struct Slot {
+    state: SlotState,
+    waker: Option<Waker>,
+    result: i32,
+    flags: u32,
+    keep: Option<Box<dyn Any>>,
+    timespec: io_uring::types::Timespec,
+}
+
+type Task = Pin<Box<dyn Future<Output = ()>>>;
+
+struct TaskEntry {
+    future: Option<Task>,
+    scheduled: bool,
+}
+
+pub(crate) struct Inner {
+    ring: RefCell<IoUring>,
+    slots: RefCell<Vec<Box<Slot>>>,
+    free_slots: RefCell<Vec<u32>>,
+    tasks: RefCell<Vec<TaskEntry>>,
+    free_tasks: RefCell<Vec<usize>>,
+    run_queue: RefCell<VecDeque<usize>>,
+    live_tasks: Cell<usize>,
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Rc<Inner>>> = const { RefCell::new(None) };
+}
+
+fn with_current<R>(f: impl FnOnce(&Rc<Inner>) -> R) -> R {
+    CURRENT.with(|c| {
+        let c = c.borrow();
+        let inner = c
+            .as_ref()
+            .expect("io_uring runtime not running on this thread");
+        f(inner)
+    })
+}
+
+/// A worker's executor.
+pub struct Runtime {
+    inner: Rc<Inner>,
+}
+
+impl Runtime {
+    /// A ring with `entries` submission slots. Single-issuer and deferred task running are
+    /// requested where the kernel has them: only this thread submits, and completions are
+    /// processed when it asks for them, not in interrupt context.
+    pub fn new(entries: u32) -> std::io::Result<Runtime> {
+        let ring = IoUring::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_submit_all()
+            .build(entries)
+            .or_else(|_| IoUring::builder().setup_submit_all().build(entries))
+            .or_else(|_| IoUring::new(entries))?;
+        Ok(Runtime {
+            inner: Rc::new(Inner {
+                ring: RefCell::new(ring),
+                slots: RefCell::new(Vec::new()),
+                free_slots: RefCell::new(Vec::new()),
+                tasks: RefCell::new(Vec::new()),
+                free_tasks: RefCell::new(Vec::new()),
+                run_queue: RefCell::new(VecDeque::with_capacity(1024)),
+                live_tasks: Cell::new(0),
+            }),
+        })
+    }
+
+    /// Run `main` and every task it spawns until `main` returns. Tasks still alive then are
+    /// dropped (their pending operations cancelled).
+    pub fn block_on<F: Future<Output = ()> + 'static>(&self, main: F) {
+        CURRENT.with(|c| *c.borrow_mut() = Some(self.inner.clone()));
+        let done = Rc::new(Cell::new(false));
+        let flag = done.clone();
+        spawn(async move {
+            main.await;
+            flag.set(true);
+        });
+        loop {
+            self.inner.run_ready();
+            if done.get() {
+                break;
+            }
+            self.inner.submit_and_wait();
+            self.inner.reap();
+        }
+        // Drop remaining tasks while the runtime is still current (their drops cancel ops).
+        let leftovers: Vec<Task> = self
+            .inner
+            .tasks
+            .borrow_mut()
+            .iter_mut()
+            .filter_map(|t| t.future.take())
+            .collect();
+        drop(leftovers);
+        let _ = self.inner.ring.borrow_mut().submit();
+        CURRENT.with(|c| *c.borrow_mut() = None);
+    }
+}
+
+/// Spawn a task on the current worker.
+pub fn spawn<F: Future<Output = ()> + 'static>(f: F) {
+    with_current(|inner| {
+        let id = match inner.free_tasks.borrow_mut().pop() {
+            Some(id) => id,
+            None => {
+                let mut tasks = inner.tasks.borrow_mut();
+                tasks.push(TaskEntry {
+                    future: None,
+                    scheduled: false,
+                });
+                tasks.len() - 1
+            }
+        };
+        {
+            let mut tasks = inner.tasks.borrow_mut();
+            tasks[id].future = Some(Box::pin(f));
+            tasks[id].scheduled = true;
+        }
+        inner.live_tasks.set(inner.live_tasks.get() + 1);
+        inner.run_queue.borrow_mut().push_back(id);
+    })
+}
+
+/// Number of tasks alive on this worker.
+pub fn live_tasks() -> usize {
+    with_current(|inner| inner.live_tasks.get())
+}
+
+/// Yield to the other ready tasks once.
+pub async fn yield_now() {
+    let mut yielded = false;
+    std::future::poll_fn(move |cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+impl Inner {
+    fn run_ready(self: &Rc<Self>) {
+        loop {
+            let id = match self.run_queue.borrow_mut().pop_front() {
+                Some(id) => id,
+                None => return,
+            };
+            let fut = {
+                let mut tasks = self.tasks.borrow_mut();
+                let entry = &mut tasks[id];
+                entry.scheduled = false;
+                entry.future.take()
+            };
+            let Some(mut fut) = fut else { continue };
+            let waker = task_waker(id);
+            let mut cx = Context::from_waker(&waker);
+            match fut.as_mut().poll(&mut cx) {
+                Poll::Ready(()) => {
+                    drop(fut);
+                    self.free_tasks.borrow_mut().push(id);
+                    self.live_tasks.set(self.live_tasks.get() - 1);
+                }
+                Poll::Pending => {
+                    self.tasks.borrow_mut()[id].future = Some(fut);
+                }
+            }
+        }
+    }
+
+    fn submit_and_wait(&self) {
+        let ring = self.ring.borrow_mut();
+        loop {
+            match ring.submit_and_wait(1) {
+                Ok(_) => return,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => return,
+                Err(e) => panic!("io_uring_enter failed: {e}"),
+            }
+        }
+    }
+
+    fn reap(&self) {
+        let mut ring = self.ring.borrow_mut();
+        let mut slots = self.slots.borrow_mut();
+        for cqe in ring.completion() {
+            let ud = cqe.user_data();
+            if ud == IGNORED {
+                continue;
+            }
+            let Some(slot) = slots.get_mut(ud as usize) else {
+                continue;
+            };
+            match slot.state {
+                SlotState::Pending => {
+                    slot.state = SlotState::Done;
+                    slot.result = cqe.result();
+                    slot.flags = cqe.flags();
+                    if let Some(w) = slot.waker.take() {
+                        w.wake();
+                    }
+                }
+                SlotState::Abandoned => {
+                    slot.state = SlotState::Free;
+                    slot.keep = None;
+                    slot.waker = None;
+                    self.free_slots.borrow_mut().push(ud as u32);
+                }
+                SlotState::Free | SlotState::Done => {}
+            }
+        }
+    }
+
+    fn alloc_slot(&self) -> u32 {
+        if let Some(i) = self.free_slots.borrow_mut().pop() {
+            let mut slots = self.slots.borrow_mut();
+            let s = &mut slots[i as usize];
+            s.state = SlotState::Pending;
+            return i;
+        }
+        let mut slots = self.slots.borrow_mut();
+        slots.push(Box::new(Slot {
+            state: SlotState::Pending,
+            waker: None,
+            result: 0,
+            flags: 0,
+            keep: None,
+            timespec: io_uring::types::Timespec::new(),
+        }));
+        (slots.len() - 1) as u32
+    }
+
+    /// Push entries that must stay contiguous (a linked chain) into the submission queue.
+    fn push(&self, entries: &[squeue::Entry]) {
+        let mut ring = self.ring.borrow_mut();
+        loop {
+            {
+                let mut sq = ring.submission();
+                if sq.capacity() - sq.len() >= entries.len() {
+                    for e in entries {
+                        // Safety: every pointer in these entries refers to memory owned by the
+                        // operation's future or its boxed slot, both kept alive until the
+                        // completion is reaped (a dropped future parks its buffers in the slot).
+                        unsafe { sq.push(e).expect("submission queue has room") };
+                    }
+                    return;
+                }
+            }
+            match ring.submit() {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                    drop(ring);
+                    self.reap();
+                    ring = self.ring.borrow_mut();
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) => panic!("io_uring submit failed: {e}"),
+            }
+        }
+    }
+}
+
+/// Submit one operation and return its slot.
+pub(crate) fn submit(entry: squeue::Entry) -> u32 {
+    with_current(|inner| {
+        let slot = inner.alloc_slot();
+        inner.push(&[entry.user_data(slot as u64)]);
+        slot
+    })
+}
+
+/// Submit an operation linked to a timeout `after` from now: the kernel cancels it at the
+/// deadline and it completes with -ECANCELED.
+pub(crate) fn submit_with_timeout(entry: squeue::Entry, after: std::time::Duration) -> u32 {
+    with_current(|inner| {
+        let slot = inner.alloc_slot();
+        let ts_ptr = {
+            let mut slots = inner.slots.borrow_mut();
+            let s = &mut slots[slot as usize];
+            s.timespec = io_uring::types::Timespec::new()
+                .sec(after.as_secs())
+                .nsec(after.subsec_nanos());
+            &s.timespec as *const io_uring::types::Timespec
+        };
+        let op = entry.user_data(slot as u64).flags(squeue::Flags::IO_LINK);
+        let timeout = opcode::LinkTimeout::new(ts_ptr).build().user_data(IGNORED);
+        inner.push(&[op, timeout]);
+        slot
+    })
+}
+
+/// Submit a standalone timeout that fires `after` from now.
+pub(crate) fn submit_timeout(after: std::time::Duration) -> u32 {
+    with_current(|inner| {
+        let slot = inner.alloc_slot();
+        let ts_ptr = {
+            let mut slots = inner.slots.borrow_mut();
+            let s = &mut slots[slot as usize];
+            s.timespec = io_uring::types::Timespec::new()
+                .sec(after.as_secs())
+                .nsec(after.subsec_nanos());
+            &s.timespec as *const io_uring::types::Timespec
+        };
+        inner.push(&[opcode::Timeout::new(ts_ptr).build().user_data(slot as u64)]);
+        slot
+    })
+}
+
+/// Poll a slot: Ready(result) once completed (and frees the slot), else registers the waker.
+pub(crate) fn poll_slot(slot: u32, cx: &mut Context<'_>) -> Poll<(i32, u32)> {
+    with_current(|inner| {
+        let mut slots = inner.slots.borrow_mut();
+        let s = &mut slots[slot as usize];
+        match s.state {
+            SlotState::Done => {
+                s.state = SlotState::Free;
+                s.waker = None;
+                let r = (s.result, s.flags);
+                drop(slots);
+                inner.free_slots.borrow_mut().push(slot);
+                Poll::Ready(r)
+            }
+            _ => {
+                match &s.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => s.waker = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+        }
+    })
+}
+
+/// The future of a pending slot was dropped: keep `keep` alive until the kernel completes it,
+/// and ask the kernel to cancel it.
+pub(crate) fn abandon_slot(slot: u32, keep: Option<Box<dyn Any>>) {
+    let _ = CURRENT.try_with(|c| {
+        let c = c.borrow();
+        let Some(inner) = c.as_ref() else { return };
+        let mut slots = inner.slots.borrow_mut();
+        let s = &mut slots[slot as usize];
+        match s.state {
+            SlotState::Done => {
+                s.state = SlotState::Free;
+                s.waker = None;
+                drop(slots);
+                inner.free_slots.borrow_mut().push(slot);
+            }
+            SlotState::Pending => {
+                s.state = SlotState::Abandoned;
+                s.waker = None;
+                s.keep = keep;
+                drop(slots);
+                inner.push(&[opcode::AsyncCancel::new(slot as u64)
+                    .build()
+                    .user_data(IGNORED)]);
+            }
+            _ => {}
+        }
+    });
+}
+
+// Wakers carry the task index; waking pushes it on this thread's run queue.
+
+fn task_waker(id: usize) -> Waker {
+    // Safety: the vtable functions below uphold RawWaker's contract: the data pointer is a
+    // plain integer, clone copies it, and wake/drop need no resource release.
+    unsafe { Waker::from_raw(RawWaker::new(id as *const (), &VTABLE)) }
+}
+
+static VTABLE: RawWakerVTable = RawWakerVTable::new(clone_raw, wake_raw, wake_raw, drop_raw);
+
+fn clone_raw(p: *const ()) -> RawWaker {
+    RawWaker::new(p, &VTABLE)
+}
+
+fn wake_raw(p: *const ()) {
+    let id = p as usize;
+    let _ = CURRENT.try_with(|c| {
+        if let Ok(c) = c.try_borrow() {
+            if let Some(inner) = c.as_ref() {
+                let mut tasks = inner.tasks.borrow_mut();
+                if let Some(entry) = tasks.get_mut(id) {
+                    if !entry.scheduled {
+                        entry.scheduled = true;
+                        inner.run_queue.borrow_mut().push_back(id);
+                    }
+                }
+            }
+        }
+    });
+}
+
+fn drop_raw(_: *const ()) {}

@@ -1,0 +1,88 @@
+//! Replica selection: one small trait, one file per policy. Policies are pure: they see the
+//! parsed request, the available replicas with their load, and a random number, and return a
+//! choice. Each worker owns its policy instance (`&mut self`, no sharing, no locks); the loads
+//! they read are counted across workers by the caller.
+
+mod least_loaded;
+mod power_of_two;
+mod round_robin;
+
+pub use least_loaded::LeastLoaded;
+pub use power_of_two::PowerOfTwo;
+pub use round_robin::RoundRobin;
+
+use crate::config::PolicyName;
+use crate::http::request::Method;
+
+/// What a policy may look at in a request.
+pub struct RequestView<'a> {
+    pub method: Method,
+    pub path: &'a [u8],
+    /// The request body as received so far (the whole body for the L7 path).
+    pub body: &'a [u8],
+}
+
+/// One replica a request may go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// Index of the replica in the fleet.
+    pub replica: usize,
+    /// Requests in flight there, counted across every worker.
+    pub in_flight: u32,
+}
+
+pub trait Policy {
+    fn name(&self) -> &'static str;
+
+    /// Choose one of `candidates` (never empty); returns an index into `candidates`.
+    /// `random` is a fresh uniformly random number.
+    fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize;
+}
+
+pub fn build(name: PolicyName, worker: usize) -> Box<dyn Policy> {
+    match name {
+        PolicyName::RoundRobin => Box::new(RoundRobin::new(worker)),
+        PolicyName::LeastLoaded => Box::new(LeastLoaded::new(worker)),
+        PolicyName::PowerOfTwo => Box::new(PowerOfTwo),
+    }
+}
+
+/// xorshift64*: the per-worker source of `random`.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn view() -> RequestView<'static> {
+    RequestView {
+        method: Method::Post,
+        path: b"/v1/chat/completions",
+        body: b"{}",
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn cands(loads: &[u32]) -> Vec<Candidate> {
+    loads
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Candidate {
+            replica: i,
+            in_flight: *l,
+        })
+        .collect()
+}

@@ -1,0 +1,165 @@
+//! `kvlb serve`: validate the configuration, probe the kernel, bind listeners, start one pinned
+//! worker per core and the admin thread, then wait for signals. SIGTERM or SIGINT drains:
+//! listeners close, in-flight requests finish (up to the drain timeout), the process exits 0.
+
+use crate::config::{self, ServeConfig};
+use crate::rt::{self, op};
+use crate::worker::{self, Shared};
+use std::net::TcpListener;
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+pub fn main(args: Vec<String>) -> i32 {
+    let cfg = match config::from_args(&args) {
+        Ok(c) => c,
+        Err(None) => return 0,
+        Err(Some(e)) => {
+            eprintln!("kvlb: invalid configuration: {e}");
+            return 2;
+        }
+    };
+    if let Err(e) = rt::probe_kernel() {
+        eprintln!("kvlb: {e}");
+        return 1;
+    }
+    match run(cfg) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kvlb: {e}");
+            1
+        }
+    }
+}
+
+fn block_signals() -> libc::sigset_t {
+    // Safety: sigset manipulation on a local set; pthread_sigmask affects this thread and the
+    // threads it spawns afterwards, which is the intent (signals are taken by sigwait below).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn run(cfg: ServeConfig) -> Result<(), String> {
+    let sigset = block_signals();
+    let n_workers = cfg.workers;
+
+    // Listeners: the first bind resolves port 0; every worker then binds the same address.
+    let mut per_worker: Vec<Vec<RawFd>> = vec![Vec::new(); n_workers];
+    let mut bound = Vec::new();
+    for addr in &cfg.listen {
+        let first = worker::bind_listener(*addr, 4096)
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let actual = op::local_addr(first).map_err(|e| format!("getsockname: {e}"))?;
+        per_worker[0].push(first);
+        for fds in per_worker.iter_mut().skip(1) {
+            let fd = worker::bind_listener(actual, 4096)
+                .map_err(|e| format!("cannot listen on {actual}: {e}"))?;
+            fds.push(fd);
+        }
+        bound.push(actual);
+    }
+    let admin = TcpListener::bind(cfg.admin)
+        .map_err(|e| format!("cannot bind the admin listener {}: {e}", cfg.admin))?;
+    let admin_addr = admin.local_addr().map_err(|e| e.to_string())?;
+
+    if cfg.replicas.is_empty() {
+        eprintln!("kvlb: warning: no replicas configured; every request will get 503");
+    }
+    let cores: Vec<usize> = match &cfg.cores {
+        Some(c) => c.clone(),
+        None => {
+            let n = core_affinity::get_core_ids()
+                .map(|c| c.len())
+                .unwrap_or(1)
+                .max(1);
+            (0..n).collect()
+        }
+    };
+    let shared = Arc::new(Shared::new(cfg));
+    crate::admin::spawn(admin, shared.clone());
+
+    let mut wakers = Vec::new();
+    let mut handles = Vec::new();
+    let (ready_tx, ready_rx) = crossbeam::channel::bounded::<()>(n_workers);
+    for (id, listeners) in per_worker.into_iter().enumerate() {
+        // Safety: eventfd(2) with valid flags; the result is checked.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+        }
+        wakers.push(efd);
+        let shared = shared.clone();
+        let core = cores[id % cores.len()];
+        let ready = ready_tx.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("kvlb-worker-{id}"))
+            .spawn(move || {
+                if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+                    eprintln!("kvlb: worker {id}: could not pin to core {core}; running unpinned");
+                }
+                let _ = ready.send(());
+                worker::run(id, shared, listeners, efd);
+            })
+            .map_err(|e| format!("cannot start worker {id}: {e}"))?;
+        handles.push(h);
+    }
+    for _ in 0..n_workers {
+        let _ = ready_rx.recv();
+    }
+    for a in &bound {
+        eprintln!("kvlb: listening on {a}");
+    }
+    eprintln!("kvlb: admin on {admin_addr}");
+    eprintln!(
+        "kvlb: ready ({n_workers} workers, policy {}, {} replicas)",
+        shared.cfg.policy.as_str(),
+        shared.cfg.replicas.len()
+    );
+
+    loop {
+        let mut sig: libc::c_int = 0;
+        // Safety: sigwait on the set blocked above, with a valid out pointer.
+        let r = unsafe { libc::sigwait(&sigset, &mut sig) };
+        if r != 0 {
+            continue;
+        }
+        match sig {
+            libc::SIGTERM | libc::SIGINT => break,
+            libc::SIGHUP => {
+                eprintln!("kvlb: SIGHUP: reloading is not supported by this build; ignoring")
+            }
+            _ => {}
+        }
+    }
+    eprintln!(
+        "kvlb: draining: no new connections; waiting up to {:?} for in-flight requests",
+        shared.cfg.timeouts.drain
+    );
+    shared.draining.store(true, Relaxed);
+    for efd in &wakers {
+        let one: u64 = 1;
+        // Safety: writing 8 bytes from a valid u64 to our own eventfd.
+        unsafe { libc::write(*efd, &one as *const u64 as *const libc::c_void, 8) };
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    let left: u64 = shared
+        .workers
+        .iter()
+        .map(|w| w.in_flight.load(Relaxed))
+        .sum();
+    if left > 0 {
+        eprintln!("kvlb: drain deadline reached with {left} requests in flight; exiting");
+    } else {
+        eprintln!("kvlb: drained; exiting");
+    }
+    Ok(())
+}

@@ -1,0 +1,296 @@
+//! A worker: one thread pinned to one core, with its own io_uring, its own SO_REUSEPORT
+//! listeners, buffer pool, upstream connection pool and policy instance. Workers share
+//! nothing but read-mostly atomics (replica loads, drain flag) and their own stats blocks.
+
+use crate::config::ServeConfig;
+use crate::metrics::{ReplicaLoad, WorkerStats};
+use crate::proxy;
+use crate::rt::{self, op};
+use crate::select::{self, Candidate, Policy, Rng};
+use std::cell::{Cell, RefCell};
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// State every worker reads; written by the main and admin threads.
+pub struct Shared {
+    pub cfg: ServeConfig,
+    pub loads: Vec<ReplicaLoad>,
+    pub workers: Vec<WorkerStats>,
+    pub draining: AtomicBool,
+    pub epoch: Instant,
+}
+
+impl Shared {
+    pub fn new(cfg: ServeConfig) -> Shared {
+        let n = cfg.replicas.len();
+        let workers = (0..cfg.workers).map(|_| WorkerStats::new(n)).collect();
+        Shared {
+            loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
+            workers,
+            draining: AtomicBool::new(false),
+            epoch: Instant::now(),
+            cfg,
+        }
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}
+
+/// Most idle upstream connections kept per replica per worker.
+const MAX_IDLE_UPSTREAM: usize = 256;
+/// Buffers kept in the pool; larger ones are shrunk before reuse.
+const BUF_CAPACITY: usize = 16 * 1024;
+const BUF_KEEP_MAX: usize = 256 * 1024;
+
+/// Per-worker state, owned by the worker's thread.
+pub struct Worker {
+    pub id: usize,
+    pub shared: Arc<Shared>,
+    pub policy: RefCell<Box<dyn Policy>>,
+    pub rng: RefCell<Rng>,
+    idle_upstream: RefCell<Vec<Vec<RawFd>>>,
+    bufs: RefCell<Vec<Vec<u8>>>,
+    pub candidates: RefCell<Vec<Candidate>>,
+    pub spans: RefCell<Vec<(usize, usize)>>,
+    idle_clients: RefCell<Vec<RawFd>>,
+    free_idle: RefCell<Vec<usize>>,
+    pub open: Cell<usize>,
+    pub draining: Cell<bool>,
+}
+
+impl Worker {
+    pub fn stats(&self) -> &WorkerStats {
+        &self.shared.workers[self.id]
+    }
+
+    pub fn take_buf(&self) -> Vec<u8> {
+        self.bufs
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(BUF_CAPACITY))
+    }
+
+    pub fn give_buf(&self, mut b: Vec<u8>) {
+        b.clear();
+        if b.capacity() > BUF_KEEP_MAX {
+            b.shrink_to(BUF_CAPACITY);
+        }
+        let mut bufs = self.bufs.borrow_mut();
+        if bufs.len() < 4096 {
+            bufs.push(b);
+        }
+    }
+
+    /// An idle keep-alive connection to replica `r`, if any.
+    pub fn pooled_upstream(&self, r: usize) -> Option<RawFd> {
+        self.idle_upstream.borrow_mut()[r].pop()
+    }
+
+    pub fn return_upstream(&self, r: usize, fd: RawFd) {
+        let mut pool = self.idle_upstream.borrow_mut();
+        if self.draining.get() || pool[r].len() >= MAX_IDLE_UPSTREAM {
+            op::close(fd);
+        } else {
+            pool[r].push(fd);
+        }
+    }
+
+    /// Remember a client connection waiting for its next request (so drain can wake it).
+    pub fn idle_client_enter(&self, fd: RawFd) -> usize {
+        let mut v = self.idle_clients.borrow_mut();
+        match self.free_idle.borrow_mut().pop() {
+            Some(i) => {
+                v[i] = fd;
+                i
+            }
+            None => {
+                v.push(fd);
+                v.len() - 1
+            }
+        }
+    }
+
+    pub fn idle_client_leave(&self, slot: usize) {
+        self.idle_clients.borrow_mut()[slot] = -1;
+        self.free_idle.borrow_mut().push(slot);
+    }
+
+    /// Fill `candidates` with the replicas available now; returns how many.
+    pub fn fill_candidates(&self) -> usize {
+        let now = self.shared.now_ms();
+        let mut c = self.candidates.borrow_mut();
+        c.clear();
+        for (i, load) in self.shared.loads.iter().enumerate() {
+            if load.down_until_ms.load(Relaxed) <= now {
+                c.push(Candidate {
+                    replica: i,
+                    in_flight: load.in_flight.load(Relaxed),
+                });
+            }
+        }
+        if c.is_empty() {
+            // Every replica failed recently: try them all rather than refuse outright.
+            for (i, load) in self.shared.loads.iter().enumerate() {
+                c.push(Candidate {
+                    replica: i,
+                    in_flight: load.in_flight.load(Relaxed),
+                });
+            }
+        }
+        c.len()
+    }
+
+    pub fn mark_down(&self, r: usize, for_ms: u64) {
+        self.shared.loads[r]
+            .down_until_ms
+            .store(self.shared.now_ms() + for_ms, Relaxed);
+    }
+}
+
+/// Create a listening socket bound to `addr` with SO_REUSEPORT.
+pub fn bind_listener(addr: SocketAddr, backlog: i32) -> io::Result<RawFd> {
+    let fd = op::tcp_socket(&addr)?;
+    let one: libc::c_int = 1;
+    for opt in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
+        // Safety: setsockopt with a valid c_int pointer and size.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &one as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            op::close(fd);
+            return Err(e);
+        }
+    }
+    if let Err(e) = op::bind(fd, addr) {
+        op::close(fd);
+        return Err(e);
+    }
+    // Safety: listen(2) on a bound socket we own.
+    if unsafe { libc::listen(fd, backlog) } < 0 {
+        let e = io::Error::last_os_error();
+        op::close(fd);
+        return Err(e);
+    }
+    Ok(fd)
+}
+
+/// Run worker `id` on the current thread until drained. `listeners` are this worker's own
+/// SO_REUSEPORT sockets; `wake_fd` is an eventfd the main thread writes on shutdown.
+pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd) {
+    let rt = match rt::Runtime::new(4096) {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvlb: worker {id}: cannot create io_uring: {e}");
+            std::process::exit(1);
+        }
+    };
+    let n_replicas = shared.cfg.replicas.len();
+    let worker = Rc::new(Worker {
+        id,
+        policy: RefCell::new(select::build(shared.cfg.policy, id)),
+        rng: RefCell::new(Rng::new(
+            0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
+        )),
+        idle_upstream: RefCell::new(vec![Vec::new(); n_replicas]),
+        bufs: RefCell::new(Vec::new()),
+        candidates: RefCell::new(Vec::with_capacity(n_replicas)),
+        spans: RefCell::new(Vec::with_capacity(64)),
+        idle_clients: RefCell::new(Vec::new()),
+        free_idle: RefCell::new(Vec::new()),
+        open: Cell::new(0),
+        draining: Cell::new(false),
+        shared,
+    });
+    let w = worker.clone();
+    let fds = listeners.clone();
+    rt.block_on(async move {
+        let listeners = fds;
+        for &l in &listeners {
+            rt::spawn(accept_loop(w.clone(), l));
+        }
+        // Wait for the shutdown signal.
+        let _ = op::read_eventfd(wake_fd).await;
+        w.draining.set(true);
+        for &l in &listeners {
+            // Safety: shutdown(2) on our own listening socket makes its pending accept fail.
+            unsafe { libc::shutdown(l, libc::SHUT_RDWR) };
+        }
+        // Wake connections idling between requests; busy ones finish their request first.
+        for &fd in w.idle_clients.borrow().iter() {
+            if fd >= 0 {
+                // Safety: fd is an open client socket owned by a task of this worker.
+                unsafe { libc::shutdown(fd, libc::SHUT_RD) };
+            }
+        }
+        let deadline = Instant::now() + w.shared.cfg.timeouts.drain;
+        while w.open.get() > 0 && Instant::now() < deadline {
+            op::sleep(Duration::from_millis(20)).await;
+            for &fd in w.idle_clients.borrow().iter() {
+                if fd >= 0 {
+                    // Safety: as above.
+                    unsafe { libc::shutdown(fd, libc::SHUT_RD) };
+                }
+            }
+        }
+    });
+    for l in listeners {
+        op::close(l);
+    }
+    for pool in worker.idle_upstream.borrow_mut().drain(..) {
+        for fd in pool {
+            op::close(fd);
+        }
+    }
+}
+
+async fn accept_loop(w: Rc<Worker>, listener: RawFd) {
+    let mut addr = op::AddrBuf::new();
+    loop {
+        let (res, a) = op::accept(listener, addr).await;
+        addr = a;
+        match res {
+            Ok(fd) => {
+                if w.draining.get() {
+                    op::close(fd);
+                    return;
+                }
+                let stats = w.stats();
+                stats.accepted.fetch_add(1, Relaxed);
+                if w.open.get() >= w.shared.cfg.limits.max_connections {
+                    rt::spawn(proxy::refuse(w.clone(), fd));
+                    continue;
+                }
+                op::set_nodelay(fd);
+                let peer = addr.to_socket_addr();
+                rt::spawn(proxy::serve_connection(w.clone(), fd, peer));
+            }
+            Err(e) => {
+                if w.draining.get() {
+                    return;
+                }
+                match e.raw_os_error() {
+                    Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS)
+                    | Some(libc::ENOMEM) => {
+                        // Out of descriptors: back off instead of spinning.
+                        op::sleep(Duration::from_millis(50)).await;
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
