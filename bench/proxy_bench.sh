@@ -46,6 +46,10 @@ for n in "$DURATION" "$WARMUP" "$ROUNDS" "$CONNECTIONS" "$WRK_THREADS" "$PROXY_C
         exit 2
     fi
 done
+if [ "$DURATION" -lt 1 ] || [ "$ROUNDS" -lt 1 ] || [ "$CONNECTIONS" -lt 1 ] || [ "$WRK_THREADS" -lt 1 ]; then
+    echo "error: DURATION, ROUNDS, CONNECTIONS and WRK_THREADS must be at least 1" >&2
+    exit 2
+fi
 cores=$(nproc)
 if [ "$PROXY_CORE" -ge "$cores" ] || [ "$LOAD_CORE" -ge "$cores" ]; then
     echo "error: PROXY_CORE=$PROXY_CORE / LOAD_CORE=$LOAD_CORE, but this machine has $cores cores" >&2
@@ -179,7 +183,7 @@ measure_run() {
     local name=$1 round=$2 pid=${PID_OF[$1]} port=${PORT_OF[$1]} out line req dur
     local ticks0 ticks1 busy0 total0 irq0 busy1 total1 irq1
     out=$TMP/$name-round$round.txt
-    run_wrk "$port" "$WARMUP" "$TMP/$name-warmup.txt" || true
+    [ "$WARMUP" -eq 0 ] || run_wrk "$port" "$WARMUP" "$TMP/$name-warmup.txt" || true
     ticks0=$(procstat ticks "$pid")
     read -r busy0 total0 irq0 < <(procstat core "$PROXY_CORE")
     if ! run_wrk "$port" "$DURATION" "$out"; then
