@@ -50,6 +50,15 @@ if [ "$DURATION" -lt 1 ] || [ "$ROUNDS" -lt 1 ] || [ "$CONNECTIONS" -lt 1 ] || [
     echo "error: DURATION, ROUNDS, CONNECTIONS and WRK_THREADS must be at least 1" >&2
     exit 2
 fi
+for proxy in $PROXIES; do
+    case $proxy in
+    nginx | haproxy | kvlb) ;;
+    *)
+        echo "error: unknown proxy '$proxy' in PROXIES (known: nginx haproxy kvlb)" >&2
+        exit 2
+        ;;
+    esac
+done
 cores=$(nproc)
 if [ "$PROXY_CORE" -ge "$cores" ] || [ "$LOAD_CORE" -ge "$cores" ]; then
     echo "error: PROXY_CORE=$PROXY_CORE / LOAD_CORE=$LOAD_CORE, but this machine has $cores cores" >&2
