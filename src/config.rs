@@ -540,6 +540,14 @@ mod tests {
     }
 
     #[test]
+    fn example_file_is_valid() {
+        let mut c = ServeConfig::default();
+        apply_toml(&mut c, include_str!("../systemd/kvlb.toml")).unwrap();
+        assert_eq!(c.replicas.len(), 2);
+        assert_eq!(c.listen.len(), 1);
+    }
+
+    #[test]
     fn toml_file() {
         let mut c = ServeConfig::default();
         apply_toml(&mut c, "listen = [\"127.0.0.1:0\"]\npolicy = \"power_of_two\"\nclient_timeout = \"5s\"\nworkers = 1\n[[replica]]\nurl = \"http://127.0.0.1:9000\"\n[[replica]]\nurl = \"http://localhost:9001\"\n").unwrap();

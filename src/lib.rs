@@ -5,6 +5,7 @@
 //! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
 
 pub mod admin;
+pub mod alloc;
 pub mod config;
 pub mod engine;
 pub mod http;

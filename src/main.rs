@@ -1,7 +1,5 @@
-use mimalloc::MiMalloc;
-
 #[global_allocator]
-static GLOBAL: MiMalloc = MiMalloc;
+static GLOBAL: kvlb::alloc::CountingMiMalloc = kvlb::alloc::CountingMiMalloc;
 
 const USAGE: &str = "usage: kvlb <command> [options]
 

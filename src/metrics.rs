@@ -52,6 +52,8 @@ pub struct WorkerStats {
     pub open_connections: AtomicU64,
     pub in_flight: AtomicU64,
     pub requests: AtomicU64,
+    /// Heap allocations made by the worker's thread (published after each request).
+    pub allocations: AtomicU64,
     /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
     pub local_errors: [AtomicU64; 7],
     pub ttfb: Histogram,
@@ -68,6 +70,7 @@ impl WorkerStats {
             open_connections: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            allocations: AtomicU64::new(0),
             local_errors: Default::default(),
             ttfb: Histogram::default(),
             total: Histogram::default(),
@@ -227,6 +230,19 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
             out,
             "kvlb_worker_requests_total{{worker=\"{i}\"}} {}",
             w.requests.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_allocations_total",
+        "counter",
+        "Heap allocations made by each worker thread (flat under steady keep-alive traffic).",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_allocations_total{{worker=\"{i}\"}} {}",
+            w.allocations.load(Relaxed)
         );
     }
     family(

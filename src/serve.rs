@@ -123,6 +123,7 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
         shared.cfg.replicas.len()
     );
 
+    sd_notify("READY=1\nSTATUS=serving");
     loop {
         let mut sig: libc::c_int = 0;
         // Safety: sigwait on the set blocked above, with a valid out pointer.
@@ -142,6 +143,7 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
         "kvlb: draining: no new connections; waiting up to {:?} for in-flight requests",
         shared.cfg.timeouts.drain
     );
+    sd_notify("STOPPING=1\nSTATUS=draining");
     shared.draining.store(true, Relaxed);
     for efd in &wakers {
         let one: u64 = 1;
@@ -162,4 +164,26 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
         eprintln!("kvlb: drained; exiting");
     }
     Ok(())
+}
+
+/// Tell systemd (Type=notify) about a state change, if it is listening.
+pub fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let sock = match std::os::unix::net::UnixDatagram::unbound() {
+        Ok(s) => s,
+        Err(_) => return,
+    };
+    let bytes = path.as_encoded_bytes();
+    let r = if let Some(abstract_name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(abstract_name)
+            .and_then(|a| sock.send_to_addr(state.as_bytes(), &a))
+    } else {
+        sock.send_to(state.as_bytes(), std::path::Path::new(&path))
+    };
+    if let Err(e) = r {
+        eprintln!("kvlb: cannot notify systemd: {e}");
+    }
 }

@@ -4,8 +4,23 @@
 //! by the balancer's telemetry (which decodes them). Hashes are opaque 64-bit ids whatever the
 //! wire form (unsigned, signed or 32-byte digests): the engine hash only links parents and
 //! applies removals; content identity comes from `token_ids`.
+//!
+//! `encode` writes batches as vLLM 0.33 does (map or positional events); `decode` reads every
+//! variant vLLM and SGLang send; `publisher` is the engine side over ZeroMQ (PUB + replay ROUTER)
+//! plus the balancer's `replay` client; `reference_hash` recomputes engine block ids where a fleet
+//! pins a reproducible scheme.
 
+pub mod decode;
+pub mod encode;
 pub mod publisher;
+pub mod reference_hash;
+
+pub use decode::{decode_batch, DecodeError};
+pub use encode::encode_batch;
+pub use publisher::{replay, KvEventPublisher};
+
+#[cfg(test)]
+mod codec_tests;
 
 /// Where a block lives. Anything other than `Gpu` is an offloaded tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

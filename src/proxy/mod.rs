@@ -177,6 +177,10 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 method: head.method,
                 path: &conn.cbuf[head.target.0..head.target.1],
                 body: &conn.cbuf[head.head_len..body_end],
+                blocks: &[],
+                block_tokens: 0,
+                prompt_tokens: 0,
+                now_us: w.shared.epoch.elapsed().as_micros() as u64,
             };
             let random = w.rng.borrow_mut().next_u64();
             let cands = w.candidates.borrow();
@@ -194,6 +198,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
 
         let outcome = forward(w, conn, replica, &head, body_end, received_at).await;
+        w.stats()
+            .allocations
+            .store(crate::alloc::thread_allocations(), Relaxed);
 
         // Keep pipelined bytes for the next round.
         let len = conn.cbuf.len();

@@ -20,15 +20,27 @@ pub struct RequestView<'a> {
     pub path: &'a [u8],
     /// The request body as received so far (the whole body for the L7 path).
     pub body: &'a [u8],
+    /// Chained hashes of the prompt's prefix blocks (empty when the body is not a prompt).
+    pub blocks: &'a [u64],
+    /// Estimated prompt tokens covered by one block.
+    pub block_tokens: u32,
+    /// Estimated tokens of the whole prompt.
+    pub prompt_tokens: u32,
+    /// Microseconds on a monotonic clock (passed in so decisions replay in tests).
+    pub now_us: u64,
 }
 
-/// One replica a request may go to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One replica a request may go to, with the load kvlb knows of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Candidate {
     /// Index of the replica in the fleet.
     pub replica: usize,
     /// Requests in flight there, counted across every worker.
     pub in_flight: u32,
+    /// Prompt tokens routed there whose prefill has not finished (no first byte yet).
+    pub queued_prefill_tokens: u64,
+    /// Requests there past their first byte (decoding).
+    pub decoding: u32,
 }
 
 pub trait Policy {
@@ -72,6 +84,10 @@ pub(crate) fn view() -> RequestView<'static> {
         method: Method::Post,
         path: b"/v1/chat/completions",
         body: b"{}",
+        blocks: &[],
+        block_tokens: 64,
+        prompt_tokens: 1,
+        now_us: 0,
     }
 }
 
@@ -83,6 +99,7 @@ pub(crate) fn cands(loads: &[u32]) -> Vec<Candidate> {
         .map(|(i, l)| Candidate {
             replica: i,
             in_flight: *l,
+            ..Default::default()
         })
         .collect()
 }

@@ -132,6 +132,7 @@ impl Worker {
                 c.push(Candidate {
                     replica: i,
                     in_flight: load.in_flight.load(Relaxed),
+                    ..Default::default()
                 });
             }
         }
@@ -141,6 +142,7 @@ impl Worker {
                 c.push(Candidate {
                     replica: i,
                     in_flight: load.in_flight.load(Relaxed),
+                    ..Default::default()
                 });
             }
         }
