@@ -29,7 +29,8 @@ trap 'rm -rf "$logdir"' EXIT
 
 # --- 1. system packages ------------------------------------------------------------------
 phase "system packages"
-kvlb_ensure_packages nginx haproxy wrk curl clang llvm libbpf-dev bpftool iproute2
+# clang, llvm, libbpf-dev and bpftool join this list with the BPF programs of the L4 mode.
+kvlb_ensure_packages nginx haproxy wrk curl iproute2
 
 # --- 2. Python venv ----------------------------------------------------------------------
 phase "python venv"
