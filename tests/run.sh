@@ -2,7 +2,7 @@
 # The project's one test command: `bash tests/run.sh`.
 #
 # 1. Installs, only when missing, the Debian packages the tests use (nginx, haproxy, wrk, curl,
-#    clang/llvm/libbpf-dev/bpftool for the BPF programs, iproute2), and stops the services that
+#    iproute2), and stops the services that
 #    Debian starts on install: tests run their own instances on ephemeral loopback ports.
 # 2. Keeps a Python venv at .venv with tests/py/requirements.txt (re-installed only when the
 #    requirements or the interpreter change, tracked by a stamp file holding their hash).
