@@ -246,10 +246,8 @@ async fn read_body(
             if head.expect_continue && conn.cbuf.len() == start {
                 let _ = op::send_static(conn.fd, b"HTTP/1.1 100 Continue\r\n\r\n").await;
             }
+            // The buffer grows with what arrives (doubling), not with what the client declared.
             let need = start + n;
-            if conn.cbuf.capacity() < need {
-                conn.cbuf.reserve(need - conn.cbuf.len());
-            }
             while conn.cbuf.len() < need {
                 match recv_client(conn, deadline, need).await {
                     Ok(0) => return Err(End::Close),
