@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod alloc;
 pub mod config;
+pub mod demo;
 pub mod engine;
 pub mod http;
 pub mod kv_events;

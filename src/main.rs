@@ -6,6 +6,7 @@ const USAGE: &str = "usage: kvlb <command> [options]
 commands:
   serve     run the load balancer
   replica   run simulated GPU replicas (vLLM interfaces)
+  demo      a simulated fleet, kvlb in front, traffic replayed, policies compared
 
 `kvlb <command> --help` lists a command's options.";
 
@@ -19,6 +20,7 @@ fn main() {
     let code = match cmd.as_str() {
         "serve" => kvlb::serve::main(args),
         "replica" => kvlb::replica::main(args),
+        "demo" => kvlb::demo::main(args),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             0

@@ -92,6 +92,10 @@ impl WorkerStats {
 #[derive(Default)]
 pub struct ReplicaLoad {
     pub in_flight: AtomicU32,
+    /// Estimated prompt tokens routed here whose prefill has not finished (no first byte yet).
+    pub queued_prefill_tokens: AtomicU64,
+    /// Requests here past their first byte.
+    pub decoding: AtomicU32,
     /// Milliseconds since start until which the replica is skipped after a connect failure.
     pub down_until_ms: AtomicU64,
 }
@@ -178,6 +182,32 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
             out,
             "kvlb_replica_in_flight{{replica=\"{url}\"}} {}",
             loads[r].in_flight.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_replica_queued_prefill_tokens",
+        "gauge",
+        "Estimated prompt tokens routed to each replica and not yet prefilled (no first byte yet).",
+    );
+    for (r, url) in replica_urls.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_replica_queued_prefill_tokens{{replica=\"{url}\"}} {}",
+            loads[r].queued_prefill_tokens.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_replica_decoding",
+        "gauge",
+        "Requests past their first byte (decoding) per replica.",
+    );
+    for (r, url) in replica_urls.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_replica_decoding{{replica=\"{url}\"}} {}",
+            loads[r].decoding.load(Relaxed)
         );
     }
     family(

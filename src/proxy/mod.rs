@@ -187,6 +187,8 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             let i = w.policy.borrow_mut().select(&view, &cands, random);
             cands[i.min(cands.len() - 1)].replica
         };
+        // Until prompts are parsed, a body's size stands for its prompt (about 4 bytes a token).
+        let prefill_tokens = (body_len / 4) as u64;
 
         // The host header falls back to the replica's authority (HTTP/1.0 clients).
         if !head.has_host {
@@ -197,7 +199,16 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         }
         request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
 
-        let outcome = forward(w, conn, replica, &head, body_end, received_at).await;
+        let outcome = forward(
+            w,
+            conn,
+            replica,
+            prefill_tokens,
+            &head,
+            body_end,
+            received_at,
+        )
+        .await;
         w.stats()
             .allocations
             .store(crate::alloc::thread_allocations(), Relaxed);
@@ -235,10 +246,8 @@ async fn read_body(
             if head.expect_continue && conn.cbuf.len() == start {
                 let _ = op::send_static(conn.fd, b"HTTP/1.1 100 Continue\r\n\r\n").await;
             }
+            // The buffer grows with what arrives (doubling), not with what the client declared.
             let need = start + n;
-            if conn.cbuf.capacity() < need {
-                conn.cbuf.reserve(need - conn.cbuf.len());
-            }
             while conn.cbuf.len() < need {
                 match recv_client(conn, deadline, need).await {
                     Ok(0) => return Err(End::Close),
@@ -303,25 +312,52 @@ enum Forwarded {
     Close,
 }
 
-/// Counts a request in flight at a replica and on the worker until dropped.
+/// Counts a request in flight at a replica and on the worker until dropped: first as queued
+/// prefill (its estimated uncached tokens), then, from its first response byte, as decoding.
 struct InFlight<'a> {
     w: &'a Worker,
     replica: usize,
+    prefill_tokens: u64,
+    decoding: bool,
 }
 
 impl<'a> InFlight<'a> {
-    fn new(w: &'a Worker, replica: usize) -> InFlight<'a> {
-        w.shared.loads[replica].in_flight.fetch_add(1, Relaxed);
+    fn new(w: &'a Worker, replica: usize, prefill_tokens: u64) -> InFlight<'a> {
+        let load = &w.shared.loads[replica];
+        load.in_flight.fetch_add(1, Relaxed);
+        load.queued_prefill_tokens
+            .fetch_add(prefill_tokens, Relaxed);
         w.stats().in_flight.fetch_add(1, Relaxed);
-        InFlight { w, replica }
+        InFlight {
+            w,
+            replica,
+            prefill_tokens,
+            decoding: false,
+        }
+    }
+
+    /// The first response byte arrived: the prefill is done.
+    fn first_byte(&mut self) {
+        if !self.decoding {
+            let load = &self.w.shared.loads[self.replica];
+            load.queued_prefill_tokens
+                .fetch_sub(self.prefill_tokens, Relaxed);
+            load.decoding.fetch_add(1, Relaxed);
+            self.decoding = true;
+        }
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.w.shared.loads[self.replica]
-            .in_flight
-            .fetch_sub(1, Relaxed);
+        let load = &self.w.shared.loads[self.replica];
+        if self.decoding {
+            load.decoding.fetch_sub(1, Relaxed);
+        } else {
+            load.queued_prefill_tokens
+                .fetch_sub(self.prefill_tokens, Relaxed);
+        }
+        load.in_flight.fetch_sub(1, Relaxed);
         self.w.stats().in_flight.fetch_sub(1, Relaxed);
     }
 }
@@ -354,11 +390,12 @@ async fn forward(
     w: &Worker,
     conn: &mut Conn,
     replica: usize,
+    prefill_tokens: u64,
     head: &RequestHead,
     body_end: usize,
     received_at: Instant,
 ) -> Forwarded {
-    let _in_flight = InFlight::new(w, replica);
+    let mut in_flight = InFlight::new(w, replica, prefill_tokens);
     let stats = w.stats();
     let rc = &stats.replicas[replica];
     let url: &str = &w.shared.cfg.replicas[replica].url;
@@ -426,6 +463,7 @@ async fn forward(
             }
         }
     };
+    in_flight.first_byte();
     let first_byte = Instant::now();
     stats
         .ttfb

@@ -132,7 +132,8 @@ impl Worker {
                 c.push(Candidate {
                     replica: i,
                     in_flight: load.in_flight.load(Relaxed),
-                    ..Default::default()
+                    queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
+                    decoding: load.decoding.load(Relaxed),
                 });
             }
         }
@@ -142,7 +143,8 @@ impl Worker {
                 c.push(Candidate {
                     replica: i,
                     in_flight: load.in_flight.load(Relaxed),
-                    ..Default::default()
+                    queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
+                    decoding: load.decoding.load(Relaxed),
                 });
             }
         }

@@ -1,0 +1,452 @@
+//! `kvlb demo`: start a simulated fleet (`kvlb replica --count N`) and, for each policy in turn,
+//! `kvlb serve` in front of it; replay agent-style sessions (a long shared system prompt and tool
+//! schema, a task per session, histories that grow turn by turn) through it with streaming
+//! requests; print time to first token and the replicas' prefix-cache hit rate per policy, side
+//! by side with round-robin measured in the same run. Nothing to configure.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const HELP: &str = "usage: kvlb demo [options]
+
+  --replicas N        simulated replicas (default 4)
+  --sessions N        agent sessions (default 32)
+  --turns N           turns per session (default 5)
+  --concurrency N     sessions in flight at once (default 12)
+  --time-scale X      simulated engine speed-up (default 10)
+  --policies LIST     comma-separated policies (default: round_robin and every other policy)";
+
+struct Opts {
+    replicas: usize,
+    sessions: usize,
+    turns: usize,
+    concurrency: usize,
+    time_scale: f64,
+    policies: Vec<String>,
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // Safety: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn parse(args: &[String]) -> Result<Option<Opts>, String> {
+    let mut o = Opts {
+        replicas: 4,
+        sessions: 32,
+        turns: 5,
+        concurrency: 12,
+        time_scale: 10.0,
+        policies: vec![
+            "round_robin".into(),
+            "least_loaded".into(),
+            "power_of_two".into(),
+        ],
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let flag = args[i].as_str();
+        if flag == "-h" || flag == "--help" {
+            println!("{HELP}");
+            return Ok(None);
+        }
+        let v = args.get(i + 1).ok_or(format!("{flag} needs a value"))?;
+        let num = |max: usize| -> Result<usize, String> {
+            v.parse::<usize>()
+                .ok()
+                .filter(|n| (1..=max).contains(n))
+                .ok_or(format!("{flag} {v:?}: expected a number from 1 to {max}"))
+        };
+        match flag {
+            "--replicas" => o.replicas = num(64)?,
+            "--sessions" => o.sessions = num(10_000)?,
+            "--turns" => o.turns = num(100)?,
+            "--concurrency" => o.concurrency = num(1024)?,
+            "--time-scale" => {
+                o.time_scale = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| *x > 0.0 && *x <= 1000.0)
+                    .ok_or(format!(
+                        "--time-scale {v:?}: expected a number in (0, 1000]"
+                    ))?
+            }
+            "--policies" => {
+                o.policies = v.split(',').map(|s| s.trim().to_string()).collect();
+                if let Some(bad) = o
+                    .policies
+                    .iter()
+                    .find(|p| crate::config::PolicyName::parse(p).is_none())
+                {
+                    return Err(format!(
+                        "--policies: unknown policy {bad:?}; one of {}",
+                        crate::config::PolicyName::NAMES
+                    ));
+                }
+            }
+            _ => return Err(format!("unknown flag {flag}\n\n{HELP}")),
+        }
+        i += 2;
+    }
+    Ok(Some(o))
+}
+
+pub fn main(args: Vec<String>) -> i32 {
+    let opts = match parse(&args) {
+        Ok(Some(o)) => o,
+        Ok(None) => return 0,
+        Err(e) => {
+            eprintln!("kvlb demo: {e}");
+            return 2;
+        }
+    };
+    match run(&opts) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kvlb demo: {e}");
+            1
+        }
+    }
+}
+
+/// Start a child and read its stderr until a line starting with `ready`; returns the lines.
+fn spawn_until_ready(mut cmd: Command, ready: &str) -> Result<(Proc, Vec<String>), String> {
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let stderr = child.stderr.take().expect("piped stderr");
+    let proc = Proc(child);
+    let mut lines = Vec::new();
+    let mut reader = BufReader::new(stderr).lines();
+    loop {
+        match reader.next() {
+            Some(Ok(l)) => {
+                let done = l.starts_with(ready);
+                lines.push(l);
+                if done {
+                    break;
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "{cmd:?} exited before it was ready:\n{}",
+                    lines.join("\n")
+                ))
+            }
+        }
+    }
+    std::thread::spawn(move || for _ in reader {});
+    Ok((proc, lines))
+}
+
+fn addr_after(line: &str, marker: &str) -> Option<SocketAddr> {
+    let rest = &line[line.find(marker)? + marker.len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+fn run(o: &Opts) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    eprintln!(
+        "kvlb demo: {} simulated replicas (8B model on H100 timing, {}x real time), {} agent sessions x {} turns",
+        o.replicas, o.time_scale, o.sessions, o.turns
+    );
+    let mut cmd = Command::new(&exe);
+    cmd.args(["replica", "--listen", "127.0.0.1:0", "--model", "sim-8b"])
+        .args(["--count", &o.replicas.to_string()])
+        .args(["--time-scale", &o.time_scale.to_string()]);
+    let (_fleet, lines) = spawn_until_ready(cmd, "kvlb replica: ready")?;
+    let replicas: Vec<SocketAddr> = lines.iter().filter_map(|l| addr_after(l, " on ")).collect();
+    if replicas.len() != o.replicas {
+        return Err(format!(
+            "expected {} replicas, saw:\n{}",
+            o.replicas,
+            lines.join("\n")
+        ));
+    }
+
+    let mut results = Vec::new();
+    for policy in &o.policies {
+        for r in &replicas {
+            http(*r, "POST", "/reset_prefix_cache", b"")?;
+        }
+        let before = fleet_counters(&replicas)?;
+        let mut cmd = Command::new(&exe);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(["--policy", policy]);
+        for r in &replicas {
+            cmd.args(["--replica", &format!("http://{r}")]);
+        }
+        let (kvlb, lines) = spawn_until_ready(cmd, "kvlb: ready")?;
+        let listen = lines
+            .iter()
+            .find_map(|l| addr_after(l, "listening on "))
+            .ok_or("kvlb did not say where it listens")?;
+        let r = replay(listen, o, policy)?;
+        drop(kvlb);
+        let after = fleet_counters(&replicas)?;
+        let queries = after.0 - before.0;
+        let hits = after.1 - before.1;
+        results.push((policy.clone(), r, hits / queries.max(1.0), queries - hits));
+    }
+
+    println!();
+    println!(
+        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>10} {:>16}  requests per replica",
+        "policy", "requests", "ttft p50", "ttft p90", "ttft p99", "hit rate", "prefill tokens"
+    );
+    for (policy, r, hit, prefill) in &results {
+        println!(
+            "{:<14} {:>8} {:>9.3}s {:>9.3}s {:>9.3}s {:>9.1}% {:>16.0}  {:?}",
+            policy,
+            r.ttft.len(),
+            pct(&r.ttft, 0.5),
+            pct(&r.ttft, 0.9),
+            pct(&r.ttft, 0.99),
+            hit * 100.0,
+            prefill,
+            r.per_replica
+        );
+    }
+    if let Some((_, base, _, base_prefill)) = results.iter().find(|r| r.0 == "round_robin") {
+        for (policy, r, _, prefill) in results.iter().filter(|r| r.0 != "round_robin") {
+            println!(
+                "{policy} vs round_robin: p99 TTFT x{:.2}, p50 TTFT x{:.2}, prefill computed x{:.2}",
+                pct(&r.ttft, 0.99) / pct(&base.ttft, 0.99).max(1e-9),
+                pct(&r.ttft, 0.5) / pct(&base.ttft, 0.5).max(1e-9),
+                prefill / base_prefill.max(1.0)
+            );
+        }
+    }
+    println!("(TTFT in simulated GPU seconds: wall time x time scale)");
+    Ok(())
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Replay {
+    ttft: Vec<f64>,
+    per_replica: Vec<usize>,
+}
+
+/// The replicas' prefix-cache query and hit token counters, summed.
+fn fleet_counters(replicas: &[SocketAddr]) -> Result<(f64, f64), String> {
+    let mut q = 0.0;
+    let mut h = 0.0;
+    for r in replicas {
+        let (_, body) = http(*r, "GET", "/metrics", b"")?;
+        let text = String::from_utf8_lossy(&body);
+        for line in text.lines() {
+            let val = || {
+                line.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            };
+            if line.starts_with("vllm:prefix_cache_queries_total") {
+                q += val();
+            } else if line.starts_with("vllm:prefix_cache_hits_total") {
+                h += val();
+            }
+        }
+    }
+    Ok((q, h))
+}
+
+const SYSTEM: &str = "You are a coding agent working in a large repository. Follow the user's instructions exactly, think step by step, use the tools provided to read and edit files, run the test suite after every change, and report what you changed and why. Never invent file contents: read them first. Keep answers short and precise. ";
+const TOOLS: &str = r#"[{"type":"function","function":{"name":"read_file","description":"Read a file of the repository and return its contents with line numbers.","parameters":{"type":"object","properties":{"path":{"type":"string","description":"Path relative to the repository root."},"start":{"type":"integer"},"end":{"type":"integer"}},"required":["path"]}}},{"type":"function","function":{"name":"edit_file","description":"Replace a range of lines of a file with new text.","parameters":{"type":"object","properties":{"path":{"type":"string"},"start":{"type":"integer"},"end":{"type":"integer"},"text":{"type":"string"}},"required":["path","start","end","text"]}}},{"type":"function","function":{"name":"run_tests","description":"Run the test suite, or one test by name, and return its output.","parameters":{"type":"object","properties":{"filter":{"type":"string"}}}}}]"#;
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).expect("string serialises")
+}
+
+/// Replay the sessions through kvlb at `listen`.
+fn replay(listen: SocketAddr, o: &Opts, policy: &str) -> Result<Replay, String> {
+    let system = SYSTEM.repeat(12);
+    let total = o.sessions * o.turns;
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let out = Arc::new(Mutex::new((Vec::new(), Vec::new(), None::<String>)));
+    let mut threads = Vec::new();
+    for _ in 0..o.concurrency.min(o.sessions) {
+        let (next, done, out, system) = (next.clone(), done.clone(), out.clone(), system.clone());
+        let (sessions, turns, scale) = (o.sessions, o.turns, o.time_scale);
+        let policy = policy.to_string();
+        threads.push(std::thread::spawn(move || loop {
+            let s = next.fetch_add(1, Ordering::Relaxed);
+            if s >= sessions {
+                return;
+            }
+            let mut messages = format!(
+                r#"{{"role":"system","content":{}}},{{"role":"user","content":{}}}"#,
+                json_str(&system),
+                json_str(&format!(
+                    "Task {s}: the function parse_config in src/config_{s}.rs mishandles empty values. {}",
+                    "Find the cause, fix it, and add a regression test. ".repeat(8)
+                ))
+            );
+            for t in 0..turns {
+                let body = format!(
+                    r#"{{"model":"sim-8b","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{messages}]}}"#
+                );
+                match stream_chat(listen, body.as_bytes()) {
+                    Ok((ttft, replica, text)) => {
+                        let mut g = out.lock().unwrap();
+                        g.0.push(ttft * scale);
+                        g.1.push(replica);
+                        drop(g);
+                        messages.push_str(&format!(
+                            r#",{{"role":"assistant","content":{}}},{{"role":"user","content":{}}}"#,
+                            json_str(&text),
+                            json_str(&format!(
+                                "Tool output for step {t} of task {s}: {}",
+                                "test_parse_config ... ok; test_empty_values ... FAILED ".repeat(6)
+                            ))
+                        ));
+                    }
+                    Err(e) => {
+                        out.lock().unwrap().2 = Some(e);
+                    }
+                }
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                progress(&policy, n, total);
+            }
+        }));
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    eprintln!();
+    let g = out.lock().unwrap();
+    if let Some(e) = &g.2 {
+        return Err(format!("a request through kvlb failed: {e}"));
+    }
+    let mut urls: Vec<String> = g.1.clone();
+    urls.sort();
+    urls.dedup();
+    let per_replica = urls
+        .iter()
+        .map(|u| g.1.iter().filter(|x| *x == u).count())
+        .collect();
+    Ok(Replay {
+        ttft: g.0.clone(),
+        per_replica,
+    })
+}
+
+fn progress(policy: &str, n: usize, total: usize) {
+    let width = 30;
+    let filled = n * width / total.max(1);
+    if n != total && filled == (n - 1) * width / total.max(1) {
+        return;
+    }
+    eprint!(
+        "\r{policy:<14} [{}{}] {n}/{total}",
+        "#".repeat(filled),
+        "-".repeat(width - filled)
+    );
+}
+
+/// One streaming chat request: (seconds to the first SSE event, replica, generated text).
+fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String), String> {
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_nodelay(true).ok();
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: kvlb\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    let t0 = Instant::now();
+    s.write_all(&req).map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 16384];
+    let mut ttft = None;
+    loop {
+        let n = s.read(&mut tmp).map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&tmp[..n]);
+        if ttft.is_none() && buf.windows(5).any(|w| w == b"data:") {
+            ttft = Some(t0.elapsed().as_secs_f64());
+        }
+    }
+    let text = String::from_utf8_lossy(&buf);
+    let (head, rest) = text.split_once("\r\n\r\n").ok_or("no response head")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("{}: {rest}", head.lines().next().unwrap_or("")));
+    }
+    let replica = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-kvlb-replica: "))
+        .unwrap_or("?")
+        .to_string();
+    let mut content = String::new();
+    for line in rest.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                content.push_str(c);
+            }
+        }
+    }
+    Ok((ttft.ok_or("no SSE event")?, replica, content))
+}
+
+/// A small blocking HTTP/1.1 exchange (Connection: close).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>), String> {
+    let mut s = TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    s.write_all(&req).map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
+    let p = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or("no response head")?;
+    let status = String::from_utf8_lossy(&buf[9..12]).parse().unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
+    let mut body = buf[p + 4..].to_vec();
+    if head.contains("transfer-encoding: chunked") {
+        let mut out = Vec::new();
+        let mut dec = crate::http::chunked::ChunkedDecoder::new();
+        let _ = dec.feed(&body, |a, b| out.extend_from_slice(&body[a..b]));
+        body = out;
+    }
+    Ok((status, body))
+}
