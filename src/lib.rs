@@ -8,6 +8,7 @@ pub mod admin;
 pub mod alloc;
 pub mod config;
 pub mod engine;
+pub mod estimate;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
