@@ -14,6 +14,7 @@ pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
 pub mod replica;
+pub mod residency;
 pub mod rt;
 pub mod select;
 pub mod serve;
