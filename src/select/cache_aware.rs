@@ -45,7 +45,10 @@ pub struct CacheAwareConfig {
     pub model: TtftModel,
     /// Matches shorter than this many tokens count as no match.
     pub min_match_tokens: u32,
-    /// Candidates whose estimate is within this many seconds of the best are equal.
+    /// Weight of the request's own prefill against queueing in the argmin (1 = plain TTFT).
+    /// Above 1, prefill work also counts for the requests it will delay on that replica.
+    pub recompute_weight: f64,
+    /// Candidates whose score is within this many seconds of the best are equal.
     pub tie_epsilon_s: f64,
     /// A prefix shared by at least this many recent requests (per policy instance) is hot.
     pub hot_prefix_requests: u32,
@@ -61,6 +64,7 @@ impl Default for CacheAwareConfig {
         CacheAwareConfig {
             model: TtftModel::default(),
             min_match_tokens: 256,
+            recompute_weight: 2.0,
             tie_epsilon_s: 0.001,
             hot_prefix_requests: 8,
             hot_window_s: 10.0,
@@ -73,6 +77,12 @@ impl CacheAwareConfig {
     /// Check the knobs; the error names the knob and its bad value.
     pub fn validate(&self) -> Result<(), String> {
         self.model.validate()?;
+        if !(self.recompute_weight.is_finite() && self.recompute_weight >= 1.0) {
+            return Err(format!(
+                "cache_aware recompute_weight must be a finite number >= 1, got {}",
+                self.recompute_weight
+            ));
+        }
         for (name, v) in [
             ("tie_epsilon_s", self.tie_epsilon_s),
             ("hot_window_s", self.hot_window_s),
@@ -134,6 +144,8 @@ struct Estimate {
     wait: f64,
     matched_tokens: u32,
     ttft: f64,
+    /// What the argmin compares: `wait + recompute_weight * prefill`.
+    score: f64,
 }
 
 pub struct CacheAware {
@@ -245,6 +257,7 @@ impl Policy for CacheAware {
                 wait,
                 matched_tokens: tokens,
                 ttft: 0.0,
+                score: 0.0,
             });
         }
         // Pass 2: anti-herding, then the estimates.
@@ -255,24 +268,34 @@ impl Policy for CacheAware {
                 let end = self.matched[c.replica] as usize;
                 let heat = self.hot[hot_slot(req.blocks[end - 1])];
                 if heat >= cfg.hot_prefix_requests {
-                    let credited = cfg.model.prefill_seconds(e.matched_tokens, prompt, c.decoding);
-                    best_ignored = best_ignored.min(e.wait + credited);
+                    let credited = cfg
+                        .model
+                        .prefill_seconds(e.matched_tokens, prompt, c.decoding);
+                    best_ignored = best_ignored.min(e.wait + cfg.recompute_weight * credited);
                     e.matched_tokens = 0;
                 }
             }
-            let prefill = cfg.model.prefill_seconds(e.matched_tokens, prompt, c.decoding);
+            let prefill = cfg
+                .model
+                .prefill_seconds(e.matched_tokens, prompt, c.decoding);
             e.ttft = e.wait + prefill;
-            if e.ttft < best {
-                best = e.ttft;
+            e.score = e.wait + cfg.recompute_weight * prefill;
+            if e.score < best {
+                best = e.score;
             }
         }
         // Ties: the `random`-th of the candidates within epsilon of the best.
         let near = |t: f64| t <= best + cfg.tie_epsilon_s || t.is_nan() && best.is_nan();
-        let ties = self.estimates.iter().filter(|e| near(e.ttft)).count().max(1);
+        let ties = self
+            .estimates
+            .iter()
+            .filter(|e| near(e.score))
+            .count()
+            .max(1);
         let mut k = (random % ties as u64) as usize;
         let mut chosen = 0;
         for (i, e) in self.estimates.iter().enumerate() {
-            if near(e.ttft) {
+            if near(e.score) {
                 if k == 0 {
                     chosen = i;
                     break;
@@ -285,8 +308,15 @@ impl Policy for CacheAware {
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != chosen)
-            .map(|(_, e)| e.ttft)
-            .fold(f64::INFINITY, f64::min);
+            .map(|(_, e)| (e.score, e.ttft))
+            .fold((f64::INFINITY, f64::INFINITY), |a, b| {
+                if b.0 < a.0 {
+                    b
+                } else {
+                    a
+                }
+            })
+            .1;
         let e = self.estimates[chosen];
         if with_prefix && longest > 0 {
             // The request shared the prefix ending at block `longest - 1` with earlier ones.
@@ -309,7 +339,7 @@ impl Policy for CacheAware {
             } else {
                 Reason::Load
             },
-            spilled: best_ignored < e.ttft,
+            spilled: best_ignored < e.score,
         };
         chosen
     }

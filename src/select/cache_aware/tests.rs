@@ -65,9 +65,16 @@ fn equal_queues_the_longest_match_wins() {
     let d = p.last_decision();
     // wait 35.07 ms on each; r2 prefills 512 after 1536 cached (24.28 ms), r3 1024 after
     // 1024 (40.29 ms).
-    assert_eq!((d.replica, d.matched_tokens, d.reason), (2, 1536, Reason::Cache));
+    assert_eq!(
+        (d.replica, d.matched_tokens, d.reason),
+        (2, 1536, Reason::Cache)
+    );
     assert!(close(d.ttft_s, 0.059_351), "{}", d.ttft_s);
-    assert!(close(d.runner_up_ttft_s, 0.075_366), "{}", d.runner_up_ttft_s);
+    assert!(
+        close(d.runner_up_ttft_s, 0.075_366),
+        "{}",
+        d.runner_up_ttft_s
+    );
     assert!(!d.spilled);
 }
 
@@ -99,7 +106,10 @@ fn a_much_deeper_warm_queue_loses_to_a_cold_idle_replica() {
     let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
     // r0 has 16k tokens queued: 574.6 ms of waiting + 24.3 ms of prefill = 598.9 ms;
     // r1 is idle and cold: 71.5 ms.
-    assert_eq!(p.select(&req(&prompt, 2048, 0), &queued(&[16_384, 0]), 0), 1);
+    assert_eq!(
+        p.select(&req(&prompt, 2048, 0), &queued(&[16_384, 0]), 0),
+        1
+    );
     let d = p.last_decision();
     assert_eq!((d.matched_tokens, d.reason), (0, Reason::Load));
     assert!(close(d.ttft_s, 0.071_539), "{}", d.ttft_s);
@@ -169,6 +179,7 @@ struct SimReplica {
 }
 
 #[derive(Debug)]
+#[allow(dead_code)] // every field is printed; some are only read by people
 struct SimReport {
     /// max / mean of prompt tokens routed per replica
     spread: f64,
@@ -181,6 +192,8 @@ struct SimReport {
     ttft_p99: f64,
     spills: usize,
     holders_of_first_blocks: usize,
+    /// prefill busy time / (replicas x span)
+    utilisation: f64,
 }
 
 fn simulate(
@@ -199,6 +212,7 @@ fn simulate(
     let mut last_replica = vec![usize::MAX; requests.iter().map(|r| r.session + 1).max().unwrap()];
     let (mut follow_ups, mut returned, mut spills) = (0, 0, 0);
     let (mut prompt_sum, mut cached_sum) = (0u64, 0u64);
+    let mut busy = 0.0;
     let mut ttfts = Vec::with_capacity(requests.len());
     let mut resident = vec![0u32; replicas];
     let mut cands = Vec::with_capacity(replicas);
@@ -223,9 +237,12 @@ fn simulate(
         let cached = resident[chosen] * BT;
         let rep = &mut reps[chosen];
         let start = rep.busy_until.max(now);
-        rep.busy_until = start + model.prefill_seconds(cached, prompt, 0);
+        let service = model.prefill_seconds(cached, prompt, 0);
+        busy += service;
+        rep.busy_until = start + service;
         // The data plane counts what the request will compute: its uncached tokens.
-        rep.pending.push((rep.busy_until, (prompt - cached.min(prompt)) as u64));
+        rep.pending
+            .push((rep.busy_until, (prompt - cached.min(prompt)) as u64));
         rep.routed_tokens += prompt as u64;
         rep.computed_tokens += (prompt - cached.min(prompt)) as u64;
         ttfts.push(rep.busy_until - now);
@@ -257,7 +274,11 @@ fn simulate(
         ttft_p50: ttfts[ttfts.len() / 2],
         ttft_p99: ttfts[ttfts.len() * 99 / 100],
         spills,
-        holders_of_first_blocks: resident.iter().filter(|&&m| m as usize == hot_blocks).count(),
+        holders_of_first_blocks: resident
+            .iter()
+            .filter(|&&m| m as usize == hot_blocks)
+            .count(),
+        utilisation: busy / (replicas as f64 * requests.last().unwrap().at_s),
     }
 }
 
@@ -286,7 +307,10 @@ fn conversations(sessions: usize, span_s: f64, seed: u64) -> Vec<SimRequest> {
             let new = 8 + (unit() * 40.0) as usize;
             for j in 0..new {
                 let prev = *blocks.last().unwrap();
-                blocks.push(chain(prev, ((s as u64) << 32) | ((t as u64) << 16) | j as u64));
+                blocks.push(chain(
+                    prev,
+                    ((s as u64) << 32) | ((t as u64) << 16) | j as u64,
+                ));
             }
             out.push(SimRequest {
                 at_s: at,
@@ -367,23 +391,94 @@ impl Policy for LongestMatch {
     }
 }
 
-const SESSIONS: usize = 700;
 #[test]
 fn herding_a_shared_first_block_spreads_and_sessions_come_back() {
-    // 1000 conversations over 60 s: about 3000 requests, 60% prefill utilisation of 4 replicas.
-    let requests = conversations(SESSIONS, 60.0, 7);
+    // 700 conversations starting over 60 s: 2106 requests. Least-loaded keeps the replicas'
+    // prefill 60% busy on average, with bursts beyond capacity.
+    let requests = conversations(700, 60.0, 7);
     let ours = run_cache_aware(4, &requests, CacheAwareConfig::default(), 8);
+    let plain = CacheAwareConfig {
+        recompute_weight: 1.0,
+        ..CacheAwareConfig::default()
+    };
+    let greedy_ttft = run_cache_aware(4, &requests, plain, 8);
     let (idx, _) = fleet(4);
     let longest = run_baseline(4, &requests, &mut LongestMatch(idx, vec![0; 4]), 8);
     let least = run_baseline(4, &requests, &mut LeastLoaded::new(0), 8);
     println!("requests {}", requests.len());
     println!("cache_aware   {ours:?}");
+    println!("weight 1      {greedy_ttft:?}");
     println!("longest_match {longest:?}");
     println!("least_loaded  {least:?}");
     assert!(ours.spread < 1.5, "{ours:?}");
-    assert!(ours.returns > 0.8, "{ours:?}");
-    assert!(ours.hit_rate > least.hit_rate + 0.2, "{ours:?} vs {least:?}");
+    assert!(ours.returns > 0.85, "{ours:?}");
+    assert_eq!(ours.holders_of_first_blocks, 4);
+    assert!(
+        ours.hit_rate > least.hit_rate + 0.2,
+        "{ours:?} vs {least:?}"
+    );
     assert!(ours.ttft_p99 < least.ttft_p99, "{ours:?} vs {least:?}");
     // The trace's property: chasing the longest match sends nearly everything to one replica.
     assert!(longest.spread > 3.0, "{longest:?}");
+}
+
+/// Agent-style traffic: every request starts with the same 128-block (8192-token) preamble
+/// and adds a unique 4..16-block tail; Poisson arrivals at `rate` per second for `span_s`.
+fn agents(rate: f64, span_s: f64, seed: u64) -> Vec<SimRequest> {
+    let mut rng = Rng::new(seed);
+    let mut unit = || ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let mut preamble = vec![chain(99, 0)];
+    for i in 1..128 {
+        preamble.push(chain(preamble[i - 1], 0));
+    }
+    let (mut at, mut out) = (0.0, Vec::new());
+    while at < span_s {
+        at += -unit().ln() / rate;
+        let mut blocks = preamble.clone();
+        let tail = 4 + (unit() * 13.0) as usize;
+        for j in 0..tail {
+            let prev = *blocks.last().unwrap();
+            blocks.push(chain(prev, ((out.len() as u64) << 16) | j as u64));
+        }
+        let session = out.len();
+        out.push(SimRequest {
+            at_s: at,
+            session,
+            turn: 0,
+            blocks,
+        });
+    }
+    out
+}
+
+#[test]
+fn a_hot_preamble_spreads_as_its_load_needs() {
+    let no_spill = CacheAwareConfig {
+        hot_spill_wait_s: f64::INFINITY,
+        ..CacheAwareConfig::default()
+    };
+    // Light: 4 requests/s need a tenth of one replica; the preamble stays where it is.
+    let light = agents(4.0, 60.0, 3);
+    let ours = run_cache_aware(4, &light, CacheAwareConfig::default(), 128);
+    println!("light, cache_aware {ours:?}");
+    assert!(ours.holders_of_first_blocks <= 2, "{ours:?}");
+    assert!(ours.hit_rate > 0.85, "{ours:?}");
+    // Heavy: 80 requests/s need about 2.6 replicas even with every preamble cached.
+    let heavy = agents(80.0, 30.0, 4);
+    let ours = run_cache_aware(4, &heavy, CacheAwareConfig::default(), 128);
+    let herd = run_cache_aware(4, &heavy, no_spill, 128);
+    let least = run_baseline(4, &heavy, &mut LeastLoaded::new(0), 128);
+    println!("heavy ({} requests), cache_aware {ours:?}", heavy.len());
+    println!("heavy, no hot spill {herd:?}");
+    println!("heavy, least_loaded {least:?}");
+    assert!(ours.holders_of_first_blocks >= 3, "{ours:?}");
+    assert!(ours.spread < 1.5, "{ours:?}");
+    assert!(ours.spills > 0);
+    assert!(ours.ttft_p99 <= herd.ttft_p99, "{ours:?} vs {herd:?}");
+    // Once every replica holds the preamble there is nothing left to gain over least-loaded;
+    // the estimate from queued tokens misses part of the simulated per-request fixed costs.
+    assert!(
+        ours.ttft_p99 < least.ttft_p99 * 1.2,
+        "{ours:?} vs {least:?}"
+    );
 }
