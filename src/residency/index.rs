@@ -122,7 +122,7 @@ impl ResidencyIndex {
             let bits = n.saturating_sub(w * 64).min(64);
             *a = if bits == 64 { !0 } else { (1u64 << bits) - 1 };
         }
-        const AHEAD: usize = 4;
+        const AHEAD: usize = 16;
         for &h in blocks.iter().take(AHEAD) {
             table.prefetch(h);
         }
