@@ -70,10 +70,11 @@ fn routing(c: &mut Criterion) {
         let (idx, _writer, probe) = populated(replicas);
         let resident: usize = (0..replicas).map(|r| idx.replica_blocks(r)).sum();
         eprintln!(
-            "{replicas} replicas: {resident} resident blocks ({} distinct), index {:.1} MiB = \
-             {:.1} MiB per million resident blocks",
+            "{replicas} replicas: {resident} resident blocks ({} distinct), index {:.1} MiB \
+             (shared table {:.1} MiB) = {:.1} MiB per million resident blocks",
             idx.distinct_blocks(),
             idx.bytes() as f64 / (1 << 20) as f64,
+            idx.table_bytes() as f64 / (1 << 20) as f64,
             idx.bytes() as f64 / (1 << 20) as f64 / (resident as f64 / 1e6)
         );
         let mut out = vec![0u32; replicas];

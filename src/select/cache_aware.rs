@@ -30,6 +30,18 @@
 //! argument picks one of them, so equal replicas share the load and every decision replays
 //! exactly in a test. Time comes in as `RequestView::now_us`.
 //!
+//! **Work, not only waiting.** The argmin compares `wait + recompute_weight * prefill`
+//! (default weight 2), while `Decision` reports the plain TTFT estimate `wait + prefill`: a
+//! request's uncached prefill also delays everything queued behind it on that replica, so a
+//! cache hit is worth more to the fleet than to the request alone. In the conversation
+//! simulation (tests) weight 2 against 1 takes returns to the session's replica from 77% to
+//! 93% and p99 TTFT from 0.29 s to 0.22 s; `recompute_weight = 1` is the pure TTFT argmin.
+//!
+//! **Load input.** The policy is only as good as `Candidate::queued_prefill_tokens`. Counting
+//! the tokens a request will actually compute there (`prompt_tokens -
+//! Decision::matched_tokens`) rather than its whole prompt keeps a warm replica from looking
+//! busier than it is; the simulations count that way.
+//!
 //! Each `select` leaves a `Decision` (`last_decision`) for an explain header and metrics, and,
 //! when a routing log is attached, records the request's blocks for the residency writer.
 

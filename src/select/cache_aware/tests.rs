@@ -196,6 +196,7 @@ struct SimReport {
     utilisation: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn simulate(
     replicas: usize,
     requests: &[SimRequest],
