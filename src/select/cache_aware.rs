@@ -9,9 +9,19 @@
 //! ttft(r)    = estimate::estimate_ttft(load(r), matched(r), prompt_tokens)
 //! ```
 //!
-//! and the request goes to the argmin. Queueing is in the same unit as the saving, so a
-//! cache hit wins while queues are comparable and loses once the warm replica's queue is
-//! deeper than what the hit saves.
+//! and the request goes to the argmin (of `wait + recompute_weight * prefill`, see "Work"
+//! below). Queueing is in the same unit as the saving, so a cache hit wins while queues are
+//! comparable and loses once the warm replica's queue is deeper than what the hit saves.
+//!
+//! | knob | default | meaning |
+//! |---|---|---|
+//! | `model` | engine calibration | the TTFT model (`estimate`) |
+//! | `min_match_tokens` | 256 | shorter matches count as none |
+//! | `recompute_weight` | 2.0 | weight of own prefill against queueing (1 = plain TTFT) |
+//! | `tie_epsilon_s` | 0.001 | scores this close to the best are ties, broken by `random` |
+//! | `hot_prefix_requests` | 8 | requests sharing a prefix (per worker, decaying) to be hot |
+//! | `hot_window_s` | 10 | the hotness counts halve every this many seconds |
+//! | `hot_spill_wait_s` | 0.1 | a hot prefix's holder this much deeper than the shortest wait loses its hit |
 //!
 //! **Anti-herding.** Left alone, a prefix shared by many requests (a system prompt, an agent's
 //! tool preamble) keeps its holder ahead until that holder's queue is as long as the whole
