@@ -3,10 +3,12 @@
 //! choice. Each worker owns its policy instance (`&mut self`, no sharing, no locks); the loads
 //! they read are counted across workers by the caller.
 
+mod cache_aware;
 mod least_loaded;
 mod power_of_two;
 mod round_robin;
 
+pub use cache_aware::{CacheAware, CacheAwareConfig, Decision, Reason};
 pub use least_loaded::LeastLoaded;
 pub use power_of_two::PowerOfTwo;
 pub use round_robin::RoundRobin;
