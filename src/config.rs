@@ -6,16 +6,18 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyName {
+    CacheAware,
     RoundRobin,
     LeastLoaded,
     PowerOfTwo,
 }
 
 impl PolicyName {
-    pub const NAMES: &'static str = "round_robin, least_loaded, power_of_two";
+    pub const NAMES: &'static str = "cache_aware, round_robin, least_loaded, power_of_two";
 
     pub fn parse(s: &str) -> Option<PolicyName> {
         match s {
+            "cache_aware" => Some(PolicyName::CacheAware),
             "round_robin" => Some(PolicyName::RoundRobin),
             "least_loaded" => Some(PolicyName::LeastLoaded),
             "power_of_two" => Some(PolicyName::PowerOfTwo),
@@ -25,6 +27,7 @@ impl PolicyName {
 
     pub fn as_str(self) -> &'static str {
         match self {
+            PolicyName::CacheAware => "cache_aware",
             PolicyName::RoundRobin => "round_robin",
             PolicyName::LeastLoaded => "least_loaded",
             PolicyName::PowerOfTwo => "power_of_two",
@@ -39,6 +42,60 @@ pub struct ReplicaConfig {
     pub addr: SocketAddr,
     /// host[:port] for a Host header when the client sent none.
     pub authority: String,
+    /// KV cache capacity in tokens: bounds what kvlb assumes resident there.
+    pub kv_capacity_tokens: u64,
+}
+
+/// Default KV capacity of a replica: an 8B model on one 80 GB GPU (about 400k tokens).
+pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 400_000;
+
+/// The cost model of `cache_aware` (see `estimate` and `select::cache_aware`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    pub prefill_a_s: f64,
+    pub prefill_b_s: f64,
+    pub prefill_c_s: f64,
+    pub decode_base_s: f64,
+    pub decode_per_seq_s: f64,
+    pub decode_per_ctx_token_s: f64,
+    pub min_match_tokens: u32,
+    pub recompute_weight: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> CostModel {
+        let e = crate::engine::EngineConfig::default();
+        let p = crate::select::CacheAwareConfig::default();
+        CostModel {
+            prefill_a_s: e.prefill_a_s,
+            prefill_b_s: e.prefill_b_s,
+            prefill_c_s: e.prefill_c_s,
+            decode_base_s: e.decode_base_s,
+            decode_per_seq_s: e.decode_per_seq_s,
+            decode_per_ctx_token_s: e.decode_per_ctx_token_s,
+            min_match_tokens: p.min_match_tokens,
+            recompute_weight: p.recompute_weight,
+        }
+    }
+}
+
+impl CostModel {
+    /// The policy configuration these knobs describe.
+    pub fn policy_config(&self) -> crate::select::CacheAwareConfig {
+        let mut e = crate::engine::EngineConfig::default();
+        e.prefill_a_s = self.prefill_a_s;
+        e.prefill_b_s = self.prefill_b_s;
+        e.prefill_c_s = self.prefill_c_s;
+        e.decode_base_s = self.decode_base_s;
+        e.decode_per_seq_s = self.decode_per_seq_s;
+        e.decode_per_ctx_token_s = self.decode_per_ctx_token_s;
+        crate::select::CacheAwareConfig {
+            model: crate::estimate::TtftModel::from_engine(&e),
+            min_match_tokens: self.min_match_tokens,
+            recompute_weight: self.recompute_weight,
+            ..Default::default()
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +130,9 @@ pub struct ServeConfig {
     pub admin: SocketAddr,
     pub limits: Limits,
     pub timeouts: Timeouts,
+    /// Add `x-kvlb-decision` to responses.
+    pub explain: bool,
+    pub cost_model: CostModel,
 }
 
 /// A configuration error: printed as `kvlb: invalid configuration: {0}`, exit status 2.
@@ -152,7 +212,39 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         url: url.to_string(),
         addr,
         authority: authority.to_string(),
+        kv_capacity_tokens: DEFAULT_KV_CAPACITY_TOKENS,
     })
+}
+
+/// `URL[,key=value...]` as given to --replica.
+pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigError> {
+    let mut parts = v.split(',');
+    let url = parts.next().unwrap_or("");
+    let mut r = parse_replica_url(key, url)?;
+    for opt in parts {
+        let (k, val) = opt
+            .split_once('=')
+            .ok_or_else(|| bad(key, v, "expected URL[,key=value...]"))?;
+        match k {
+            "kv_capacity_tokens" => {
+                r.kv_capacity_tokens = val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    bad(
+                        &format!("{key} kv_capacity_tokens"),
+                        val,
+                        "expected a positive number of tokens",
+                    )
+                })?
+            }
+            _ => {
+                return Err(bad(
+                    key,
+                    v,
+                    &format!("unknown replica option {k:?} (known: kv_capacity_tokens)"),
+                ))
+            }
+        }
+    }
+    Ok(r)
 }
 
 /// `0`, `2-5`, `0,2`, `0-1,4` -> core ids.
@@ -238,7 +330,7 @@ impl Default for ServeConfig {
         ServeConfig {
             listen: Vec::new(),
             replicas: Vec::new(),
-            policy: PolicyName::RoundRobin,
+            policy: PolicyName::CacheAware,
             workers: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
@@ -256,6 +348,8 @@ impl Default for ServeConfig {
                 upstream: Duration::from_secs(300),
                 drain: Duration::from_secs(30),
             },
+            explain: false,
+            cost_model: CostModel::default(),
         }
     }
 }
@@ -265,7 +359,13 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --config FILE            TOML configuration (flags override it)
   --listen ADDR            client listener, repeatable (e.g. 0.0.0.0:8080)
   --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
-  --policy NAME            round_robin | least_loaded | power_of_two (default round_robin)
+  --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
+  --policy NAME            cache_aware | round_robin | least_loaded | power_of_two (default cache_aware)
+  --explain                add x-kvlb-decision to responses (matched tokens, estimates, reason)
+  --min-match-tokens N     cache_aware: shorter prefix matches count as none (default 256)
+  --recompute-weight X     cache_aware: weight of prefill against queueing (default 2; 1 = plain TTFT)
+  --prefill-a-s, --prefill-b-s, --prefill-c-s, --decode-base-s, --decode-per-seq-s,
+  --decode-per-ctx-token-s SECONDS   cache_aware's cost model (default: 8B model on one H100)
   --workers N              worker threads (default: one per core)
   --cores LIST             cores for the workers, e.g. 0, 2-5, 0,2 (default: worker i on core i)
   --admin ADDR             admin listener for /metrics, /healthz, /replicas (default 127.0.0.1:9100)
@@ -293,7 +393,57 @@ const FILE_KEYS: &[&str] = &[
     "connect_timeout",
     "upstream_timeout",
     "drain_timeout",
+    "explain",
+    "cost_model",
 ];
+
+const COST_MODEL_KEYS: &[&str] = &[
+    "prefill_a_s",
+    "prefill_b_s",
+    "prefill_c_s",
+    "decode_base_s",
+    "decode_per_seq_s",
+    "decode_per_ctx_token_s",
+    "min_match_tokens",
+    "recompute_weight",
+];
+
+fn apply_cost(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
+    let m = &mut cfg.cost_model;
+    let secs = |v: &str| -> Result<f64, ConfigError> {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| bad(key, v, "expected seconds >= 0, e.g. 0.0000335"))
+    };
+    match key {
+        "prefill_a_s" => m.prefill_a_s = secs(v)?,
+        "prefill_b_s" => m.prefill_b_s = secs(v)?,
+        "prefill_c_s" => m.prefill_c_s = secs(v)?,
+        "decode_base_s" => m.decode_base_s = secs(v)?,
+        "decode_per_seq_s" => m.decode_per_seq_s = secs(v)?,
+        "decode_per_ctx_token_s" => m.decode_per_ctx_token_s = secs(v)?,
+        "min_match_tokens" => {
+            m.min_match_tokens = v
+                .parse()
+                .map_err(|_| bad(key, v, "expected a number of tokens"))?
+        }
+        "recompute_weight" => {
+            m.recompute_weight = v
+                .parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| bad(key, v, "expected a number > 0 (1 = plain TTFT)"))?
+        }
+        _ => {
+            return Err(ConfigError(format!(
+                "unknown key {key:?} (known cost_model keys: {})",
+                COST_MODEL_KEYS.join(", ")
+            )))
+        }
+    }
+    Ok(())
+}
 
 /// Apply one setting given as text (from a flag or a file string).
 fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
@@ -330,6 +480,14 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "connect_timeout" => cfg.timeouts.connect = parse_duration(key, v)?,
         "upstream_timeout" => cfg.timeouts.upstream = parse_duration(key, v)?,
         "drain_timeout" => cfg.timeouts.drain = parse_duration(key, v)?,
+        "explain" => {
+            cfg.explain = match v {
+                "true" | "1" | "yes" | "on" => true,
+                "false" | "0" | "no" | "off" => false,
+                _ => return Err(bad(key, v, "expected true or false")),
+            }
+        }
+        k if COST_MODEL_KEYS.contains(&k) => apply_cost(cfg, k, v)?,
         _ => return Err(ConfigError(format!("unknown key {key:?}"))),
     }
     Ok(())
@@ -340,6 +498,7 @@ fn toml_scalar(key: &str, v: &toml::Value) -> Result<String, ConfigError> {
         toml::Value::String(s) => Ok(s.clone()),
         toml::Value::Integer(i) => Ok(i.to_string()),
         toml::Value::Float(f) => Ok(f.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
         other => Err(bad(
             key,
             &other.to_string(),
@@ -414,6 +573,21 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                         .push(parse_replica_url(&format!("replica[{i}].url"), url)?);
                 }
             }
+            "cost_model" => {
+                let t = value.as_table().ok_or_else(|| {
+                    bad("cost_model", &value.to_string(), "expected a [cost_model] table")
+                })?;
+                for (k, v) in t {
+                    let s = toml_scalar(&format!("cost_model.{k}"), v)?;
+                    if !COST_MODEL_KEYS.contains(&k.as_str()) {
+                        return Err(ConfigError(format!(
+                            "unknown key \"cost_model.{k}\" (known keys: {})",
+                            COST_MODEL_KEYS.join(", ")
+                        )));
+                    }
+                    apply_cost(cfg, k, &s).map_err(|e| ConfigError(e.0.replacen(k.as_str(), &format!("cost_model.{k}"), 1)))?;
+                }
+            }
             _ => {
                 let s = toml_scalar(key, value)?;
                 apply(cfg, key, &s)?;
@@ -454,6 +628,11 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
                 "unexpected argument {flag:?}\n\n{SERVE_HELP}"
             ))));
         }
+        if name == "--explain" && inline.is_none() {
+            cfg.explain = true;
+            i += 1;
+            continue;
+        }
         let value = match inline {
             Some(v) => v,
             None => {
@@ -467,10 +646,14 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         match name {
             "--config" => {}
             "--listen" => listen_flag.push(parse_addr("--listen", &value).map_err(Some)?),
-            "--replica" => replica_flag.push(parse_replica_url("--replica", &value).map_err(Some)?),
+            "--replica" => replica_flag.push(parse_replica_flag("--replica", &value).map_err(Some)?),
             _ => {
                 let key = name.trim_start_matches("--").replace('-', "_");
-                if !FILE_KEYS.contains(&key.as_str()) || key == "listen" || key == "replica" {
+                if !(FILE_KEYS.contains(&key.as_str()) || COST_MODEL_KEYS.contains(&key.as_str()))
+                    || key == "listen"
+                    || key == "replica"
+                    || key == "cost_model"
+                {
                     return Err(Some(ConfigError(format!(
                         "unknown flag {name}\n\n{SERVE_HELP}"
                     ))));

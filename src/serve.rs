@@ -7,8 +7,10 @@ use crate::rt::{self, op};
 use crate::worker::{self, Shared};
 use std::net::TcpListener;
 use std::os::fd::RawFd;
-use std::sync::atomic::Ordering::Relaxed;
+use crate::residency::{spawn_writer_thread, ResidencyConfig, ResidencyIndex};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 
 pub fn main(args: Vec<String>) -> i32 {
     let cfg = match config::from_args(&args) {
@@ -82,7 +84,31 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
             (0..n).collect()
         }
     };
-    let shared = Arc::new(Shared::new(cfg));
+    // The residency index: read by every worker's cache_aware policy, written by one thread
+    // from the workers' routing logs.
+    let (residency, mut writer) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: cfg.replicas.len().clamp(1, crate::residency::MAX_REPLICAS),
+        block_tokens: crate::prefix::BLOCK_BYTES as u32 / 4,
+        kv_capacity_tokens: crate::config::DEFAULT_KV_CAPACITY_TOKENS,
+    })
+    .map_err(|e| format!("residency index: {e}"))?;
+    for (i, r) in cfg.replicas.iter().enumerate() {
+        writer
+            .set_capacity_tokens(i, r.kv_capacity_tokens)
+            .map_err(|e| format!("replica {}: {e}", r.url))?;
+    }
+    let logs = (0..n_workers).map(|_| writer.routing_log(4096)).collect();
+    let shared = Arc::new(Shared::new(cfg, residency, logs));
+    let writer_stop = Arc::new(AtomicBool::new(false));
+    let epoch = shared.epoch;
+    let writer_thread = spawn_writer_thread(
+        writer,
+        Duration::from_millis(1),
+        writer_stop.clone(),
+        move || epoch.elapsed().as_micros() as u64,
+        |_, _| {},
+    )
+    .map_err(|e| format!("cannot start the residency writer: {e}"))?;
     crate::admin::spawn(admin, shared.clone());
 
     let mut wakers = Vec::new();
@@ -153,6 +179,8 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
     for h in handles {
         let _ = h.join();
     }
+    writer_stop.store(true, Relaxed);
+    let _ = writer_thread.join();
     let left: u64 = shared
         .workers
         .iter()

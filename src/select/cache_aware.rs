@@ -237,6 +237,10 @@ impl CacheAware {
 }
 
 impl Policy for CacheAware {
+    fn decision(&self) -> Option<Decision> {
+        Some(self.last)
+    }
+
     fn name(&self) -> &'static str {
         "cache_aware"
     }

@@ -51,14 +51,36 @@ pub trait Policy {
     /// Choose one of `candidates` (never empty); returns an index into `candidates`.
     /// `random` is a fresh uniformly random number.
     fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize;
+
+    /// Why the last `select` chose what it did, for policies that estimate (explain header,
+    /// decision metrics, the prefill tokens counted as queued on the chosen replica).
+    fn decision(&self) -> Option<Decision> {
+        None
+    }
 }
 
-pub fn build(name: PolicyName, worker: usize) -> Box<dyn Policy> {
-    match name {
+/// What `cache_aware` needs beyond its name: the residency index it reads, the worker's
+/// routing log it records into, and its knobs.
+pub struct CacheAwareParts {
+    pub index: std::sync::Arc<crate::residency::ResidencyIndex>,
+    pub log: std::sync::Arc<crate::residency::RoutingLog>,
+    pub config: CacheAwareConfig,
+}
+
+pub fn build(
+    name: PolicyName,
+    worker: usize,
+    cache_aware: Option<CacheAwareParts>,
+) -> Result<Box<dyn Policy>, String> {
+    Ok(match name {
+        PolicyName::CacheAware => {
+            let parts = cache_aware.ok_or("cache_aware needs a residency index")?;
+            Box::new(CacheAware::new(parts.index, parts.config)?.with_routing_log(parts.log))
+        }
         PolicyName::RoundRobin => Box::new(RoundRobin::new(worker)),
         PolicyName::LeastLoaded => Box::new(LeastLoaded::new(worker)),
         PolicyName::PowerOfTwo => Box::new(PowerOfTwo),
-    }
+    })
 }
 
 /// xorshift64*: the per-worker source of `random`.

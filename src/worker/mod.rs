@@ -19,6 +19,10 @@ use std::time::{Duration, Instant};
 /// State every worker reads; written by the main and admin threads.
 pub struct Shared {
     pub cfg: ServeConfig,
+    /// Which prefix blocks kvlb believes each replica holds (read by cache_aware).
+    pub residency: Arc<crate::residency::ResidencyIndex>,
+    /// Blocks the residency writer could not take because a routing log was full.
+    pub routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
     pub loads: Vec<ReplicaLoad>,
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
@@ -26,10 +30,16 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(cfg: ServeConfig) -> Shared {
+    pub fn new(
+        cfg: ServeConfig,
+        residency: Arc<crate::residency::ResidencyIndex>,
+        routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
+    ) -> Shared {
         let n = cfg.replicas.len();
         let workers = (0..cfg.workers).map(|_| WorkerStats::new(n)).collect();
         Shared {
+            residency,
+            routing_logs,
             loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
             workers,
             draining: AtomicBool::new(false),
@@ -203,9 +213,21 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         }
     };
     let n_replicas = shared.cfg.replicas.len();
+    let parts = select::CacheAwareParts {
+        index: shared.residency.clone(),
+        log: shared.routing_logs[id].clone(),
+        config: shared.cfg.cost_model.policy_config(),
+    };
+    let policy = match select::build(shared.cfg.policy, id, Some(parts)) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kvlb: worker {id}: {e}");
+            std::process::exit(2);
+        }
+    };
     let worker = Rc::new(Worker {
         id,
-        policy: RefCell::new(select::build(shared.cfg.policy, id)),
+        policy: RefCell::new(policy),
         rng: RefCell::new(Rng::new(
             0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
         )),
