@@ -11,6 +11,8 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
+pub mod prefix;
+pub mod prompt;
 pub mod proxy;
 pub mod replica;
 pub mod rt;

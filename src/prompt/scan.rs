@@ -1,0 +1,588 @@
+//! The JSON scanner under prompt extraction: a cursor over borrowed body bytes that validates as
+//! it goes and never recurses, so hostile input costs at most one linear pass.
+//!
+//! Strings are decoded while they are scanned and handed out as pieces: runs without escapes are
+//! borrowed slices of the body, each escape is decoded into a 4-byte stack buffer. Nothing here
+//! allocates. Nesting is tracked in a `u64` bit stack (one bit per level: object or array), which
+//! is why the depth limit is [`MAX_DEPTH`] = 64 levels.
+//!
+//! Strictness follows RFC 8259 where it is cheap: control bytes inside strings, bad escapes,
+//! malformed numbers and trailing bytes are errors. Bytes >= 0x80 are passed through unchecked
+//! (invalid UTF-8 hashes as the bytes it is; equal bytes still hash equal).
+
+use super::PromptError;
+
+/// Deepest nesting of arrays and objects accepted, counting the top-level object as 1.
+pub const MAX_DEPTH: usize = 64;
+
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+
+/// Index of the first byte at or after `i` that ends a run of plain string bytes: `"`, `\` or a
+/// control byte (< 0x20). Returns `bytes.len()` when there is none.
+///
+/// Eight bytes at a time (SWAR): the zero-byte trick can flag false positives only in bytes
+/// above a true one, so the lowest flagged byte is exact.
+#[inline(always)]
+fn string_run_end(bytes: &[u8], mut i: usize) -> usize {
+    while let Some(chunk) = bytes.get(i..i + 8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(word);
+        let quote = w ^ (LO * b'"' as u64);
+        let backslash = w ^ (LO * b'\\' as u64);
+        let flags = ((quote.wrapping_sub(LO) & !quote)
+            | (backslash.wrapping_sub(LO) & !backslash)
+            | (w.wrapping_sub(LO * 0x20) & !w))
+            & HI;
+        if flags != 0 {
+            return i + (flags.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while let Some(&b) = bytes.get(i) {
+        if b == b'"' || b == b'\\' || b < 0x20 {
+            return i;
+        }
+        i += 1;
+    }
+    bytes.len()
+}
+
+#[inline]
+fn hex_value(b: u8) -> Option<u16> {
+    match b {
+        b'0'..=b'9' => Some((b - b'0') as u16),
+        b'a'..=b'f' => Some((b - b'a' + 10) as u16),
+        b'A'..=b'F' => Some((b - b'A' + 10) as u16),
+        _ => None,
+    }
+}
+
+/// UTF-8 encoding of `c` into `buf`; returns the used prefix.
+#[inline]
+fn utf8(c: char, buf: &mut [u8; 4]) -> &[u8] {
+    c.encode_utf8(buf).as_bytes()
+}
+
+const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
+
+/// A position in the body. Errors carry absolute body offsets.
+pub struct Cursor<'a> {
+    pub buf: &'a [u8],
+    pub pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(buf: &'a [u8], pos: usize) -> Cursor<'a> {
+        Cursor { buf, pos }
+    }
+
+    #[inline]
+    pub fn skip_ws(&mut self) {
+        while let Some(&b) = self.buf.get(self.pos) {
+            if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+                self.pos += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// The next byte, without consuming it; running out of bytes means the body was cut short.
+    #[inline]
+    pub fn peek(&self) -> Result<u8, PromptError> {
+        self.buf
+            .get(self.pos)
+            .copied()
+            .ok_or(PromptError::Truncated)
+    }
+
+    /// Skips whitespace and returns the next byte without consuming it.
+    #[inline]
+    pub fn peek_token(&mut self) -> Result<u8, PromptError> {
+        self.skip_ws();
+        self.peek()
+    }
+
+    #[inline]
+    pub fn syntax(&self) -> PromptError {
+        PromptError::Syntax { offset: self.pos }
+    }
+
+    /// Consumes `want` (after whitespace) or fails.
+    #[inline]
+    pub fn expect(&mut self, want: u8) -> Result<(), PromptError> {
+        if self.peek_token()? == want {
+            self.pos += 1;
+            Ok(())
+        } else {
+            Err(self.syntax())
+        }
+    }
+
+    /// Scans the string starting at the cursor (which must be on its opening quote), passing its
+    /// decoded bytes to `emit` in pieces; leaves the cursor after the closing quote.
+    pub fn string(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        if self.peek_token()? != b'"' {
+            return Err(self.syntax());
+        }
+        self.pos += 1;
+        let buf = self.buf;
+        loop {
+            let end = string_run_end(buf, self.pos);
+            if end > self.pos {
+                emit(&buf[self.pos..end]);
+            }
+            self.pos = end;
+            match buf.get(end) {
+                None => return Err(PromptError::Truncated),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                Some(b'\\') => self.escape(emit)?,
+                Some(_) => return Err(self.syntax()), // a raw control byte
+            }
+        }
+    }
+
+    /// Decodes the escape at the cursor (on its backslash).
+    fn escape(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        let decoded: &[u8] = match self.buf.get(self.pos + 1) {
+            None => return Err(PromptError::Truncated),
+            Some(b'"') => b"\"",
+            Some(b'\\') => b"\\",
+            Some(b'/') => b"/",
+            Some(b'b') => b"\x08",
+            Some(b'f') => b"\x0c",
+            Some(b'n') => b"\n",
+            Some(b'r') => b"\r",
+            Some(b't') => b"\t",
+            Some(b'u') => return self.unicode_escape(emit),
+            Some(_) => {
+                self.pos += 1;
+                return Err(self.syntax());
+            }
+        };
+        emit(decoded);
+        self.pos += 2;
+        Ok(())
+    }
+
+    /// Reads `\uXXXX` at `at`, returning the code unit.
+    fn code_unit(&self, at: usize) -> Result<u16, PromptError> {
+        let digits = match self.buf.get(at + 2..at + 6) {
+            Some(d) => d,
+            None => {
+                // Cut short, unless a byte that is present is already wrong.
+                let present = self.buf.get(at + 2..).unwrap_or(&[]);
+                return match present.iter().position(|&b| hex_value(b).is_none()) {
+                    Some(i) => Err(PromptError::Syntax { offset: at + 2 + i }),
+                    None => Err(PromptError::Truncated),
+                };
+            }
+        };
+        let mut unit = 0u16;
+        for (i, &d) in digits.iter().enumerate() {
+            let v = hex_value(d).ok_or(PromptError::Syntax { offset: at + 2 + i })?;
+            unit = unit << 4 | v;
+        }
+        Ok(unit)
+    }
+
+    /// `\uXXXX`, with surrogate pairs joined; a lone surrogate becomes U+FFFD.
+    fn unicode_escape(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        let unit = self.code_unit(self.pos)?;
+        self.pos += 6;
+        let mut out = [0u8; 4];
+        match unit {
+            0xD800..=0xDBFF => {
+                // A high surrogate: joined only when a low surrogate escape follows at once.
+                let next_is_escape = self.buf.get(self.pos) == Some(&b'\\')
+                    && self.buf.get(self.pos + 1) == Some(&b'u');
+                if next_is_escape {
+                    let low = self.code_unit(self.pos)?;
+                    if (0xDC00..=0xDFFF).contains(&low) {
+                        self.pos += 6;
+                        let c =
+                            0x10000 + (((unit as u32) - 0xD800) << 10) + ((low as u32) - 0xDC00);
+                        let c = char::from_u32(c).unwrap_or('\u{FFFD}');
+                        emit(utf8(c, &mut out));
+                        return Ok(());
+                    }
+                }
+                emit(REPLACEMENT);
+            }
+            0xDC00..=0xDFFF => emit(REPLACEMENT),
+            _ => {
+                let c = char::from_u32(unit as u32).unwrap_or('\u{FFFD}');
+                emit(utf8(c, &mut out));
+            }
+        }
+        Ok(())
+    }
+
+    /// Scans a number, returning its text (validated against the JSON grammar).
+    pub fn number(&mut self) -> Result<&'a [u8], PromptError> {
+        self.skip_ws();
+        let buf = self.buf;
+        let start = self.pos;
+        let mut i = start;
+        let at = |i: usize| buf.get(i).copied();
+        let digits = |mut i: usize| {
+            while matches!(at(i), Some(b'0'..=b'9')) {
+                i += 1;
+            }
+            i
+        };
+        if at(i) == Some(b'-') {
+            i += 1;
+        }
+        match at(i) {
+            Some(b'0') => i += 1,
+            Some(b'1'..=b'9') => i = digits(i + 1),
+            None => return Err(PromptError::Truncated),
+            Some(_) => return Err(PromptError::Syntax { offset: i }),
+        }
+        if at(i) == Some(b'.') {
+            i += 1;
+            match at(i) {
+                Some(b'0'..=b'9') => i = digits(i),
+                None => return Err(PromptError::Truncated),
+                Some(_) => return Err(PromptError::Syntax { offset: i }),
+            }
+        }
+        if matches!(at(i), Some(b'e' | b'E')) {
+            i += 1;
+            if matches!(at(i), Some(b'+' | b'-')) {
+                i += 1;
+            }
+            match at(i) {
+                Some(b'0'..=b'9') => i = digits(i),
+                None => return Err(PromptError::Truncated),
+                Some(_) => return Err(PromptError::Syntax { offset: i }),
+            }
+        }
+        // A number running to the very end of the body may have been cut short; a complete body
+        // never ends inside a value (its top level is an object).
+        if i == buf.len() {
+            return Err(PromptError::Truncated);
+        }
+        self.pos = i;
+        Ok(&buf[start..i])
+    }
+
+    /// Scans `true`, `false` or `null`, returning its text.
+    fn literal(&mut self) -> Result<&'a [u8], PromptError> {
+        let word: &'static [u8] = match self.peek()? {
+            b't' => b"true",
+            b'f' => b"false",
+            _ => b"null",
+        };
+        let rest = self.buf.get(self.pos..).unwrap_or(&[]);
+        for (i, &w) in word.iter().enumerate() {
+            match rest.get(i) {
+                None => return Err(PromptError::Truncated),
+                Some(&b) if b != w => {
+                    return Err(PromptError::Syntax {
+                        offset: self.pos + i,
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        let text = &self.buf[self.pos..self.pos + word.len()];
+        self.pos += word.len();
+        Ok(text)
+    }
+
+    /// True (and consumed) if the next value is `null`.
+    pub fn null(&mut self) -> Result<bool, PromptError> {
+        if self.peek_token()? == b'n' {
+            self.literal()?;
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    /// Walks one whole value, validating it, with `depth` levels already open around it. With
+    /// `emit`, the value is written canonically: structural tokens, strings (decoded, between
+    /// quote marks), numbers and literals as written, whitespace dropped. Iterative: hostile
+    /// nesting fails at [`MAX_DEPTH`] without growing the call stack.
+    pub fn value(&mut self, depth: usize, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        // Bit i of `objects` is set when open level i (relative to this value) is an object.
+        let mut objects: u64 = 0;
+        let mut open = 0usize;
+        loop {
+            // Expecting a value.
+            match self.peek_token()? {
+                c @ (b'{' | b'[') => {
+                    if depth + open + 1 > MAX_DEPTH {
+                        return Err(PromptError::TooDeep { offset: self.pos });
+                    }
+                    self.pos += 1;
+                    let is_object = c == b'{';
+                    emit(if is_object { b"{" } else { b"[" });
+                    let close = if is_object { b'}' } else { b']' };
+                    if self.peek_token()? == close {
+                        self.pos += 1;
+                        emit(if is_object { b"}" } else { b"]" });
+                    } else {
+                        if is_object {
+                            objects |= 1 << open;
+                        } else {
+                            objects &= !(1 << open);
+                        }
+                        open += 1;
+                        if is_object {
+                            self.key(emit)?;
+                        }
+                        continue;
+                    }
+                }
+                b'"' => {
+                    emit(b"\"");
+                    self.string(emit)?;
+                    emit(b"\"");
+                }
+                b'-' | b'0'..=b'9' => emit(self.number()?),
+                b't' | b'f' | b'n' => emit(self.literal()?),
+                _ => return Err(self.syntax()),
+            }
+            // After a value: close containers or move to the next element.
+            loop {
+                if open == 0 {
+                    return Ok(());
+                }
+                let in_object = objects & (1 << (open - 1)) != 0;
+                match self.peek_token()? {
+                    b',' => {
+                        self.pos += 1;
+                        emit(b",");
+                        if in_object {
+                            self.key(emit)?;
+                        }
+                        break;
+                    }
+                    b'}' if in_object => {
+                        self.pos += 1;
+                        emit(b"}");
+                        open -= 1;
+                    }
+                    b']' if !in_object => {
+                        self.pos += 1;
+                        emit(b"]");
+                        open -= 1;
+                    }
+                    _ => return Err(self.syntax()),
+                }
+            }
+        }
+    }
+
+    /// An object key and its colon, emitted canonically.
+    fn key(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        emit(b"\"");
+        self.string(emit)?;
+        emit(b"\"");
+        self.expect(b':')?;
+        emit(b":");
+        Ok(())
+    }
+
+    /// Skips one value (validating it), with `depth` levels open around it.
+    #[inline]
+    pub fn skip(&mut self, depth: usize) -> Result<(), PromptError> {
+        self.value(depth, &mut |_| {})
+    }
+
+    /// Reads an object key into `key` (decoded, truncated to its capacity) and consumes the
+    /// colon after it. Returns the decoded length, which exceeds `key.len()` for long keys.
+    pub fn object_key(&mut self, key: &mut [u8]) -> Result<usize, PromptError> {
+        let mut len = 0usize;
+        self.string(&mut |piece: &[u8]| {
+            for &b in piece {
+                if let Some(slot) = key.get_mut(len) {
+                    *slot = b;
+                }
+                len += 1;
+            }
+        })?;
+        self.expect(b':')?;
+        Ok(len)
+    }
+
+    /// Iterates an object's members: calls `member(cursor, key)` with the cursor on each value;
+    /// `member` must consume the value. The cursor must be on `{`.
+    pub fn object(
+        &mut self,
+        depth: usize,
+        mut member: impl FnMut(&mut Self, &[u8]) -> Result<(), PromptError>,
+    ) -> Result<(), PromptError> {
+        if depth + 1 > MAX_DEPTH {
+            return Err(PromptError::TooDeep { offset: self.pos });
+        }
+        self.expect(b'{')?;
+        if self.peek_token()? == b'}' {
+            self.pos += 1;
+            return Ok(());
+        }
+        let mut key = [0u8; KEY_CAPACITY];
+        loop {
+            let len = self.object_key(&mut key)?;
+            // Keys longer than the buffer are none we look for: pass a name that matches nothing.
+            let name: &[u8] = if len <= KEY_CAPACITY {
+                &key[..len]
+            } else {
+                b"\x00long"
+            };
+            member(self, name)?;
+            match self.peek_token()? {
+                b',' => self.pos += 1,
+                b'}' => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(self.syntax()),
+            }
+        }
+    }
+
+    /// Iterates an array's elements: calls `element(cursor, index)` with the cursor on each one;
+    /// `element` must consume it. The cursor must be on `[`.
+    pub fn array(
+        &mut self,
+        depth: usize,
+        mut element: impl FnMut(&mut Self, usize) -> Result<(), PromptError>,
+    ) -> Result<(), PromptError> {
+        if depth + 1 > MAX_DEPTH {
+            return Err(PromptError::TooDeep { offset: self.pos });
+        }
+        self.expect(b'[')?;
+        if self.peek_token()? == b']' {
+            self.pos += 1;
+            return Ok(());
+        }
+        let mut index = 0usize;
+        loop {
+            element(self, index)?;
+            index += 1;
+            match self.peek_token()? {
+                b',' => self.pos += 1,
+                b']' => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(self.syntax()),
+            }
+        }
+    }
+}
+
+/// Longest object key compared by name; longer keys are skipped as unknown.
+const KEY_CAPACITY: usize = 24;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(json: &str) -> Result<Vec<u8>, PromptError> {
+        let mut out = Vec::new();
+        let mut c = Cursor::new(json.as_bytes(), 0);
+        c.string(&mut |p: &[u8]| out.extend_from_slice(p))?;
+        Ok(out)
+    }
+
+    #[test]
+    fn string_run_end_finds_the_first_special_byte_at_every_position() {
+        for len in 0..40 {
+            for special in [b'"', b'\\', 0x00, 0x1f, b'\n'] {
+                for at in 0..len {
+                    let mut bytes = vec![b'a'; len];
+                    // Bytes that look close to the specials must not be flagged.
+                    for (i, b) in bytes.iter_mut().enumerate() {
+                        *b = [b'a', 0x20, 0x21, 0x5d, 0x5b, 0xff, 0x80, 0xa0][i % 8];
+                    }
+                    bytes[at] = special;
+                    if at + 1 < len {
+                        bytes[at + 1] = b'"';
+                    }
+                    assert_eq!(string_run_end(&bytes, 0), at, "len {len} at {at}");
+                }
+                let plain = vec![0x7fu8; len];
+                assert_eq!(string_run_end(&plain, 0), len);
+            }
+        }
+    }
+
+    #[test]
+    fn escapes_decode() {
+        assert_eq!(decode(r#""a\nb\"c\\d\/e\tf""#).unwrap(), b"a\nb\"c\\d/e\tf");
+        assert_eq!(decode(r#""\u00e9""#).unwrap(), "é".as_bytes());
+        assert_eq!(decode(r#""\ud83d\ude00""#).unwrap(), "😀".as_bytes());
+        assert_eq!(decode(r#""\uD83D\uDE00""#).unwrap(), "😀".as_bytes());
+        assert_eq!(decode(r#""\ud83dx""#).unwrap(), "\u{FFFD}x".as_bytes());
+        assert_eq!(decode(r#""\ude00""#).unwrap(), "\u{FFFD}".as_bytes());
+        assert_eq!(decode(r#""\ud83d""#).unwrap(), "\u{FFFD}".as_bytes());
+        assert_eq!(decode(r#""\ud83d\u0041""#).unwrap(), "\u{FFFD}A".as_bytes());
+        assert_eq!(decode(r#""\u0000""#).unwrap(), b"\0");
+    }
+
+    #[test]
+    fn bad_strings_are_errors() {
+        assert!(matches!(decode(r#""\x""#), Err(PromptError::Syntax { .. })));
+        assert!(matches!(
+            decode(r#""\u12g4""#),
+            Err(PromptError::Syntax { .. })
+        ));
+        assert!(matches!(
+            decode("\"a\nb\""),
+            Err(PromptError::Syntax { .. })
+        ));
+        assert_eq!(decode(r#""abc"#), Err(PromptError::Truncated));
+        assert_eq!(decode(r#""abc\"#), Err(PromptError::Truncated));
+        assert_eq!(decode(r#""\u12"#), Err(PromptError::Truncated));
+    }
+
+    #[test]
+    fn canonical_values_drop_whitespace() {
+        let canon = |json: &str| {
+            let mut out = Vec::new();
+            let mut c = Cursor::new(json.as_bytes(), 0);
+            c.value(0, &mut |p: &[u8]| out.extend_from_slice(p))
+                .map(|_| out)
+        };
+        let a = canon(r#"{"a":[1,2.5e3,true,null,{"b":"\u0063"}],"d":{}}"#).unwrap();
+        let b =
+            canon(" {\n \"a\" : [ 1 , 2.5e3 ,\ttrue , null , { \"b\" : \"c\" } ] , \"d\" : { } } ")
+                .unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a, br#"{"a":[1,2.5e3,true,null,{"b":"c"}],"d":{}}"#);
+        for bad in [
+            "[1,]",
+            "{\"a\" 1}",
+            "[01]",
+            "[1.]",
+            "[-]",
+            "[tru]",
+            "{]",
+            "[}",
+            "[1 2]",
+        ] {
+            assert!(canon(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn nesting_is_limited_without_recursion() {
+        let deep = "[".repeat(100_000);
+        let mut c = Cursor::new(deep.as_bytes(), 0);
+        assert!(matches!(c.skip(0), Err(PromptError::TooDeep { .. })));
+        let ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
+        assert!(Cursor::new(ok.as_bytes(), 0).skip(0).is_ok());
+        let too = format!("{}{}", "[".repeat(MAX_DEPTH + 1), "]".repeat(MAX_DEPTH + 1));
+        assert!(Cursor::new(too.as_bytes(), 0).skip(0).is_err());
+    }
+}
