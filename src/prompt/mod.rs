@@ -42,7 +42,7 @@
 
 mod scan;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use scan::Cursor;
 pub use scan::MAX_DEPTH;
