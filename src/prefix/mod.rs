@@ -250,19 +250,33 @@ impl BlockChain<'_> {
         self.hashes.len() >= self.max_blocks
     }
 
-    #[inline]
-    fn text(&mut self, mut bytes: &[u8]) {
+    /// Appends text; most pieces are small and only land in the partial block.
+    #[inline(always)]
+    fn text(&mut self, bytes: &[u8]) {
         self.units += bytes.len();
+        let fill = self.fill;
+        let end = fill + bytes.len();
+        if end < BLOCK_BYTES {
+            // Past the block cap the partial block still fills but is never hashed.
+            if let [byte] = bytes {
+                self.block[fill] = *byte;
+            } else {
+                self.block[fill..end].copy_from_slice(bytes);
+            }
+            self.fill = end;
+        } else {
+            self.text_blocks(bytes);
+        }
+    }
+
+    /// Appends text that completes at least one block.
+    #[inline(never)]
+    fn text_blocks(&mut self, mut bytes: &[u8]) {
         if self.full() {
+            self.fill = 0;
             return;
         }
         let fill = self.fill;
-        if fill + bytes.len() < BLOCK_BYTES {
-            // The common small piece: append to the partial block.
-            self.block[fill..fill + bytes.len()].copy_from_slice(bytes);
-            self.fill = fill + bytes.len();
-            return;
-        }
         if fill > 0 {
             let (head, rest) = bytes.split_at(BLOCK_BYTES - fill);
             self.block[fill..BLOCK_BYTES].copy_from_slice(head);
@@ -278,7 +292,9 @@ impl BlockChain<'_> {
             self.hashes.push(self.text_hash);
             bytes = rest;
         }
-        if !self.full() {
+        if self.full() {
+            self.fill = 0;
+        } else {
             self.block[..bytes.len()].copy_from_slice(bytes);
             self.fill = bytes.len();
         }

@@ -67,6 +67,20 @@ fn utf8(c: char, buf: &mut [u8; 4]) -> &[u8] {
 
 const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
 
+/// The byte each one-character escape stands for (0: not one; `\u` is handled apart).
+const ESCAPES: [u8; 256] = {
+    let mut table = [0u8; 256];
+    table[b'"' as usize] = b'"';
+    table[b'\\' as usize] = b'\\';
+    table[b'/' as usize] = b'/';
+    table[b'b' as usize] = 0x08;
+    table[b'f' as usize] = 0x0c;
+    table[b'n' as usize] = b'\n';
+    table[b'r' as usize] = b'\r';
+    table[b't' as usize] = b'\t';
+    table
+};
+
 /// A position in the body. Errors carry absolute body offsets.
 pub struct Cursor<'a> {
     pub buf: &'a [u8],
@@ -148,26 +162,55 @@ impl<'a> Cursor<'a> {
     }
 
     /// Decodes the escape at the cursor (on its backslash).
+    #[inline]
     fn escape(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
-        let decoded: &[u8] = match self.buf.get(self.pos + 1) {
-            None => return Err(PromptError::Truncated),
-            Some(b'"') => b"\"",
-            Some(b'\\') => b"\\",
-            Some(b'/') => b"/",
-            Some(b'b') => b"\x08",
-            Some(b'f') => b"\x0c",
-            Some(b'n') => b"\n",
-            Some(b'r') => b"\r",
-            Some(b't') => b"\t",
-            Some(b'u') => return self.unicode_escape(emit),
-            Some(_) => {
-                self.pos += 1;
-                return Err(self.syntax());
-            }
+        let Some(&e) = self.buf.get(self.pos + 1) else {
+            return Err(PromptError::Truncated);
         };
-        emit(decoded);
+        let decoded = ESCAPES[e as usize];
+        if decoded == 0 {
+            if e == b'u' {
+                return self.unicode_escape(emit);
+            }
+            self.pos += 1;
+            return Err(self.syntax());
+        }
+        emit(&[decoded]);
         self.pos += 2;
         Ok(())
+    }
+
+    /// Skips the string starting at the cursor (on its opening quote), checking it as
+    /// [`Cursor::string`] does but without decoding it.
+    pub fn skip_string(&mut self) -> Result<(), PromptError> {
+        if self.peek_token()? != b'"' {
+            return Err(self.syntax());
+        }
+        let buf = self.buf;
+        let mut pos = self.pos + 1;
+        loop {
+            pos = string_run_end(buf, pos);
+            match buf.get(pos) {
+                None => return Err(PromptError::Truncated),
+                Some(b'"') => {
+                    self.pos = pos + 1;
+                    return Ok(());
+                }
+                Some(b'\\') => match buf.get(pos + 1) {
+                    None => return Err(PromptError::Truncated),
+                    Some(&e) if ESCAPES[e as usize] != 0 => pos += 2,
+                    Some(b'u') => {
+                        self.code_unit(pos)?;
+                        pos += 6;
+                    }
+                    Some(_) => return Err(PromptError::Syntax { offset: pos + 1 }),
+                },
+                Some(_) => {
+                    self.pos = pos;
+                    return Err(self.syntax()); // a raw control byte
+                }
+            }
+        }
     }
 
     /// Reads `\uXXXX` at `at`, returning the code unit.
@@ -312,6 +355,22 @@ impl<'a> Cursor<'a> {
     /// quote marks), numbers and literals as written, whitespace dropped. Iterative: hostile
     /// nesting fails at [`MAX_DEPTH`] without growing the call stack.
     pub fn value(&mut self, depth: usize, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        self.walk::<true>(depth, emit)
+    }
+
+    /// Skips one value (validating it), with `depth` levels open around it. Strings are checked
+    /// but not decoded.
+    #[inline]
+    pub fn skip(&mut self, depth: usize) -> Result<(), PromptError> {
+        self.walk::<false>(depth, &mut |_| {})
+    }
+
+    /// [`Cursor::value`] (`EMIT`) or [`Cursor::skip`].
+    fn walk<const EMIT: bool>(
+        &mut self,
+        depth: usize,
+        emit: &mut impl FnMut(&[u8]),
+    ) -> Result<(), PromptError> {
         // Bit i of `objects` is set when open level i (relative to this value) is an object.
         let mut objects: u64 = 0;
         let mut open = 0usize;
@@ -337,15 +396,19 @@ impl<'a> Cursor<'a> {
                         }
                         open += 1;
                         if is_object {
-                            self.key(emit)?;
+                            self.key::<EMIT>(emit)?;
                         }
                         continue;
                     }
                 }
                 b'"' => {
-                    emit(b"\"");
-                    self.string(emit)?;
-                    emit(b"\"");
+                    if EMIT {
+                        emit(b"\"");
+                        self.string(emit)?;
+                        emit(b"\"");
+                    } else {
+                        self.skip_string()?;
+                    }
                 }
                 b'-' | b'0'..=b'9' => emit(self.number()?),
                 b't' | b'f' | b'n' => emit(self.literal()?),
@@ -362,7 +425,7 @@ impl<'a> Cursor<'a> {
                         self.pos += 1;
                         emit(b",");
                         if in_object {
-                            self.key(emit)?;
+                            self.key::<EMIT>(emit)?;
                         }
                         break;
                     }
@@ -383,19 +446,17 @@ impl<'a> Cursor<'a> {
     }
 
     /// An object key and its colon, emitted canonically.
-    fn key(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
-        emit(b"\"");
-        self.string(emit)?;
-        emit(b"\"");
+    fn key<const EMIT: bool>(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        if EMIT {
+            emit(b"\"");
+            self.string(emit)?;
+            emit(b"\"");
+        } else {
+            self.skip_string()?;
+        }
         self.expect(b':')?;
         emit(b":");
         Ok(())
-    }
-
-    /// Skips one value (validating it), with `depth` levels open around it.
-    #[inline]
-    pub fn skip(&mut self, depth: usize) -> Result<(), PromptError> {
-        self.value(depth, &mut |_| {})
     }
 
     /// Reads an object key into `key` (decoded, truncated to its capacity) and consumes the

@@ -258,7 +258,7 @@ fn chat_tool_calls_and_tool_messages() {
         chat(body),
         b"\0model\0m\0role:user\0Weather in Paris?\
           \0role:assistant\0\0tool_call\0get_weather\0{\"city\":\"Paris\"}\
-          \0role:tool\018C\0tool_call_id\0call_1\
+          \0role:tool\x0018C\0tool_call_id\0call_1\
           \0role:user\0Thanks\0name\0ann"
     );
     // Field order inside messages, calls and functions does not matter; nor does the call id.
@@ -369,11 +369,11 @@ fn permutations<T: Clone>(items: &[T]) -> Vec<Vec<T>> {
 fn key_order_does_not_matter() {
     let messages = r#"[{"role":"system","content":"sys"},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c","content":"r","name":"f"}]"#;
     let top = [
-        format!(r#""model":"m""#),
-        format!(r#""cache_salt":"s""#),
+        r#""model":"m""#.to_string(),
+        r#""cache_salt":"s""#.to_string(),
         format!(r#""tools":{TOOLS}"#),
         format!(r#""messages":{messages}"#),
-        format!(r#""stream":true"#),
+        r#""stream":true"#.to_string(),
     ];
     let expected = chat(&format!("{{{}}}", top.join(",")));
     for p in permutations(&top) {
@@ -575,7 +575,7 @@ fn random_and_mutated_bodies_never_panic() {
         let body: Vec<u8> = (0..len)
             .map(|_| {
                 let r = rng.next();
-                if r % 4 == 0 {
+                if r.is_multiple_of(4) {
                     r as u8 >> 1
                 } else {
                     alphabet[(r >> 8) as usize % alphabet.len()]
