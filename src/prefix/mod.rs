@@ -228,6 +228,49 @@ pub fn hash_request(
     }
 }
 
+/// `dst.copy_from_slice(src)` for the short pieces text arrives in (runs between escapes,
+/// decoded escapes, markers) without a call to `memcpy`: two overlapping fixed-size moves.
+#[inline(always)]
+fn copy_small(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    if n != dst.len() {
+        return;
+    }
+    match n {
+        0 => {}
+        1..=3 => {
+            dst[0] = src[0];
+            dst[n / 2] = src[n / 2];
+            dst[n - 1] = src[n - 1];
+        }
+        4..=7 => {
+            let mut a = [0u8; 4];
+            let mut b = [0u8; 4];
+            a.copy_from_slice(&src[..4]);
+            b.copy_from_slice(&src[n - 4..]);
+            dst[..4].copy_from_slice(&a);
+            dst[n - 4..].copy_from_slice(&b);
+        }
+        8..=16 => {
+            let mut a = [0u8; 8];
+            let mut b = [0u8; 8];
+            a.copy_from_slice(&src[..8]);
+            b.copy_from_slice(&src[n - 8..]);
+            dst[..8].copy_from_slice(&a);
+            dst[n - 8..].copy_from_slice(&b);
+        }
+        17..=32 => {
+            let mut a = [0u8; 16];
+            let mut b = [0u8; 16];
+            a.copy_from_slice(&src[..16]);
+            b.copy_from_slice(&src[n - 16..]);
+            dst[..16].copy_from_slice(&a);
+            dst[n - 16..].copy_from_slice(&b);
+        }
+        _ => dst.copy_from_slice(src),
+    }
+}
+
 /// The sink that cuts the piece stream into blocks and chains their hashes.
 struct BlockChain<'a> {
     hashes: &'a mut Vec<u64>,
@@ -258,11 +301,7 @@ impl BlockChain<'_> {
         let end = fill + bytes.len();
         if end < BLOCK_BYTES {
             // Past the block cap the partial block still fills but is never hashed.
-            if let [byte] = bytes {
-                self.block[fill] = *byte;
-            } else {
-                self.block[fill..end].copy_from_slice(bytes);
-            }
+            copy_small(&mut self.block[fill..end], bytes);
             self.fill = end;
         } else {
             self.text_blocks(bytes);

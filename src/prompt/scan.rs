@@ -15,38 +15,108 @@ use super::PromptError;
 /// Deepest nesting of arrays and objects accepted, counting the top-level object as 1.
 pub const MAX_DEPTH: usize = 64;
 
-const LO: u64 = 0x0101_0101_0101_0101;
-const HI: u64 = 0x8080_8080_8080_8080;
+/// One 64-byte stretch of a string: bit i of each mask describes byte i.
+struct ChunkMasks {
+    quote: u64,
+    backslash: u64,
+    /// Bytes below 0x20, which JSON strings may not hold raw.
+    control: u64,
+}
 
-/// Index of the first byte at or after `i` that ends a run of plain string bytes: `"`, `\` or a
-/// control byte (< 0x20). Returns `bytes.len()` when there is none.
-///
-/// Eight bytes at a time (SWAR): the zero-byte trick can flag false positives only in bytes
-/// above a true one, so the lowest flagged byte is exact.
+/// Classifies 64 bytes at once (SSE2, part of every x86_64 CPU).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn string_run_end(bytes: &[u8], mut i: usize) -> usize {
-    while let Some(chunk) = bytes.get(i..i + 8) {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(chunk);
-        let w = u64::from_le_bytes(word);
-        let quote = w ^ (LO * b'"' as u64);
-        let backslash = w ^ (LO * b'\\' as u64);
-        let flags = ((quote.wrapping_sub(LO) & !quote)
-            | (backslash.wrapping_sub(LO) & !backslash)
-            | (w.wrapping_sub(LO * 0x20) & !w))
-            & HI;
-        if flags != 0 {
-            return i + (flags.trailing_zeros() / 8) as usize;
+fn classify(chunk: &[u8; 64]) -> ChunkMasks {
+    use std::arch::x86_64::*;
+    let (mut quote, mut backslash, mut control) = (0u64, 0u64, 0u64);
+    // Safety: SSE2 is in the x86_64 baseline, so the intrinsics exist on every CPU this code
+    // runs on; each unaligned load reads bytes 16*i..16*i+16 of the 64-byte array.
+    unsafe {
+        let quotes = _mm_set1_epi8(b'"' as i8);
+        let backslashes = _mm_set1_epi8(b'\\' as i8);
+        let control_max = _mm_set1_epi8(0x1f);
+        for i in 0..4 {
+            let v = _mm_loadu_si128(chunk.as_ptr().add(16 * i) as *const __m128i);
+            let q = _mm_movemask_epi8(_mm_cmpeq_epi8(v, quotes)) as u16 as u64;
+            let b = _mm_movemask_epi8(_mm_cmpeq_epi8(v, backslashes)) as u16 as u64;
+            // v <= 0x1f (unsigned) exactly when max(v, 0x1f) == 0x1f.
+            let c = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(v, control_max), control_max))
+                as u16 as u64;
+            quote |= q << (16 * i);
+            backslash |= b << (16 * i);
+            control |= c << (16 * i);
         }
-        i += 8;
     }
-    while let Some(&b) = bytes.get(i) {
-        if b == b'"' || b == b'\\' || b < 0x20 {
-            return i;
-        }
-        i += 1;
+    ChunkMasks {
+        quote,
+        backslash,
+        control,
     }
-    bytes.len()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn classify(chunk: &[u8; 64]) -> ChunkMasks {
+    classify_bytewise(chunk)
+}
+
+/// The portable classifier (and the reference the SSE2 one is tested against).
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+fn classify_bytewise(chunk: &[u8; 64]) -> ChunkMasks {
+    let (mut quote, mut backslash, mut control) = (0u64, 0u64, 0u64);
+    for (i, &b) in chunk.iter().enumerate() {
+        quote |= ((b == b'"') as u64) << i;
+        backslash |= ((b == b'\\') as u64) << i;
+        control |= ((b < 0x20) as u64) << i;
+    }
+    ChunkMasks {
+        quote,
+        backslash,
+        control,
+    }
+}
+
+const ODD_BITS: u64 = 0xAAAA_AAAA_AAAA_AAAA;
+
+/// From a chunk's backslash mask, the bytes escaped by a backslash (`escaped`) and the
+/// backslashes that start an escape (`starts`); `carry` says whether the chunk's first byte is
+/// escaped and is updated for the next chunk. Branch-free: runs of backslashes pair up by the
+/// parity of where they start (simdjson's escape scanner).
+#[inline(always)]
+fn escapes(backslash: u64, carry: &mut u64) -> (u64, u64) {
+    let potential = backslash & !*carry;
+    let maybe_escaped = potential << 1;
+    let codes = ((maybe_escaped | ODD_BITS).wrapping_sub(potential)) ^ ODD_BITS;
+    let escaped = codes ^ (backslash | *carry);
+    let starts = codes & backslash;
+    *carry = starts >> 63;
+    (escaped, starts)
+}
+
+/// The 64 bytes of `buf` from `pos`, padded with spaces past its end, and how many are real.
+#[inline(always)]
+fn chunk_at<'b>(buf: &'b [u8], pos: usize, padded: &'b mut [u8; 64]) -> (&'b [u8; 64], usize) {
+    if let Some(Ok(chunk)) = buf.get(pos..pos + 64).map(<&[u8; 64]>::try_from) {
+        return (chunk, 64);
+    }
+    let rest = buf.get(pos..).unwrap_or(&[]);
+    let n = rest.len().min(64);
+    padded[..n].copy_from_slice(&rest[..n]);
+    (padded, n)
+}
+
+/// Where a string's content ends within a chunk: (bits of the chunk inside the string,
+/// index of the closing quote if it is in this chunk).
+#[inline(always)]
+fn string_extent(masks: &ChunkMasks, escaped: u64, valid: usize) -> (u64, Option<usize>) {
+    let valid_mask = if valid >= 64 { !0 } else { (1u64 << valid) - 1 };
+    let closing = masks.quote & !escaped & valid_mask;
+    if closing != 0 {
+        let end = closing.trailing_zeros() as usize;
+        ((1u64 << end) - 1, Some(end))
+    } else {
+        (valid_mask, None)
+    }
 }
 
 #[inline]
@@ -137,27 +207,55 @@ impl<'a> Cursor<'a> {
 
     /// Scans the string starting at the cursor (which must be on its opening quote), passing its
     /// decoded bytes to `emit` in pieces; leaves the cursor after the closing quote.
+    ///
+    /// 64 bytes at a time: plain runs go out as borrowed slices of the body, each escape is
+    /// decoded on its own; the closing quote is found from bit masks, without a branch per byte.
     pub fn string(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
         if self.peek_token()? != b'"' {
             return Err(self.syntax());
         }
-        self.pos += 1;
         let buf = self.buf;
+        let mut chunk_pos = self.pos + 1;
+        // Start of the plain run not emitted yet.
+        let mut run = chunk_pos;
+        let mut carry = 0u64;
+        let mut padded = [b' '; 64];
         loop {
-            let end = string_run_end(buf, self.pos);
-            if end > self.pos {
-                emit(&buf[self.pos..end]);
+            let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
+            let masks = classify(chunk);
+            let (escaped, starts) = escapes(masks.backslash, &mut carry);
+            let (inside, closing) = string_extent(&masks, escaped, valid);
+            if masks.control & inside != 0 {
+                let at = chunk_pos + (masks.control & inside).trailing_zeros() as usize;
+                return Err(PromptError::Syntax { offset: at });
             }
-            self.pos = end;
-            match buf.get(end) {
-                None => return Err(PromptError::Truncated),
-                Some(b'"') => {
-                    self.pos += 1;
-                    return Ok(());
+            let mut starts = starts & inside;
+            while starts != 0 {
+                let at = chunk_pos + starts.trailing_zeros() as usize;
+                starts &= starts - 1;
+                if at < run {
+                    continue; // the second half of a surrogate pair, decoded with the first
                 }
-                Some(b'\\') => self.escape(emit)?,
-                Some(_) => return Err(self.syntax()), // a raw control byte
+                if at > run {
+                    emit(&buf[run..at]);
+                }
+                self.pos = at;
+                self.escape(emit)?;
+                run = self.pos;
             }
+            if let Some(end) = closing {
+                let end = chunk_pos + end;
+                if end > run {
+                    emit(&buf[run..end]);
+                }
+                self.pos = end + 1;
+                return Ok(());
+            }
+            if valid < 64 {
+                self.pos = buf.len();
+                return Err(PromptError::Truncated);
+            }
+            chunk_pos += 64;
         }
     }
 
@@ -187,33 +285,48 @@ impl<'a> Cursor<'a> {
             return Err(self.syntax());
         }
         let buf = self.buf;
-        let mut pos = self.pos + 1;
+        let mut chunk_pos = self.pos + 1;
+        let mut carry = 0u64;
+        let mut padded = [b' '; 64];
         loop {
-            pos = string_run_end(buf, pos);
-            match buf.get(pos) {
-                None => return Err(PromptError::Truncated),
-                Some(b'"') => {
-                    self.pos = pos + 1;
-                    return Ok(());
-                }
-                Some(b'\\') => match buf.get(pos + 1) {
-                    None => return Err(PromptError::Truncated),
-                    Some(&e) if ESCAPES[e as usize] != 0 => pos += 2,
-                    Some(b'u') => {
-                        self.code_unit(pos)?;
-                        pos += 6;
+            let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
+            let masks = classify(chunk);
+            let (escaped, _) = escapes(masks.backslash, &mut carry);
+            let (inside, closing) = string_extent(&masks, escaped, valid);
+            if masks.control & inside != 0 {
+                let at = chunk_pos + (masks.control & inside).trailing_zeros() as usize;
+                return Err(PromptError::Syntax { offset: at });
+            }
+            // Every escaped byte must name an escape.
+            let mut codes = escaped & inside;
+            while codes != 0 {
+                let i = codes.trailing_zeros() as usize;
+                codes &= codes - 1;
+                let code = chunk[i];
+                if ESCAPES[code as usize] == 0 {
+                    if code != b'u' {
+                        return Err(PromptError::Syntax {
+                            offset: chunk_pos + i,
+                        });
                     }
-                    Some(_) => return Err(PromptError::Syntax { offset: pos + 1 }),
-                },
-                Some(_) => {
-                    self.pos = pos;
-                    return Err(self.syntax()); // a raw control byte
+                    // The backslash is the byte before the code (in the previous chunk for i = 0).
+                    self.code_unit(chunk_pos + i - 1)?;
                 }
             }
+            if let Some(end) = closing {
+                self.pos = chunk_pos + end + 1;
+                return Ok(());
+            }
+            if valid < 64 {
+                self.pos = buf.len();
+                return Err(PromptError::Truncated);
+            }
+            chunk_pos += 64;
         }
     }
 
     /// Reads `\uXXXX` at `at`, returning the code unit.
+    #[inline]
     fn code_unit(&self, at: usize) -> Result<u16, PromptError> {
         let digits = match self.buf.get(at + 2..at + 6) {
             Some(d) => d,
@@ -557,24 +670,103 @@ mod tests {
     }
 
     #[test]
-    fn string_run_end_finds_the_first_special_byte_at_every_position() {
-        for len in 0..40 {
-            for special in [b'"', b'\\', 0x00, 0x1f, b'\n'] {
-                for at in 0..len {
-                    let mut bytes = vec![b'a'; len];
-                    // Bytes that look close to the specials must not be flagged.
-                    for (i, b) in bytes.iter_mut().enumerate() {
-                        *b = [b'a', 0x20, 0x21, 0x5d, 0x5b, 0xff, 0x80, 0xa0][i % 8];
-                    }
-                    bytes[at] = special;
-                    if at + 1 < len {
-                        bytes[at + 1] = b'"';
-                    }
-                    assert_eq!(string_run_end(&bytes, 0), at, "len {len} at {at}");
-                }
-                let plain = vec![0x7fu8; len];
-                assert_eq!(string_run_end(&plain, 0), len);
+    fn sse2_and_bytewise_classifiers_agree() {
+        let mut chunk = [0u8; 64];
+        let mut x = 0x1234_5678_9abc_def0u64;
+        for round in 0..2000 {
+            for b in chunk.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = if round % 2 == 0 {
+                    x as u8
+                } else {
+                    [b'"', b'\\', 0x1f, 0x20, 0x00, 0x80, 0xff, b'a'][x as usize % 8]
+                };
             }
+            let fast = classify(&chunk);
+            let slow = classify_bytewise(&chunk);
+            assert_eq!(fast.quote, slow.quote);
+            assert_eq!(fast.backslash, slow.backslash);
+            assert_eq!(fast.control, slow.control);
+        }
+    }
+
+    #[test]
+    fn escape_masks_match_a_byte_by_byte_reading() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..5000 {
+            // Three chunks of backslashes and other bytes, runs of every length.
+            let mut backslash = [0u64; 3];
+            for m in backslash.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *m = x & (x >> 1 | x >> 3);
+            }
+            let mut expect_escaped = [0u64; 3];
+            let mut expect_starts = [0u64; 3];
+            let mut pending = false;
+            for i in 0..192 {
+                let is_backslash = backslash[i / 64] >> (i % 64) & 1 == 1;
+                if pending {
+                    expect_escaped[i / 64] |= 1 << (i % 64);
+                    pending = false;
+                } else if is_backslash {
+                    expect_starts[i / 64] |= 1 << (i % 64);
+                    pending = true;
+                }
+            }
+            let mut carry = 0;
+            for c in 0..3 {
+                let (escaped, starts) = escapes(backslash[c], &mut carry);
+                assert_eq!(escaped, expect_escaped[c], "chunk {c} of {backslash:x?}");
+                assert_eq!(starts, expect_starts[c], "chunk {c} of {backslash:x?}");
+            }
+        }
+    }
+
+    #[test]
+    fn skipping_and_decoding_agree_on_validity() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let alphabet: &[u8] = b"\\\\\\\"\"unbtd8D0a\x01 e";
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = (x % 150) as usize;
+            let mut s = vec![b'"'];
+            let mut y = x;
+            for _ in 0..len {
+                y = y.wrapping_mul(6364136223846793005).wrapping_add(1);
+                s.push(alphabet[(y >> 33) as usize % alphabet.len()]);
+            }
+            let mut a = Cursor::new(&s, 0);
+            let mut b = Cursor::new(&s, 0);
+            let decoded = a.string(&mut |_| {});
+            let skipped = b.skip_string();
+            assert_eq!(
+                decoded.is_ok(),
+                skipped.is_ok(),
+                "{:?}",
+                String::from_utf8_lossy(&s)
+            );
+            if decoded.is_ok() {
+                assert_eq!(a.pos, b.pos);
+            }
+        }
+    }
+
+    #[test]
+    fn long_strings_decode_across_chunks() {
+        for pad in 0..130 {
+            let prefix = "a".repeat(pad);
+            let json = format!(r#""{prefix}\ud83d\ude00\\\"\u00e9\n{prefix}""#);
+            assert_eq!(
+                decode(&json).unwrap(),
+                format!("{prefix}😀\\\"é\n{prefix}").as_bytes(),
+                "pad {pad}"
+            );
         }
     }
 
