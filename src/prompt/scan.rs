@@ -54,6 +54,49 @@ fn classify(chunk: &[u8; 64]) -> ChunkMasks {
     }
 }
 
+/// True if none of the 64 bytes is a quote, a backslash or a control byte: the common case
+/// inside long strings, checked with a single mask.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn is_plain(chunk: &[u8; 64]) -> bool {
+    use std::arch::x86_64::*;
+    // Safety: as in `classify`: SSE2 is baseline on x86_64 and every load is inside `chunk`.
+    unsafe {
+        let quotes = _mm_set1_epi8(b'"' as i8);
+        let backslashes = _mm_set1_epi8(b'\\' as i8);
+        let control_max = _mm_set1_epi8(0x1f);
+        let mut any = _mm_setzero_si128();
+        for i in 0..4 {
+            let v = _mm_loadu_si128(chunk.as_ptr().add(16 * i) as *const __m128i);
+            let special = _mm_or_si128(
+                _mm_or_si128(_mm_cmpeq_epi8(v, quotes), _mm_cmpeq_epi8(v, backslashes)),
+                _mm_cmpeq_epi8(_mm_max_epu8(v, control_max), control_max),
+            );
+            any = _mm_or_si128(any, special);
+        }
+        _mm_movemask_epi8(any) == 0
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn is_plain(chunk: &[u8; 64]) -> bool {
+    let m = classify_bytewise(chunk);
+    m.quote | m.backslash | m.control == 0
+}
+
+/// Moves `pos` over whole 64-byte chunks of plain string bytes.
+#[inline(always)]
+fn skip_plain_chunks(buf: &[u8], mut pos: usize) -> usize {
+    while let Some(Ok(chunk)) = buf.get(pos..pos + 64).map(<&[u8; 64]>::try_from) {
+        if !is_plain(chunk) {
+            break;
+        }
+        pos += 64;
+    }
+    pos
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 #[inline(always)]
 fn classify(chunk: &[u8; 64]) -> ChunkMasks {
@@ -221,6 +264,9 @@ impl<'a> Cursor<'a> {
         let mut carry = 0u64;
         let mut padded = [b' '; 64];
         loop {
+            if carry == 0 {
+                chunk_pos = skip_plain_chunks(buf, chunk_pos);
+            }
             let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
             let masks = classify(chunk);
             let (escaped, starts) = escapes(masks.backslash, &mut carry);
@@ -289,6 +335,9 @@ impl<'a> Cursor<'a> {
         let mut carry = 0u64;
         let mut padded = [b' '; 64];
         loop {
+            if carry == 0 {
+                chunk_pos = skip_plain_chunks(buf, chunk_pos);
+            }
             let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
             let masks = classify(chunk);
             let (escaped, _) = escapes(masks.backslash, &mut carry);
