@@ -4,7 +4,11 @@
 //! the block buffer is a fixed array).
 //!
 //! A block's hash covers the block and, through its parent, everything before it:
-//! `hash_i = xxh3_64_with_seed(block_i, hash_{i-1})`, with `hash_{-1}` a fixed root per mode.
+//! `hash_i = xxh3_64_with_seed(xxh3_64(block_i) as 8 LE bytes, hash_{i-1})`, with `hash_{-1}` a
+//! fixed root per mode. (Seeding the block hash itself with the parent would do as well, but
+//! xxh3 derives a fresh 192-byte secret from the seed for inputs over 240 bytes: hashing the
+//! block unseeded and folding the parent into its 8-byte digest halves the cost, 3.4 -> 2.0 us
+//! per 32 KiB here.)
 //! Two prompts share their first `k` hashes exactly when they share their first `k` blocks, so
 //! the longest run of a request's hashes that a replica holds is its cached prefix. Only full
 //! blocks are hashed; the partial tail counts in [`PrefixHashes::total_units`] but has no hash.
@@ -34,7 +38,7 @@
 mod tests;
 
 use crate::prompt::{extract_prompt, Endpoint, Piece, PromptError, PromptForm, PromptSink};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Canonical bytes per text-mode block (see the module header for the choice).
 pub const BLOCK_BYTES: usize = 256;
@@ -144,10 +148,10 @@ impl PrefixHashes {
     }
 }
 
-/// Hash of one block given its parent's hash.
+/// Hash of one block given its parent's hash (see the module header).
 #[inline]
 pub fn chain_hash(parent: u64, block: &[u8]) -> u64 {
-    xxh3_64_with_seed(block, parent)
+    xxh3_64_with_seed(&xxh3_64(block).to_le_bytes(), parent)
 }
 
 /// Appends to `out` the chained hashes of the full `block_size`-token blocks of `tokens`, from

@@ -195,18 +195,12 @@ pub fn extract_prompt(
     body: &[u8],
     sink: &mut impl PromptSink,
 ) -> Result<PromptForm, PromptError> {
-    let fields = top_level(body)?;
-    let form = match endpoint {
-        Endpoint::Completions => {
-            let start = fields.prompt.ok_or(PromptError::MissingField("prompt"))?;
-            prompt_form(body, start)?
-        }
-        Endpoint::ChatCompletions => PromptForm::Text,
-    };
-    if form == PromptForm::Tokens {
-        let start = fields.prompt.ok_or(PromptError::MissingField("prompt"))?;
-        token_prompt(body, start, sink)?;
-        return Ok(form);
+    let fields = top_level(endpoint, body, sink)?;
+    if fields.tokens_emitted {
+        return Ok(PromptForm::Tokens);
+    }
+    if endpoint == Endpoint::Completions && fields.prompt.is_none() {
+        return Err(PromptError::MissingField("prompt"));
     }
 
     let text = &mut |piece: &[u8]| sink.piece(Piece::Text(piece));
@@ -254,10 +248,18 @@ struct TopLevel {
     tools: Option<usize>,
     messages: Option<usize>,
     prompt: Option<usize>,
+    /// A completions prompt of token ids was emitted during this pass (token mode needs nothing
+    /// else from the body, so it takes one pass).
+    tokens_emitted: bool,
 }
 
-/// First pass: validate the whole body and record where the wanted values start.
-fn top_level(body: &[u8]) -> Result<TopLevel, PromptError> {
+/// First pass: validate the whole body and record where the wanted values start; token-id
+/// prompts are emitted on the way.
+fn top_level(
+    endpoint: Endpoint,
+    body: &[u8],
+    sink: &mut impl PromptSink,
+) -> Result<TopLevel, PromptError> {
     let mut c = Cursor::new(body, 0);
     if c.peek_token()? != b'{' {
         // Distinguish "some other JSON" from "not JSON at all" for the metric.
@@ -288,6 +290,13 @@ fn top_level(body: &[u8]) -> Result<TopLevel, PromptError> {
                 return Err(PromptError::DuplicateKey(name));
             }
             *slot = Some(c.pos);
+            if name == "prompt"
+                && endpoint == Endpoint::Completions
+                && prompt_form(c.buf, c.pos)? == PromptForm::Tokens
+            {
+                fields.tokens_emitted = true;
+                return token_prompt(c, sink);
+            }
         }
         c.skip(1)
     })?;
@@ -734,10 +743,12 @@ fn text_prompt(body: &[u8], start: usize, text: &mut impl FnMut(&[u8])) -> Resul
     })
 }
 
-/// A token `prompt`: a list of ids, or a list of lists of which the first is used.
-fn token_prompt(body: &[u8], start: usize, sink: &mut impl PromptSink) -> Result<(), PromptError> {
-    let mut c = Cursor::new(body, start);
-    let mut probe = Cursor::new(body, start + 1);
+/// A token `prompt` at the cursor: a list of ids, or a list of lists of which the first is
+/// used (the others are checked). Leaves the cursor after the value.
+fn token_prompt(c: &mut Cursor<'_>, sink: &mut impl PromptSink) -> Result<(), PromptError> {
+    let mut probe = Cursor::new(c.buf, c.pos);
+    probe.skip_ws();
+    probe.pos += 1;
     let nested = probe.peek_token()? == b'[';
     c.array(1, |c, index| {
         if (c.peek_token()? == b'[') != nested {
@@ -747,7 +758,6 @@ fn token_prompt(body: &[u8], start: usize, sink: &mut impl PromptSink) -> Result
             sink.piece(Piece::Token(token_id(c)?));
             return Ok(());
         }
-        // Later lists are checked but not used.
         let mut count = 0usize;
         c.array(2, |c, _| {
             count += 1;
@@ -764,21 +774,45 @@ fn token_prompt(body: &[u8], start: usize, sink: &mut impl PromptSink) -> Result
     })
 }
 
-/// A token id: a non-negative integer that fits in a u32.
+/// A token id: a non-negative integer that fits in a u32 (a float, a negative number or a
+/// larger one is the wrong type). Digits are read in place, without a second pass.
+#[inline]
 fn token_id(c: &mut Cursor<'_>) -> Result<u32, PromptError> {
-    if !matches!(c.peek_token()?, b'-' | b'0'..=b'9') {
-        return Err(PromptError::WrongType("prompt[]"));
-    }
-    let digits = c.number()?;
+    const WRONG: PromptError = PromptError::WrongType("prompt[]");
+    c.skip_ws();
+    let buf = c.buf;
+    let start = c.pos;
+    let mut i = start;
     let mut id: u64 = 0;
-    for &d in digits {
-        if !d.is_ascii_digit() {
-            return Err(PromptError::WrongType("prompt[]"));
+    while let Some(&d) = buf.get(i) {
+        let digit = d.wrapping_sub(b'0');
+        if digit > 9 {
+            break;
         }
-        id = id * 10 + (d - b'0') as u64;
-        if id > u32::MAX as u64 {
-            return Err(PromptError::WrongType("prompt[]"));
+        id = id * 10 + digit as u64;
+        i += 1;
+        if i - start > 10 {
+            return Err(WRONG);
         }
     }
+    match buf.get(i) {
+        None => return Err(PromptError::Truncated),
+        Some(b'.' | b'e' | b'E') => return Err(WRONG),
+        Some(_) => {}
+    }
+    if i == start {
+        return Err(if buf.get(i) == Some(&b'-') {
+            WRONG
+        } else {
+            c.syntax()
+        });
+    }
+    if buf[start] == b'0' && i - start > 1 {
+        return Err(PromptError::Syntax { offset: start });
+    }
+    if id > u32::MAX as u64 {
+        return Err(WRONG);
+    }
+    c.pos = i;
     Ok(id as u32)
 }
