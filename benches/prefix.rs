@@ -51,7 +51,7 @@ fn paragraph(words: &[&str], newline_every: u64, seed: u64, len: usize) -> Strin
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         s.push_str(words[(i >> 33) as usize % words.len()]);
-        s.push_str(if (i >> 20) % newline_every == 0 {
+        s.push_str(if (i >> 20).is_multiple_of(newline_every) {
             "\\n"
         } else {
             " "
