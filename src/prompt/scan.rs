@@ -807,6 +807,70 @@ mod tests {
     }
 
     #[test]
+    fn decoding_matches_serde_json() {
+        let pieces: &[&str] = &[
+            "a",
+            "bc",
+            " ",
+            "é",
+            "😀",
+            "\\n",
+            "\\\"",
+            "\\\\",
+            "\\/",
+            "\\t",
+            "\\u00e9",
+            "\\u0000",
+            "\\uD83D\\uDE00",
+            "\\ud83d",
+            "\\udc00",
+            "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
+        ];
+        let broken: &[&str] = &["\\x", "\\u12", "\"", "\n", "\\"];
+        let mut x = 0x0123_4567_89ab_cdefu64;
+        let mut compared = 0;
+        for _ in 0..20_000 {
+            let mut json = String::from("\"");
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut y = x;
+            for _ in 0..(x % 40) {
+                y = y
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                // Mostly valid pieces, now and then one that breaks the string.
+                let piece = if (y >> 20) % 16 == 0 {
+                    broken[(y >> 33) as usize % broken.len()]
+                } else {
+                    pieces[(y >> 33) as usize % pieces.len()]
+                };
+                json.push_str(piece);
+            }
+            json.push('"');
+            let ours = decode(&json);
+            match serde_json::from_str::<String>(&json) {
+                Ok(theirs) => {
+                    assert_eq!(ours.as_deref(), Ok(theirs.as_bytes()), "{json}");
+                    compared += 1;
+                }
+                // serde_json rejects lone surrogates, which decode to U+FFFD here (and may
+                // report one before another error): nothing to compare.
+                Err(e) if e.to_string().contains("surrogate") => {}
+                Err(_)
+                    if ours
+                        .as_ref()
+                        .is_ok_and(|b| b.windows(3).any(|w| w == REPLACEMENT)) => {}
+                Err(_) => assert!(
+                    ours.is_err() || json[..json.len() - 1][1..].contains('"'),
+                    "{json}: {ours:?}"
+                ),
+            }
+        }
+        assert!(compared > 2000, "{compared} valid strings compared");
+    }
+
+    #[test]
     fn long_strings_decode_across_chunks() {
         for pad in 0..130 {
             let prefix = "a".repeat(pad);
