@@ -300,6 +300,15 @@ fn top_level(
                 fields.tokens_emitted = true;
                 return token_prompt(c, sink);
             }
+            // The big values the second pass reads in full (escapes included) are only skimmed
+            // here; the rest is checked now, whatever the second pass does.
+            let reread = match endpoint {
+                Endpoint::ChatCompletions => matches!(name, "messages" | "tools"),
+                Endpoint::Completions => name == "prompt",
+            };
+            if reread {
+                return c.skim(1);
+            }
         }
         c.skip(1)
     })?;

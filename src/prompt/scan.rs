@@ -325,8 +325,9 @@ impl<'a> Cursor<'a> {
     }
 
     /// Skips the string starting at the cursor (on its opening quote), checking it as
-    /// [`Cursor::string`] does but without decoding it.
-    pub fn skip_string(&mut self) -> Result<(), PromptError> {
+    /// [`Cursor::string`] does but without decoding it; without `CHECK_ESCAPES`, what follows
+    /// each backslash is not checked (for values that a later pass decodes anyway).
+    pub fn skip_string<const CHECK_ESCAPES: bool>(&mut self) -> Result<(), PromptError> {
         if self.peek_token()? != b'"' {
             return Err(self.syntax());
         }
@@ -347,7 +348,7 @@ impl<'a> Cursor<'a> {
                 return Err(PromptError::Syntax { offset: at });
             }
             // Every escaped byte must name an escape.
-            let mut codes = escaped & inside;
+            let mut codes = if CHECK_ESCAPES { escaped & inside } else { 0 };
             while codes != 0 {
                 let i = codes.trailing_zeros() as usize;
                 codes &= codes - 1;
@@ -517,18 +518,25 @@ impl<'a> Cursor<'a> {
     /// quote marks), numbers and literals as written, whitespace dropped. Iterative: hostile
     /// nesting fails at [`MAX_DEPTH`] without growing the call stack.
     pub fn value(&mut self, depth: usize, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
-        self.walk::<true>(depth, emit)
+        self.walk::<true, true>(depth, emit)
     }
 
     /// Skips one value (validating it), with `depth` levels open around it. Strings are checked
     /// but not decoded.
     #[inline]
     pub fn skip(&mut self, depth: usize) -> Result<(), PromptError> {
-        self.walk::<false>(depth, &mut |_| {})
+        self.walk::<false, true>(depth, &mut |_| {})
+    }
+
+    /// Skips one value checking its structure but not its escapes: for a first pass over values
+    /// that the second pass reads (and so checks) in full.
+    #[inline]
+    pub fn skim(&mut self, depth: usize) -> Result<(), PromptError> {
+        self.walk::<false, false>(depth, &mut |_| {})
     }
 
     /// [`Cursor::value`] (`EMIT`) or [`Cursor::skip`].
-    fn walk<const EMIT: bool>(
+    fn walk<const EMIT: bool, const CHECK_ESCAPES: bool>(
         &mut self,
         depth: usize,
         emit: &mut impl FnMut(&[u8]),
@@ -558,7 +566,7 @@ impl<'a> Cursor<'a> {
                         }
                         open += 1;
                         if is_object {
-                            self.key::<EMIT>(emit)?;
+                            self.key::<EMIT, CHECK_ESCAPES>(emit)?;
                         }
                         continue;
                     }
@@ -569,7 +577,7 @@ impl<'a> Cursor<'a> {
                         self.string(emit)?;
                         emit(b"\"");
                     } else {
-                        self.skip_string()?;
+                        self.skip_string::<CHECK_ESCAPES>()?;
                     }
                 }
                 b'-' | b'0'..=b'9' => emit(self.number()?),
@@ -587,7 +595,7 @@ impl<'a> Cursor<'a> {
                         self.pos += 1;
                         emit(b",");
                         if in_object {
-                            self.key::<EMIT>(emit)?;
+                            self.key::<EMIT, CHECK_ESCAPES>(emit)?;
                         }
                         break;
                     }
@@ -608,13 +616,16 @@ impl<'a> Cursor<'a> {
     }
 
     /// An object key and its colon, emitted canonically.
-    fn key<const EMIT: bool>(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+    fn key<const EMIT: bool, const CHECK_ESCAPES: bool>(
+        &mut self,
+        emit: &mut impl FnMut(&[u8]),
+    ) -> Result<(), PromptError> {
         if EMIT {
             emit(b"\"");
             self.string(emit)?;
             emit(b"\"");
         } else {
-            self.skip_string()?;
+            self.skip_string::<CHECK_ESCAPES>()?;
         }
         self.expect(b':')?;
         emit(b":");
@@ -793,14 +804,18 @@ mod tests {
             let mut a = Cursor::new(&s, 0);
             let mut b = Cursor::new(&s, 0);
             let decoded = a.string(&mut |_| {});
-            let skipped = b.skip_string();
+            let skipped = b.skip_string::<true>();
             assert_eq!(
                 decoded.is_ok(),
                 skipped.is_ok(),
                 "{:?}",
                 String::from_utf8_lossy(&s)
             );
+            let mut c = Cursor::new(&s, 0);
+            let skimmed = c.skip_string::<false>();
             if decoded.is_ok() {
+                assert_eq!(skimmed, Ok(()));
+                assert_eq!(a.pos, c.pos);
                 assert_eq!(a.pos, b.pos);
             }
         }
@@ -840,7 +855,7 @@ mod tests {
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
                 // Mostly valid pieces, now and then one that breaks the string.
-                let piece = if (y >> 20) % 16 == 0 {
+                let piece = if (y >> 20).is_multiple_of(16) {
                     broken[(y >> 33) as usize % broken.len()]
                 } else {
                     pieces[(y >> 33) as usize % pieces.len()]

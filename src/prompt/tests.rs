@@ -488,6 +488,31 @@ fn malformed_bodies_are_errors() {
     for (body, want) in cases {
         assert_eq!(&chat_err(body), want, "{body}");
     }
+    // Bad escapes are errors wherever they are, whichever pass reads them.
+    for body in [
+        r#"{"model":"m","messages":[{"role":"user","content":"a\qb"}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"a","extra":"\q"}]}"#,
+        r#"{"model":"m","messages":[],"user":"\q"}"#,
+        r#"{"model":"m","messages":[],"prompt":"\q"}"#,
+        r#"{"model":"m\q","messages":[]}"#,
+        r#"{"model":"m","tools":[{"x":"\u12x4"}],"messages":[]}"#,
+    ] {
+        assert!(
+            matches!(chat_err(body), PromptError::Syntax { .. }),
+            "{body}"
+        );
+    }
+    for body in [
+        r#"{"model":"m","prompt":"a\qb"}"#,
+        r#"{"model":"m\q","prompt":[1,2]}"#,
+        r#"{"model":"m","prompt":[1,2],"messages":"\q"}"#,
+        r#"{"model":"m","prompt":[1,2],"tools":["\q"]}"#,
+    ] {
+        assert!(
+            matches!(completion_err(body), PromptError::Syntax { .. }),
+            "{body}"
+        );
+    }
     // An empty message list is a valid (if useless) prefix.
     assert_eq!(chat(r#"{"model":"m","messages":[]}"#), b"\0model\0m");
 }
