@@ -14,8 +14,8 @@
 //! blocks are hashed; the partial tail counts in [`PrefixHashes::total_units`] but has no hash.
 //!
 //! # Text mode: [`BLOCK_BYTES`] = 256 canonical bytes
-//! Chat bodies and text completions are hashed over the canonical bytes of `prompt` (model,
-//! salt, tools, messages). 256 bytes is about 64 tokens (3-4 bytes per token for English and
+//! Chat bodies and text completions are hashed over the canonical bytes that
+//! [`crate::prompt`] extracts (model, salt, tools, then messages or prompt text). 256 bytes is about 64 tokens (3-4 bytes per token for English and
 //! code). Why not finer: vLLM's KV blocks are 16 tokens, but what the balancer needs is not
 //! the engine's page but "how much of this prompt would prefill be spared"; a miss at block
 //! granularity misjudges at most one block (~64 tokens, well under a millisecond of prefill),
@@ -33,6 +33,12 @@
 //! cache events, so a `BlockStored` block and a token-mode request name equal tokens with equal
 //! hashes (engine hashes themselves cannot be recomputed; see replica-interfaces.md section 1).
 //! Token hashes cover tokens only: no model, no salt, since events carry neither.
+//!
+//! # Cost
+//! `benches/prefix.rs`, fastest of 3000 runs on the 2-core build machine under load: a 32 KiB
+//! chat body (8k tokens) of prose takes about 10 us end to end (two scans and 128 hashes), the
+//! same size of JSON-escaped code (an escape every 18 bytes) about 21 us; the hashing alone is
+//! 2-3 us of that. The counting allocator sees zero allocations over 1000 warm requests.
 
 #[cfg(test)]
 mod tests;
