@@ -13,6 +13,8 @@ pub mod estimate;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
+pub mod prefix;
+pub mod prompt;
 pub mod proxy;
 pub mod replica;
 pub mod residency;
