@@ -227,13 +227,14 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
             .ok_or_else(|| bad(key, v, "expected URL[,key=value...]"))?;
         match k {
             "kv_capacity_tokens" => {
-                r.kv_capacity_tokens = val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                    bad(
-                        &format!("{key} kv_capacity_tokens"),
-                        val,
-                        "expected a positive number of tokens",
-                    )
-                })?
+                r.kv_capacity_tokens =
+                    val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                        bad(
+                            &format!("{key} kv_capacity_tokens"),
+                            val,
+                            "expected a positive number of tokens",
+                        )
+                    })?
             }
             _ => {
                 return Err(bad(
@@ -575,7 +576,11 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
             }
             "cost_model" => {
                 let t = value.as_table().ok_or_else(|| {
-                    bad("cost_model", &value.to_string(), "expected a [cost_model] table")
+                    bad(
+                        "cost_model",
+                        &value.to_string(),
+                        "expected a [cost_model] table",
+                    )
                 })?;
                 for (k, v) in t {
                     let s = toml_scalar(&format!("cost_model.{k}"), v)?;
@@ -585,7 +590,9 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                             COST_MODEL_KEYS.join(", ")
                         )));
                     }
-                    apply_cost(cfg, k, &s).map_err(|e| ConfigError(e.0.replacen(k.as_str(), &format!("cost_model.{k}"), 1)))?;
+                    apply_cost(cfg, k, &s).map_err(|e| {
+                        ConfigError(e.0.replacen(k.as_str(), &format!("cost_model.{k}"), 1))
+                    })?;
                 }
             }
             _ => {
@@ -646,7 +653,9 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         match name {
             "--config" => {}
             "--listen" => listen_flag.push(parse_addr("--listen", &value).map_err(Some)?),
-            "--replica" => replica_flag.push(parse_replica_flag("--replica", &value).map_err(Some)?),
+            "--replica" => {
+                replica_flag.push(parse_replica_flag("--replica", &value).map_err(Some)?)
+            }
             _ => {
                 let key = name.trim_start_matches("--").replace('-', "_");
                 if !(FILE_KEYS.contains(&key.as_str()) || COST_MODEL_KEYS.contains(&key.as_str()))

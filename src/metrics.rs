@@ -18,6 +18,56 @@ pub struct Histogram {
     sum_us: AtomicU64,
 }
 
+/// Matched-token bucket upper bounds.
+pub const TOKEN_BUCKETS: [f64; 10] = [
+    0.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0,
+];
+/// Observed / estimated time-to-first-token bucket upper bounds.
+pub const RATIO_BUCKETS: [f64; 10] = [0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0];
+
+/// A histogram over fixed bounds, with values in thousandths for the sum.
+pub struct ValueHistogram {
+    bounds: &'static [f64],
+    counts: [AtomicU64; 11],
+    sum_milli: AtomicU64,
+}
+
+impl ValueHistogram {
+    pub fn new(bounds: &'static [f64; 10]) -> ValueHistogram {
+        ValueHistogram {
+            bounds,
+            counts: Default::default(),
+            sum_milli: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        let i = self
+            .bounds
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_milli
+            .fetch_add((v.max(0.0) * 1000.0) as u64, Relaxed);
+    }
+}
+
+/// How `cache_aware` decided (index: Reason as usize order cache, load, fallback).
+pub const REASONS: [&str; 3] = ["cache", "load", "fallback"];
+
+/// Why a POST body on a prompt path could not be read as a prompt (PromptError labels).
+pub const PROMPT_ERRORS: [&str; 8] = [
+    "truncated",
+    "syntax",
+    "too_deep",
+    "not_an_object",
+    "missing_field",
+    "wrong_type",
+    "duplicate_key",
+    "empty_prompt",
+];
+
 impl Histogram {
     pub fn observe_us(&self, us: u64) {
         let s = us as f64 / 1e6;
@@ -58,6 +108,14 @@ pub struct WorkerStats {
     pub local_errors: [AtomicU64; 7],
     pub ttfb: Histogram,
     pub total: Histogram,
+    /// From the request received to the first response body byte (the first token).
+    pub first_token: Histogram,
+    pub matched_tokens: ValueHistogram,
+    pub estimated_ttft: Histogram,
+    pub ttft_ratio: ValueHistogram,
+    pub decisions: [AtomicU64; 3],
+    pub spills: AtomicU64,
+    pub prompt_errors: [AtomicU64; 8],
     pub replicas: Vec<ReplicaCounters>,
 }
 
@@ -74,6 +132,13 @@ impl WorkerStats {
             local_errors: Default::default(),
             ttfb: Histogram::default(),
             total: Histogram::default(),
+            first_token: Histogram::default(),
+            matched_tokens: ValueHistogram::new(&TOKEN_BUCKETS),
+            estimated_ttft: Histogram::default(),
+            ttft_ratio: ValueHistogram::new(&RATIO_BUCKETS),
+            decisions: Default::default(),
+            spills: AtomicU64::new(0),
+            prompt_errors: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaCounters::default()).collect(),
         }
     }
@@ -98,6 +163,24 @@ pub struct ReplicaLoad {
     pub decoding: AtomicU32,
     /// Milliseconds since start until which the replica is skipped after a connect failure.
     pub down_until_ms: AtomicU64,
+}
+
+fn value_histogram(out: &mut String, name: &str, help: &str, hs: &[&ValueHistogram]) {
+    family(out, name, "histogram", help);
+    let bounds = hs.first().map(|h| h.bounds).unwrap_or(&[]);
+    let mut cum = 0u64;
+    for (i, b) in bounds.iter().enumerate() {
+        cum += hs.iter().map(|h| h.counts[i].load(Relaxed)).sum::<u64>();
+        let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+    }
+    cum += hs
+        .iter()
+        .map(|h| h.counts[bounds.len()].load(Relaxed))
+        .sum::<u64>();
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cum}");
+    let sum: u64 = hs.iter().map(|h| h.sum_milli.load(Relaxed)).sum();
+    let _ = writeln!(out, "{name}_sum {}", sum as f64 / 1000.0);
+    let _ = writeln!(out, "{name}_count {cum}");
 }
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -318,6 +401,65 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "From the request fully received to the replica's first response byte.",
         &ttfb,
     );
+    let first: Vec<&Histogram> = workers.iter().map(|w| &w.first_token).collect();
+    histogram(
+        &mut out,
+        "kvlb_time_to_first_token_seconds",
+        "From the request fully received to the replica's first response body byte.",
+        &first,
+    );
+    let est: Vec<&Histogram> = workers.iter().map(|w| &w.estimated_ttft).collect();
+    histogram(
+        &mut out,
+        "kvlb_estimated_ttft_seconds",
+        "cache_aware's time-to-first-token estimate for the replica it chose.",
+        &est,
+    );
+    let ratio: Vec<&ValueHistogram> = workers.iter().map(|w| &w.ttft_ratio).collect();
+    value_histogram(
+        &mut out,
+        "kvlb_ttft_observed_over_estimated",
+        "Observed time to first token divided by cache_aware's estimate (1 = exact).",
+        &ratio,
+    );
+    let matched: Vec<&ValueHistogram> = workers.iter().map(|w| &w.matched_tokens).collect();
+    value_histogram(
+        &mut out,
+        "kvlb_matched_prefix_tokens",
+        "Prompt tokens cache_aware counted as resident on the replica it chose.",
+        &matched,
+    );
+    family(
+        &mut out,
+        "kvlb_decisions_total",
+        "counter",
+        "cache_aware decisions by reason: cache (a resident prefix won), load (queues decided), fallback (no prefix).",
+    );
+    for (i, reason) in REASONS.iter().enumerate() {
+        let v = sum(&|w| w.decisions[i].load(Relaxed));
+        let _ = writeln!(out, "kvlb_decisions_total{{reason=\"{reason}\"}} {v}");
+    }
+    family(
+        &mut out,
+        "kvlb_hot_prefix_spills_total",
+        "counter",
+        "Requests whose hit on a hot prefix was ignored because its holder was saturated.",
+    );
+    let _ = writeln!(
+        out,
+        "kvlb_hot_prefix_spills_total {}",
+        sum(&|w| w.spills.load(Relaxed))
+    );
+    family(
+        &mut out,
+        "kvlb_unparsed_prompts_total",
+        "counter",
+        "Bodies on a prompt path that were not a prompt kvlb could read; routed by load.",
+    );
+    for (i, label) in PROMPT_ERRORS.iter().enumerate() {
+        let v = sum(&|w| w.prompt_errors[i].load(Relaxed));
+        let _ = writeln!(out, "kvlb_unparsed_prompts_total{{reason=\"{label}\"}} {v}");
+    }
     let total: Vec<&Histogram> = workers.iter().map(|w| &w.total).collect();
     histogram(
         &mut out,

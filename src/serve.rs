@@ -3,11 +3,11 @@
 //! listeners close, in-flight requests finish (up to the drain timeout), the process exits 0.
 
 use crate::config::{self, ServeConfig};
+use crate::residency::{spawn_writer_thread, ResidencyConfig, ResidencyIndex};
 use crate::rt::{self, op};
 use crate::worker::{self, Shared};
 use std::net::TcpListener;
 use std::os::fd::RawFd;
-use crate::residency::{spawn_writer_thread, ResidencyConfig, ResidencyIndex};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;

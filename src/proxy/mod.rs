@@ -11,9 +11,12 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
 use crate::http::{write_error, HttpError};
+use crate::metrics::PROMPT_ERRORS;
+use crate::prefix::PrefixMode;
+use crate::prompt::PromptError;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
-use crate::select::RequestView;
+use crate::select::{Decision, Reason, RequestView};
 use crate::worker::Worker;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -32,6 +35,9 @@ const DOWN_AFTER_CONNECT_FAILURE_MS: u64 = 1000;
 
 struct Conn {
     fd: RawFd,
+    /// The `x-kvlb-decision` line of the current request (when explain is on).
+    explain: [u8; 256],
+    explain_len: usize,
     client_ip: Option<IpAddr>,
     cbuf: Vec<u8>,
     obuf: Vec<u8>,
@@ -50,6 +56,8 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
     w.stats().open_connections.fetch_add(1, Relaxed);
     let mut conn = Conn {
         fd,
+        explain: [0; 256],
+        explain_len: 0,
         client_ip: peer.map(|p| p.ip()),
         cbuf: w.take_buf(),
         obuf: w.take_buf(),
@@ -71,6 +79,35 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
 enum End {
     /// Close the client connection.
     Close,
+}
+
+/// Write `x-kvlb-decision: ...\r\n` into `buf`; returns its length (0 if it does not fit).
+fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usize {
+    use std::io::Write;
+    let cap = buf.len();
+    let mut cur = std::io::Cursor::new(&mut buf[..]);
+    let runner_up_ms = if d.runner_up_ttft_s.is_finite() {
+        d.runner_up_ttft_s * 1e3
+    } else {
+        -1.0
+    };
+    let ok = write!(
+        cur,
+        "x-kvlb-decision: reason={}; matched_tokens={}; prompt_tokens={}; ttft_ms={:.1}; runner_up_ttft_ms={:.1}; spilled={}\r\n",
+        d.reason.as_str(),
+        d.matched_tokens,
+        prompt_tokens,
+        d.ttft_s * 1e3,
+        runner_up_ms,
+        d.spilled
+    )
+    .is_ok();
+    let n = cur.position() as usize;
+    if ok && n < cap {
+        n
+    } else {
+        0
+    }
 }
 
 fn remaining(deadline: Instant) -> Duration {
@@ -172,23 +209,71 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             let end = send_local_error(w, conn, HttpError::NoReplica).await;
             return end;
         }
-        let replica = {
-            let view = RequestView {
-                method: head.method,
-                path: &conn.cbuf[head.target.0..head.target.1],
-                body: &conn.cbuf[head.head_len..body_end],
-                blocks: &[],
-                block_tokens: 0,
-                prompt_tokens: 0,
-                now_us: w.shared.epoch.elapsed().as_micros() as u64,
+        // Hash the prompt's prefix blocks (no allocation: the worker's buffers are reused).
+        let path = &conn.cbuf[head.target.0..head.target.1];
+        let body = &conn.cbuf[head.head_len..body_end];
+        let mut prefix = w.prefix.borrow_mut();
+        let parsed = head.method == Method::Post
+            && match crate::prefix::hash_request(path, body, &w.shared.prefix, &mut prefix) {
+                Ok(()) => true,
+                Err(PromptError::NotAPromptPath) => false,
+                Err(e) => {
+                    let stats = w.stats();
+                    if let Some(i) = PROMPT_ERRORS.iter().position(|l| *l == e.label()) {
+                        stats.prompt_errors[i].fetch_add(1, Relaxed);
+                    }
+                    false
+                }
             };
-            let random = w.rng.borrow_mut().next_u64();
-            let cands = w.candidates.borrow();
-            let i = w.policy.borrow_mut().select(&view, &cands, random);
-            cands[i.min(cands.len() - 1)].replica
+        let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if parsed {
+            let block_tokens = match prefix.mode {
+                PrefixMode::Text => prefix.block_units / 4,
+                PrefixMode::Tokens => prefix.block_units,
+            };
+            (&prefix.hashes, block_tokens, prefix.est_prompt_tokens)
+        } else {
+            // Not a prompt: its size stands for its work (about 4 bytes a token).
+            (&[], 0, (body_len / 4).min(u32::MAX as usize) as u32)
         };
-        // Until prompts are parsed, a body's size stands for its prompt (about 4 bytes a token).
-        let prefill_tokens = (body_len / 4) as u64;
+        let view = RequestView {
+            method: head.method,
+            path,
+            body,
+            blocks,
+            block_tokens,
+            prompt_tokens,
+            now_us: w.shared.epoch.elapsed().as_micros() as u64,
+        };
+        let random = w.rng.borrow_mut().next_u64();
+        let (replica, decision) = {
+            let cands = w.candidates.borrow();
+            let mut policy = w.policy.borrow_mut();
+            let i = policy.select(&view, &cands, random);
+            (cands[i.min(cands.len() - 1)].replica, policy.decision())
+        };
+        drop(prefix);
+        // What the replica will compute: the prompt less what is resident there.
+        let matched = decision.map(|d| d.matched_tokens).unwrap_or(0);
+        let prefill_tokens = prompt_tokens.saturating_sub(matched) as u64;
+        conn.explain_len = 0;
+        if let Some(d) = decision {
+            let stats = w.stats();
+            let reason = match d.reason {
+                Reason::Cache => 0,
+                Reason::Load => 1,
+                Reason::Fallback => 2,
+            };
+            stats.decisions[reason].fetch_add(1, Relaxed);
+            if d.spilled {
+                stats.spills.fetch_add(1, Relaxed);
+            }
+            stats.matched_tokens.observe(d.matched_tokens as f64);
+            stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
+            if cfg.explain {
+                conn.explain_len = write_decision(&mut conn.explain, &d, prompt_tokens);
+            }
+        }
+        let estimate_s = decision.map(|d| d.ttft_s).unwrap_or(0.0);
 
         // The host header falls back to the replica's authority (HTTP/1.0 clients).
         if !head.has_host {
@@ -202,8 +287,11 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         let outcome = forward(
             w,
             conn,
-            replica,
-            prefill_tokens,
+            Routed {
+                replica,
+                prefill_tokens,
+                estimate_s,
+            },
             &head,
             body_end,
             received_at,
@@ -319,10 +407,13 @@ struct InFlight<'a> {
     replica: usize,
     prefill_tokens: u64,
     decoding: bool,
+    received_at: Instant,
+    estimate_s: f64,
 }
 
 impl<'a> InFlight<'a> {
-    fn new(w: &'a Worker, replica: usize, prefill_tokens: u64) -> InFlight<'a> {
+    fn new(w: &'a Worker, routed: &Routed, received_at: Instant) -> InFlight<'a> {
+        let (replica, prefill_tokens) = (routed.replica, routed.prefill_tokens);
         let load = &w.shared.loads[replica];
         load.in_flight.fetch_add(1, Relaxed);
         load.queued_prefill_tokens
@@ -333,12 +424,22 @@ impl<'a> InFlight<'a> {
             replica,
             prefill_tokens,
             decoding: false,
+            received_at,
+            estimate_s: routed.estimate_s,
         }
     }
 
-    /// The first response byte arrived: the prefill is done.
+    /// The first response body byte arrived: the prefill is done.
     fn first_byte(&mut self) {
         if !self.decoding {
+            let stats = self.w.stats();
+            let observed = self.received_at.elapsed();
+            stats.first_token.observe_us(observed.as_micros() as u64);
+            if self.estimate_s > 0.0 {
+                stats
+                    .ttft_ratio
+                    .observe(observed.as_secs_f64() / self.estimate_s);
+            }
             let load = &self.w.shared.loads[self.replica];
             load.queued_prefill_tokens
                 .fetch_sub(self.prefill_tokens, Relaxed);
@@ -386,16 +487,25 @@ async fn connect_upstream(w: &Worker, replica: usize) -> io::Result<RawFd> {
 
 const HUP_MASK: u32 = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
 
+/// Where a request goes and what kvlb expects of it there.
+struct Routed {
+    replica: usize,
+    /// Prompt tokens the replica will compute (not resident there).
+    prefill_tokens: u64,
+    /// cache_aware's time-to-first-token estimate, 0 when the policy makes none.
+    estimate_s: f64,
+}
+
 async fn forward(
     w: &Worker,
     conn: &mut Conn,
-    replica: usize,
-    prefill_tokens: u64,
+    routed: Routed,
     head: &RequestHead,
     body_end: usize,
     received_at: Instant,
 ) -> Forwarded {
-    let mut in_flight = InFlight::new(w, replica, prefill_tokens);
+    let replica = routed.replica;
+    let mut in_flight = InFlight::new(w, &routed, received_at);
     let stats = w.stats();
     let rc = &stats.replicas[replica];
     let url: &str = &w.shared.cfg.replicas[replica].url;
@@ -463,7 +573,6 @@ async fn forward(
             }
         }
     };
-    in_flight.first_byte();
     let first_byte = Instant::now();
     stats
         .ttfb
@@ -471,7 +580,7 @@ async fn forward(
     let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
     rc.responses[class].fetch_add(1, Relaxed);
 
-    let result = relay_body(w, conn, ufd, replica, head, &rhead).await;
+    let result = relay_body(w, conn, ufd, replica, head, &rhead, &mut in_flight).await;
     stats
         .total
         .observe_us(received_at.elapsed().as_micros() as u64);
@@ -581,7 +690,16 @@ async fn read_response_head(
                         break;
                     }
                 }
-                Ok(h) => return Ok(h),
+                Ok(h) => {
+                    if conn.explain_len > 0 {
+                        // Insert the decision line before the head's final empty line.
+                        conn.obuf.truncate(conn.obuf.len() - 2);
+                        conn.obuf
+                            .extend_from_slice(&conn.explain[..conn.explain_len]);
+                        conn.obuf.extend_from_slice(b"\r\n");
+                    }
+                    return Ok(h);
+                }
                 Err(ResponseError::Partial) => break,
                 Err(_) => return Err(UpstreamFailure::Invalid),
             }
@@ -706,6 +824,7 @@ async fn relay_body(
     replica: usize,
     head: &RequestHead,
     rhead: &response::ResponseHead,
+    in_flight: &mut InFlight<'_>,
 ) -> Relayed {
     let rc = &w.stats().replicas[replica];
     let client_close = !head.keep_alive
@@ -720,6 +839,10 @@ async fn relay_body(
         let _ = e;
         Relayed::ClientGone
     };
+    if avail_end > avail_start || matches!(rhead.body, ResponseBody::None | ResponseBody::Length(0))
+    {
+        in_flight.first_byte();
+    }
     match rhead.body {
         ResponseBody::None => {
             if let Err(e) = flush_obuf(conn).await {
@@ -744,6 +867,7 @@ async fn relay_body(
                     Ok(g) => g,
                     Err(r) => return r,
                 };
+                in_flight.first_byte();
                 rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
                 let take = (got as u64).min(left) as usize;
                 if take < got {
@@ -802,6 +926,7 @@ async fn relay_body(
                     Ok(got) => rc.bytes_from_replica.fetch_add(got as u64, Relaxed),
                     Err(r) => return r,
                 };
+                in_flight.first_byte();
                 start = 0;
             }
             Relayed::Complete {
@@ -818,6 +943,7 @@ async fn relay_body(
             loop {
                 match recv_upstream(conn, ufd, hup.as_mut()).await {
                     Ok(got) => {
+                        in_flight.first_byte();
                         rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
                         let (r, b) =
                             op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;

@@ -23,6 +23,8 @@ pub struct Shared {
     pub residency: Arc<crate::residency::ResidencyIndex>,
     /// Blocks the residency writer could not take because a routing log was full.
     pub routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
+    /// How prompts are cut into prefix blocks.
+    pub prefix: crate::prefix::PrefixConfig,
     pub loads: Vec<ReplicaLoad>,
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
@@ -40,6 +42,7 @@ impl Shared {
         Shared {
             residency,
             routing_logs,
+            prefix: crate::prefix::PrefixConfig::default(),
             loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
             workers,
             draining: AtomicBool::new(false),
@@ -69,6 +72,8 @@ pub struct Worker {
     bufs: RefCell<Vec<Vec<u8>>>,
     pub candidates: RefCell<Vec<Candidate>>,
     pub spans: RefCell<Vec<(usize, usize)>>,
+    /// The prefix blocks of the request being routed (buffers reused across requests).
+    pub prefix: RefCell<crate::prefix::PrefixHashes>,
     idle_clients: RefCell<Vec<RawFd>>,
     free_idle: RefCell<Vec<usize>>,
     pub open: Cell<usize>,
@@ -235,6 +240,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         bufs: RefCell::new(Vec::new()),
         candidates: RefCell::new(Vec::with_capacity(n_replicas)),
         spans: RefCell::new(Vec::with_capacity(64)),
+        prefix: RefCell::new(crate::prefix::PrefixHashes::new(&shared.prefix)),
         idle_clients: RefCell::new(Vec::new()),
         free_idle: RefCell::new(Vec::new()),
         open: Cell::new(0),
