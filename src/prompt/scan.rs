@@ -809,7 +809,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 4 != 0 {
+            if !x.is_multiple_of(4) {
                 let at = (x >> 8) as usize % buf.len();
                 buf[at] = [b'"', b'\\', 0x00, 0x1f, 0x7f, 0x20, 0xff][(x >> 40) as usize % 7];
             }
