@@ -85,11 +85,60 @@ fn is_plain(chunk: &[u8; 64]) -> bool {
     m.quote | m.backslash | m.control == 0
 }
 
-/// Moves `pos` over whole 64-byte chunks of plain string bytes.
+/// Moves `pos` over whole 64-byte chunks of plain string bytes (with AVX2 where the CPU has
+/// it: long prompts are mostly such chunks).
 #[inline(always)]
-fn skip_plain_chunks(buf: &[u8], mut pos: usize) -> usize {
+fn skip_plain_chunks(buf: &[u8], pos: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // Safety: the CPU supports AVX2, checked just above.
+            return unsafe { skip_plain_chunks_avx2(buf, pos) };
+        }
+    }
+    skip_plain_chunks_sse2(buf, pos)
+}
+
+#[inline(always)]
+fn skip_plain_chunks_sse2(buf: &[u8], mut pos: usize) -> usize {
     while let Some(Ok(chunk)) = buf.get(pos..pos + 64).map(<&[u8; 64]>::try_from) {
         if !is_plain(chunk) {
+            break;
+        }
+        pos += 64;
+    }
+    pos
+}
+
+/// [`skip_plain_chunks_sse2`] with 32-byte compares.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn skip_plain_chunks_avx2(buf: &[u8], mut pos: usize) -> usize {
+    use std::arch::x86_64::*;
+    let quotes = _mm256_set1_epi8(b'"' as i8);
+    let backslashes = _mm256_set1_epi8(b'\\' as i8);
+    let control_max = _mm256_set1_epi8(0x1f);
+    while let Some(Ok(chunk)) = buf.get(pos..pos + 64).map(<&[u8; 64]>::try_from) {
+        // Safety: both unaligned loads read inside the 64-byte `chunk`.
+        let (a, b) = unsafe {
+            (
+                _mm256_loadu_si256(chunk.as_ptr() as *const __m256i),
+                _mm256_loadu_si256(chunk.as_ptr().add(32) as *const __m256i),
+            )
+        };
+        let special = |v: __m256i| {
+            _mm256_or_si256(
+                _mm256_or_si256(
+                    _mm256_cmpeq_epi8(v, quotes),
+                    _mm256_cmpeq_epi8(v, backslashes),
+                ),
+                _mm256_cmpeq_epi8(_mm256_max_epu8(v, control_max), control_max),
+            )
+        };
+        if _mm256_movemask_epi8(_mm256_or_si256(special(a), special(b))) != 0 {
             break;
         }
         pos += 64;
@@ -749,6 +798,32 @@ mod tests {
             assert_eq!(fast.quote, slow.quote);
             assert_eq!(fast.backslash, slow.backslash);
             assert_eq!(fast.control, slow.control);
+        }
+    }
+
+    #[test]
+    fn plain_chunk_skipping_agrees_with_the_bytewise_reading() {
+        let mut x = 0x51ed_2701_a3b4_c5d6u64;
+        for _ in 0..3000 {
+            let mut buf = vec![b'a'; 64 * 6 + 17];
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if !x.is_multiple_of(4) {
+                let at = (x >> 8) as usize % buf.len();
+                buf[at] = [b'"', b'\\', 0x00, 0x1f, 0x7f, 0x20, 0xff][(x >> 40) as usize % 7];
+            }
+            let start = (x >> 50) as usize % 70;
+            let mut expect = start;
+            while expect + 64 <= buf.len()
+                && buf[expect..expect + 64]
+                    .iter()
+                    .all(|&b| b != b'"' && b != b'\\' && b >= 0x20)
+            {
+                expect += 64;
+            }
+            assert_eq!(skip_plain_chunks(&buf, start), expect);
+            assert_eq!(skip_plain_chunks_sse2(&buf, start), expect);
         }
     }
 
