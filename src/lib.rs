@@ -17,5 +17,6 @@ pub mod replica;
 pub mod rt;
 pub mod select;
 pub mod serve;
+pub mod sim;
 pub mod worker;
 pub mod zmtp;

@@ -3,13 +3,19 @@
 //! choice. Each worker owns its policy instance (`&mut self`, no sharing, no locks); the loads
 //! they read are counted across workers by the caller.
 
+mod consistent_hash;
 mod least_loaded;
 mod power_of_two;
+mod random;
 mod round_robin;
+mod sglang_cache_aware;
 
+pub use consistent_hash::ConsistentHash;
 pub use least_loaded::LeastLoaded;
 pub use power_of_two::PowerOfTwo;
+pub use random::Random;
 pub use round_robin::RoundRobin;
+pub use sglang_cache_aware::SglangCacheAware;
 
 use crate::config::PolicyName;
 use crate::http::request::Method;
