@@ -166,17 +166,22 @@ mod tests {
 
     #[test]
     fn imbalance_overrides_the_cache() {
-        let mut p = SglangCacheAware::new();
-        p.tree(0).extend([1, 2, 3]);
         let req = [1u64, 2, 3, 4];
+        let pick = |loads: &[u32]| {
+            let mut p = SglangCacheAware::new();
+            p.tree(0).extend([1, 2, 3]);
+            p.select(&prompt(&req, 400), &cands(loads), 0)
+        };
         // Gap 65 > 64 and 100 > 1.5 * 35: imbalanced -> least loaded (replica 2).
-        assert_eq!(p.select(&prompt(&req, 400), &cands(&[100, 40, 35]), 0), 2);
+        assert_eq!(pick(&[100, 40, 35]), 2);
         // Gap 64 is not above the threshold: the match wins.
-        assert_eq!(p.select(&prompt(&req, 400), &cands(&[100, 40, 36]), 0), 0);
+        assert_eq!(pick(&[100, 40, 36]), 0);
         // Gap 70 and 100 > 1.5 * 30: imbalanced; the least loaded tie goes to the first.
-        assert_eq!(p.select(&prompt(&req, 400), &cands(&[100, 30, 30]), 0), 1);
-        // Gap 99, but 300 <= 1.5 * 201: balanced. Every tree now holds the prompt: the first.
-        assert_eq!(p.select(&prompt(&req, 400), &cands(&[300, 201, 250]), 0), 0);
+        assert_eq!(pick(&[100, 30, 30]), 1);
+        // Gap 99, but 300 <= 1.5 * 201: balanced, the match wins.
+        assert_eq!(pick(&[300, 201, 250]), 0);
+        // Imbalanced and the least loaded is the holder: it still goes there.
+        assert_eq!(pick(&[0, 100, 100]), 0);
     }
 
     #[test]
