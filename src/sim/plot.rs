@@ -60,6 +60,32 @@ fn nice_step(max: f64, ticks: f64) -> f64 {
         .unwrap_or(10.0 * p)
 }
 
+/// `name` on one line if it fits `width` pixels (about 7 per character), else two.
+fn label_lines(name: &str, width: f64) -> Vec<String> {
+    if name.len() as f64 * 7.0 <= width * 0.95 {
+        return vec![name.to_string()];
+    }
+    let mid = name.len() / 2;
+    match name
+        .match_indices('_')
+        .map(|(i, _)| i)
+        .min_by_key(|&i| i.abs_diff(mid))
+    {
+        Some(i) => vec![name[..=i].to_string(), name[i + 1..].to_string()],
+        None => vec![name.to_string()],
+    }
+}
+
+fn secs(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v < 10.0 {
+        format!("{v:.2} s")
+    } else {
+        format!("{v:.0} s")
+    }
+}
+
 /// The SVG for `summaries` and, per summary, its sorted TTFTs in seconds.
 pub fn render(title: &str, summaries: &[Summary], ttfts: &[Vec<f64>]) -> String {
     let mut s = String::new();
@@ -205,11 +231,11 @@ fn cdf(s: &mut String, summaries: &[Summary], ttfts: &[Vec<f64>]) {
         );
         let _ = writeln!(
             s,
-            r##"<text x="{}" y="{}" fill="#555" font-size="12">{:.2} s / {:.2} s, hit {:.0}%</text>"##,
+            r##"<text x="{}" y="{}" fill="#555" font-size="12">{} / {}, hit {:.0}%</text>"##,
             lx + 32.0,
             ly + 19.0,
-            sm.ttft_p50_s,
-            sm.ttft_p99_s,
+            secs(sm.ttft_p50_s),
+            secs(sm.ttft_p99_s),
             sm.hit_rate * 100.0
         );
     }
@@ -274,16 +300,20 @@ fn bars(s: &mut String, summaries: &[Summary]) {
             );
         }
         let cx = gx + inner / 2.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{cx:.1}" y="{}" text-anchor="middle">{}</text>"#,
-            BARS_TOP + BARS_HEIGHT + 18.0,
-            esc(&sm.policy)
-        );
+        // A name wider than its group breaks at the underscore nearest its middle.
+        let lines = label_lines(&sm.policy, group_w);
+        for (k, line) in lines.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                r#"<text x="{cx:.1}" y="{}" text-anchor="middle">{}</text>"#,
+                BARS_TOP + BARS_HEIGHT + 18.0 + 15.0 * k as f64,
+                esc(line)
+            );
+        }
         let _ = writeln!(
             s,
             r##"<text x="{cx:.1}" y="{}" text-anchor="middle" fill="#555" font-size="12">max/mean {:.2}</text>"##,
-            BARS_TOP + BARS_HEIGHT + 34.0,
+            BARS_TOP + BARS_HEIGHT + 19.0 + 15.0 * lines.len() as f64,
             sm.max_mean_load
         );
     }
@@ -294,7 +324,7 @@ fn bars(s: &mut String, summaries: &[Summary]) {
     let _ = writeln!(
         s,
         r##"<text x="{LEFT}" y="{}" fill="#555" font-size="12">one bar per replica, in replica order, within each policy's group</text>"##,
-        BARS_TOP + BARS_HEIGHT + 58.0
+        BARS_TOP + BARS_HEIGHT + 74.0
     );
 }
 
@@ -307,5 +337,10 @@ mod tests {
         assert_eq!(nice_step(100.0, 5.0), 20.0);
         assert_eq!(nice_step(9e6, 5.0), 2e6);
         assert_eq!(nice_step(1.0, 5.0), 0.2);
+        assert_eq!(label_lines("random", 100.0), vec!["random"]);
+        assert_eq!(
+            label_lines("sglang_cache_aware", 100.0),
+            vec!["sglang_", "cache_aware"]
+        );
     }
 }
