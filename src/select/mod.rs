@@ -3,6 +3,7 @@
 //! choice. Each worker owns its policy instance (`&mut self`, no sharing, no locks); the loads
 //! they read are counted across workers by the caller.
 
+mod cache_aware;
 mod consistent_hash;
 mod least_loaded;
 mod power_of_two;
@@ -10,6 +11,7 @@ mod random;
 mod round_robin;
 mod sglang_cache_aware;
 
+pub use cache_aware::{CacheAware, CacheAwareConfig, Decision, Reason};
 pub use consistent_hash::ConsistentHash;
 pub use least_loaded::LeastLoaded;
 pub use power_of_two::PowerOfTwo;

@@ -1,0 +1,138 @@
+//! Per-request routing cost: the residency lookup (`match_prefix`) and the whole
+//! `cache_aware` selection for a 128-block prompt (32 KiB of text at 256 bytes a block) over
+//! 16, 64 and 256 replicas, against an index holding about one million resident blocks.
+//! Block hashing is benchmarked separately (it comes before this).
+//!
+//! Run: `cargo bench --bench routing -- --warm-up-time 1 --measurement-time 3`
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvlb::http::request::Method;
+use kvlb::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
+use kvlb::select::{CacheAware, CacheAwareConfig, Candidate, Policy, RequestView, Rng};
+use std::sync::Arc;
+
+const RESIDENT: usize = 1_000_000;
+const PROMPT_BLOCKS: usize = 128;
+const BLOCK_TOKENS: u32 = 64;
+
+fn chain(prev: u64, salt: u64) -> u64 {
+    let mut z = prev ^ salt.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    z = (z ^ (z >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    z ^ (z >> 33)
+}
+
+fn prompt(system: &[u64], id: u64, len: usize) -> Vec<u64> {
+    let mut blocks = system.to_vec();
+    while blocks.len() < len {
+        let prev = *blocks.last().unwrap();
+        blocks.push(chain(prev, id << 16 | blocks.len() as u64));
+    }
+    blocks
+}
+
+fn system_prompt() -> Vec<u64> {
+    let mut system = vec![chain(7, 0)];
+    for i in 1..8 {
+        system.push(chain(system[i - 1], 0));
+    }
+    system
+}
+
+/// An index over `replicas` replicas filled with ~RESIDENT blocks: every replica holds the
+/// shared 8-block system prompt and 128-block conversations of its own; the probe prompt is
+/// resident in full on replicas 1 and 2 and for its first 64 blocks on replica 3.
+fn populated(replicas: usize) -> (Arc<ResidencyIndex>, ResidencyWriter, Vec<u64>) {
+    let per_replica = RESIDENT / replicas;
+    let (idx, mut w) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: replicas,
+        block_tokens: BLOCK_TOKENS,
+        kv_capacity_tokens: per_replica as u64 * BLOCK_TOKENS as u64,
+    })
+    .unwrap();
+    let system = system_prompt();
+    let mut id = 1u64;
+    for r in 0..replicas {
+        for _ in 0..per_replica / (PROMPT_BLOCKS - 8) {
+            w.insert(r, &prompt(&system, id, PROMPT_BLOCKS), 0).unwrap();
+            id += 1;
+        }
+    }
+    let probe = prompt(&system, u64::MAX >> 16, PROMPT_BLOCKS);
+    w.insert(1, &probe, 1).unwrap();
+    w.insert(2, &probe, 1).unwrap();
+    w.insert(3, &probe[..64], 1).unwrap();
+    (idx, w, probe)
+}
+
+fn routing(c: &mut Criterion) {
+    let mut group = c.benchmark_group("routing");
+    for replicas in [16usize, 64, 256] {
+        let (idx, _writer, probe) = populated(replicas);
+        let resident: usize = (0..replicas).map(|r| idx.replica_blocks(r)).sum();
+        eprintln!(
+            "{replicas} replicas: {resident} resident blocks ({} distinct), index {:.1} MiB = \
+             {:.1} MiB per million resident blocks",
+            idx.distinct_blocks(),
+            idx.bytes() as f64 / (1 << 20) as f64,
+            idx.bytes() as f64 / (1 << 20) as f64 / (resident as f64 / 1e6)
+        );
+        let mut out = vec![0u32; replicas];
+        group.bench_with_input(
+            BenchmarkId::new("match_prefix", replicas),
+            &probe,
+            |b, p| {
+                b.iter(|| {
+                    idx.match_prefix(black_box(p), &mut out);
+                    black_box(out[1])
+                })
+            },
+        );
+        // Cold: a different resident conversation each time, so the table's slots come from
+        // memory rather than cache (the table is far larger than the caches).
+        let per_prompt = RESIDENT / replicas / (PROMPT_BLOCKS - 8);
+        let probes: Vec<Vec<u64>> = (0..4096u64)
+            .map(|k| {
+                let id = 1 + (k * 7919) % (per_prompt * replicas) as u64;
+                prompt(&system_prompt(), id, PROMPT_BLOCKS)
+            })
+            .collect();
+        let mut k = 0;
+        group.bench_function(BenchmarkId::new("match_prefix_cold", replicas), |b| {
+            b.iter(|| {
+                k = (k + 1) % probes.len();
+                idx.match_prefix(black_box(&probes[k]), &mut out);
+                black_box(out[0])
+            })
+        });
+        let mut rng = Rng::new(1);
+        let candidates: Vec<Candidate> = (0..replicas)
+            .map(|r| Candidate {
+                replica: r,
+                in_flight: (rng.next_u64() % 8) as u32,
+                queued_prefill_tokens: rng.next_u64() % 20_000,
+                decoding: (rng.next_u64() % 32) as u32,
+            })
+            .collect();
+        let mut policy = CacheAware::new(idx.clone(), CacheAwareConfig::default()).unwrap();
+        group.bench_with_input(BenchmarkId::new("select", replicas), &probe, |b, p| {
+            let mut now_us = 0;
+            b.iter(|| {
+                now_us += 1000;
+                let view = RequestView {
+                    method: Method::Post,
+                    path: b"/v1/chat/completions",
+                    body: b"",
+                    blocks: black_box(p),
+                    block_tokens: BLOCK_TOKENS,
+                    prompt_tokens: PROMPT_BLOCKS as u32 * BLOCK_TOKENS,
+                    now_us,
+                };
+                black_box(policy.select(&view, &candidates, rng.next_u64()))
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, routing);
+criterion_main!(benches);

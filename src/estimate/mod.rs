@@ -1,0 +1,371 @@
+//! Time-to-first-token model: how long a request would wait for its first token on one
+//! replica, given the work already outstanding there and how much of its prompt that replica
+//! holds in its KV cache. Pure arithmetic: no clocks, no I/O, no allocation; `select` calls it
+//! once per candidate replica per request.
+//!
+//! # The model
+//!
+//! A replica runs vLLM-style continuous batching with chunked prefill: every engine step has a
+//! budget of `chunk_tokens` (vLLM `max_num_batched_tokens`) tokens, shared by one decode
+//! token per running sequence and by prompt chunks, and takes
+//!
+//! ```text
+//! step = [prefill part, when the step prefills]  a + b * new + c * new * context
+//!      + [decode part, when sequences decode]    decode_base + per_seq * D + per_ctx * D * ctx
+//! ```
+//!
+//! (`src/engine/timing.rs`, the simulated engine, uses exactly these terms). For a request
+//! with `prompt` tokens of which `matched` are resident on the replica (a prefix-cache hit),
+//! on a replica with `Q` queued prefill tokens (routed there, first token not yet produced)
+//! and `D` decoding sequences:
+//!
+//! ```text
+//! n      = max(prompt - matched, 1)                       uncached tokens (vLLM recomputes at
+//!                                                          least the last prompt token)
+//! room   = max(chunk_tokens - D, chunk_tokens / 16)       prefill tokens per step
+//! dstep  = D > 0 ? decode_base + per_seq * D + per_ctx * D * decode_context_tokens : 0
+//! wait   = (Q / room) * (a + dstep)                       steps the queue needs, each paying
+//!          + b * Q + c * Q * queued_context_tokens         the fixed costs and the decoders
+//!          + slot_wait                                    (see below)
+//! own    = ceil(n / room) * (a + dstep)
+//!          + b * n + c * n * (matched + (n + 1) / 2)      attention over the cached prefix
+//!                                                         and half of its own new tokens
+//! ttft   = wait + own
+//! ```
+//!
+//! With no decoders `own` equals the engine's `prefill_seconds(matched, n)` exactly: chunking
+//! changes the number of fixed step costs, not the attention total. The queue's own cache hits
+//! are unknown here (the data plane counts prompt tokens), so `wait` prices queued tokens as
+//! uncached with a typical context: an upper bound that errs towards spreading load.
+//!
+//! `slot_wait`: when the replica already runs `max_num_seqs` sequences, a new one waits for a
+//! slot. With `excess = in_flight + 1 - max_num_seqs > 0`, it waits about
+//! `excess / max_num_seqs * mean_output_tokens` decode steps.
+//!
+//! # Knobs (defaults: the simulated engine's 8B-on-H100 calibration, `EngineConfig::default`)
+//!
+//! | knob | default | meaning |
+//! |---|---|---|
+//! | `PrefillModel::a` | 0.008 s | fixed cost of a step that prefills (weights read, launch) |
+//! | `PrefillModel::b` | 3.0e-5 s | per new prompt token (GEMMs; 33k tokens/s) |
+//! | `PrefillModel::c` | 1.0e-9 s | per (new token, context token) pair (attention) |
+//! | `PrefillModel::chunk_tokens` | 8192 | step token budget (`max_num_batched_tokens`) |
+//! | `PrefillModel::queued_context_tokens` | 4096 | mean context assumed for queued tokens |
+//! | `DecodeModel::base` | 0.008 s | fixed cost of a step that decodes |
+//! | `DecodeModel::per_seq` | 3.0e-5 s | per decoding sequence in the step |
+//! | `DecodeModel::per_ctx_token` | 5.0e-8 s | per KV token read by the decoding sequences |
+//! | `DecodeModel::context_tokens` | 4096 | mean KV length of a decoding sequence |
+//! | `DecodeModel::max_num_seqs` | 256 | running sequences per replica (`max_num_seqs`) |
+//! | `DecodeModel::mean_output_tokens` | 256 | decode steps a running sequence still needs |
+//!
+//! `TtftModel::from_engine` derives all of them from an `EngineConfig`, so the simulator and
+//! the balancer agree by construction; real fleets override them from measurements.
+
+use crate::engine::EngineConfig;
+
+/// Prefill timing of one replica: `a + b * new + c * new * context` per step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillModel {
+    /// Seconds of fixed cost per prefill step.
+    pub a: f64,
+    /// Seconds per new prompt token.
+    pub b: f64,
+    /// Seconds per (new token, attended context token) pair.
+    pub c: f64,
+    /// Tokens one step schedules (vLLM `max_num_batched_tokens`).
+    pub chunk_tokens: u32,
+    /// Mean context assumed for tokens already queued on a replica.
+    pub queued_context_tokens: u32,
+}
+
+/// Decode timing of one replica: `base + per_seq * batch + per_ctx_token * total_context`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeModel {
+    pub base: f64,
+    pub per_seq: f64,
+    pub per_ctx_token: f64,
+    /// Mean KV tokens of one decoding sequence.
+    pub context_tokens: u32,
+    /// Sequences a replica runs at once (vLLM `max_num_seqs`).
+    pub max_num_seqs: u32,
+    /// Decode steps a running sequence is assumed to still need when a slot is awaited.
+    pub mean_output_tokens: u32,
+}
+
+/// The whole time-to-first-token model.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TtftModel {
+    pub prefill: PrefillModel,
+    pub decode: DecodeModel,
+}
+
+/// What the model needs to know of a replica's outstanding work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReplicaLoad {
+    /// Prompt tokens routed there whose first token has not come yet.
+    pub queued_prefill_tokens: u64,
+    /// Sequences decoding there.
+    pub decoding: u32,
+    /// Requests in flight there (queued + decoding).
+    pub in_flight: u32,
+}
+
+impl Default for PrefillModel {
+    fn default() -> PrefillModel {
+        TtftModel::from_engine(&EngineConfig::default()).prefill
+    }
+}
+
+impl Default for DecodeModel {
+    fn default() -> DecodeModel {
+        TtftModel::from_engine(&EngineConfig::default()).decode
+    }
+}
+
+impl TtftModel {
+    /// The model of a replica running the simulated engine with `cfg`.
+    pub fn from_engine(cfg: &EngineConfig) -> TtftModel {
+        TtftModel {
+            prefill: PrefillModel {
+                a: cfg.prefill_a_s,
+                b: cfg.prefill_b_s,
+                c: cfg.prefill_c_s,
+                chunk_tokens: cfg.max_num_batched_tokens.max(1),
+                queued_context_tokens: 4096,
+            },
+            decode: DecodeModel {
+                base: cfg.decode_base_s,
+                per_seq: cfg.decode_per_seq_s,
+                per_ctx_token: cfg.decode_per_ctx_token_s,
+                context_tokens: 4096,
+                max_num_seqs: cfg.max_num_seqs.max(1),
+                mean_output_tokens: 256,
+            },
+        }
+    }
+
+    /// Check the knobs; the error names the knob and its bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        let seconds = [
+            ("prefill.a", self.prefill.a),
+            ("prefill.b", self.prefill.b),
+            ("prefill.c", self.prefill.c),
+            ("decode.base", self.decode.base),
+            ("decode.per_seq", self.decode.per_seq),
+            ("decode.per_ctx_token", self.decode.per_ctx_token),
+        ];
+        for (name, v) in seconds {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!(
+                    "ttft model {name} must be a finite number >= 0, got {v}"
+                ));
+            }
+        }
+        if self.prefill.chunk_tokens == 0 {
+            return Err("ttft model prefill.chunk_tokens must be at least 1, got 0".into());
+        }
+        if self.decode.max_num_seqs == 0 {
+            return Err("ttft model decode.max_num_seqs must be at least 1, got 0".into());
+        }
+        Ok(())
+    }
+
+    /// Prefill tokens per step while `decoding` sequences take their decode token from the
+    /// budget (never below 1/16 of the budget: the scheduler keeps prefill moving).
+    pub fn prefill_room(&self, decoding: u32) -> f64 {
+        let chunk = self.prefill.chunk_tokens.max(1) as f64;
+        (chunk - decoding as f64).max(chunk / 16.0).max(1.0)
+    }
+
+    /// Seconds the decode part adds to every step while `decoding` sequences run.
+    pub fn decode_step_seconds(&self, decoding: u32) -> f64 {
+        if decoding == 0 {
+            return 0.0;
+        }
+        let d = &self.decode;
+        let batch = decoding as f64;
+        d.base + d.per_seq * batch + d.per_ctx_token * batch * d.context_tokens as f64
+    }
+
+    /// Seconds before a new request's own prefill can start on a replica with `load`.
+    pub fn queue_wait(&self, load: &ReplicaLoad) -> f64 {
+        let p = &self.prefill;
+        let q = load.queued_prefill_tokens as f64;
+        let step_fixed = p.a + self.decode_step_seconds(load.decoding);
+        let mut wait = 0.0;
+        if q > 0.0 {
+            wait += q / self.prefill_room(load.decoding) * step_fixed
+                + p.b * q
+                + p.c * q * p.queued_context_tokens as f64;
+        }
+        let max_seqs = self.decode.max_num_seqs.max(1) as u64;
+        let excess = (load.in_flight as u64 + 1).saturating_sub(max_seqs);
+        if excess > 0 {
+            let dstep = self.decode_step_seconds(load.decoding.max(1));
+            wait += excess as f64 / max_seqs as f64 * self.decode.mean_output_tokens as f64 * dstep;
+        }
+        wait
+    }
+
+    /// Seconds to prefill the uncached rest of a `prompt_tokens` prompt after `matched_tokens`
+    /// found in the cache, while `decoding` sequences share the steps.
+    pub fn prefill_seconds(&self, matched_tokens: u32, prompt_tokens: u32, decoding: u32) -> f64 {
+        let p = &self.prefill;
+        let matched = matched_tokens.min(prompt_tokens.saturating_sub(1));
+        let n = (prompt_tokens - matched.min(prompt_tokens)).max(1) as f64;
+        let steps = (n / self.prefill_room(decoding)).ceil().max(1.0);
+        steps * (p.a + self.decode_step_seconds(decoding))
+            + p.b * n
+            + p.c * n * (matched as f64 + (n + 1.0) / 2.0)
+    }
+}
+
+/// Estimated seconds to the first token of a `prompt_tokens` prompt, `matched_tokens` of which
+/// are resident on a replica with `load`: queueing there plus the uncached prefill.
+pub fn estimate_ttft(
+    load: &ReplicaLoad,
+    matched_tokens: u32,
+    prompt_tokens: u32,
+    model: &TtftModel,
+) -> f64 {
+    model.queue_wait(load) + model.prefill_seconds(matched_tokens, prompt_tokens, load.decoding)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle() -> ReplicaLoad {
+        ReplicaLoad::default()
+    }
+
+    #[test]
+    fn defaults_match_the_engine_calibration() {
+        let m = TtftModel::default();
+        let e = EngineConfig::default();
+        assert_eq!(m.prefill.a, e.prefill_a_s);
+        assert_eq!(m.prefill.b, e.prefill_b_s);
+        assert_eq!(m.prefill.c, e.prefill_c_s);
+        assert_eq!(m.prefill.chunk_tokens, e.max_num_batched_tokens);
+        assert_eq!(m.decode.base, e.decode_base_s);
+        assert_eq!(m.decode.per_seq, e.decode_per_seq_s);
+        assert_eq!(m.decode.per_ctx_token, e.decode_per_ctx_token_s);
+        m.validate().unwrap();
+    }
+
+    #[test]
+    fn idle_prefill_equals_the_engine() {
+        let m = TtftModel::default();
+        let e = EngineConfig::default();
+        for (cached, new) in [
+            (0, 1),
+            (0, 2048),
+            (0, 8192),
+            (0, 20_000),
+            (10_000, 1000),
+            (512, 40_000),
+        ] {
+            let ours = estimate_ttft(&idle(), cached, cached + new, &m);
+            let engine = e.prefill_seconds(cached, new);
+            assert!(
+                (ours - engine).abs() < 1e-9,
+                "{cached}+{new}: {ours} vs {engine}"
+            );
+        }
+    }
+
+    #[test]
+    fn numbers_a_reader_can_check() {
+        let m = TtftModel::default();
+        // 2048 uncached tokens on an idle replica: 8 ms + 61.4 ms + 2.1 ms = 71.5 ms.
+        let t = estimate_ttft(&idle(), 0, 2048, &m);
+        assert!((t - 0.071_5).abs() < 1e-3, "{t}");
+        // The same prompt with 1536 tokens cached: 8 ms + 15.4 ms + 0.9 ms = 24.3 ms.
+        let t = estimate_ttft(&idle(), 1536, 2048, &m);
+        assert!((t - 0.024_3).abs() < 1e-3, "{t}");
+        // 16k queued tokens: 2 steps x 8 ms + 491.5 ms + 67.1 ms = 574.6 ms of waiting.
+        let load = ReplicaLoad {
+            queued_prefill_tokens: 16_384,
+            ..idle()
+        };
+        assert!((m.queue_wait(&load) - 0.574_6).abs() < 1e-3);
+    }
+
+    #[test]
+    fn decoders_slow_prefill_down() {
+        let m = TtftModel::default();
+        let busy = ReplicaLoad {
+            decoding: 64,
+            in_flight: 64,
+            ..idle()
+        };
+        // One 2k prefill step also runs 64 decodes at 4k context: +8 ms + 1.9 ms + 13.1 ms.
+        let quiet = estimate_ttft(&idle(), 0, 2048, &m);
+        let loud = estimate_ttft(&busy, 0, 2048, &m);
+        assert!((loud - quiet - 0.023_03).abs() < 1e-4, "{}", loud - quiet);
+        let queued = |decoding| {
+            m.queue_wait(&ReplicaLoad {
+                queued_prefill_tokens: 100_000,
+                decoding,
+                in_flight: decoding,
+            })
+        };
+        // 100k queued tokens: about 12.4 steps, each now 38 ms longer.
+        let extra = queued(128) - queued(0);
+        assert!((0.45..0.55).contains(&extra), "{extra}");
+    }
+
+    #[test]
+    fn a_full_replica_adds_a_slot_wait() {
+        let m = TtftModel::default();
+        let full = ReplicaLoad {
+            decoding: 256,
+            in_flight: 256,
+            ..idle()
+        };
+        let almost = ReplicaLoad {
+            decoding: 255,
+            in_flight: 255,
+            ..idle()
+        };
+        assert_eq!(m.queue_wait(&almost), 0.0);
+        assert!(m.queue_wait(&full) > 0.0);
+    }
+
+    #[test]
+    fn monotone_in_queue_and_match() {
+        let m = TtftModel::default();
+        let mut last = 0.0;
+        for q in (0..200_000).step_by(5000) {
+            let load = ReplicaLoad {
+                queued_prefill_tokens: q,
+                ..idle()
+            };
+            let t = estimate_ttft(&load, 0, 4000, &m);
+            assert!(t >= last);
+            last = t;
+        }
+        let mut last = f64::INFINITY;
+        for matched in (0..=4000).step_by(64) {
+            let t = estimate_ttft(&idle(), matched, 4000, &m);
+            assert!(t <= last + 1e-12, "{matched}");
+            last = t;
+        }
+        // A match longer than the prompt is the whole prompt less one token.
+        assert_eq!(
+            estimate_ttft(&idle(), 9000, 4000, &m),
+            estimate_ttft(&idle(), 3999, 4000, &m)
+        );
+        assert!(estimate_ttft(&idle(), 0, 0, &m).is_finite());
+    }
+
+    #[test]
+    fn validate_names_the_knob() {
+        let mut m = TtftModel::default();
+        m.prefill.b = f64::NAN;
+        assert!(m.validate().unwrap_err().contains("prefill.b"));
+        let mut m = TtftModel::default();
+        m.prefill.chunk_tokens = 0;
+        assert!(m.validate().unwrap_err().contains("chunk_tokens"));
+    }
+}

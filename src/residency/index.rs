@@ -1,0 +1,542 @@
+//! `ResidencyIndex` (the read side every worker shares) and `ResidencyWriter` (the one
+//! control-thread owner of the truth: per-replica counts, LRU order and capacity).
+
+use super::table::{BitTable, Mask, MAX_WORDS, MIN_SLOTS};
+use arc_swap::ArcSwap;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Most replicas one index tracks (four 64-bit mask words).
+pub const MAX_REPLICAS: usize = 64 * MAX_WORDS;
+
+/// Sizing of a residency index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResidencyConfig {
+    /// Replicas tracked, 1..=256 (indices 0..max_replicas). Fixes the mask width.
+    pub max_replicas: usize,
+    /// Prompt tokens one block hash covers (the prefix hasher's block size).
+    pub block_tokens: u32,
+    /// KV cache capacity of a replica in tokens, unless `set_capacity_tokens` says otherwise
+    /// (default 400,000: the simulated 8B-on-H100 engine).
+    pub kv_capacity_tokens: u64,
+}
+
+impl Default for ResidencyConfig {
+    fn default() -> ResidencyConfig {
+        ResidencyConfig {
+            max_replicas: 64,
+            block_tokens: 64,
+            kv_capacity_tokens: 400_000,
+        }
+    }
+}
+
+impl ResidencyConfig {
+    /// Check the sizing; the error names the field and its bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_REPLICAS).contains(&self.max_replicas) {
+            return Err(format!(
+                "residency max_replicas must be 1..={MAX_REPLICAS}, got {}",
+                self.max_replicas
+            ));
+        }
+        if self.block_tokens == 0 {
+            return Err("residency block_tokens must be at least 1, got 0".into());
+        }
+        if self.kv_capacity_tokens < self.block_tokens as u64 {
+            return Err(format!(
+                "residency kv_capacity_tokens must hold one block of {} tokens, got {}",
+                self.block_tokens, self.kv_capacity_tokens
+            ));
+        }
+        Ok(())
+    }
+
+    fn capacity_blocks(&self, tokens: u64) -> usize {
+        (tokens / self.block_tokens.max(1) as u64).max(1) as usize
+    }
+}
+
+/// Which replicas hold which prefix blocks. Shared (`Arc`) by every worker: reads take no lock
+/// and allocate nothing. Only the paired `ResidencyWriter` changes it.
+pub struct ResidencyIndex {
+    table: ArcSwap<BitTable>,
+    max_replicas: usize,
+    replica_blocks: Box<[AtomicUsize]>,
+    bytes: AtomicUsize,
+    distinct: AtomicUsize,
+    rebuilds: AtomicU64,
+}
+
+impl ResidencyIndex {
+    /// A new empty index and its only writer.
+    pub fn new(cfg: ResidencyConfig) -> Result<(Arc<ResidencyIndex>, ResidencyWriter), String> {
+        cfg.validate()?;
+        let words = cfg.max_replicas.div_ceil(64);
+        let table = BitTable::new(MIN_SLOTS, words);
+        let index = Arc::new(ResidencyIndex {
+            max_replicas: cfg.max_replicas,
+            replica_blocks: (0..cfg.max_replicas).map(|_| AtomicUsize::new(0)).collect(),
+            bytes: AtomicUsize::new(0),
+            distinct: AtomicUsize::new(0),
+            rebuilds: AtomicU64::new(0),
+            table: ArcSwap::from_pointee(table),
+        });
+        let default_capacity = cfg.capacity_blocks(cfg.kv_capacity_tokens);
+        let cfg_replicas = cfg.max_replicas;
+        let writer = ResidencyWriter {
+            index: index.clone(),
+            replicas: (0..cfg.max_replicas)
+                .map(|_| ReplicaBlocks::new(default_capacity))
+                .collect(),
+            cfg,
+            occupied: 0,
+            live: 0,
+            replica_bytes: vec![0; cfg_replicas],
+            writer_bytes: 0,
+            logs: Vec::new(),
+        };
+        writer.publish_bytes();
+        Ok((index, writer))
+    }
+
+    pub fn max_replicas(&self) -> usize {
+        self.max_replicas
+    }
+
+    /// For every replica `r < out.len()`, the number of leading blocks of `blocks` resident on
+    /// `r`, in one pass over `blocks` that stops as soon as no replica holds the prefix so far.
+    /// `out` entries past `max_replicas()` are 0. Lock-free, allocation-free.
+    pub fn match_prefix(&self, blocks: &[u64], out: &mut [u32]) {
+        out.fill(0);
+        let n = out.len().min(self.max_replicas);
+        if n == 0 || blocks.is_empty() {
+            return;
+        }
+        let table = self.table.load();
+        let words = table.words();
+        let mut alive: Mask = [0; MAX_WORDS];
+        for (w, a) in alive.iter_mut().enumerate().take(words) {
+            let bits = n.saturating_sub(w * 64).min(64);
+            *a = if bits == 64 { !0 } else { (1u64 << bits) - 1 };
+        }
+        const AHEAD: usize = 16;
+        for &h in blocks.iter().take(AHEAD) {
+            table.prefetch(h);
+        }
+        let mut mask: Mask = [0; MAX_WORDS];
+        for (i, &h) in blocks.iter().enumerate() {
+            if let Some(&next) = blocks.get(i + AHEAD) {
+                table.prefetch(next);
+            }
+            if !table.load_mask(h, &mut mask) {
+                mask = [0; MAX_WORDS]; // nobody holds block i: every match ends here
+            }
+            let mut any = 0;
+            for w in 0..words {
+                let kept = alive[w] & mask[w];
+                let mut dropped = alive[w] & !kept;
+                while dropped != 0 {
+                    out[w * 64 + dropped.trailing_zeros() as usize] = i as u32;
+                    dropped &= dropped - 1;
+                }
+                alive[w] = kept;
+                any |= kept;
+            }
+            if any == 0 {
+                return;
+            }
+        }
+        let full = blocks.len().min(u32::MAX as usize) as u32;
+        for (w, &a) in alive.iter().enumerate().take(words) {
+            let mut rest = a;
+            while rest != 0 {
+                out[w * 64 + rest.trailing_zeros() as usize] = full;
+                rest &= rest - 1;
+            }
+        }
+    }
+
+    /// Blocks resident on replica `r` (0 for an unknown replica).
+    pub fn replica_blocks(&self, r: usize) -> usize {
+        self.replica_blocks
+            .get(r)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// Distinct block hashes resident on at least one replica.
+    pub fn distinct_blocks(&self) -> usize {
+        self.distinct.load(Ordering::Relaxed)
+    }
+
+    /// Bytes held by the index: the shared table plus the writer's per-replica state.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Times the shared table was rebuilt (grown, shrunk or cleaned of dead slots).
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds.load(Ordering::Relaxed)
+    }
+}
+
+const NIL: u32 = u32::MAX;
+
+/// One (replica, block) the writer knows of.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    hash: u64,
+    /// Copies the replica reported (KV events); 0 when only routing says it is there.
+    count: u32,
+    prev: u32,
+    next: u32,
+    last_used_us: u64,
+}
+
+/// Block hashes are uniform already; mix once more so that sequential ids (traces, tests)
+/// spread too. Much cheaper than SipHash on the writer's path.
+#[derive(Default)]
+struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    fn finish(&self) -> u64 {
+        let x = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^ (x >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8 | self.0 >> 56) ^ *b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type BlockMap = HashMap<u64, u32, BuildHasherDefault<BlockHasher>>;
+
+/// A replica's resident blocks in LRU order (head = most recently used).
+struct ReplicaBlocks {
+    capacity: usize,
+    map: BlockMap,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+}
+
+impl ReplicaBlocks {
+    fn new(capacity: usize) -> ReplicaBlocks {
+        ReplicaBlocks {
+            capacity,
+            map: BlockMap::default(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn bytes(&self) -> usize {
+        // hashbrown: one control byte plus the (u64, u32) entry (16 bytes) per bucket.
+        self.map.capacity() * 17
+            + self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free.capacity() * 4
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
+        match prev {
+            NIL => self.head = next,
+            p => self.nodes[p as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.nodes[n as usize].prev = prev,
+        }
+    }
+
+    fn push_front(&mut self, i: u32) {
+        self.nodes[i as usize].prev = NIL;
+        self.nodes[i as usize].next = self.head;
+        match self.head {
+            NIL => self.tail = i,
+            h => self.nodes[h as usize].prev = i,
+        }
+        self.head = i;
+    }
+
+    fn touch(&mut self, i: u32, now_us: u64) {
+        self.nodes[i as usize].last_used_us = now_us;
+        if self.head != i {
+            self.unlink(i);
+            self.push_front(i);
+        }
+    }
+
+    /// Add `hash` (not present) at the front; returns its node.
+    fn add(&mut self, hash: u64, count: u32, now_us: u64) -> u32 {
+        let node = Node {
+            hash,
+            count,
+            prev: NIL,
+            next: NIL,
+            last_used_us: now_us,
+        };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.map.insert(hash, i);
+        self.push_front(i);
+        i
+    }
+
+    fn drop_node(&mut self, i: u32) -> u64 {
+        self.unlink(i);
+        let hash = self.nodes[i as usize].hash;
+        self.map.remove(&hash);
+        self.free.push(i);
+        hash
+    }
+
+    fn clear(&mut self) {
+        self.map = BlockMap::default();
+        self.nodes = Vec::new();
+        self.free = Vec::new();
+        self.head = NIL;
+        self.tail = NIL;
+    }
+}
+
+/// The single writer of a `ResidencyIndex`: keeps, per replica, how many copies of each block
+/// it holds and their LRU order, evicts beyond capacity, and publishes replica bits to the
+/// shared table. Lives on one control thread (it is `Send`, not shared).
+pub struct ResidencyWriter {
+    index: Arc<ResidencyIndex>,
+    cfg: ResidencyConfig,
+    replicas: Vec<ReplicaBlocks>,
+    /// Keyed slots of the current table (live + dead).
+    occupied: usize,
+    /// Slots whose mask is not empty.
+    live: usize,
+    /// `ReplicaBlocks::bytes` of each replica as last published, and their sum.
+    replica_bytes: Vec<usize>,
+    writer_bytes: usize,
+    pub(super) logs: Vec<Arc<super::RoutingLog>>,
+}
+
+impl ResidencyWriter {
+    pub fn index(&self) -> &Arc<ResidencyIndex> {
+        &self.index
+    }
+
+    pub fn config(&self) -> &ResidencyConfig {
+        &self.cfg
+    }
+
+    /// Blocks replica `r` may hold.
+    pub fn capacity_blocks(&self, r: usize) -> usize {
+        self.replicas.get(r).map_or(0, |b| b.capacity)
+    }
+
+    /// Set replica `r`'s KV capacity (tokens; at least one block), evicting what no longer
+    /// fits. Errors on an unknown replica.
+    pub fn set_capacity_tokens(&mut self, r: usize, tokens: u64) -> Result<(), String> {
+        self.check_replica(r)?;
+        self.replicas[r].capacity = self.cfg.capacity_blocks(tokens);
+        self.evict(r);
+        self.finish(r);
+        Ok(())
+    }
+
+    /// Replica `r` stored `blocks` (one more copy of each; KV events' BlockStored). Blocks are
+    /// touched last to first, so the prefix ends up most recently used and leaves are evicted
+    /// first, as vLLM does.
+    pub fn insert(&mut self, r: usize, blocks: &[u64], now_us: u64) -> Result<(), String> {
+        self.apply(r, blocks, now_us, true)
+    }
+
+    /// A request for `blocks` was sent to replica `r`, so they will be resident there:
+    /// present blocks are refreshed, missing ones added without a copy count (a later
+    /// BlockStored gives them their real count; a BlockRemoved drops them).
+    pub fn insert_routed(&mut self, r: usize, blocks: &[u64], now_us: u64) -> Result<(), String> {
+        self.apply(r, blocks, now_us, false)
+    }
+
+    fn apply(&mut self, r: usize, blocks: &[u64], now_us: u64, stored: bool) -> Result<(), String> {
+        self.check_replica(r)?;
+        for &hash in blocks.iter().rev() {
+            let rb = &mut self.replicas[r];
+            match rb.map.get(&hash) {
+                Some(&i) => {
+                    if stored {
+                        rb.nodes[i as usize].count += 1;
+                    }
+                    rb.touch(i, now_us);
+                }
+                None => {
+                    rb.add(hash, stored as u32, now_us);
+                    self.set_bit(hash, r);
+                }
+            }
+        }
+        self.evict(r);
+        self.finish(r);
+        Ok(())
+    }
+
+    /// Replica `r` dropped one copy of `hash` (BlockRemoved); the block stops being resident
+    /// when no copy is left. Unknown hashes are ignored.
+    pub fn remove(&mut self, r: usize, hash: u64) -> Result<(), String> {
+        self.check_replica(r)?;
+        let rb = &mut self.replicas[r];
+        if let Some(&i) = rb.map.get(&hash) {
+            let node = &mut rb.nodes[i as usize];
+            node.count = node.count.saturating_sub(1);
+            if node.count == 0 {
+                rb.drop_node(i);
+                self.clear_bit(hash, r);
+            }
+        }
+        self.finish(r);
+        Ok(())
+    }
+
+    /// Replica `r` holds nothing any more (AllBlocksCleared, restart, removal from the fleet).
+    pub fn clear(&mut self, r: usize) -> Result<(), String> {
+        self.check_replica(r)?;
+        let mut i = self.replicas[r].head;
+        while i != NIL {
+            let node = self.replicas[r].nodes[i as usize];
+            self.clear_bit(node.hash, r);
+            i = node.next;
+        }
+        self.replicas[r].clear();
+        self.finish(r);
+        Ok(())
+    }
+
+    /// Drop blocks of replica `r` not used since `before_us` (residency learned from routing
+    /// ages out when no KV events correct it).
+    pub fn expire(&mut self, r: usize, before_us: u64) -> Result<usize, String> {
+        self.check_replica(r)?;
+        let mut dropped = 0;
+        loop {
+            let rb = &mut self.replicas[r];
+            let t = rb.tail;
+            if t == NIL || rb.nodes[t as usize].last_used_us >= before_us {
+                break;
+            }
+            let hash = rb.drop_node(t);
+            self.clear_bit(hash, r);
+            dropped += 1;
+        }
+        self.finish(r);
+        Ok(dropped)
+    }
+
+    /// Whether the writer's truth says `r` holds `hash` (tests and debugging).
+    pub fn holds(&self, r: usize, hash: u64) -> bool {
+        self.replicas
+            .get(r)
+            .is_some_and(|b| b.map.contains_key(&hash))
+    }
+
+    /// Copies of `hash` replica `r` reported (0 when only routing put it there or absent).
+    pub fn copies(&self, r: usize, hash: u64) -> u32 {
+        self.replicas
+            .get(r)
+            .and_then(|b| b.map.get(&hash).map(|&i| b.nodes[i as usize].count))
+            .unwrap_or(0)
+    }
+
+    fn check_replica(&self, r: usize) -> Result<(), String> {
+        if r < self.cfg.max_replicas {
+            Ok(())
+        } else {
+            Err(format!(
+                "replica {r} is outside the residency index (max_replicas {})",
+                self.cfg.max_replicas
+            ))
+        }
+    }
+
+    fn evict(&mut self, r: usize) {
+        while self.replicas[r].len() > self.replicas[r].capacity {
+            let t = self.replicas[r].tail;
+            let hash = self.replicas[r].drop_node(t);
+            self.clear_bit(hash, r);
+        }
+    }
+
+    fn set_bit(&mut self, hash: u64, r: usize) {
+        let table = self.index.table.load();
+        let change = table.set_bit(hash, r);
+        self.occupied += change.new_slot as usize;
+        self.live += change.live_changed as usize;
+        if self.occupied * 2 > table.slots() {
+            drop(table);
+            self.rebuild();
+        }
+    }
+
+    fn clear_bit(&mut self, hash: u64, r: usize) {
+        let table = self.index.table.load();
+        if table.clear_bit(hash, r).live_changed {
+            self.live -= 1;
+            if self.live * 8 < table.slots() && table.slots() > MIN_SLOTS {
+                drop(table);
+                self.rebuild();
+            }
+        }
+    }
+
+    /// Copy the live keys into a fresh table sized for them (load at most 1/3) and publish it
+    /// with one pointer swap. Readers holding the old table finish on it; it is freed when the
+    /// last of them lets go. Never blocks a reader.
+    fn rebuild(&mut self) {
+        let old = self.index.table.load_full();
+        let fresh = BitTable::new(self.live * 3, old.words());
+        let mut occupied = 0;
+        old.for_each_live(|key, mask| {
+            fresh.put(key, mask);
+            occupied += (key != 0) as usize;
+        });
+        self.occupied = occupied;
+        self.index.table.store(Arc::new(fresh));
+        self.index.rebuilds.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Publish the counters readers see after a change to replica `r`.
+    fn finish(&mut self, r: usize) {
+        self.index.replica_blocks[r].store(self.replicas[r].len(), Ordering::Relaxed);
+        self.index.distinct.store(self.live, Ordering::Relaxed);
+        let now = self.replicas[r].bytes();
+        self.writer_bytes = self.writer_bytes + now - self.replica_bytes[r];
+        self.replica_bytes[r] = now;
+        self.publish_bytes();
+    }
+
+    fn publish_bytes(&self) {
+        let table = self.index.table.load().bytes();
+        let fixed = std::mem::size_of::<ResidencyIndex>()
+            + std::mem::size_of::<ResidencyWriter>()
+            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>();
+        self.index
+            .bytes
+            .store(table + self.writer_bytes + fixed, Ordering::Relaxed);
+    }
+}

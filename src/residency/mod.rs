@@ -1,0 +1,191 @@
+//! Residency: which prefix blocks each replica holds in its KV cache, as kvlb believes.
+//!
+//! The selector asks one question per request: "for every replica, how many leading blocks of
+//! this prompt are resident there?" (`ResidencyIndex::match_prefix`). It is answered in one
+//! pass over the request's chained block hashes against a shared hash table whose value is a
+//! bitmask of replicas (`table.rs`): AND the masks block after block, note where each
+//! replica's bit drops, stop when no bit is left. Workers read without locks or allocation;
+//! the table is replaced wholesale (grown, shrunk or cleaned) by an atomic pointer swap
+//! (`arc-swap`), so a reader never waits and never sees a half-built table.
+//!
+//! One control thread owns the truth (`ResidencyWriter`): for each replica the blocks it holds,
+//! how many copies (vLLM may store a hash more than once; each BlockRemoved drops one), and
+//! their LRU order, trimmed to the replica's capacity (`kv_capacity_tokens / block_tokens`).
+//! Two sources feed it:
+//!
+//! * KV events (BlockStored / BlockRemoved / AllBlocksCleared) -> `insert`, `remove`, `clear`;
+//! * routing itself: a request sent to replica r will leave its prefix resident on r. Workers
+//!   must not write the index, so each pushes a fixed-size record per routed request into its
+//!   own bounded lock-free queue (`RoutingLog`, no allocation; a full queue drops the record
+//!   and counts it), and the writer drains them (`ResidencyWriter::drain`) every millisecond
+//!   (`spawn_writer_thread`) into `insert_routed`.
+//!
+//! Exactness: the table stores full 64-bit hashes and clears bits on removal, so
+//! `match_prefix` has no false positives or negatives with respect to the writer's state (the
+//! tests compare it with a brute-force model). What the writer believes can still differ from
+//! a replica's real cache (routing guesses, events in flight); the estimator treats a match as
+//! a likelihood, not a promise.
+//!
+//! Memory: the table holds `1 + ceil(max_replicas / 64)` words per slot and is rebuilt to keep
+//! live hashes at 1/6..1/2 of its slots (occupied slots, dead ones included, never above 1/2);
+//! the writer holds about 50 bytes per (replica, block). `ResidencyIndex::bytes` reports both.
+
+mod index;
+mod table;
+
+#[cfg(test)]
+mod tests;
+
+pub use index::{ResidencyConfig, ResidencyIndex, ResidencyWriter, MAX_REPLICAS};
+
+use crossbeam::queue::ArrayQueue;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Block hashes one routing record carries; a longer prompt takes several records.
+pub const ROUTED_BLOCKS_PER_RECORD: usize = 30;
+/// Leading blocks of a request that routing learns (128k tokens at 64 tokens per block).
+pub const MAX_ROUTED_BLOCKS: usize = 2048;
+
+/// One routed request's blocks (or a slice of them): 248 bytes, copied into the queue.
+#[derive(Clone, Copy)]
+struct RoutedBlocks {
+    replica: u16,
+    len: u16,
+    blocks: [u64; ROUTED_BLOCKS_PER_RECORD],
+}
+
+/// A worker's log of routing decisions, drained by the residency writer. One producer (the
+/// worker), one consumer (the writer); bounded; `record` never blocks or allocates.
+pub struct RoutingLog {
+    queue: ArrayQueue<RoutedBlocks>,
+    dropped: AtomicU64,
+    recorded: AtomicU64,
+}
+
+impl RoutingLog {
+    /// A log holding up to `records` records (each up to `ROUTED_BLOCKS_PER_RECORD` blocks).
+    pub fn new(records: usize) -> RoutingLog {
+        RoutingLog {
+            queue: ArrayQueue::new(records.max(1)),
+            dropped: AtomicU64::new(0),
+            recorded: AtomicU64::new(0),
+        }
+    }
+
+    /// Note that a request with `blocks` went to `replica`. All-or-nothing: when the queue
+    /// lacks room for every record the request needs, nothing is pushed and the request is
+    /// counted in `dropped`. Returns whether it was recorded.
+    pub fn record(&self, replica: usize, blocks: &[u64]) -> bool {
+        let blocks = &blocks[..blocks.len().min(MAX_ROUTED_BLOCKS)];
+        if blocks.is_empty() {
+            return true;
+        }
+        let Ok(replica) = u16::try_from(replica) else {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        };
+        let records = blocks.len().div_ceil(ROUTED_BLOCKS_PER_RECORD);
+        // Only this producer adds, so the room seen here can only grow before the pushes.
+        if self.queue.capacity() - self.queue.len() < records {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        // Last slice first: the writer then touches the prefix last, leaving it the most
+        // recently used.
+        for k in (0..records).rev() {
+            let part = &blocks[k * ROUTED_BLOCKS_PER_RECORD..];
+            let part = &part[..part.len().min(ROUTED_BLOCKS_PER_RECORD)];
+            let mut rec = RoutedBlocks {
+                replica,
+                len: part.len() as u16,
+                blocks: [0; ROUTED_BLOCKS_PER_RECORD],
+            };
+            rec.blocks[..part.len()].copy_from_slice(part);
+            if self.queue.push(rec).is_err() {
+                // Another producer broke the single-producer contract; count and stop.
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+        }
+        self.recorded.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Requests not recorded because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Requests recorded.
+    pub fn recorded(&self) -> u64 {
+        self.recorded.load(Ordering::Relaxed)
+    }
+
+    /// Records waiting for the writer.
+    pub fn pending(&self) -> usize {
+        self.queue.len()
+    }
+}
+
+impl ResidencyWriter {
+    /// A new routing log (`records` deep) for one worker, drained by this writer.
+    pub fn routing_log(&mut self, records: usize) -> Arc<RoutingLog> {
+        let log = Arc::new(RoutingLog::new(records));
+        self.logs.push(log.clone());
+        log
+    }
+
+    /// Apply every record waiting in the routing logs as `insert_routed` at `now_us`.
+    /// Returns the records applied. Records naming a replica outside the index are skipped.
+    pub fn drain(&mut self, now_us: u64) -> usize {
+        let mut applied = 0;
+        for k in 0..self.logs.len() {
+            // Bounded by what is there now, so a busy worker cannot keep the writer here.
+            let waiting = self.logs[k].queue.len();
+            for _ in 0..waiting {
+                let Some(rec) = self.logs[k].queue.pop() else {
+                    break;
+                };
+                let blocks = &rec.blocks[..rec.len as usize];
+                if self
+                    .insert_routed(rec.replica as usize, blocks, now_us)
+                    .is_ok()
+                {
+                    applied += 1;
+                }
+            }
+        }
+        applied
+    }
+}
+
+/// Run `writer` on its own thread: every `period` it calls `on_tick(&mut writer, now_us)`
+/// (where KV events get applied) and then drains the routing logs, until `stop` is set; the
+/// thread then returns the writer. `clock` gives the microseconds passed to the writer.
+pub fn spawn_writer_thread<C, T>(
+    mut writer: ResidencyWriter,
+    period: Duration,
+    stop: Arc<AtomicBool>,
+    clock: C,
+    mut on_tick: T,
+) -> std::io::Result<JoinHandle<ResidencyWriter>>
+where
+    C: Fn() -> u64 + Send + 'static,
+    T: FnMut(&mut ResidencyWriter, u64) + Send + 'static,
+{
+    std::thread::Builder::new()
+        .name("kvlb-residency".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                let now = clock();
+                on_tick(&mut writer, now);
+                writer.drain(now);
+                std::thread::sleep(period);
+            }
+            writer.drain(clock());
+            writer
+        })
+}

@@ -1,0 +1,349 @@
+//! `cache_aware`, the default policy: send each request where its estimated time to first
+//! token is lowest, counting the part of its prompt already resident there.
+//!
+//! For every candidate replica r:
+//!
+//! ```text
+//! matched(r) = min(match_prefix(blocks)[r] * block_tokens, prompt_tokens),
+//!              0 when below min_match_tokens (a short hit is not worth following)
+//! ttft(r)    = estimate::estimate_ttft(load(r), matched(r), prompt_tokens)
+//! ```
+//!
+//! and the request goes to the argmin. Queueing is in the same unit as the saving, so a
+//! cache hit wins while queues are comparable and loses once the warm replica's queue is
+//! deeper than what the hit saves.
+//!
+//! **Anti-herding.** Left alone, a prefix shared by many requests (a system prompt, an agent's
+//! tool preamble) keeps its holder ahead until that holder's queue is as long as the whole
+//! saving, while other replicas idle. So each policy instance keeps a small decaying count of
+//! how many requests shared each prefix (`hot_*` knobs, one counter per hashed block, no
+//! allocation). When a candidate's hit is on a hot prefix and its queue wait exceeds the
+//! shortest wait among candidates by more than `hot_spill_wait_s`, the holder counts as
+//! saturated and its hit is ignored: the request goes where the load is lowest, the routing
+//! log teaches the index that this replica now holds the prefix too, and later requests share
+//! it between the holders. A hot prefix thus spreads over as many replicas as its load needs,
+//! one spill at a time, and stays on few replicas when the load is light. A session's own
+//! history (shared by a handful of its turns) never counts as hot, so multi-turn
+//! conversations keep returning to their replica whenever the cost model says so.
+//!
+//! **Ties.** Candidates within `tie_epsilon_s` of the best share the request: the `random`
+//! argument picks one of them, so equal replicas share the load and every decision replays
+//! exactly in a test. Time comes in as `RequestView::now_us`.
+//!
+//! Each `select` leaves a `Decision` (`last_decision`) for an explain header and metrics, and,
+//! when a routing log is attached, records the request's blocks for the residency writer.
+
+use super::{Candidate, Policy, RequestView};
+use crate::estimate::{ReplicaLoad, TtftModel};
+use crate::residency::{ResidencyIndex, RoutingLog};
+use std::sync::Arc;
+
+/// The policy's knobs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheAwareConfig {
+    /// The time-to-first-token model (defaults: the simulated engine's calibration).
+    pub model: TtftModel,
+    /// Matches shorter than this many tokens count as no match.
+    pub min_match_tokens: u32,
+    /// Weight of the request's own prefill against queueing in the argmin (1 = plain TTFT).
+    /// Above 1, prefill work also counts for the requests it will delay on that replica.
+    pub recompute_weight: f64,
+    /// Candidates whose score is within this many seconds of the best are equal.
+    pub tie_epsilon_s: f64,
+    /// A prefix shared by at least this many recent requests (per policy instance) is hot.
+    pub hot_prefix_requests: u32,
+    /// The hotness counts halve every this many seconds.
+    pub hot_window_s: f64,
+    /// A hot prefix's holder is saturated when its queue wait exceeds the shortest candidate
+    /// wait by more than this many seconds; its hit is then ignored.
+    pub hot_spill_wait_s: f64,
+}
+
+impl Default for CacheAwareConfig {
+    fn default() -> CacheAwareConfig {
+        CacheAwareConfig {
+            model: TtftModel::default(),
+            min_match_tokens: 256,
+            recompute_weight: 2.0,
+            tie_epsilon_s: 0.001,
+            hot_prefix_requests: 8,
+            hot_window_s: 10.0,
+            hot_spill_wait_s: 0.1,
+        }
+    }
+}
+
+impl CacheAwareConfig {
+    /// Check the knobs; the error names the knob and its bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        self.model.validate()?;
+        if !(self.recompute_weight.is_finite() && self.recompute_weight >= 1.0) {
+            return Err(format!(
+                "cache_aware recompute_weight must be a finite number >= 1, got {}",
+                self.recompute_weight
+            ));
+        }
+        for (name, v) in [
+            ("tie_epsilon_s", self.tie_epsilon_s),
+            ("hot_window_s", self.hot_window_s),
+            ("hot_spill_wait_s", self.hot_spill_wait_s),
+        ] {
+            if v.is_nan() || v < 0.0 {
+                return Err(format!("cache_aware {name} must be >= 0, got {v}"));
+            }
+        }
+        if self.hot_window_s == 0.0 {
+            return Err("cache_aware hot_window_s must be > 0, got 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a replica was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reason {
+    /// It holds a useful part of the prompt and that made it the best estimate.
+    Cache,
+    /// No useful match counted: chosen for its load.
+    Load,
+    /// The request carried no prefix blocks: chosen by load alone.
+    #[default]
+    Fallback,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Cache => "cache",
+            Reason::Load => "load",
+            Reason::Fallback => "fallback",
+        }
+    }
+}
+
+/// What the last `select` decided, for explain headers and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Decision {
+    /// The chosen replica (fleet index, `Candidate::replica`).
+    pub replica: usize,
+    /// Prompt tokens counted as resident on it.
+    pub matched_tokens: u32,
+    /// Estimated seconds to first token there.
+    pub ttft_s: f64,
+    /// The best estimate among the other candidates (infinite with a single candidate).
+    pub runner_up_ttft_s: f64,
+    pub reason: Reason,
+    /// A hot prefix's saturated holder had its hit ignored for this request.
+    pub spilled: bool,
+}
+
+const HOT_SLOTS: usize = 4096;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Estimate {
+    wait: f64,
+    matched_tokens: u32,
+    ttft: f64,
+    /// What the argmin compares: `wait + recompute_weight * prefill`.
+    score: f64,
+}
+
+pub struct CacheAware {
+    index: Arc<ResidencyIndex>,
+    cfg: CacheAwareConfig,
+    log: Option<Arc<RoutingLog>>,
+    matched: Vec<u32>,
+    estimates: Vec<Estimate>,
+    hot: Box<[u32; HOT_SLOTS]>,
+    hot_window_start_us: u64,
+    last: Decision,
+}
+
+fn hot_slot(block: u64) -> usize {
+    (block.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 52) as usize
+}
+
+impl CacheAware {
+    /// A policy reading `index` (shared with its writer); `cfg` is validated.
+    pub fn new(index: Arc<ResidencyIndex>, cfg: CacheAwareConfig) -> Result<CacheAware, String> {
+        cfg.validate()?;
+        let replicas = index.max_replicas();
+        Ok(CacheAware {
+            matched: vec![0; replicas],
+            estimates: Vec::with_capacity(replicas),
+            index,
+            cfg,
+            log: None,
+            hot: Box::new([0; HOT_SLOTS]),
+            hot_window_start_us: 0,
+            last: Decision::default(),
+        })
+    }
+
+    /// Record every routed request's blocks in `log` (this worker's routing log).
+    pub fn with_routing_log(mut self, log: Arc<RoutingLog>) -> CacheAware {
+        self.log = Some(log);
+        self
+    }
+
+    pub fn config(&self) -> &CacheAwareConfig {
+        &self.cfg
+    }
+
+    /// The decision of the last `select`.
+    pub fn last_decision(&self) -> Decision {
+        self.last
+    }
+
+    /// Requests that recently shared the prefix ending with `block` (this instance's view).
+    pub fn prefix_heat(&self, block: u64) -> u32 {
+        self.hot[hot_slot(block)]
+    }
+
+    fn age_heat(&mut self, now_us: u64) {
+        let window_us = (self.cfg.hot_window_s * 1e6) as u64;
+        let elapsed = now_us.saturating_sub(self.hot_window_start_us);
+        if elapsed < window_us.max(1) {
+            return;
+        }
+        let halvings = (elapsed / window_us.max(1)).min(32) as u32;
+        for c in self.hot.iter_mut() {
+            *c = c.checked_shr(halvings).unwrap_or(0);
+        }
+        self.hot_window_start_us = now_us;
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
+        if candidates.is_empty() {
+            self.last = Decision::default();
+            return 0;
+        }
+        let cfg = self.cfg;
+        let prompt = req.prompt_tokens;
+        let with_prefix = !req.blocks.is_empty() && req.block_tokens > 0;
+        if with_prefix {
+            self.index.match_prefix(req.blocks, &mut self.matched);
+            self.age_heat(req.now_us);
+        }
+        // Pass 1: waits and useful matches.
+        self.estimates.clear();
+        let (mut min_wait, mut longest) = (f64::INFINITY, 0u32);
+        for c in candidates {
+            let load = ReplicaLoad {
+                queued_prefill_tokens: c.queued_prefill_tokens,
+                decoding: c.decoding,
+                in_flight: c.in_flight,
+            };
+            let blocks = match self.matched.get(c.replica) {
+                Some(&m) if with_prefix => m,
+                _ => 0,
+            };
+            let tokens = (blocks as u64 * req.block_tokens as u64).min(prompt as u64) as u32;
+            let tokens = if tokens < cfg.min_match_tokens.max(1) {
+                0
+            } else {
+                longest = longest.max(blocks);
+                tokens
+            };
+            let wait = cfg.model.queue_wait(&load);
+            min_wait = min_wait.min(wait);
+            self.estimates.push(Estimate {
+                wait,
+                matched_tokens: tokens,
+                ttft: 0.0,
+                score: 0.0,
+            });
+        }
+        // Pass 2: anti-herding, then the estimates.
+        let mut best_ignored = f64::INFINITY;
+        let mut best = f64::INFINITY;
+        for (c, e) in candidates.iter().zip(self.estimates.iter_mut()) {
+            if e.matched_tokens > 0 && e.wait - min_wait > cfg.hot_spill_wait_s {
+                let end = self.matched[c.replica] as usize;
+                let heat = self.hot[hot_slot(req.blocks[end - 1])];
+                if heat >= cfg.hot_prefix_requests {
+                    let credited = cfg
+                        .model
+                        .prefill_seconds(e.matched_tokens, prompt, c.decoding);
+                    best_ignored = best_ignored.min(e.wait + cfg.recompute_weight * credited);
+                    e.matched_tokens = 0;
+                }
+            }
+            let prefill = cfg
+                .model
+                .prefill_seconds(e.matched_tokens, prompt, c.decoding);
+            e.ttft = e.wait + prefill;
+            e.score = e.wait + cfg.recompute_weight * prefill;
+            if e.score < best {
+                best = e.score;
+            }
+        }
+        // Ties: the `random`-th of the candidates within epsilon of the best.
+        let near = |t: f64| t <= best + cfg.tie_epsilon_s || t.is_nan() && best.is_nan();
+        let ties = self
+            .estimates
+            .iter()
+            .filter(|e| near(e.score))
+            .count()
+            .max(1);
+        let mut k = (random % ties as u64) as usize;
+        let mut chosen = 0;
+        for (i, e) in self.estimates.iter().enumerate() {
+            if near(e.score) {
+                if k == 0 {
+                    chosen = i;
+                    break;
+                }
+                k -= 1;
+            }
+        }
+        let runner_up = self
+            .estimates
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != chosen)
+            .map(|(_, e)| (e.score, e.ttft))
+            .fold((f64::INFINITY, f64::INFINITY), |a, b| {
+                if b.0 < a.0 {
+                    b
+                } else {
+                    a
+                }
+            })
+            .1;
+        let e = self.estimates[chosen];
+        if with_prefix && longest > 0 {
+            // The request shared the prefix ending at block `longest - 1` with earlier ones.
+            let slot = hot_slot(req.blocks[longest as usize - 1]);
+            self.hot[slot] = self.hot[slot].saturating_add(1);
+        }
+        let replica = candidates[chosen].replica;
+        if let (Some(log), true) = (&self.log, with_prefix) {
+            log.record(replica, req.blocks);
+        }
+        self.last = Decision {
+            replica,
+            matched_tokens: e.matched_tokens,
+            ttft_s: e.ttft,
+            runner_up_ttft_s: runner_up,
+            reason: if !with_prefix {
+                Reason::Fallback
+            } else if e.matched_tokens > 0 {
+                Reason::Cache
+            } else {
+                Reason::Load
+            },
+            spilled: best_ignored < e.score,
+        };
+        chosen
+    }
+}
+
+#[cfg(test)]
+mod tests;
