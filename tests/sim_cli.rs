@@ -107,6 +107,7 @@ fn simulate_mooncake_slice_reports_every_policy() {
         "power_of_two",
         "consistent_hash",
         "sglang_cache_aware",
+        "cache_aware",
     ] {
         assert!(names.iter().any(|n| n == p), "{p} missing from {names:?}");
     }
@@ -122,7 +123,7 @@ fn simulate_generators_are_deterministic() {
     for gen in ["gen:shared-prefix", "gen:agent-sessions"] {
         let args = ["--trace", gen, "--limit", "400", "--replicas", "3"];
         let (v, first) = json(&args);
-        assert_eq!(v.len(), 6, "{gen}: default policies");
+        assert_eq!(v.len(), 7, "{gen}: default policies");
         for o in &v {
             check_summary(o, 400, 3);
         }

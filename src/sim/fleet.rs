@@ -20,10 +20,12 @@
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
+use crate::estimate::TtftModel;
 use crate::http::request::Method;
+use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use crate::select::{
-    Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo, Random, RequestView, Rng,
-    RoundRobin, SglangCacheAware,
+    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo,
+    Random, RequestView, Rng, RoundRobin, SglangCacheAware,
 };
 
 /// Seconds of simulated time between duplicate-KV samples.
@@ -37,11 +39,20 @@ pub const POLICY_NAMES: &[&str] = &[
     "power_of_two",
     "consistent_hash",
     "sglang_cache_aware",
+    "cache_aware",
 ];
 
-/// A policy as the data plane would run it, with whatever it keeps beside it.
+/// Routing-log records per request in flight to the residency writer (it is drained after
+/// every decision, so one request's worth would do).
+const ROUTING_LOG_RECORDS: usize = 1024;
+
+/// A policy as the data plane would run it, with whatever it keeps beside it. For
+/// `cache_aware` that is the residency index, its writer and a routing log, as `kvlb serve`
+/// wires them, except that the writer is driven synchronously: after every decision it drains
+/// the routing log at the decision's time (no writer thread, so runs are deterministic).
 pub struct RoutingPolicy {
     policy: Box<dyn Policy>,
+    residency: Option<ResidencyWriter>,
 }
 
 impl RoutingPolicy {
@@ -51,7 +62,7 @@ impl RoutingPolicy {
         replicas: usize,
         engine: &EngineConfig,
     ) -> Result<RoutingPolicy, String> {
-        let _ = (replicas, engine);
+        let mut residency = None;
         let policy: Box<dyn Policy> = match name {
             "round_robin" => Box::new(RoundRobin::new(0)),
             "random" => Box::new(Random),
@@ -59,6 +70,20 @@ impl RoutingPolicy {
             "power_of_two" => Box::new(PowerOfTwo),
             "consistent_hash" => Box::new(ConsistentHash::new()),
             "sglang_cache_aware" => Box::new(SglangCacheAware::new()),
+            "cache_aware" => {
+                let (index, mut writer) = ResidencyIndex::new(ResidencyConfig {
+                    max_replicas: replicas,
+                    block_tokens: TRACE_BLOCK_TOKENS,
+                    kv_capacity_tokens: engine.kv_capacity_tokens,
+                })?;
+                let log = writer.routing_log(ROUTING_LOG_RECORDS);
+                let cfg = CacheAwareConfig {
+                    model: TtftModel::from_engine(engine),
+                    ..CacheAwareConfig::default()
+                };
+                residency = Some(writer);
+                Box::new(CacheAware::new(index, cfg)?.with_routing_log(log))
+            }
             other => {
                 return Err(format!(
                     "unknown policy {other:?}; known: {}",
@@ -66,7 +91,7 @@ impl RoutingPolicy {
                 ))
             }
         };
-        Ok(RoutingPolicy { policy })
+        Ok(RoutingPolicy { policy, residency })
     }
 
     pub fn name(&self) -> &'static str {
@@ -74,7 +99,11 @@ impl RoutingPolicy {
     }
 
     fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
-        self.policy.select(req, candidates, random)
+        let pick = self.policy.select(req, candidates, random);
+        if let Some(writer) = &mut self.residency {
+            writer.drain(req.now_us);
+        }
+        pick
     }
 }
 

@@ -37,7 +37,7 @@ const HELP: &str = "usage: kvlb simulate --trace FILE|gen:NAME [options]
   --plot FILE.svg     write the TTFT CDF and per-replica prefill work as an SVG
 
 policies: round_robin, random, least_loaded, power_of_two, consistent_hash,
-          sglang_cache_aware";
+          sglang_cache_aware, cache_aware";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Options {
