@@ -202,7 +202,7 @@ pub fn simulate(
         let mut step: Option<(usize, f64)> = None;
         for (i, e) in engines.iter().enumerate() {
             if let Some(t) = e.next_event_time() {
-                if step.map_or(true, |(_, best)| t < best) {
+                if step.is_none_or(|(_, best)| t < best) {
                     step = Some((i, t));
                 }
             }
@@ -219,7 +219,7 @@ pub fn simulate(
         }
         now = now.max(t);
         match step {
-            Some((i, s)) if arrival.map_or(true, |a| s <= a) => {
+            Some((i, s)) if arrival.is_none_or(|a| s <= a) => {
                 outputs.clear();
                 engines[i].advance(s, &mut outputs);
                 if outputs.is_empty() && engines[i].next_event_time() == Some(s) {
