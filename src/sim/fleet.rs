@@ -94,6 +94,14 @@ impl RoutingPolicy {
         Ok(RoutingPolicy { policy, residency })
     }
 
+    /// Any other policy, run as it is.
+    pub fn from_policy(policy: Box<dyn Policy>) -> RoutingPolicy {
+        RoutingPolicy {
+            policy,
+            residency: None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         self.policy.name()
     }
@@ -349,5 +357,118 @@ fn on_output(
             l.in_flight -= 1;
             replica_prefill_tokens[replica] += (prompt_tokens - cached_tokens) as u64;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::trace::TraceRequest;
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Always replica 0; remembers what it was shown.
+    struct Recorder(Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>);
+
+    impl Policy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn select(&mut self, req: &RequestView<'_>, c: &[Candidate], _random: u64) -> usize {
+            self.0
+                .lock()
+                .unwrap()
+                .push((req.prompt_tokens, req.now_us, c.to_vec()));
+            0
+        }
+    }
+
+    fn request(t: f64, ids: &[u64], prompt: u32, output: u32) -> TraceRequest {
+        TraceRequest {
+            arrival_s: t,
+            prompt_tokens: prompt,
+            output_tokens: output,
+            block_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn loads_and_records_follow_the_engine() {
+        let trace = Trace {
+            name: "t".into(),
+            requests: vec![
+                request(0.0, &[1, 2, 3, 4], 2000, 50),
+                // Arrives while the first is still prefilling: shares its first two blocks.
+                request(0.01, &[1, 2, 5], 1200, 5),
+                // Long after both finished.
+                request(100.0, &[1, 2, 3, 4], 2000, 1),
+                // Over the context limit: rejected, still accounted for.
+                request(101.0, &[9; 300], 150_000, 1),
+            ],
+        };
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
+        let run = simulate(&trace, 2, &EngineConfig::default(), &mut policy, 1).unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 4);
+        assert_eq!((seen[1].0, seen[1].1), (1200, 10_000));
+        // The first request is queued as 2000 uncached tokens on replica 0 when the second comes.
+        assert_eq!(
+            seen[1].2[0],
+            Candidate {
+                replica: 0,
+                in_flight: 1,
+                queued_prefill_tokens: 2000,
+                decoding: 0
+            }
+        );
+        assert_eq!(
+            seen[1].2[1],
+            Candidate {
+                replica: 1,
+                ..Default::default()
+            }
+        );
+        // Everything drained by the third.
+        assert_eq!(
+            seen[2].2[0],
+            Candidate {
+                replica: 0,
+                ..Default::default()
+            }
+        );
+        let r = &run.records;
+        assert!(r[..3]
+            .iter()
+            .all(|r| r.finished && !r.rejected && r.ttft_s > 0.0));
+        assert!(r[3].rejected && !r[3].finished);
+        assert_eq!(r[1].estimated_cached_tokens, 1024);
+        assert_eq!(r[2].estimated_cached_tokens, 2000);
+        assert_eq!(
+            r[2].cached_tokens, 1984,
+            "all but the last partial 16-token block"
+        );
+        assert!(r[2].ttft_s < r[0].ttft_s / 5.0);
+        assert!(r[0].e2e_s > r[0].ttft_s);
+        let computed: u64 = r
+            .iter()
+            .map(|r| (r.prompt_tokens - r.cached_tokens) as u64)
+            .take(3)
+            .sum();
+        assert_eq!(run.replica_prefill_tokens, vec![computed, 0]);
+        assert_eq!(run.prefix_queries_tokens, 5200);
+        assert!(run.duplicate_samples.len() >= 10);
+        assert!(run.makespan_s >= 100.0);
+    }
+
+    #[test]
+    fn every_policy_builds_and_unknown_names_are_refused() {
+        for name in POLICY_NAMES {
+            let p = RoutingPolicy::build(name, 4, &EngineConfig::default()).unwrap();
+            assert_eq!(p.name(), *name);
+        }
+        let e = RoutingPolicy::build("fastest", 4, &EngineConfig::default())
+            .err()
+            .unwrap();
+        assert!(e.contains("unknown policy \"fastest\""), "{e}");
     }
 }
