@@ -37,7 +37,18 @@ const HELP: &str = "usage: kvlb simulate --trace FILE|gen:NAME [options]
   --plot FILE.svg     write the TTFT CDF and per-replica prefill work as an SVG
 
 policies: round_robin, random, least_loaded, power_of_two, consistent_hash,
-          sglang_cache_aware, cache_aware";
+          sglang_cache_aware, cache_aware
+
+Each replica is the simulated engine of `kvlb replica` (default configuration: 8B model on
+one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Per policy:
+  ttft_p50/p90/p99_s, e2e_p50/p99_s  time to first token / to the last token (s)
+  hit_rate             prompt tokens found in the engines' prefix caches / prompt tokens
+  prefill_tokens       prompt tokens computed (prompt minus cached)
+  duplicate_kv_blocks  mean, over samples every 10 s, of 16-token KV blocks held by more
+                       than one replica; estimated from the prompts routed to each replica
+                       (LRU-bounded by its KV capacity), not read from the engines
+  max_mean_load        the busiest replica's prefill_tokens over the mean (1 = even)
+Requests the engine refuses (prompt over the context limit) count as rejected.";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Options {
