@@ -11,6 +11,10 @@ use kvlb::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use kvlb::select::{CacheAware, CacheAwareConfig, Candidate, Policy, RequestView, Rng};
 use std::sync::Arc;
 
+// The product's counting allocator, so the bench can show the routing path allocates nothing.
+#[global_allocator]
+static ALLOCATOR: kvlb::alloc::CountingMiMalloc = kvlb::alloc::CountingMiMalloc;
+
 const RESIDENT: usize = 1_000_000;
 const PROMPT_BLOCKS: usize = 128;
 const BLOCK_TOKENS: u32 = 64;
@@ -67,13 +71,15 @@ fn populated(replicas: usize) -> (Arc<ResidencyIndex>, ResidencyWriter, Vec<u64>
 fn routing(c: &mut Criterion) {
     let mut group = c.benchmark_group("routing");
     for replicas in [16usize, 64, 256] {
-        let (idx, _writer, probe) = populated(replicas);
+        let (idx, mut writer, probe) = populated(replicas);
+        let log = writer.routing_log(1 << 16);
         let resident: usize = (0..replicas).map(|r| idx.replica_blocks(r)).sum();
         eprintln!(
-            "{replicas} replicas: {resident} resident blocks ({} distinct), index {:.1} MiB = \
-             {:.1} MiB per million resident blocks",
+            "{replicas} replicas: {resident} resident blocks ({} distinct), index {:.1} MiB \
+             (shared table {:.1} MiB) = {:.1} MiB per million resident blocks",
             idx.distinct_blocks(),
             idx.bytes() as f64 / (1 << 20) as f64,
+            idx.table_bytes() as f64 / (1 << 20) as f64,
             idx.bytes() as f64 / (1 << 20) as f64 / (resident as f64 / 1e6)
         );
         let mut out = vec![0u32; replicas];
@@ -113,7 +119,33 @@ fn routing(c: &mut Criterion) {
                 decoding: (rng.next_u64() % 32) as u32,
             })
             .collect();
-        let mut policy = CacheAware::new(idx.clone(), CacheAwareConfig::default()).unwrap();
+        let mut policy = CacheAware::new(idx.clone(), CacheAwareConfig::default())
+            .unwrap()
+            .with_routing_log(log.clone());
+        // Warm up, then count: a warm policy's select (lookup, estimates, routing log record)
+        // must not allocate.
+        let view = |now_us| RequestView {
+            method: Method::Post,
+            path: b"/v1/chat/completions",
+            body: b"",
+            blocks: &probe,
+            block_tokens: BLOCK_TOKENS,
+            prompt_tokens: PROMPT_BLOCKS as u32 * BLOCK_TOKENS,
+            now_us,
+        };
+        policy.select(&view(0), &candidates, 0);
+        let before = kvlb::alloc::thread_allocations();
+        for i in 0..10_000u64 {
+            black_box(policy.select(&view(i * 1000), &candidates, rng.next_u64()));
+        }
+        let allocations = kvlb::alloc::thread_allocations() - before;
+        eprintln!("{replicas} replicas: {allocations} allocations in 10000 selects");
+        assert_eq!(allocations, 0);
+        eprintln!(
+            "{replicas} replicas: routing log recorded {}, dropped {} (nobody drains it here)",
+            log.recorded(),
+            log.dropped()
+        );
         group.bench_with_input(BenchmarkId::new("select", replicas), &probe, |b, p| {
             let mut now_us = 0;
             b.iter(|| {

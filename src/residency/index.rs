@@ -66,6 +66,7 @@ pub struct ResidencyIndex {
     max_replicas: usize,
     replica_blocks: Box<[AtomicUsize]>,
     bytes: AtomicUsize,
+    table_bytes: AtomicUsize,
     distinct: AtomicUsize,
     rebuilds: AtomicU64,
 }
@@ -80,6 +81,7 @@ impl ResidencyIndex {
             max_replicas: cfg.max_replicas,
             replica_blocks: (0..cfg.max_replicas).map(|_| AtomicUsize::new(0)).collect(),
             bytes: AtomicUsize::new(0),
+            table_bytes: AtomicUsize::new(0),
             distinct: AtomicUsize::new(0),
             rebuilds: AtomicU64::new(0),
             table: ArcSwap::from_pointee(table),
@@ -176,6 +178,11 @@ impl ResidencyIndex {
         self.bytes.load(Ordering::Relaxed)
     }
 
+    /// Bytes of the shared table alone (the part readers touch).
+    pub fn table_bytes(&self) -> usize {
+        self.table_bytes.load(Ordering::Relaxed)
+    }
+
     /// Times the shared table was rebuilt (grown, shrunk or cleaned of dead slots).
     pub fn rebuilds(&self) -> u64 {
         self.rebuilds.load(Ordering::Relaxed)
@@ -207,7 +214,7 @@ impl Hasher for BlockHasher {
     }
     fn write(&mut self, bytes: &[u8]) {
         for b in bytes {
-            self.0 = (self.0 << 8 | self.0 >> 56) ^ *b as u64;
+            self.0 = self.0.rotate_left(8) ^ *b as u64;
         }
     }
     fn write_u64(&mut self, v: u64) {
@@ -532,6 +539,7 @@ impl ResidencyWriter {
 
     fn publish_bytes(&self) {
         let table = self.index.table.load().bytes();
+        self.index.table_bytes.store(table, Ordering::Relaxed);
         let fixed = std::mem::size_of::<ResidencyIndex>()
             + std::mem::size_of::<ResidencyWriter>()
             + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>();

@@ -206,8 +206,11 @@ impl BitTable {
                 continue;
             }
             let mut mask = [0u64; MAX_WORDS];
-            for w in 0..self.words {
-                mask[w] = self.cells[base + 1 + w].load(Ordering::Relaxed);
+            for (m, c) in mask
+                .iter_mut()
+                .zip(&self.cells[base + 1..base + 1 + self.words])
+            {
+                *m = c.load(Ordering::Relaxed);
             }
             if mask.iter().any(|w| *w != 0) {
                 f(key, &mask);

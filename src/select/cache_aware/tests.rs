@@ -196,6 +196,7 @@ struct SimReport {
     utilisation: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn simulate(
     replicas: usize,
     requests: &[SimRequest],
@@ -481,4 +482,51 @@ fn a_hot_preamble_spreads_as_its_load_needs() {
         ours.ttft_p99 < least.ttft_p99 * 1.2,
         "{ours:?} vs {least:?}"
     );
+}
+
+/// The Mooncake conversation trace (`/work/shared/traces/`), each 512-token block id expanded
+/// into eight 64-token blocks, arrivals compressed `speedup` times. None when it is missing.
+fn mooncake(speedup: f64) -> Option<Vec<SimRequest>> {
+    let path = "/work/shared/traces/mooncake_conversation_trace.jsonl";
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        let at_s = v["timestamp"].as_f64()? / 1000.0 / speedup;
+        let mut blocks = Vec::new();
+        for id in v["hash_ids"].as_array()? {
+            let id = id.as_u64()?;
+            for j in 0..8 {
+                blocks.push(chain(id, j));
+            }
+        }
+        let session = out.len();
+        out.push(SimRequest {
+            at_s,
+            session,
+            turn: 0,
+            blocks,
+        });
+    }
+    Some(out)
+}
+
+#[test]
+#[ignore = "replays the 12k-request Mooncake trace: run with --ignored --nocapture"]
+fn mooncake_conversation_trace() {
+    for speedup in [1.0, 2.0] {
+        let Some(requests) = mooncake(speedup) else {
+            println!("trace not found, skipped");
+            return;
+        };
+        let ours = run_cache_aware(4, &requests, CacheAwareConfig::default(), 8);
+        let least = run_baseline(4, &requests, &mut LeastLoaded::new(0), 8);
+        let (idx, _) = fleet(4);
+        let longest = run_baseline(4, &requests, &mut LongestMatch(idx, vec![0; 4]), 8);
+        println!("mooncake x{speedup}, {} requests", requests.len());
+        println!("  cache_aware   {ours:?}");
+        println!("  least_loaded  {least:?}");
+        println!("  longest_match {longest:?}");
+        assert!(ours.spread < 1.5, "{ours:?}");
+    }
 }
