@@ -21,5 +21,6 @@ pub mod residency;
 pub mod rt;
 pub mod select;
 pub mod serve;
+pub mod sim;
 pub mod worker;
 pub mod zmtp;

@@ -7,6 +7,7 @@ commands:
   serve     run the load balancer
   replica   run simulated GPU replicas (vLLM interfaces)
   demo      a simulated fleet, kvlb in front, traffic replayed, policies compared
+  simulate  replay a request trace through simulated replicas, policies compared
 
 `kvlb <command> --help` lists a command's options.";
 
@@ -21,6 +22,7 @@ fn main() {
         "serve" => kvlb::serve::main(args),
         "replica" => kvlb::replica::main(args),
         "demo" => kvlb::demo::main(args),
+        "simulate" => kvlb::sim::main(args),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             0

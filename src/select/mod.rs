@@ -4,14 +4,20 @@
 //! they read are counted across workers by the caller.
 
 mod cache_aware;
+mod consistent_hash;
 mod least_loaded;
 mod power_of_two;
+mod random;
 mod round_robin;
+mod sglang_cache_aware;
 
 pub use cache_aware::{CacheAware, CacheAwareConfig, Decision, Reason};
+pub use consistent_hash::ConsistentHash;
 pub use least_loaded::LeastLoaded;
 pub use power_of_two::PowerOfTwo;
+pub use random::Random;
 pub use round_robin::RoundRobin;
+pub use sglang_cache_aware::SglangCacheAware;
 
 use crate::config::PolicyName;
 use crate::http::request::Method;

@@ -1,0 +1,474 @@
+//! The discrete-event loop: a fleet of engines (`crate::engine`, the model `kvlb replica`
+//! serves) behind one selection policy (`crate::select`, the code `kvlb serve` runs), fed a
+//! trace.
+//!
+//! Two kinds of events, in time order: a request arriving (at its trace time) and an engine's
+//! step ending (`Engine::next_event_time`). At equal times the engines go first, so a policy
+//! sees every output that happened by then. An arrival builds the `RequestView` (block hashes
+//! of the trace blocks, 512 tokens each), the candidates with the load the data plane would
+//! count (in flight; queued prefill = the estimated uncached prompt tokens until the first
+//! token; decoding from the first token until finished), asks the policy, and submits the
+//! prompt to the chosen engine at that time. Outputs update the load and the per-request
+//! record (TTFT, end-to-end latency, cached tokens).
+//!
+//! The estimate of uncached tokens, and the duplicate-KV measure sampled every
+//! `SAMPLE_PERIOD_S` of simulated time, come from `RoutedBlocks` (what was routed where,
+//! bounded by each replica's KV capacity); the engines themselves are not opened up.
+//!
+//! Everything is deterministic: time is simulated, and `random` comes from a seeded `Rng`.
+
+use super::routed::RoutedBlocks;
+use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
+use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
+use crate::estimate::TtftModel;
+use crate::http::request::Method;
+use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
+use crate::select::{
+    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo,
+    Random, RequestView, Rng, RoundRobin, SglangCacheAware,
+};
+
+/// Seconds of simulated time between duplicate-KV samples.
+pub const SAMPLE_PERIOD_S: f64 = 10.0;
+
+/// Every policy the simulator knows, in report order.
+pub const POLICY_NAMES: &[&str] = &[
+    "round_robin",
+    "random",
+    "least_loaded",
+    "power_of_two",
+    "consistent_hash",
+    "sglang_cache_aware",
+    "cache_aware",
+];
+
+/// Routing-log records per request in flight to the residency writer (it is drained after
+/// every decision, so one request's worth would do).
+const ROUTING_LOG_RECORDS: usize = 1024;
+
+/// A policy as the data plane would run it, with whatever it keeps beside it. For
+/// `cache_aware` that is the residency index, its writer and a routing log, as `kvlb serve`
+/// wires them, except that the writer is driven synchronously: after every decision it drains
+/// the routing log at the decision's time (no writer thread, so runs are deterministic).
+pub struct RoutingPolicy {
+    policy: Box<dyn Policy>,
+    residency: Option<ResidencyWriter>,
+}
+
+impl RoutingPolicy {
+    /// The policy called `name`, for a fleet of `replicas` engines configured as `engine`.
+    pub fn build(
+        name: &str,
+        replicas: usize,
+        engine: &EngineConfig,
+    ) -> Result<RoutingPolicy, String> {
+        let mut residency = None;
+        let policy: Box<dyn Policy> = match name {
+            "round_robin" => Box::new(RoundRobin::new(0)),
+            "random" => Box::new(Random),
+            "least_loaded" => Box::new(LeastLoaded::new(0)),
+            "power_of_two" => Box::new(PowerOfTwo),
+            "consistent_hash" => Box::new(ConsistentHash::new()),
+            "sglang_cache_aware" => Box::new(SglangCacheAware::new()),
+            "cache_aware" => {
+                let (index, mut writer) = ResidencyIndex::new(ResidencyConfig {
+                    max_replicas: replicas,
+                    block_tokens: TRACE_BLOCK_TOKENS,
+                    kv_capacity_tokens: engine.kv_capacity_tokens,
+                })?;
+                let log = writer.routing_log(ROUTING_LOG_RECORDS);
+                let cfg = CacheAwareConfig {
+                    model: TtftModel::from_engine(engine),
+                    ..CacheAwareConfig::default()
+                };
+                residency = Some(writer);
+                Box::new(CacheAware::new(index, cfg)?.with_routing_log(log))
+            }
+            other => {
+                return Err(format!(
+                    "unknown policy {other:?}; known: {}",
+                    POLICY_NAMES.join(", ")
+                ))
+            }
+        };
+        Ok(RoutingPolicy { policy, residency })
+    }
+
+    /// Any other policy, run as it is.
+    pub fn from_policy(policy: Box<dyn Policy>) -> RoutingPolicy {
+        RoutingPolicy {
+            policy,
+            residency: None,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
+        let pick = self.policy.select(req, candidates, random);
+        if let Some(writer) = &mut self.residency {
+            writer.drain(req.now_us);
+        }
+        pick
+    }
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RequestRecord {
+    pub replica: u32,
+    pub arrival_s: f64,
+    /// First token time minus arrival (NaN until it comes, and for rejected requests).
+    pub ttft_s: f64,
+    /// Finish time minus arrival.
+    pub e2e_s: f64,
+    pub prompt_tokens: u32,
+    /// Prompt tokens the engine found in its prefix cache at admission.
+    pub cached_tokens: u32,
+    /// What the data plane estimated it would find (from routed blocks).
+    pub estimated_cached_tokens: u32,
+    pub finished: bool,
+    /// The engine refused it (prompt over the context limit, empty prompt).
+    pub rejected: bool,
+}
+
+/// One policy's run over one trace.
+pub struct Run {
+    pub policy: String,
+    pub records: Vec<RequestRecord>,
+    /// Per replica: prompt tokens computed (prompt minus cached, at first admission).
+    pub replica_prefill_tokens: Vec<u64>,
+    /// Summed over the engines: prefix-cache lookups and hits, in tokens.
+    pub prefix_queries_tokens: u64,
+    pub prefix_hits_tokens: u64,
+    pub preemptions: u64,
+    /// Duplicate engine blocks at each sample time.
+    pub duplicate_samples: Vec<u64>,
+    /// Simulated seconds from the first arrival to the last output.
+    pub makespan_s: f64,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Load {
+    in_flight: u32,
+    queued_prefill_tokens: u64,
+    decoding: u32,
+}
+
+/// Simulate `trace` on `replicas` engines of `engine` behind `policy`; `seed` drives the
+/// policy's random numbers.
+pub fn simulate(
+    trace: &Trace,
+    replicas: usize,
+    engine: &EngineConfig,
+    policy: &mut RoutingPolicy,
+    seed: u64,
+) -> Result<Run, String> {
+    if replicas == 0 {
+        return Err("a fleet needs at least one replica".into());
+    }
+    let mut engines: Vec<Engine> = (0..replicas)
+        .map(|_| {
+            let mut e = Engine::new(engine.clone());
+            e.set_kv_events_enabled(false);
+            e
+        })
+        .collect();
+    let mut loads = vec![Load::default(); replicas];
+    let mut routed = RoutedBlocks::new(
+        replicas,
+        engine.kv_capacity_tokens,
+        TRACE_BLOCK_TOKENS,
+        engine.block_size,
+    );
+    let mut records: Vec<RequestRecord> = trace
+        .requests
+        .iter()
+        .map(|r| RequestRecord {
+            arrival_s: r.arrival_s,
+            ttft_s: f64::NAN,
+            e2e_s: f64::NAN,
+            prompt_tokens: r.prompt_tokens,
+            ..RequestRecord::default()
+        })
+        .collect();
+    let mut replica_prefill_tokens = vec![0u64; replicas];
+    let mut rng = Rng::new(trace::mix(seed ^ 0x5345_4c45_4354));
+    let mut candidates: Vec<Candidate> = Vec::with_capacity(replicas);
+    let mut view_blocks: Vec<u64> = Vec::new();
+    let mut outputs: Vec<EngineOutput> = Vec::new();
+    let mut duplicate_samples = Vec::new();
+    let mut next_sample = 0.0f64;
+    let mut next_arrival = 0usize;
+    let mut now = 0.0f64;
+    let mut stalled = 0u32;
+
+    loop {
+        let arrival = trace.requests.get(next_arrival).map(|r| r.arrival_s);
+        let mut step: Option<(usize, f64)> = None;
+        for (i, e) in engines.iter().enumerate() {
+            if let Some(t) = e.next_event_time() {
+                if step.is_none_or(|(_, best)| t < best) {
+                    step = Some((i, t));
+                }
+            }
+        }
+        let t = match (arrival, step) {
+            (None, None) => break,
+            (Some(a), Some((_, s))) => a.min(s),
+            (Some(a), None) => a,
+            (None, Some((_, s))) => s,
+        };
+        while next_sample <= t {
+            duplicate_samples.push(routed.duplicate_engine_blocks());
+            next_sample += SAMPLE_PERIOD_S;
+        }
+        now = now.max(t);
+        match step {
+            Some((i, s)) if arrival.is_none_or(|a| s <= a) => {
+                outputs.clear();
+                engines[i].advance(s, &mut outputs);
+                if outputs.is_empty() && engines[i].next_event_time() == Some(s) {
+                    stalled += 1;
+                    if stalled > 1000 {
+                        return Err(format!("replica {i} makes no progress at t = {s} s"));
+                    }
+                } else {
+                    stalled = 0;
+                }
+                for out in &outputs {
+                    on_output(
+                        out,
+                        i,
+                        &mut records,
+                        &mut loads,
+                        &mut replica_prefill_tokens,
+                    );
+                }
+            }
+            _ => {
+                let k = next_arrival;
+                next_arrival += 1;
+                let req = &trace.requests[k];
+                view_blocks.clear();
+                view_blocks.extend(req.block_ids.iter().map(|&id| trace::view_block(id)));
+                let view = RequestView {
+                    method: Method::Post,
+                    path: b"/v1/completions",
+                    body: b"",
+                    blocks: &view_blocks,
+                    block_tokens: TRACE_BLOCK_TOKENS,
+                    prompt_tokens: req.prompt_tokens,
+                    now_us: (t * 1e6) as u64,
+                };
+                candidates.clear();
+                candidates.extend(loads.iter().enumerate().map(|(r, l)| Candidate {
+                    replica: r,
+                    in_flight: l.in_flight,
+                    queued_prefill_tokens: l.queued_prefill_tokens,
+                    decoding: l.decoding,
+                }));
+                let pick = policy.select(&view, &candidates, rng.next_u64());
+                let r = candidates[pick.min(replicas - 1)].replica;
+                let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
+                trace::prompt_tokens(req, &mut prompt);
+                let submitted = engines[r].submit(
+                    t,
+                    EngineRequest {
+                        id: k as u64,
+                        prompt_tokens: prompt,
+                        max_tokens: req.output_tokens,
+                        cache_salt: None,
+                    },
+                );
+                let rec = &mut records[k];
+                rec.replica = r as u32;
+                if submitted.is_err() {
+                    rec.rejected = true;
+                    continue;
+                }
+                let estimated = routed.matched_tokens(r, &req.block_ids, req.prompt_tokens);
+                rec.estimated_cached_tokens = estimated;
+                routed.route(r, &req.block_ids, req.prompt_tokens);
+                let l = &mut loads[r];
+                l.in_flight += 1;
+                l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
+            }
+        }
+    }
+    let (mut queries, mut hits) = (0, 0);
+    for e in &engines {
+        let s = e.stats();
+        queries += s.prefix_cache_queries_tokens;
+        hits += s.prefix_cache_hits_tokens;
+    }
+    Ok(Run {
+        policy: policy.name().to_string(),
+        records,
+        replica_prefill_tokens,
+        prefix_queries_tokens: queries,
+        prefix_hits_tokens: hits,
+        preemptions: engines.iter().map(|e| e.preemptions_total()).sum(),
+        duplicate_samples,
+        makespan_s: now,
+    })
+}
+
+fn on_output(
+    out: &EngineOutput,
+    replica: usize,
+    records: &mut [RequestRecord],
+    loads: &mut [Load],
+    replica_prefill_tokens: &mut [u64],
+) {
+    let l = &mut loads[replica];
+    match *out {
+        EngineOutput::FirstToken {
+            id,
+            t,
+            cached_tokens,
+            ..
+        } => {
+            let rec = &mut records[id as usize];
+            rec.ttft_s = t - rec.arrival_s;
+            rec.cached_tokens = cached_tokens;
+            l.queued_prefill_tokens -= (rec.prompt_tokens - rec.estimated_cached_tokens) as u64;
+            l.decoding += 1;
+        }
+        EngineOutput::Token { .. } => {}
+        EngineOutput::Finished {
+            id,
+            t,
+            prompt_tokens,
+            cached_tokens,
+            ..
+        } => {
+            let rec = &mut records[id as usize];
+            rec.e2e_s = t - rec.arrival_s;
+            rec.finished = true;
+            if rec.ttft_s.is_nan() {
+                // Finished without a first token (an abort): it leaves the queue directly.
+                l.queued_prefill_tokens -= (rec.prompt_tokens - rec.estimated_cached_tokens) as u64;
+            } else {
+                l.decoding -= 1;
+            }
+            l.in_flight -= 1;
+            replica_prefill_tokens[replica] += (prompt_tokens - cached_tokens) as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::trace::TraceRequest;
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Always replica 0; remembers what it was shown.
+    struct Recorder(Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>);
+
+    impl Policy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn select(&mut self, req: &RequestView<'_>, c: &[Candidate], _random: u64) -> usize {
+            self.0
+                .lock()
+                .unwrap()
+                .push((req.prompt_tokens, req.now_us, c.to_vec()));
+            0
+        }
+    }
+
+    fn request(t: f64, ids: &[u64], prompt: u32, output: u32) -> TraceRequest {
+        TraceRequest {
+            arrival_s: t,
+            prompt_tokens: prompt,
+            output_tokens: output,
+            block_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn loads_and_records_follow_the_engine() {
+        let trace = Trace {
+            name: "t".into(),
+            requests: vec![
+                request(0.0, &[1, 2, 3, 4], 2000, 50),
+                // Arrives while the first is still prefilling: shares its first two blocks.
+                request(0.01, &[1, 2, 5], 1200, 5),
+                // Long after both finished.
+                request(100.0, &[1, 2, 3, 4], 2000, 1),
+                // Over the context limit: rejected, still accounted for.
+                request(101.0, &[9; 300], 150_000, 1),
+            ],
+        };
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
+        let run = simulate(&trace, 2, &EngineConfig::default(), &mut policy, 1).unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 4);
+        assert_eq!((seen[1].0, seen[1].1), (1200, 10_000));
+        // The first request is queued as 2000 uncached tokens on replica 0 when the second comes.
+        assert_eq!(
+            seen[1].2[0],
+            Candidate {
+                replica: 0,
+                in_flight: 1,
+                queued_prefill_tokens: 2000,
+                decoding: 0
+            }
+        );
+        assert_eq!(
+            seen[1].2[1],
+            Candidate {
+                replica: 1,
+                ..Default::default()
+            }
+        );
+        // Everything drained by the third.
+        assert_eq!(
+            seen[2].2[0],
+            Candidate {
+                replica: 0,
+                ..Default::default()
+            }
+        );
+        let r = &run.records;
+        assert!(r[..3]
+            .iter()
+            .all(|r| r.finished && !r.rejected && r.ttft_s > 0.0));
+        assert!(r[3].rejected && !r[3].finished);
+        assert_eq!(r[1].estimated_cached_tokens, 1024);
+        assert_eq!(r[2].estimated_cached_tokens, 2000);
+        assert_eq!(
+            r[2].cached_tokens, 1984,
+            "all but the last partial 16-token block"
+        );
+        assert!(r[2].ttft_s < r[0].ttft_s / 5.0);
+        assert!(r[0].e2e_s > r[0].ttft_s);
+        let computed: u64 = r
+            .iter()
+            .map(|r| (r.prompt_tokens - r.cached_tokens) as u64)
+            .take(3)
+            .sum();
+        assert_eq!(run.replica_prefill_tokens, vec![computed, 0]);
+        assert_eq!(run.prefix_queries_tokens, 5200);
+        assert!(run.duplicate_samples.len() >= 10);
+        assert!(run.makespan_s >= 100.0);
+    }
+
+    #[test]
+    fn every_policy_builds_and_unknown_names_are_refused() {
+        for name in POLICY_NAMES {
+            let p = RoutingPolicy::build(name, 4, &EngineConfig::default()).unwrap();
+            assert_eq!(p.name(), *name);
+        }
+        let e = RoutingPolicy::build("fastest", 4, &EngineConfig::default())
+            .err()
+            .unwrap();
+        assert!(e.contains("unknown policy \"fastest\""), "{e}");
+    }
+}

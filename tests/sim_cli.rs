@@ -1,0 +1,264 @@
+//! `kvlb simulate` end to end: the real binary on a slice of the Mooncake conversation trace,
+//! an Azure trace and the built-in generators. Only robust facts are asserted: every request is
+//! accounted for, rates and percentiles are ordered and in range, the per-replica work adds
+//! up, and the same input gives byte-identical output.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const TRACES: &str = "/work/shared/traces";
+
+fn kvlb(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvlb"))
+        .arg("simulate")
+        .args(args)
+        .output()
+        .expect("run kvlb simulate")
+}
+
+fn trace(name: &str) -> Option<String> {
+    let p = PathBuf::from(TRACES).join(name);
+    if p.exists() {
+        Some(p.to_string_lossy().into_owned())
+    } else {
+        eprintln!("skipped: {} is not here", p.display());
+        None
+    }
+}
+
+/// Run with `--json` and return the parsed array, after checking the exit status.
+fn json(args: &[&str]) -> (Vec<Value>, String) {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = kvlb(&all);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&stdout).expect("stdout is JSON");
+    (v.as_array().expect("a JSON array").clone(), stdout)
+}
+
+fn num(o: &Value, key: &str) -> f64 {
+    o.get(key)
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("{key} missing or not a number in {o}"))
+}
+
+/// The facts every policy's summary must satisfy.
+fn check_summary(o: &Value, requests: usize, replicas: usize) {
+    let policy = o["policy"].as_str().expect("policy name");
+    assert_eq!(num(o, "requests") as usize, requests, "{policy}");
+    let (finished, rejected) = (num(o, "finished") as usize, num(o, "rejected") as usize);
+    assert_eq!(
+        finished + rejected,
+        requests,
+        "{policy}: every request accounted for"
+    );
+    let hit = num(o, "hit_rate");
+    assert!((0.0..=1.0).contains(&hit), "{policy}: hit_rate {hit}");
+    let (p50, p90, p99) = (
+        num(o, "ttft_p50_s"),
+        num(o, "ttft_p90_s"),
+        num(o, "ttft_p99_s"),
+    );
+    assert!(
+        0.0 < p50 && p50 <= p90 && p90 <= p99,
+        "{policy}: {p50} {p90} {p99}"
+    );
+    assert!(num(o, "e2e_p99_s") >= p99, "{policy}");
+    assert!(num(o, "max_mean_load") >= 1.0, "{policy}");
+    assert!(num(o, "duplicate_kv_blocks") >= 0.0, "{policy}");
+    let prefill = num(o, "prefill_tokens") as u64;
+    assert!(
+        prefill > 0 && prefill <= num(o, "prompt_tokens") as u64,
+        "{policy}"
+    );
+    let per_replica: Vec<u64> = o["replica_prefill_tokens"]
+        .as_array()
+        .expect("replica_prefill_tokens")
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(per_replica.len(), replicas, "{policy}");
+    assert_eq!(per_replica.iter().sum::<u64>(), prefill, "{policy}");
+}
+
+fn policies(v: &[Value]) -> Vec<String> {
+    v.iter()
+        .map(|o| o["policy"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn simulate_mooncake_slice_reports_every_policy() {
+    let Some(t) = trace("mooncake_conversation_trace.jsonl") else {
+        return;
+    };
+    let (v, _) = json(&["--trace", &t, "--limit", "500", "--speedup", "2"]);
+    let names = policies(&v);
+    for p in [
+        "round_robin",
+        "random",
+        "least_loaded",
+        "power_of_two",
+        "consistent_hash",
+        "sglang_cache_aware",
+        "cache_aware",
+    ] {
+        assert!(names.iter().any(|n| n == p), "{p} missing from {names:?}");
+    }
+    for o in &v {
+        check_summary(o, 500, 4);
+        // Every conversation starts with the same block: some of every prompt is shared.
+        assert!(num(o, "hit_rate") > 0.0);
+    }
+}
+
+#[test]
+fn simulate_generators_are_deterministic() {
+    for gen in ["gen:shared-prefix", "gen:agent-sessions"] {
+        let args = ["--trace", gen, "--limit", "400", "--replicas", "3"];
+        let (v, first) = json(&args);
+        assert_eq!(v.len(), 7, "{gen}: default policies");
+        for o in &v {
+            check_summary(o, 400, 3);
+        }
+        let (_, second) = json(&args);
+        assert_eq!(first, second, "{gen}: same input, same output");
+        // Another seed is another trace.
+        let mut seeded = args.to_vec();
+        seeded.extend(["--seed", "7"]);
+        let (_, other) = json(&seeded);
+        assert_ne!(first, other, "{gen}");
+    }
+}
+
+#[test]
+fn simulate_policy_subset_table_and_plot() {
+    let dir = std::env::temp_dir().join(format!("kvlb-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(dir.clone());
+    let svg = dir.join("ttft.svg");
+    let out = kvlb(&[
+        "--trace",
+        "gen:agent-sessions",
+        "--limit",
+        "300",
+        "--policies",
+        "round_robin,sglang_cache_aware",
+        "--speedup",
+        "1.5",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[1].starts_with("policy") && lines[1].contains("ttft_p99"),
+        "{stdout}"
+    );
+    assert!(lines[2].starts_with("round_robin ") && lines[3].starts_with("sglang_cache_aware "));
+    assert!(!stdout.contains("least_loaded"));
+    let svg = std::fs::read_to_string(&svg).expect("plot written");
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("round_robin") && svg.contains("sglang_"));
+    assert_eq!(svg.matches("<polyline").count(), 2, "one CDF per policy");
+    assert_eq!(
+        svg.matches("<rect x=").count(),
+        2 * 4 + 2,
+        "a bar per replica per policy"
+    );
+}
+
+#[test]
+fn simulate_azure_trace_shares_nothing() {
+    let Some(t) = trace("azure_llm_2023_code.csv") else {
+        return;
+    };
+    let (v, _) = json(&[
+        "--trace",
+        &t,
+        "--limit",
+        "300",
+        "--policies",
+        "round_robin,least_loaded",
+    ]);
+    assert_eq!(policies(&v), vec!["round_robin", "least_loaded"]);
+    for o in &v {
+        check_summary(o, 300, 4);
+        assert_eq!(num(o, "hit_rate"), 0.0);
+        assert_eq!(num(o, "duplicate_kv_blocks"), 0.0);
+    }
+}
+
+#[test]
+fn simulate_rejects_bad_input_with_a_message() {
+    let dir = std::env::temp_dir().join(format!("kvlb-sim-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n{\"timestamp\": 5, \"input_length\": 2000, \"output_length\": 1, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    let bad = bad.to_str().unwrap().to_string();
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec![], 2, "--trace is required"),
+        (
+            vec!["--trace", "gen:agent-sessions", "--policies", "fastest"],
+            2,
+            "unknown policy \"fastest\"",
+        ),
+        (
+            vec!["--trace", "gen:agent-sessions", "--replicas", "0"],
+            2,
+            "--replicas \"0\"",
+        ),
+        (
+            vec!["--trace", "gen:agent-sessions", "--speedup", "-1"],
+            2,
+            "--speedup",
+        ),
+        (vec!["--trace", "gen:nothing"], 1, "unknown generator"),
+        (
+            vec!["--trace", "/nonexistent/trace.jsonl"],
+            1,
+            "cannot read",
+        ),
+        (
+            vec!["--trace", &bad],
+            1,
+            "line 2: input_length 2000 needs 4 hash_ids",
+        ),
+        (
+            vec!["--trace", "gen:agent-sessions", "--bogus", "1"],
+            2,
+            "unknown option",
+        ),
+    ];
+    for (args, code, message) in cases {
+        let out = kvlb(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let help = kvlb(&["--help"]);
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--speedup"));
+}
