@@ -18,7 +18,8 @@ const HELP: &str = "usage: kvlb demo [options]
   --turns N           turns per session (default 5)
   --concurrency N     sessions in flight at once (default 12)
   --time-scale X      simulated engine speed-up (default 10)
-  --policies LIST     comma-separated policies (default: round_robin and every other policy)";
+  --policies LIST     comma-separated policies (default: cache_aware,round_robin,least_loaded)
+  --verbose           print every request: session, turn, replica, TTFT and kvlb's decision";
 
 struct Opts {
     replicas: usize,
@@ -27,6 +28,7 @@ struct Opts {
     concurrency: usize,
     time_scale: f64,
     policies: Vec<String>,
+    verbose: bool,
 }
 
 struct Proc(Child);
@@ -55,10 +57,11 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
         concurrency: 12,
         time_scale: 10.0,
         policies: vec![
+            "cache_aware".into(),
             "round_robin".into(),
             "least_loaded".into(),
-            "power_of_two".into(),
         ],
+        verbose: false,
     };
     let mut i = 0;
     while i < args.len() {
@@ -66,6 +69,11 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
         if flag == "-h" || flag == "--help" {
             println!("{HELP}");
             return Ok(None);
+        }
+        if flag == "--verbose" {
+            o.verbose = true;
+            i += 1;
+            continue;
         }
         let v = args.get(i + 1).ok_or(format!("{flag} needs a value"))?;
         let num = |max: usize| -> Result<usize, String> {
@@ -190,8 +198,15 @@ fn run(o: &Opts) -> Result<(), String> {
         }
         let before = fleet_counters(&replicas)?;
         let mut cmd = Command::new(&exe);
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-            .args(["--policy", policy]);
+        cmd.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--explain",
+        ])
+        .args(["--policy", policy]);
         for r in &replicas {
             cmd.args(["--replica", &format!("http://{r}")]);
         }
@@ -200,7 +215,8 @@ fn run(o: &Opts) -> Result<(), String> {
             .iter()
             .find_map(|l| addr_after(l, "listening on "))
             .ok_or("kvlb did not say where it listens")?;
-        let r = replay(listen, o, policy)?;
+        let urls: Vec<String> = replicas.iter().map(|r| format!("http://{r}")).collect();
+        let r = replay(listen, o, policy, &urls)?;
         drop(kvlb);
         let after = fleet_counters(&replicas)?;
         let queries = after.0 - before.0;
@@ -281,12 +297,25 @@ fn fleet_counters(replicas: &[SocketAddr]) -> Result<(f64, f64), String> {
 const SYSTEM: &str = "You are a coding agent working in a large repository. Follow the user's instructions exactly, think step by step, use the tools provided to read and edit files, run the test suite after every change, and report what you changed and why. Never invent file contents: read them first. Keep answers short and precise. ";
 const TOOLS: &str = r#"[{"type":"function","function":{"name":"read_file","description":"Read a file of the repository and return its contents with line numbers.","parameters":{"type":"object","properties":{"path":{"type":"string","description":"Path relative to the repository root."},"start":{"type":"integer"},"end":{"type":"integer"}},"required":["path"]}}},{"type":"function","function":{"name":"edit_file","description":"Replace a range of lines of a file with new text.","parameters":{"type":"object","properties":{"path":{"type":"string"},"start":{"type":"integer"},"end":{"type":"integer"},"text":{"type":"string"}},"required":["path","start","end","text"]}}},{"type":"function","function":{"name":"run_tests","description":"Run the test suite, or one test by name, and return its output.","parameters":{"type":"object","properties":{"filter":{"type":"string"}}}}}]"#;
 
+/// A session's own context: its task and the source file it works on (about 6k tokens).
+fn session_context(s: usize) -> String {
+    let mut text = format!(
+        "Task {s}: the function parse_config in src/config_{s}.rs mishandles empty values. Find the cause, fix it, and add a regression test. Here is the file:\n"
+    );
+    for line in 0..400 {
+        text.push_str(&format!(
+            "{line:4}  let value_{s}_{line} = settings.get(\"key_{line}\").map(|v| v.trim()).unwrap_or_default();\n"
+        ));
+    }
+    text
+}
+
 fn json_str(s: &str) -> String {
     serde_json::to_string(s).expect("string serialises")
 }
 
 /// Replay the sessions through kvlb at `listen`.
-fn replay(listen: SocketAddr, o: &Opts, policy: &str) -> Result<Replay, String> {
+fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result<Replay, String> {
     let system = SYSTEM.repeat(12);
     let total = o.sessions * o.turns;
     let next = Arc::new(AtomicUsize::new(0));
@@ -295,27 +324,36 @@ fn replay(listen: SocketAddr, o: &Opts, policy: &str) -> Result<Replay, String> 
     let mut threads = Vec::new();
     for _ in 0..o.concurrency.min(o.sessions) {
         let (next, done, out, system) = (next.clone(), done.clone(), out.clone(), system.clone());
-        let (sessions, turns, scale) = (o.sessions, o.turns, o.time_scale);
+        let (sessions, turns, scale, verbose) = (o.sessions, o.turns, o.time_scale, o.verbose);
         let policy = policy.to_string();
+        let start = Instant::now();
         threads.push(std::thread::spawn(move || loop {
             let s = next.fetch_add(1, Ordering::Relaxed);
             if s >= sessions {
                 return;
             }
+            // Sessions arrive over time (one every 0.4 simulated seconds), not all at once.
+            let arrival = Duration::from_secs_f64(0.4 * s as f64 / scale);
+            if let Some(wait) = arrival.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
             let mut messages = format!(
                 r#"{{"role":"system","content":{}}},{{"role":"user","content":{}}}"#,
                 json_str(&system),
-                json_str(&format!(
-                    "Task {s}: the function parse_config in src/config_{s}.rs mishandles empty values. {}",
-                    "Find the cause, fix it, and add a regression test. ".repeat(8)
-                ))
+                json_str(&session_context(s))
             );
             for t in 0..turns {
                 let body = format!(
                     r#"{{"model":"sim-8b","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{messages}]}}"#
                 );
                 match stream_chat(listen, body.as_bytes()) {
-                    Ok((ttft, replica, text)) => {
+                    Ok((ttft, replica, text, decision)) => {
+                        if verbose {
+                            eprintln!(
+                                "{policy} session {s} turn {t}: {replica} ttft {:.3}s {decision}",
+                                ttft * scale
+                            );
+                        }
                         let mut g = out.lock().unwrap();
                         g.0.push(ttft * scale);
                         g.1.push(replica);
@@ -346,9 +384,6 @@ fn replay(listen: SocketAddr, o: &Opts, policy: &str) -> Result<Replay, String> 
     if let Some(e) = &g.2 {
         return Err(format!("a request through kvlb failed: {e}"));
     }
-    let mut urls: Vec<String> = g.1.clone();
-    urls.sort();
-    urls.dedup();
     let per_replica = urls
         .iter()
         .map(|u| g.1.iter().filter(|x| *x == u).count())
@@ -372,8 +407,9 @@ fn progress(policy: &str, n: usize, total: usize) {
     );
 }
 
-/// One streaming chat request: (seconds to the first SSE event, replica, generated text).
-fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String), String> {
+/// One streaming chat request: (seconds to the first SSE event, replica, generated text,
+/// kvlb's decision header).
+fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, String), String> {
     let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
     s.set_nodelay(true).ok();
     s.set_read_timeout(Some(Duration::from_secs(120))).ok();
@@ -408,6 +444,11 @@ fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String), S
         .find_map(|l| l.strip_prefix("x-kvlb-replica: "))
         .unwrap_or("?")
         .to_string();
+    let decision = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-kvlb-decision: "))
+        .unwrap_or("")
+        .to_string();
     let mut content = String::new();
     for line in rest.lines() {
         let Some(data) = line.strip_prefix("data: ") else {
@@ -419,7 +460,7 @@ fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String), S
             }
         }
     }
-    Ok((ttft.ok_or("no SSE event")?, replica, content))
+    Ok((ttft.ok_or("no SSE event")?, replica, content, decision))
 }
 
 /// A small blocking HTTP/1.1 exchange (Connection: close).
