@@ -349,6 +349,18 @@ fn show_sessions(log: &SessionLog) -> String {
         }
         out.push('\n');
     }
+    for (s, turns) in log.iter().enumerate() {
+        for (t, r) in turns.iter().enumerate().skip(1) {
+            if r.decision.reason != "cache" || r.replica != turns[t - 1].replica {
+                out.push_str(&format!(
+                    "chat {s} turn {}: {} <- {}\n",
+                    t + 1,
+                    r.replica,
+                    r.decision.raw
+                ));
+            }
+        }
+    }
     out
 }
 
