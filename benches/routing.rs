@@ -7,6 +7,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvlb::http::request::Method;
+use kvlb::prefix::{hash_request, PrefixConfig, PrefixHashes, BLOCK_BYTES};
 use kvlb::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use kvlb::select::{CacheAware, CacheAwareConfig, Candidate, Policy, RequestView, Rng};
 use std::sync::Arc;
@@ -66,6 +67,37 @@ fn populated(replicas: usize) -> (Arc<ResidencyIndex>, ResidencyWriter, Vec<u64>
     w.insert(2, &probe, 1).unwrap();
     w.insert(3, &probe[..64], 1).unwrap();
     (idx, w, probe)
+}
+
+/// An OpenAI chat body of about `target` bytes: a system prompt, a tool, and turns of prose.
+fn chat_body(target: usize) -> String {
+    let words = [
+        "the", "replica", "cache", "prefix", "holds", "tokens", "request", "queue", "prefill",
+        "routing", "agent", "history", "schema", "function", "returns", "value", "when", "under",
+    ];
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are a careful assistant. ".repeat(40)}),
+    ];
+    let mut size = 2000;
+    let mut k = 0u64;
+    while size < target {
+        let text: String = (0..300)
+            .map(|i| words[((k * 31 + i * 7) % words.len() as u64) as usize])
+            .collect::<Vec<_>>()
+            .join(" ");
+        size += text.len() + 40;
+        let role = if k % 2 == 0 { "user" } else { "assistant" };
+        messages.push(serde_json::json!({"role": role, "content": text}));
+        k += 1;
+    }
+    serde_json::json!({
+        "model": "Qwen/Qwen3-8B",
+        "stream": true,
+        "tools": [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}],
+        "messages": messages,
+    })
+    .to_string()
 }
 
 fn routing(c: &mut Criterion) {
@@ -146,6 +178,45 @@ fn routing(c: &mut Criterion) {
             log.recorded(),
             log.dropped()
         );
+        // The whole routing path of one request: a 32 KiB chat body (about 8k tokens) is
+        // extracted and hashed, looked up and a replica selected.
+        let body = chat_body(32 * 1024);
+        let prefix_cfg = PrefixConfig::default();
+        let mut hashes = PrefixHashes::new(&prefix_cfg);
+        hash_request(
+            b"/v1/chat/completions",
+            body.as_bytes(),
+            &prefix_cfg,
+            &mut hashes,
+        )
+        .unwrap();
+        writer.insert(1, &hashes.hashes, 2).unwrap();
+        writer
+            .insert(2, &hashes.hashes[..hashes.hashes.len() / 2], 2)
+            .unwrap();
+        group.bench_function(BenchmarkId::new("full_path_32k_chat", replicas), |b| {
+            let mut now_us = 0;
+            b.iter(|| {
+                now_us += 1000;
+                hash_request(
+                    b"/v1/chat/completions",
+                    black_box(body.as_bytes()),
+                    &prefix_cfg,
+                    &mut hashes,
+                )
+                .unwrap();
+                let view = RequestView {
+                    method: Method::Post,
+                    path: b"/v1/chat/completions",
+                    body: body.as_bytes(),
+                    blocks: &hashes.hashes,
+                    block_tokens: BLOCK_BYTES as u32 / 4,
+                    prompt_tokens: hashes.est_prompt_tokens,
+                    now_us,
+                };
+                black_box(policy.select(&view, &candidates, rng.next_u64()))
+            })
+        });
         group.bench_with_input(BenchmarkId::new("select", replicas), &probe, |b, p| {
             let mut now_us = 0;
             b.iter(|| {
