@@ -714,66 +714,43 @@ async fn read_response_head(
 async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -> Forwarded {
     let rc = &w.stats().replicas[replica];
     let url: &str = &w.shared.cfg.replicas[replica].url;
-    conn.obuf.clear();
-    let close = true;
-    match f {
+    let (status, reason, kind, msg) = match f {
         UpstreamFailure::ClientGone => {
             rc.client_aborts.fetch_add(1, Relaxed);
             return Forwarded::Close;
         }
-        UpstreamFailure::Timeout => {
-            rc.gateway_timeout.fetch_add(1, Relaxed);
-            let msg = format!("replica {url} did not answer within the upstream timeout");
-            write_error(
-                &mut conn.obuf,
-                504,
-                "Gateway Timeout",
-                "upstream_timeout",
-                &msg,
-                Some(url),
-                close,
-            );
-        }
-        UpstreamFailure::Connect(e) => {
-            rc.bad_gateway.fetch_add(1, Relaxed);
-            let msg = format!("cannot connect to replica {url}: {e}");
-            write_error(
-                &mut conn.obuf,
-                502,
-                "Bad Gateway",
-                "upstream_error",
-                &msg,
-                Some(url),
-                close,
-            );
-        }
-        UpstreamFailure::Closed => {
-            rc.bad_gateway.fetch_add(1, Relaxed);
-            let msg = format!("replica {url} closed the connection before answering");
-            write_error(
-                &mut conn.obuf,
-                502,
-                "Bad Gateway",
-                "upstream_error",
-                &msg,
-                Some(url),
-                close,
-            );
-        }
-        UpstreamFailure::Invalid => {
-            rc.bad_gateway.fetch_add(1, Relaxed);
-            let msg = format!("replica {url} sent an invalid response head");
-            write_error(
-                &mut conn.obuf,
-                502,
-                "Bad Gateway",
-                "upstream_error",
-                &msg,
-                Some(url),
-                close,
-            );
-        }
+        UpstreamFailure::Timeout => (
+            504,
+            "Gateway Timeout",
+            "upstream_timeout",
+            format!("replica {url} did not answer within the upstream timeout"),
+        ),
+        UpstreamFailure::Connect(e) => (
+            502,
+            "Bad Gateway",
+            "upstream_error",
+            format!("cannot connect to replica {url}: {e}"),
+        ),
+        UpstreamFailure::Closed => (
+            502,
+            "Bad Gateway",
+            "upstream_error",
+            format!("replica {url} closed the connection before answering"),
+        ),
+        UpstreamFailure::Invalid => (
+            502,
+            "Bad Gateway",
+            "upstream_error",
+            format!("replica {url} sent an invalid response head"),
+        ),
+    };
+    if status == 504 {
+        rc.gateway_timeout.fetch_add(1, Relaxed);
+    } else {
+        rc.bad_gateway.fetch_add(1, Relaxed);
     }
+    conn.obuf.clear();
+    write_error(&mut conn.obuf, status, reason, kind, &msg, Some(url), true);
     let n = conn.obuf.len();
     let (_, b) = op::send_all(conn.fd, std::mem::take(&mut conn.obuf), 0, n).await;
     conn.obuf = b;
