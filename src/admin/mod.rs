@@ -112,6 +112,7 @@ fn route(method: &str, path: &str, shared: &Shared) -> (u16, &'static str, Strin
                         "in_flight": load.in_flight.load(Relaxed),
                         "available": load.down_until_ms.load(Relaxed) <= now,
                         "responses": responses,
+                        "resident_blocks": shared.residency.replica_blocks(i),
                         "telemetry": shared.telemetry[i].to_json(now),
                     })
                 })
