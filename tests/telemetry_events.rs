@@ -258,3 +258,197 @@ fn replica_events_steer_token_prompts_and_clears_undo_them() {
     assert!(t1["events_seen"].as_u64().unwrap() >= 2, "{t1}");
     assert_eq!(t1["stale"], false, "{t1}");
 }
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The test interpreter; fails (never skips) without pyzmq and msgspec.
+fn python() -> PathBuf {
+    let py: PathBuf = match std::env::var_os("KVLB_PYTHON") {
+        Some(p) => p.into(),
+        None if repo().join(".venv/bin/python").exists() => repo().join(".venv/bin/python"),
+        None => "python3".into(),
+    };
+    let ok = Command::new(&py)
+        .args(["-c", "import zmq, msgspec"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "{} cannot import zmq and msgspec. Run `bash tests/run.sh` once (it creates .venv), or \
+         `python3 -m venv .venv && .venv/bin/pip install pyzmq msgspec`, or point KVLB_PYTHON \
+         at an interpreter that has them.",
+        py.display()
+    );
+    py
+}
+
+/// tests/py/kv_publisher.py: a pyzmq publisher driven by JSON commands.
+struct PyPublisher {
+    proc: ChildGuard,
+    endpoint: String,
+    replay: Option<String>,
+}
+
+impl PyPublisher {
+    fn start(format: &str, replay: bool) -> PyPublisher {
+        let mut cmd = Command::new(python());
+        cmd.arg(repo().join("tests/py/kv_publisher.py"))
+            .args(["--format", format]);
+        if replay {
+            cmd.arg("--replay");
+        }
+        let mut proc = ChildGuard::spawn(cmd, false);
+        let hello: Value = serde_json::from_str(&proc.next_line()).unwrap();
+        PyPublisher {
+            endpoint: hello["endpoint"].as_str().unwrap().to_string(),
+            replay: hello["replay"].as_str().map(String::from),
+            proc,
+        }
+    }
+
+    fn command(&mut self, cmd: Value) -> Value {
+        let stdin = self.proc.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+        let reply: Value = serde_json::from_str(&self.proc.next_line()).unwrap();
+        assert_eq!(reply["ok"], true, "publisher said {reply} to {cmd}");
+        reply
+    }
+
+    fn publish(&mut self, seq: u64, events: Value, send: bool) {
+        self.command(json!({"op": "publish", "seq": seq, "events": events, "send": send}));
+    }
+}
+
+/// BlockStored events for `tokens` in 16-token blocks with SGLang-style signed hashes
+/// (`-(first_id + i)`), split in two chained events.
+fn stored_events(tokens: &[u32], first_id: i64) -> Value {
+    let blocks = tokens.len() / 16;
+    let ids: Vec<i64> = (0..blocks as i64).map(|i| -(first_id + i)).collect();
+    let half = blocks / 2;
+    json!([
+        {"type": "BlockStored", "block_hashes": ids[..half], "parent_block_hash": null,
+         "token_ids": tokens[..half * 16], "block_size": 16, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": ids[half..], "parent_block_hash": ids[half - 1],
+         "token_ids": tokens[half * 16..blocks * 16], "block_size": 16, "medium": "GPU"},
+    ])
+}
+
+fn telemetry_of(kvlb: &Kvlb, r: usize) -> Value {
+    let all = replicas_json(kvlb);
+    let mut t = all[r]["telemetry"].clone();
+    t["resident_blocks"] = all[r]["resident_blocks"].clone();
+    t
+}
+
+/// Replica 1's events come from the Python publisher (its HTTP side is a simulated replica).
+fn spec_publisher_scenario(format: &str, with_replay: bool) {
+    let reps = start_replicas(2);
+    let mut publisher = PyPublisher::start(format, with_replay);
+    let mut r1 = format!("http://{},kv_events={}", reps.http[1], publisher.endpoint);
+    if let Some(replay) = &publisher.replay {
+        r1.push_str(&format!(",kv_replay={replay}"));
+    }
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+
+    // seq 0: prompt A stored on replica 1 (signed hashes, chained parent).
+    let a = token_prompt(4096, 2);
+    publisher.publish(0, stored_events(&a, 1), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 256),
+        "{format}: kvlb did not learn prompt A: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let via = post(kvlb.listen, "/v1/completions", &completion_body(&a));
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(
+        via.header("x-kvlb-replica"),
+        Some(r1.split(',').next().unwrap()),
+        "{format}: {}",
+        via.describe()
+    );
+    assert_eq!(decision(&via).0, "cache", "{format}: {}", via.describe());
+
+    let b = token_prompt(256, 3);
+    if with_replay {
+        // seq 1 is kept but never sent; seq 2 shows the gap and replay fills it.
+        publisher.publish(1, stored_events(&b, 1000), false);
+        publisher.publish(2, json!([]), true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["replays"] == 1),
+            "{format}: no replay: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 256 + 16),
+            "{format}: replayed blocks missing: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        assert_eq!(telemetry_of(&kvlb, 1)["stale"], false);
+    } else {
+        // seq 2 after 0: a gap with no replay clears replica 1 and marks it stale.
+        publisher.publish(2, stored_events(&b, 1000), true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["gaps"] == 1),
+            "{format}: gap not seen: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        assert_eq!(telemetry_of(&kvlb, 1)["stale"], true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 16),
+            "{format}: only the batch after the gap should be left: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        // The next in-order batch lifts the stale mark.
+        publisher.publish(3, json!([]), true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["stale"] == false),
+            "{format}: still stale: {}",
+            telemetry_of(&kvlb, 1)
+        );
+    }
+
+    // The sequence going backwards (engine restart) drops everything known.
+    let c = token_prompt(64, 4);
+    publisher.publish(0, stored_events(&c, 5000), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["restarts"] == 1),
+        "{format}: restart not seen: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 4),
+        "{format}: residency after restart: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let again = post(kvlb.listen, "/v1/completions", &completion_body(&a));
+    assert_eq!(again.status, 200, "{}", again.describe());
+    let (reason, matched) = decision(&again);
+    assert!(
+        reason != "cache" || matched == 0,
+        "{format}: {}",
+        again.describe()
+    );
+}
+
+#[test]
+fn spec_publisher_map_encoding_gap_without_replay() {
+    spec_publisher_scenario("map", false);
+}
+
+#[test]
+fn spec_publisher_array_encoding_gap_with_replay() {
+    spec_publisher_scenario("array", true);
+}
