@@ -23,6 +23,9 @@ use std::time::Duration;
 /// dropped rather than grow without bound on a stream that never removes.
 pub const MAX_CHAIN_BLOCKS: usize = 4 << 20;
 
+/// What a replay request returned: the kept batches with their sequence numbers.
+pub type ReplayAnswer = std::io::Result<Vec<(u64, KvEventBatch)>>;
+
 /// Where a message's sequence number stands against the last one applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqCheck {
@@ -209,7 +212,7 @@ impl EventState {
         &mut self,
         frames: &[Vec<u8>],
         tel: &ReplicaTelemetry,
-        replay: &mut dyn FnMut(u64) -> Option<std::io::Result<Vec<(u64, KvEventBatch)>>>,
+        replay: &mut dyn FnMut(u64) -> Option<ReplayAnswer>,
         ops: &mut Vec<ResidencyOp>,
     ) -> Result<usize, String> {
         let (seq, payload) = match frames {

@@ -219,10 +219,18 @@ pub fn start(
     Ok((ResidencyFeed::new(shared, rx), threads))
 }
 
+/// A Prometheus series: name, type, help, and the value of one replica at `now_ms`.
+type Series = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&ReplicaTelemetry, u64) -> Option<f64>,
+);
+
 /// Append the per-replica telemetry gauges to a Prometheus text exposition.
 pub fn render_metrics(shared: &Shared, out: &mut String) {
     let now = shared.now_ms();
-    let series: [(&str, &str, &str, fn(&ReplicaTelemetry, u64) -> Option<f64>); 9] = [
+    let series: [Series; 9] = [
         (
             "kvlb_replica_running",
             "gauge",

@@ -43,7 +43,7 @@ fn kvlb_hashes(tokens: std::ops::Range<u32>) -> Vec<u64> {
     out
 }
 
-type Replay = Box<dyn FnMut(u64) -> Option<std::io::Result<Vec<(u64, KvEventBatch)>>>>;
+type Replay = Box<dyn FnMut(u64) -> Option<super::events::ReplayAnswer>>;
 
 fn no_replay() -> Replay {
     Box::new(|_| None)
@@ -201,7 +201,7 @@ fn gaps_replay_or_clear_and_restarts_clear() {
     s.receive(&frames(0, &b0), &tel, &mut no_replay(), &mut ops)
         .unwrap();
     // Gap filled by replay: batch 1 applied before 2, no clear.
-    let kept = vec![(0, b0.clone()), (1, b1.clone()), (2, b2.clone())];
+    let kept = [(0, b0.clone()), (1, b1.clone()), (2, b2.clone())];
     let mut replay: Replay = Box::new(move |from| {
         Some(Ok(kept
             .iter()
@@ -282,7 +282,7 @@ fn joining_a_running_stream_replays_from_zero() {
     let mut s = EventState::new(0, 16);
     let b0 = batch(vec![stored(&[1], None, 0..16)]);
     let b1 = batch(vec![stored(&[2], Some(1), 16..32)]);
-    let kept = vec![(0, b0.clone()), (1, b1.clone())];
+    let kept = [(0, b0.clone()), (1, b1.clone())];
     let mut replay: Replay = Box::new(move |from| {
         Some(Ok(kept
             .iter()
