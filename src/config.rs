@@ -48,6 +48,24 @@ pub struct ReplicaConfig {
     pub kv_events: Option<String>,
     /// The replica's KV event replay ROUTER endpoint (`tcp://HOST:PORT`), used after a gap.
     pub kv_replay: Option<String>,
+    /// Poll the replica's GET /metrics: Some(on/off) as configured; None = only when it has
+    /// `kv_events` (a real engine; plain HTTP backends need not serve /metrics).
+    pub metrics: Option<bool>,
+}
+
+impl ReplicaConfig {
+    /// Whether kvlb polls this replica's /metrics.
+    pub fn scrape_metrics(&self) -> bool {
+        self.metrics.unwrap_or(self.kv_events.is_some())
+    }
+}
+
+fn parse_switch(key: &str, v: &str) -> Result<bool, ConfigError> {
+    match v {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(bad(key, v, "expected true or false")),
+    }
 }
 
 /// Replica telemetry (see `crate::telemetry`): metrics scraping and KV event freshness.
@@ -273,6 +291,7 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         kv_capacity_tokens: DEFAULT_KV_CAPACITY_TOKENS,
         kv_events: None,
         kv_replay: None,
+        metrics: None,
     })
 }
 
@@ -298,12 +317,13 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
             }
             "kv_events" => r.kv_events = Some(parse_zmq_endpoint(&format!("{key} kv_events"), val)?),
             "kv_replay" => r.kv_replay = Some(parse_zmq_endpoint(&format!("{key} kv_replay"), val)?),
+            "metrics" => r.metrics = Some(parse_switch(&format!("{key} metrics"), val)?),
             _ => {
                 return Err(bad(
                     key,
                     v,
                     &format!(
-                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_events, kv_replay)"
+                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_events, kv_replay, metrics)"
                     ),
                 ))
             }
@@ -440,6 +460,7 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
   --replica URL,kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]
                            the same, subscribing to the replica's KV cache events (and replay)
+  --replica URL,metrics=on|off   poll the replica's /metrics (default: on when kv_events is set)
   --metrics-interval DUR   how often each replica's /metrics is polled (default 1s)
   --telemetry-stale-after DUR  no events nor metrics this long: drop the replica's residency (default 30s)
   --routed-guess-ttl DUR   with KV events, routing guesses not confirmed this long are dropped (default 2s)
@@ -483,7 +504,13 @@ const FILE_KEYS: &[&str] = &[
     "routed_guess_ttl",
 ];
 
-const REPLICA_KEYS: &[&str] = &["url", "kv_capacity_tokens", "kv_events", "kv_replay"];
+const REPLICA_KEYS: &[&str] = &[
+    "url",
+    "kv_capacity_tokens",
+    "kv_events",
+    "kv_replay",
+    "metrics",
+];
 
 const COST_MODEL_KEYS: &[&str] = &[
     "prefill_a_s",
@@ -681,6 +708,16 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                             *slot = Some(parse_zmq_endpoint(&key, s)?);
                         }
                     }
+                    if let Some(v) = t.get("metrics") {
+                        let key = format!("replica[{i}].metrics");
+                        replica.metrics = Some(match v {
+                            toml::Value::Boolean(b) => *b,
+                            toml::Value::String(s) => parse_switch(&key, s)?,
+                            other => {
+                                return Err(bad(&key, &other.to_string(), "expected true or false"))
+                            }
+                        });
+                    }
                     check_replay(&format!("replica[{i}]"), &replica)?;
                     cfg.replicas.push(replica);
                 }
@@ -851,6 +888,18 @@ mod tests {
         assert_eq!(r.kv_capacity_tokens, 1000);
         assert_eq!(c.telemetry.metrics_interval, Duration::from_millis(250));
         assert_eq!(c.telemetry.stale_after, Duration::from_secs(5));
+        assert!(r.scrape_metrics());
+        let c = from_args(&args(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000 --replica http://127.0.0.1:8001,metrics=on",
+        ))
+        .unwrap();
+        assert!(!c.replicas[0].scrape_metrics() && c.replicas[1].scrape_metrics());
+        let e = from_args(&args(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,metrics=sometimes",
+        ))
+        .unwrap_err()
+        .unwrap();
+        assert!(e.0.contains("metrics") && e.0.contains("sometimes"), "{e}");
         for bad_value in [
             "ipc:///tmp/x",
             "tcp://127.0.0.1",
@@ -886,6 +935,12 @@ mod tests {
             Some("tcp://127.0.0.1:5558")
         );
         assert_eq!(c.replicas[0].kv_capacity_tokens, 2048);
+        apply_toml(
+            &mut c,
+            "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nmetrics = true\n",
+        )
+        .unwrap();
+        assert!(c.replicas[0].scrape_metrics());
         let e = apply_toml(
             &mut c,
             "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_events = \"udp://x:1\"\n",

@@ -9,7 +9,8 @@
 //!   a bounded channel. Sequence gaps are filled by replay when `kv_replay` is configured, else
 //!   the replica's residency is cleared and it is marked stale until in-order events resume; a
 //!   sequence going backwards (engine restart) clears it.
-//! * `scrape`: one thread per replica polls GET /metrics every `metrics_interval` and publishes
+//! * `scrape`: one thread per replica (those with `metrics` on, by default those with
+//!   `kv_events`) polls GET /metrics every `metrics_interval` and publishes
 //!   running / waiting requests and KV usage as atomics (`ReplicaTelemetry`) shown in /replicas
 //!   and /metrics. Feeding them into the cost model is a later step.
 //!
@@ -208,6 +209,9 @@ pub fn start(
                     .name(format!("kvlb-events-{r}"))
                     .spawn(move || events::run(source, shared, tx, stop))?,
             );
+        }
+        if !replica.scrape_metrics() {
+            continue;
         }
         let (shared, stop) = (shared.clone(), stop.clone());
         threads.push(
