@@ -328,6 +328,9 @@ pub fn run(
     stop: Arc<AtomicBool>,
 ) {
     let tel = &shared.telemetry[source.replica];
+    // Without metrics, an open event connection is the only sign of life of an idle engine
+    // (an idle engine publishes nothing): count it as fresh telemetry.
+    let connection_is_liveness = !shared.cfg.replicas[source.replica].scrape_metrics();
     let mut state = EventState::new(source.replica, source.token_block_size);
     let mut backoff = BACKOFF_MIN;
     let mut ops = Vec::new();
@@ -366,7 +369,12 @@ pub fn run(
         while !stop.load(Relaxed) {
             let frames = match sub.recv(RECV_SLICE) {
                 Ok(Some(f)) => f,
-                Ok(None) => continue,
+                Ok(None) => {
+                    if connection_is_liveness {
+                        tel.touch(shared.now_ms());
+                    }
+                    continue;
+                }
                 Err(_) => break,
             };
             ops.clear();

@@ -24,7 +24,7 @@ use std::sync::Arc;
 /// Operations applied per tick at most (the rest wait for the next millisecond).
 pub const MAX_OPS_PER_TICK: usize = 4096;
 /// How often guesses are expired and staleness checked.
-pub const SWEEP_PERIOD_US: u64 = 250_000;
+pub const SWEEP_PERIOD_US: u64 = 500_000;
 
 pub struct ResidencyFeed {
     shared: Arc<Shared>,

@@ -18,7 +18,9 @@
 //! `on_tick`): it drains the channel without ever blocking the writer, applies the operations,
 //! and keeps event-backed replicas honest: routing guesses there expire after
 //! `routed_guess_ttl` unless events confirmed them, and a replica silent (no events, no
-//! metrics) for `telemetry_stale_after` loses its residency and is shown stale.
+//! metrics) for `telemetry_stale_after` loses its residency and is shown stale. An idle engine
+//! publishes no events, so on a replica whose metrics are not polled an open event connection
+//! counts as a sign of life.
 //!
 //! # Only token-mode requests match event-derived blocks (for now)
 //! Engines report 16-token blocks keyed by token ids; kvlb hashes those token ids with its own
