@@ -293,9 +293,20 @@ struct PyPublisher {
 
 impl PyPublisher {
     fn start(format: &str, replay: bool) -> PyPublisher {
+        PyPublisher::start_on(format, replay, 0, "")
+    }
+
+    /// On a given PUB port (0: any) with a topic frame.
+    fn start_on(format: &str, replay: bool, port: u16, topic: &str) -> PyPublisher {
         let mut cmd = Command::new(python());
-        cmd.arg(repo().join("tests/py/kv_publisher.py"))
-            .args(["--format", format]);
+        cmd.arg(repo().join("tests/py/kv_publisher.py")).args([
+            "--format",
+            format,
+            "--port",
+            &port.to_string(),
+            "--topic",
+            topic,
+        ]);
         if replay {
             cmd.arg("--replay");
         }
@@ -451,4 +462,49 @@ fn spec_publisher_map_encoding_gap_without_replay() {
 #[test]
 fn spec_publisher_array_encoding_gap_with_replay() {
     spec_publisher_scenario("array", true);
+}
+
+/// The publisher goes away and an engine comes back on the same endpoint numbering from 0
+/// again: kvlb reconnects on its own and drops what the old engine had stored.
+#[test]
+fn reconnects_after_publisher_restart_and_forgets_the_old_engine() {
+    let reps = start_replicas(1);
+    let mut publisher = PyPublisher::start_on("map", false, 0, "kv@pod-0@Qwen/Qwen3-8B");
+    let port: u16 = publisher
+        .endpoint
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let r0 = format!("http://{},kv_events={}", reps.http[0], publisher.endpoint);
+    let kvlb = Kvlb::serve(&["--explain", "--workers", "1", "--replica", &r0]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    let a = token_prompt(512, 5);
+    publisher.publish(0, stored_events(&a, 1), true);
+    publisher.publish(1, json!([]), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 0)["resident_blocks"] == 32),
+        "{}",
+        telemetry_of(&kvlb, 0)
+    );
+    drop(publisher);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 0)["events_connected"] == false),
+        "kvlb did not notice the publisher left: {}",
+        telemetry_of(&kvlb, 0)
+    );
+    let mut restarted = PyPublisher::start_on("map", false, port, "kv@pod-0@Qwen/Qwen3-8B");
+    restarted.command(json!({"op": "wait_subscribed"}));
+    let b = token_prompt(64, 6);
+    restarted.publish(0, stored_events(&b, 1), true);
+    assert!(
+        wait_until(T, || {
+            let t = telemetry_of(&kvlb, 0);
+            t["restarts"] == 1 && t["resident_blocks"] == 4
+        }),
+        "kvlb kept the old engine's blocks: {}",
+        telemetry_of(&kvlb, 0)
+    );
+    assert_eq!(telemetry_of(&kvlb, 0)["connects"], 2);
 }

@@ -173,6 +173,7 @@ impl ReplicaTelemetry {
             "gaps": self.gaps.load(Relaxed),
             "replays": self.replays.load(Relaxed),
             "restarts": self.restarts.load(Relaxed),
+            "connects": self.connects.load(Relaxed),
         })
     }
 }

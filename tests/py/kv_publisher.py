@@ -1,7 +1,7 @@
 """A KV event publisher written from replica-interfaces.md section 1 (not from kvlb's code):
 real libzmq (pyzmq) sockets, msgpack by msgspec Structs, in either event encoding.
 
-    kv_publisher.py --format map|array [--replay]
+    kv_publisher.py --format map|array [--replay] [--port N] [--topic T]
 
 Binds an XPUB socket on tcp://127.0.0.1 (a PUB that also reports subscriptions, so the test
 can wait for its subscriber; the wire a SUB sees is the same) and, with --replay, a ROUTER that
@@ -105,12 +105,17 @@ def main():
     ap.add_argument("--format", choices=["map", "array"], default="map")
     ap.add_argument("--replay", action="store_true")
     ap.add_argument("--topic", default="")
+    ap.add_argument("--port", type=int, default=0, help="PUB port (0: any free one)")
     args = ap.parse_args()
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    if args.port:
+        pub.bind(f"tcp://127.0.0.1:{args.port}")
+        port = args.port
+    else:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
     topic = args.topic.encode()
     kept = []  # (seq, payload)
     lock = threading.Lock()
