@@ -44,6 +44,81 @@ pub struct ReplicaConfig {
     pub authority: String,
     /// KV cache capacity in tokens: bounds what kvlb assumes resident there.
     pub kv_capacity_tokens: u64,
+    /// The replica's KV event PUB endpoint (`tcp://HOST:PORT`): kvlb subscribes to it.
+    pub kv_events: Option<String>,
+    /// The replica's KV event replay ROUTER endpoint (`tcp://HOST:PORT`), used after a gap.
+    pub kv_replay: Option<String>,
+    /// Poll the replica's GET /metrics: Some(on/off) as configured; None = only when it has
+    /// `kv_events` (a real engine; plain HTTP backends need not serve /metrics).
+    pub metrics: Option<bool>,
+}
+
+impl ReplicaConfig {
+    /// Whether kvlb polls this replica's /metrics.
+    pub fn scrape_metrics(&self) -> bool {
+        self.metrics.unwrap_or(self.kv_events.is_some())
+    }
+}
+
+fn parse_switch(key: &str, v: &str) -> Result<bool, ConfigError> {
+    match v {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(bad(key, v, "expected true or false")),
+    }
+}
+
+/// Replica telemetry (see `crate::telemetry`): metrics scraping and KV event freshness.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetryConfig {
+    /// How often each replica's GET /metrics is polled.
+    pub metrics_interval: Duration,
+    /// No events and no metrics for this long: the replica's residency is dropped and it is
+    /// shown as stale.
+    pub stale_after: Duration,
+    /// On replicas with live KV events, blocks kvlb only assumed from its own routing are
+    /// dropped once this old unless events confirmed them.
+    pub routed_guess_ttl: Duration,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> TelemetryConfig {
+        TelemetryConfig {
+            metrics_interval: Duration::from_secs(1),
+            stale_after: Duration::from_secs(30),
+            routed_guess_ttl: Duration::from_secs(2),
+        }
+    }
+}
+
+/// `tcp://HOST:PORT` for a replica's KV event sockets (only TCP; any host, port 1..=65535).
+pub fn parse_zmq_endpoint(key: &str, v: &str) -> Result<String, ConfigError> {
+    let rest = v
+        .strip_prefix("tcp://")
+        .ok_or_else(|| bad(key, v, "expected tcp://HOST:PORT, e.g. tcp://10.0.0.5:5557"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| bad(key, v, "expected tcp://HOST:PORT (no port given)"))?;
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
+        }
+    };
+    if !host_ok {
+        return Err(bad(
+            key,
+            v,
+            "invalid host (a name, an IPv4 address or [IPv6])",
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(v.to_string()),
+        _ => Err(bad(key, v, "invalid port (1..=65535)")),
+    }
 }
 
 /// Default KV capacity of a replica: an 8B model on one 80 GB GPU (about 400k tokens).
@@ -133,6 +208,7 @@ pub struct ServeConfig {
     /// Add `x-kvlb-decision` to responses.
     pub explain: bool,
     pub cost_model: CostModel,
+    pub telemetry: TelemetryConfig,
 }
 
 /// A configuration error: printed as `kvlb: invalid configuration: {0}`, exit status 2.
@@ -213,6 +289,9 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         addr,
         authority: authority.to_string(),
         kv_capacity_tokens: DEFAULT_KV_CAPACITY_TOKENS,
+        kv_events: None,
+        kv_replay: None,
+        metrics: None,
     })
 }
 
@@ -236,16 +315,33 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
                         )
                     })?
             }
+            "kv_events" => r.kv_events = Some(parse_zmq_endpoint(&format!("{key} kv_events"), val)?),
+            "kv_replay" => r.kv_replay = Some(parse_zmq_endpoint(&format!("{key} kv_replay"), val)?),
+            "metrics" => r.metrics = Some(parse_switch(&format!("{key} metrics"), val)?),
             _ => {
                 return Err(bad(
                     key,
                     v,
-                    &format!("unknown replica option {k:?} (known: kv_capacity_tokens)"),
+                    &format!(
+                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_events, kv_replay, metrics)"
+                    ),
                 ))
             }
         }
     }
+    check_replay(key, &r)?;
     Ok(r)
+}
+
+fn check_replay(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
+    match (&r.kv_replay, &r.kv_events) {
+        (Some(replay), None) => Err(bad(
+            &format!("{key} kv_replay"),
+            replay,
+            "needs kv_events too (replay only fills gaps in the event stream)",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// `0`, `2-5`, `0,2`, `0-1,4` -> core ids.
@@ -351,6 +447,7 @@ impl Default for ServeConfig {
             },
             explain: false,
             cost_model: CostModel::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -361,6 +458,12 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --listen ADDR            client listener, repeatable (e.g. 0.0.0.0:8080)
   --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
   --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
+  --replica URL,kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]
+                           the same, subscribing to the replica's KV cache events (and replay)
+  --replica URL,metrics=on|off   poll the replica's /metrics (default: on when kv_events is set)
+  --metrics-interval DUR   how often each replica's /metrics is polled (default 1s)
+  --telemetry-stale-after DUR  no events nor metrics this long: drop the replica's residency (default 30s)
+  --routed-guess-ttl DUR   with KV events, routing guesses not confirmed this long are dropped (default 2s)
   --policy NAME            cache_aware | round_robin | least_loaded | power_of_two (default cache_aware)
   --explain                add x-kvlb-decision to responses (matched tokens, estimates, reason)
   --min-match-tokens N     cache_aware: shorter prefix matches count as none (default 256)
@@ -396,6 +499,17 @@ const FILE_KEYS: &[&str] = &[
     "drain_timeout",
     "explain",
     "cost_model",
+    "metrics_interval",
+    "telemetry_stale_after",
+    "routed_guess_ttl",
+];
+
+const REPLICA_KEYS: &[&str] = &[
+    "url",
+    "kv_capacity_tokens",
+    "kv_events",
+    "kv_replay",
+    "metrics",
 ];
 
 const COST_MODEL_KEYS: &[&str] = &[
@@ -481,6 +595,9 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "connect_timeout" => cfg.timeouts.connect = parse_duration(key, v)?,
         "upstream_timeout" => cfg.timeouts.upstream = parse_duration(key, v)?,
         "drain_timeout" => cfg.timeouts.drain = parse_duration(key, v)?,
+        "metrics_interval" => cfg.telemetry.metrics_interval = parse_duration(key, v)?,
+        "telemetry_stale_after" => cfg.telemetry.stale_after = parse_duration(key, v)?,
+        "routed_guess_ttl" => cfg.telemetry.routed_guess_ttl = parse_duration(key, v)?,
         "explain" => {
             cfg.explain = match v {
                 "true" | "1" | "yes" | "on" => true,
@@ -561,17 +678,48 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                         )
                     })?;
                     for k in t.keys() {
-                        if k != "url" {
+                        if !REPLICA_KEYS.contains(&k.as_str()) {
                             return Err(ConfigError(format!(
-                                "unknown key \"replica[{i}].{k}\" (known keys: url)"
+                                "unknown key \"replica[{i}].{k}\" (known keys: {})",
+                                REPLICA_KEYS.join(", ")
                             )));
                         }
                     }
                     let url = t.get("url").and_then(|u| u.as_str()).ok_or_else(|| {
                         ConfigError(format!("replica[{i}].url is missing or not a string"))
                     })?;
-                    cfg.replicas
-                        .push(parse_replica_url(&format!("replica[{i}].url"), url)?);
+                    let mut replica = parse_replica_url(&format!("replica[{i}].url"), url)?;
+                    if let Some(v) = t.get("kv_capacity_tokens") {
+                        let key = format!("replica[{i}].kv_capacity_tokens");
+                        replica.kv_capacity_tokens =
+                            v.as_integer().filter(|n| *n > 0).ok_or_else(|| {
+                                bad(&key, &v.to_string(), "expected a positive number of tokens")
+                            })? as u64;
+                    }
+                    for (name, slot) in [
+                        ("kv_events", &mut replica.kv_events),
+                        ("kv_replay", &mut replica.kv_replay),
+                    ] {
+                        if let Some(v) = t.get(name) {
+                            let key = format!("replica[{i}].{name}");
+                            let s = v.as_str().ok_or_else(|| {
+                                bad(&key, &v.to_string(), "expected a string tcp://HOST:PORT")
+                            })?;
+                            *slot = Some(parse_zmq_endpoint(&key, s)?);
+                        }
+                    }
+                    if let Some(v) = t.get("metrics") {
+                        let key = format!("replica[{i}].metrics");
+                        replica.metrics = Some(match v {
+                            toml::Value::Boolean(b) => *b,
+                            toml::Value::String(s) => parse_switch(&key, s)?,
+                            other => {
+                                return Err(bad(&key, &other.to_string(), "expected true or false"))
+                            }
+                        });
+                    }
+                    check_replay(&format!("replica[{i}]"), &replica)?;
+                    cfg.replicas.push(replica);
                 }
             }
             "cost_model" => {
@@ -729,6 +877,85 @@ mod tests {
             e.0.contains("--client-timeout") && e.0.contains("forever"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn replica_kv_events() {
+        let c = from_args(&args("--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,kv_events=tcp://127.0.0.1:5557,kv_replay=tcp://localhost:5558,kv_capacity_tokens=1000 --metrics-interval 250ms --telemetry-stale-after 5s")).unwrap();
+        let r = &c.replicas[0];
+        assert_eq!(r.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(r.kv_replay.as_deref(), Some("tcp://localhost:5558"));
+        assert_eq!(r.kv_capacity_tokens, 1000);
+        assert_eq!(c.telemetry.metrics_interval, Duration::from_millis(250));
+        assert_eq!(c.telemetry.stale_after, Duration::from_secs(5));
+        assert!(r.scrape_metrics());
+        let c = from_args(&args(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000 --replica http://127.0.0.1:8001,metrics=on",
+        ))
+        .unwrap();
+        assert!(!c.replicas[0].scrape_metrics() && c.replicas[1].scrape_metrics());
+        let e = from_args(&args(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,metrics=sometimes",
+        ))
+        .unwrap_err()
+        .unwrap();
+        assert!(e.0.contains("metrics") && e.0.contains("sometimes"), "{e}");
+        for bad_value in [
+            "ipc:///tmp/x",
+            "tcp://127.0.0.1",
+            "tcp://:5557",
+            "tcp://h:0",
+            "tcp://h:99999",
+        ] {
+            let e = from_args(&args(&format!(
+                "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,kv_events={bad_value}"
+            )))
+            .unwrap_err()
+            .unwrap();
+            assert!(e.0.contains("kv_events") && e.0.contains(bad_value), "{e}");
+        }
+        let e = from_args(&args(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,kv_replay=tcp://h:1",
+        ))
+        .unwrap_err()
+        .unwrap();
+        assert!(
+            e.0.contains("kv_replay") && e.0.contains("tcp://h:1"),
+            "{e}"
+        );
+
+        let mut c = ServeConfig::default();
+        apply_toml(&mut c, "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_events = \"tcp://127.0.0.1:5557\"\nkv_replay = \"tcp://127.0.0.1:5558\"\nkv_capacity_tokens = 2048\n").unwrap();
+        assert_eq!(
+            c.replicas[0].kv_events.as_deref(),
+            Some("tcp://127.0.0.1:5557")
+        );
+        assert_eq!(
+            c.replicas[0].kv_replay.as_deref(),
+            Some("tcp://127.0.0.1:5558")
+        );
+        assert_eq!(c.replicas[0].kv_capacity_tokens, 2048);
+        apply_toml(
+            &mut c,
+            "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nmetrics = true\n",
+        )
+        .unwrap();
+        assert!(c.replicas[0].scrape_metrics());
+        let e = apply_toml(
+            &mut c,
+            "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_events = \"udp://x:1\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.0.contains("replica[0].kv_events") && e.0.contains("udp://x:1"),
+            "{e}"
+        );
+        let e = apply_toml(
+            &mut c,
+            "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_events = 5\n",
+        )
+        .unwrap_err();
+        assert!(e.0.contains("replica[0].kv_events"), "{e}");
     }
 
     #[test]

@@ -22,5 +22,6 @@ pub mod rt;
 pub mod select;
 pub mod serve;
 pub mod sim;
+pub mod telemetry;
 pub mod worker;
 pub mod zmtp;

@@ -101,12 +101,16 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
     let shared = Arc::new(Shared::new(cfg, residency, logs));
     let writer_stop = Arc::new(AtomicBool::new(false));
     let epoch = shared.epoch;
+    // Replica telemetry (KV events, /metrics): its threads feed the writer's tick.
+    let (mut feed, _telemetry_threads) =
+        crate::telemetry::start(shared.clone(), writer_stop.clone())
+            .map_err(|e| format!("cannot start the telemetry threads: {e}"))?;
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),
         writer_stop.clone(),
         move || epoch.elapsed().as_micros() as u64,
-        |_, _| {},
+        move |w, now| feed.on_tick(w, now),
     )
     .map_err(|e| format!("cannot start the residency writer: {e}"))?;
     crate::admin::spawn(admin, shared.clone());

@@ -82,6 +82,7 @@ fn route(method: &str, path: &str, shared: &Shared) -> (u16, &'static str, Strin
             let draining = shared.draining.load(Relaxed) as u8;
             text.push_str("# HELP kvlb_draining 1 while kvlb drains after SIGTERM.\n# TYPE kvlb_draining gauge\n");
             text.push_str(&format!("kvlb_draining {draining}\n"));
+            crate::telemetry::render_metrics(shared, &mut text);
             (200, "text/plain; version=0.0.4", text)
         }
         "/healthz" => {
@@ -111,6 +112,8 @@ fn route(method: &str, path: &str, shared: &Shared) -> (u16, &'static str, Strin
                         "in_flight": load.in_flight.load(Relaxed),
                         "available": load.down_until_ms.load(Relaxed) <= now,
                         "responses": responses,
+                        "resident_blocks": shared.residency.replica_blocks(i),
+                        "telemetry": shared.telemetry[i].to_json(now),
                     })
                 })
                 .collect();

@@ -29,6 +29,8 @@ pub struct Shared {
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
     pub epoch: Instant,
+    /// What each replica reports of itself (metrics, KV events); see `crate::telemetry`.
+    pub telemetry: Vec<crate::telemetry::ReplicaTelemetry>,
 }
 
 impl Shared {
@@ -47,6 +49,9 @@ impl Shared {
             workers,
             draining: AtomicBool::new(false),
             epoch: Instant::now(),
+            telemetry: (0..n)
+                .map(|_| crate::telemetry::ReplicaTelemetry::default())
+                .collect(),
             cfg,
         }
     }

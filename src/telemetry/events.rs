@@ -1,0 +1,396 @@
+//! One replica's KV event stream -> residency operations in kvlb's own block hashes.
+//!
+//! `EventState` is the pure part (no I/O, no clock): it checks sequence numbers and keeps the
+//! map from engine block hash to kvlb block hash (with copy counts) that resolves
+//! `parent_block_hash` and later removals. `run` is the I/O part: connect a SUB socket (kvlb
+//! connects, the engine's PUB binds), subscribe to every topic, read `[topic, seq, payload]`
+//! messages, fill gaps by replay, reconnect with backoff when the publisher goes away.
+//!
+//! See the parent module for why only token-mode requests match the hashes produced here.
+
+use super::{ReplicaTelemetry, ResidencyOp};
+use crate::kv_events::{decode_batch, KvEvent, KvEventBatch, Medium};
+use crate::prefix::{token_block_hashes_from, TOKEN_CHAIN_ROOT};
+use crate::worker::Shared;
+use crate::zmtp::SubClient;
+use crossbeam::channel::Sender;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Engine blocks remembered per replica; beyond this the map (and the replica's residency) is
+/// dropped rather than grow without bound on a stream that never removes.
+pub const MAX_CHAIN_BLOCKS: usize = 4 << 20;
+
+/// What a replay request returned: the kept batches with their sequence numbers.
+pub type ReplayAnswer = std::io::Result<Vec<(u64, KvEventBatch)>>;
+
+/// Where a message's sequence number stands against the last one applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// Nothing applied yet (first message ever).
+    First,
+    /// The next one expected.
+    InOrder,
+    /// Batches `from..to` are missing (`to` is this message's number).
+    Gap { from: u64, to: u64 },
+    /// Not after the last one: the engine restarted and numbers from 0 again.
+    Backwards,
+}
+
+/// The engine hash's kvlb hash and how many copies the engine reported.
+#[derive(Debug, Clone, Copy)]
+struct ChainEntry {
+    kvlb: u64,
+    copies: u32,
+}
+
+/// One replica's view of its event stream.
+pub struct EventState {
+    replica: usize,
+    token_block_size: usize,
+    last_seq: Option<u64>,
+    chain: HashMap<u64, ChainEntry>,
+    hashes: Vec<u64>,
+}
+
+impl EventState {
+    /// `token_block_size`: kvlb's token-mode block (events of another block size cannot match
+    /// any request and are skipped).
+    pub fn new(replica: usize, token_block_size: u32) -> EventState {
+        EventState {
+            replica,
+            token_block_size: token_block_size as usize,
+            last_seq: None,
+            chain: HashMap::new(),
+            hashes: Vec::new(),
+        }
+    }
+
+    pub fn check_seq(&self, seq: u64) -> SeqCheck {
+        match self.last_seq {
+            None => SeqCheck::First,
+            Some(last) if seq == last.wrapping_add(1) => SeqCheck::InOrder,
+            Some(last) if seq > last => SeqCheck::Gap {
+                from: last + 1,
+                to: seq,
+            },
+            Some(_) => SeqCheck::Backwards,
+        }
+    }
+
+    pub fn last_seq(&self) -> Option<u64> {
+        self.last_seq
+    }
+
+    /// Engine blocks currently known.
+    pub fn known_blocks(&self) -> usize {
+        self.chain.len()
+    }
+
+    /// Forget every block (the replica's residency is being cleared) and emit the Clear.
+    pub fn clear(&mut self, ops: &mut Vec<ResidencyOp>) {
+        self.chain.clear();
+        ops.push(ResidencyOp::Clear {
+            replica: self.replica,
+        });
+    }
+
+    /// Apply batch `seq` (already checked): push its residency operations to `ops`, count
+    /// what it skipped in `tel`. Returns the number of events applied.
+    pub fn apply(
+        &mut self,
+        seq: u64,
+        batch: &KvEventBatch,
+        tel: &ReplicaTelemetry,
+        ops: &mut Vec<ResidencyOp>,
+    ) -> usize {
+        self.last_seq = Some(seq);
+        for event in &batch.events {
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    medium,
+                    ..
+                } => self.stored(
+                    block_hashes,
+                    *parent_block_hash,
+                    token_ids,
+                    *block_size,
+                    *medium,
+                    tel,
+                    ops,
+                ),
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    let mut blocks = Vec::with_capacity(block_hashes.len());
+                    for h in block_hashes {
+                        if let Some(e) = self.chain.get_mut(h) {
+                            blocks.push(e.kvlb);
+                            e.copies = e.copies.saturating_sub(1);
+                            if e.copies == 0 {
+                                self.chain.remove(h);
+                            }
+                        }
+                    }
+                    if !blocks.is_empty() {
+                        ops.push(ResidencyOp::Remove {
+                            replica: self.replica,
+                            blocks,
+                        });
+                    }
+                }
+                KvEvent::AllBlocksCleared => self.clear(ops),
+            }
+        }
+        batch.events.len()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stored(
+        &mut self,
+        block_hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        block_size: u32,
+        medium: Option<Medium>,
+        tel: &ReplicaTelemetry,
+        ops: &mut Vec<ResidencyOp>,
+    ) {
+        if block_size as usize != self.token_block_size {
+            tel.skipped_block_size.fetch_add(1, Relaxed);
+            return;
+        }
+        if block_hashes.is_empty() || token_ids.len() != block_hashes.len() * block_size as usize {
+            tel.skipped_malformed.fetch_add(1, Relaxed);
+            return;
+        }
+        let root = match parent {
+            None => TOKEN_CHAIN_ROOT,
+            Some(p) => match self.chain.get(&p) {
+                Some(e) => e.kvlb,
+                None => {
+                    tel.skipped_unknown_parent.fetch_add(1, Relaxed);
+                    return;
+                }
+            },
+        };
+        self.hashes.clear();
+        token_block_hashes_from(root, token_ids, self.token_block_size, &mut self.hashes);
+        if self.hashes.len() != block_hashes.len() {
+            tel.skipped_malformed.fetch_add(1, Relaxed);
+            return;
+        }
+        if self.chain.len() + block_hashes.len() > MAX_CHAIN_BLOCKS {
+            // A stream that stores without ever removing: start over rather than grow.
+            self.clear(ops);
+        }
+        for (&engine, &kvlb) in block_hashes.iter().zip(&self.hashes) {
+            let e = self
+                .chain
+                .entry(engine)
+                .or_insert(ChainEntry { kvlb, copies: 0 });
+            e.kvlb = kvlb;
+            e.copies = e.copies.saturating_add(1);
+        }
+        if !matches!(medium, None | Some(Medium::Gpu)) {
+            tel.offloaded_blocks
+                .fetch_add(block_hashes.len() as u64, Relaxed);
+        }
+        ops.push(ResidencyOp::Insert {
+            replica: self.replica,
+            blocks: self.hashes.clone(),
+        });
+    }
+
+    /// Take one received message: check its number, replay or clear as needed, apply it.
+    /// `replay(from)` fetches the kept batches from `from` on (None: no replay configured).
+    pub fn receive(
+        &mut self,
+        frames: &[Vec<u8>],
+        tel: &ReplicaTelemetry,
+        replay: &mut dyn FnMut(u64) -> Option<ReplayAnswer>,
+        ops: &mut Vec<ResidencyOp>,
+    ) -> Result<usize, String> {
+        let (seq, payload) = match frames {
+            [.., seq, payload] if seq.len() == 8 => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(seq);
+                (u64::from_be_bytes(b), payload)
+            }
+            _ => {
+                tel.decode_errors.fetch_add(1, Relaxed);
+                return Err(format!(
+                    "message of {} frames, want [topic, seq (8 bytes), payload]",
+                    frames.len()
+                ));
+            }
+        };
+        let batch = match decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                // Not applied: the next batch shows a gap, which replay or a clear handles.
+                tel.decode_errors.fetch_add(1, Relaxed);
+                return Err(format!("batch {seq}: {e}"));
+            }
+        };
+        let mut applied = 0;
+        match self.check_seq(seq) {
+            SeqCheck::InOrder => {
+                tel.stale_gap.store(false, Relaxed);
+            }
+            SeqCheck::First => {
+                // Joined a running stream: catch up on what the engine kept, if it can tell.
+                if seq > 0 {
+                    if let Some(Ok(kept)) = replay(0) {
+                        for (s, b) in kept.iter().filter(|(s, _)| *s < seq) {
+                            applied += self.apply(*s, b, tel, ops);
+                        }
+                    }
+                }
+            }
+            SeqCheck::Backwards => {
+                tel.restarts.fetch_add(1, Relaxed);
+                tel.stale_gap.store(false, Relaxed);
+                self.clear(ops);
+            }
+            SeqCheck::Gap { from, to } => {
+                tel.gaps.fetch_add(1, Relaxed);
+                let filled = match replay(from) {
+                    Some(Ok(kept)) => {
+                        let missing: Vec<&(u64, KvEventBatch)> = kept
+                            .iter()
+                            .filter(|(s, _)| (from..to).contains(s))
+                            .collect();
+                        let complete = missing.len() as u64 == to - from
+                            && missing.iter().zip(from..).all(|((s, _), want)| *s == want);
+                        if complete {
+                            for (s, b) in missing {
+                                applied += self.apply(*s, b, tel, ops);
+                            }
+                            tel.replays.fetch_add(1, Relaxed);
+                            tel.stale_gap.store(false, Relaxed);
+                        }
+                        complete
+                    }
+                    _ => false,
+                };
+                if !filled {
+                    self.clear(ops);
+                    tel.stale_gap.store(true, Relaxed);
+                }
+            }
+        }
+        applied += self.apply(seq, &batch, tel, ops);
+        tel.batches_seen.fetch_add(1, Relaxed);
+        tel.events_seen.fetch_add(applied as u64, Relaxed);
+        Ok(applied)
+    }
+}
+
+/// A replica's event endpoints.
+#[derive(Debug, Clone)]
+pub struct EventSource {
+    pub replica: usize,
+    pub endpoint: String,
+    pub replay: Option<String>,
+    pub token_block_size: u32,
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+const RECV_SLICE: Duration = Duration::from_millis(200);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Sleep `d` in slices, returning early (true) when `stop` is set.
+fn sleep_or_stop(d: Duration, stop: &AtomicBool) -> bool {
+    let mut left = d;
+    while !left.is_zero() {
+        if stop.load(Relaxed) {
+            return true;
+        }
+        let step = left.min(Duration::from_millis(50));
+        std::thread::sleep(step);
+        left -= step;
+    }
+    stop.load(Relaxed)
+}
+
+/// The event thread of one replica: runs until `stop` is set or the writer is gone.
+pub fn run(
+    source: EventSource,
+    shared: Arc<Shared>,
+    ops_tx: Sender<ResidencyOp>,
+    stop: Arc<AtomicBool>,
+) {
+    let tel = &shared.telemetry[source.replica];
+    // Without metrics, an open event connection is the only sign of life of an idle engine
+    // (an idle engine publishes nothing): count it as fresh telemetry.
+    let connection_is_liveness = !shared.cfg.replicas[source.replica].scrape_metrics();
+    let mut state = EventState::new(source.replica, source.token_block_size);
+    let mut backoff = BACKOFF_MIN;
+    let mut ops = Vec::new();
+    let mut last_error = String::new();
+    let mut replay = |from: u64| {
+        source
+            .replay
+            .as_deref()
+            .map(|ep| crate::kv_events::replay(ep, from, REPLAY_TIMEOUT))
+    };
+    while !stop.load(Relaxed) {
+        let mut sub = match SubClient::connect(&source.endpoint, CONNECT_TIMEOUT)
+            .and_then(|mut s| s.subscribe(b"").map(|()| s))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                let msg = e.to_string();
+                if msg != last_error {
+                    eprintln!(
+                        "kvlb: replica {}: KV events {}: {msg}; retrying",
+                        shared.cfg.replicas[source.replica].url, source.endpoint
+                    );
+                    last_error = msg;
+                }
+                if sleep_or_stop(backoff, &stop) {
+                    return;
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+        };
+        last_error.clear();
+        backoff = BACKOFF_MIN;
+        tel.connects.fetch_add(1, Relaxed);
+        tel.events_connected.store(true, Relaxed);
+        while !stop.load(Relaxed) {
+            let frames = match sub.recv(RECV_SLICE) {
+                Ok(Some(f)) => f,
+                Ok(None) => {
+                    if connection_is_liveness {
+                        tel.touch(shared.now_ms());
+                    }
+                    continue;
+                }
+                Err(_) => break,
+            };
+            ops.clear();
+            if state.receive(&frames, tel, &mut replay, &mut ops).is_ok() {
+                let now = shared.now_ms();
+                tel.last_event_ms.store(now.max(1), Relaxed);
+                tel.touch(now);
+            }
+            for op in ops.drain(..) {
+                // Waits while the writer catches up; fails only once the writer has gone.
+                if ops_tx.send(op).is_err() {
+                    tel.events_connected.store(false, Relaxed);
+                    return;
+                }
+            }
+        }
+        tel.events_connected.store(false, Relaxed);
+    }
+}

@@ -1,0 +1,135 @@
+//! The residency writer's side of telemetry: runs in the writer's tick, never blocks it.
+//!
+//! Each tick drains up to `MAX_OPS_PER_TICK` queued operations into the writer. Every
+//! `SWEEP_PERIOD_US` it also
+//! * on replicas whose event stream is connected, refreshes the blocks events confirmed and
+//!   expires everything older than `routed_guess_ttl`: what is left to expire is what kvlb only
+//!   guessed from its own routing. (`ResidencyWriter::expire` drops by age whatever the copy
+//!   count, hence the refresh first; it costs one lookup per confirmed block per sweep, and the
+//!   LRU order among confirmed blocks becomes the order of the refresh, which matters little
+//!   while the engine reports its own evictions.)
+//! * marks replicas silent for `telemetry_stale_after` (no events, no metrics, after having had
+//!   some) stale and drops their residency; while stale, routing guesses there expire after
+//!   `routed_guess_ttl` too. Replicas that never produced telemetry keep routing guesses as
+//!   before.
+
+use super::ResidencyOp;
+use crate::residency::ResidencyWriter;
+use crate::worker::Shared;
+use crossbeam::channel::Receiver;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+/// Operations applied per tick at most (the rest wait for the next millisecond).
+pub const MAX_OPS_PER_TICK: usize = 4096;
+/// How often guesses are expired and staleness checked.
+pub const SWEEP_PERIOD_US: u64 = 500_000;
+
+pub struct ResidencyFeed {
+    shared: Arc<Shared>,
+    ops: Receiver<ResidencyOp>,
+    /// Per replica: kvlb block hash -> copies events reported.
+    confirmed: Vec<HashMap<u64, u32>>,
+    last_sweep_us: u64,
+    refresh: Vec<u64>,
+}
+
+impl ResidencyFeed {
+    pub fn new(shared: Arc<Shared>, ops: Receiver<ResidencyOp>) -> ResidencyFeed {
+        let n = shared.cfg.replicas.len();
+        ResidencyFeed {
+            shared,
+            ops,
+            confirmed: vec![HashMap::new(); n],
+            last_sweep_us: 0,
+            refresh: Vec::new(),
+        }
+    }
+
+    /// Blocks events confirmed on replica `r`.
+    pub fn confirmed_blocks(&self, r: usize) -> usize {
+        self.confirmed.get(r).map_or(0, |c| c.len())
+    }
+
+    /// The writer's tick: apply queued operations, then sweep when due.
+    pub fn on_tick(&mut self, writer: &mut ResidencyWriter, now_us: u64) {
+        for _ in 0..MAX_OPS_PER_TICK {
+            let Ok(op) = self.ops.try_recv() else { break };
+            self.apply(writer, op, now_us);
+        }
+        if now_us >= self.last_sweep_us + SWEEP_PERIOD_US {
+            self.last_sweep_us = now_us;
+            self.sweep(writer, now_us);
+        }
+    }
+
+    fn apply(&mut self, writer: &mut ResidencyWriter, op: ResidencyOp, now_us: u64) {
+        match op {
+            ResidencyOp::Insert { replica, blocks } => {
+                if writer.insert(replica, &blocks, now_us).is_ok() {
+                    let c = &mut self.confirmed[replica];
+                    for h in blocks {
+                        *c.entry(h).or_insert(0) += 1;
+                    }
+                }
+            }
+            ResidencyOp::Remove { replica, blocks } => {
+                let Some(c) = self.confirmed.get_mut(replica) else {
+                    return;
+                };
+                for h in blocks {
+                    let _ = writer.remove(replica, h);
+                    if let Some(n) = c.get_mut(&h) {
+                        *n -= 1;
+                        if *n == 0 {
+                            c.remove(&h);
+                        }
+                    }
+                }
+            }
+            ResidencyOp::Clear { replica } => {
+                if writer.clear(replica).is_ok() {
+                    self.confirmed[replica] = HashMap::new();
+                }
+            }
+        }
+    }
+
+    fn sweep(&mut self, writer: &mut ResidencyWriter, now_us: u64) {
+        let cfg = &self.shared.cfg.telemetry;
+        let ttl_us = cfg.routed_guess_ttl.as_micros() as u64;
+        let stale_ms = cfg.stale_after.as_millis() as u64;
+        let now_ms = now_us / 1000;
+        for r in 0..self.confirmed.len() {
+            let tel = &self.shared.telemetry[r];
+            let last = tel.last_update_ms.load(Relaxed);
+            let silent = last != 0 && now_ms.saturating_sub(last) > stale_ms;
+            if silent && !tel.stale_silent.load(Relaxed) {
+                eprintln!(
+                    "kvlb: replica {}: no KV events nor metrics for {:?}; dropping its residency",
+                    self.shared.cfg.replicas[r].url, cfg.stale_after
+                );
+                let _ = writer.clear(r);
+                self.confirmed[r] = HashMap::new();
+                tel.stale_silent.store(true, Relaxed);
+            } else if !silent && tel.stale_silent.load(Relaxed) {
+                tel.stale_silent.store(false, Relaxed);
+            }
+            let events_live = tel.events_connected.load(Relaxed);
+            if events_live || silent {
+                self.refresh.clear();
+                self.refresh.extend(
+                    self.confirmed[r]
+                        .keys()
+                        .copied()
+                        .filter(|&h| writer.holds(r, h)),
+                );
+                if !self.refresh.is_empty() {
+                    let _ = writer.insert_routed(r, &self.refresh, now_us);
+                }
+                let _ = writer.expire(r, now_us.saturating_sub(ttl_us));
+            }
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! Replica telemetry: what the replicas themselves say about their KV caches and queues, as
+//! opposed to what kvlb guesses from its own routing.
+//!
+//! Two sources, each on its own control threads (never on a worker):
+//!
+//! * `events`: one thread per replica with `kv_events` configured subscribes to the engine's
+//!   ZeroMQ KV event stream (vLLM / SGLang, replica-interfaces.md section 1), turns
+//!   BlockStored / BlockRemoved / AllBlocksCleared into residency operations and sends them over
+//!   a bounded channel. Sequence gaps are filled by replay when `kv_replay` is configured, else
+//!   the replica's residency is cleared and it is marked stale until in-order events resume; a
+//!   sequence going backwards (engine restart) clears it.
+//! * `scrape`: one thread per replica (those with `metrics` on, by default those with
+//!   `kv_events`) polls GET /metrics every `metrics_interval` and publishes
+//!   running / waiting requests and KV usage as atomics (`ReplicaTelemetry`) shown in /replicas
+//!   and /metrics. Feeding them into the cost model is a later step.
+//!
+//! `ResidencyFeed` runs inside the residency writer's tick (`spawn_writer_thread`'s
+//! `on_tick`): it drains the channel without ever blocking the writer, applies the operations,
+//! and keeps event-backed replicas honest: routing guesses there expire after
+//! `routed_guess_ttl` unless events confirmed them, and a replica silent (no events, no
+//! metrics) for `telemetry_stale_after` loses its residency and is shown stale. An idle engine
+//! publishes no events, so on a replica whose metrics are not polled an open event connection
+//! counts as a sign of life.
+//!
+//! # Only token-mode requests match event-derived blocks (for now)
+//! Engines report 16-token blocks keyed by token ids; kvlb hashes those token ids with its own
+//! chained scheme (`prefix::token_block_hashes_from`; engine hashes cannot be recomputed and are
+//! kept only to link parents and apply removals). Chat and text requests are hashed in 256-byte
+//! text blocks (`prefix`, text mode), so events confirm and correct only completions whose
+//! prompt is given as token ids. Text requests keep relying on routing guesses, which on
+//! event-backed replicas age out after `routed_guess_ttl`: a tokenizer path that hashes text
+//! prompts into token blocks is the follow-up that lets events cover chat traffic.
+
+pub mod events;
+mod feed;
+pub mod scrape;
+
+#[cfg(test)]
+mod tests;
+
+pub use feed::ResidencyFeed;
+
+use crate::worker::Shared;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Residency operations queued for the writer; beyond this the event threads wait.
+pub const OP_QUEUE: usize = 16_384;
+
+/// Sentinel of a gauge never measured.
+pub const UNKNOWN: u64 = u64::MAX;
+
+/// What kvlb knows of one replica from its own reports. Written by the telemetry threads and
+/// the residency writer, read by the admin thread (and later the cost model): plain atomics.
+#[derive(Debug)]
+pub struct ReplicaTelemetry {
+    /// Requests running / waiting on the replica (sum over its engines); `UNKNOWN` until the
+    /// first scrape.
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    /// KV cache usage in thousandths (0..=1000), `UNKNOWN` until scraped.
+    pub kv_usage_milli: AtomicU64,
+    /// `Shared::now_ms` of the last event batch or successful scrape (0: never).
+    pub last_update_ms: AtomicU64,
+    pub last_event_ms: AtomicU64,
+    pub last_metrics_ms: AtomicU64,
+    pub scrapes: AtomicU64,
+    pub scrape_errors: AtomicU64,
+    /// KV events applied, batches received.
+    pub events_seen: AtomicU64,
+    pub batches_seen: AtomicU64,
+    /// Connected to the replica's event publisher right now.
+    pub events_connected: AtomicBool,
+    /// Residency dropped after a sequence gap that replay could not fill; cleared by the next
+    /// in-order batch.
+    pub stale_gap: AtomicBool,
+    /// Residency dropped because neither events nor metrics came for `telemetry_stale_after`.
+    pub stale_silent: AtomicBool,
+    /// Blocks stored on a tier other than GPU (counted resident all the same).
+    pub offloaded_blocks: AtomicU64,
+    /// BlockStored skipped: parent unknown, malformed (token count), or a block size other
+    /// than kvlb's token block.
+    pub skipped_unknown_parent: AtomicU64,
+    pub skipped_malformed: AtomicU64,
+    pub skipped_block_size: AtomicU64,
+    /// Messages that were not a valid event batch.
+    pub decode_errors: AtomicU64,
+    /// Sequence gaps seen, gaps filled by replay, engine restarts (sequence went backwards).
+    pub gaps: AtomicU64,
+    pub replays: AtomicU64,
+    pub restarts: AtomicU64,
+    /// Connections to the event publisher made.
+    pub connects: AtomicU64,
+}
+
+impl Default for ReplicaTelemetry {
+    fn default() -> ReplicaTelemetry {
+        ReplicaTelemetry {
+            running: AtomicU64::new(UNKNOWN),
+            waiting: AtomicU64::new(UNKNOWN),
+            kv_usage_milli: AtomicU64::new(UNKNOWN),
+            last_update_ms: AtomicU64::new(0),
+            last_event_ms: AtomicU64::new(0),
+            last_metrics_ms: AtomicU64::new(0),
+            scrapes: AtomicU64::new(0),
+            scrape_errors: AtomicU64::new(0),
+            events_seen: AtomicU64::new(0),
+            batches_seen: AtomicU64::new(0),
+            events_connected: AtomicBool::new(false),
+            stale_gap: AtomicBool::new(false),
+            stale_silent: AtomicBool::new(false),
+            offloaded_blocks: AtomicU64::new(0),
+            skipped_unknown_parent: AtomicU64::new(0),
+            skipped_malformed: AtomicU64::new(0),
+            skipped_block_size: AtomicU64::new(0),
+            decode_errors: AtomicU64::new(0),
+            gaps: AtomicU64::new(0),
+            replays: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
+            connects: AtomicU64::new(0),
+        }
+    }
+}
+
+impl ReplicaTelemetry {
+    pub fn stale(&self) -> bool {
+        self.stale_gap.load(Relaxed) || self.stale_silent.load(Relaxed)
+    }
+
+    /// Note fresh telemetry at `now_ms` (never stores 0, which means "never").
+    pub fn touch(&self, now_ms: u64) {
+        self.last_update_ms.store(now_ms.max(1), Relaxed);
+    }
+
+    /// Seconds since the last telemetry, None if never.
+    pub fn age_s(&self, now_ms: u64) -> Option<f64> {
+        match self.last_update_ms.load(Relaxed) {
+            0 => None,
+            t => Some(now_ms.saturating_sub(t) as f64 / 1000.0),
+        }
+    }
+
+    /// The replica's entry in /replicas.
+    pub fn to_json(&self, now_ms: u64) -> serde_json::Value {
+        let gauge = |a: &AtomicU64| match a.load(Relaxed) {
+            UNKNOWN => serde_json::Value::Null,
+            v => v.into(),
+        };
+        let kv_usage = match self.kv_usage_milli.load(Relaxed) {
+            UNKNOWN => serde_json::Value::Null,
+            v => (v as f64 / 1000.0).into(),
+        };
+        serde_json::json!({
+            "running": gauge(&self.running),
+            "waiting": gauge(&self.waiting),
+            "kv_usage": kv_usage,
+            "age_s": self.age_s(now_ms),
+            "stale": self.stale(),
+            "stale_gap": self.stale_gap.load(Relaxed),
+            "stale_silent": self.stale_silent.load(Relaxed),
+            "scrapes": self.scrapes.load(Relaxed),
+            "scrape_errors": self.scrape_errors.load(Relaxed),
+            "events_connected": self.events_connected.load(Relaxed),
+            "events_seen": self.events_seen.load(Relaxed),
+            "batches_seen": self.batches_seen.load(Relaxed),
+            "offloaded_blocks": self.offloaded_blocks.load(Relaxed),
+            "skipped_unknown_parent": self.skipped_unknown_parent.load(Relaxed),
+            "skipped_malformed": self.skipped_malformed.load(Relaxed),
+            "skipped_block_size": self.skipped_block_size.load(Relaxed),
+            "decode_errors": self.decode_errors.load(Relaxed),
+            "gaps": self.gaps.load(Relaxed),
+            "replays": self.replays.load(Relaxed),
+            "restarts": self.restarts.load(Relaxed),
+            "connects": self.connects.load(Relaxed),
+        })
+    }
+}
+
+/// One change to a replica's residency, in kvlb's own block hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResidencyOp {
+    /// One more copy of each block (BlockStored).
+    Insert { replica: usize, blocks: Vec<u64> },
+    /// One copy fewer of each block (BlockRemoved).
+    Remove { replica: usize, blocks: Vec<u64> },
+    /// The replica holds nothing (AllBlocksCleared, restart, unfillable gap).
+    Clear { replica: usize },
+}
+
+/// Start the telemetry threads (event subscribers for replicas with `kv_events`, a metrics
+/// scraper per replica) and return the feed for the residency writer's tick. Threads end
+/// soon after `stop` is set.
+pub fn start(
+    shared: Arc<Shared>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::io::Result<(ResidencyFeed, Vec<JoinHandle<()>>)> {
+    let (tx, rx) = crossbeam::channel::bounded(OP_QUEUE);
+    let mut threads = Vec::new();
+    for (r, replica) in shared.cfg.replicas.iter().enumerate() {
+        if let Some(endpoint) = replica.kv_events.clone() {
+            let source = events::EventSource {
+                replica: r,
+                endpoint,
+                replay: replica.kv_replay.clone(),
+                token_block_size: shared.prefix.token_block_size,
+            };
+            let (shared, stop, tx) = (shared.clone(), stop.clone(), tx.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvlb-events-{r}"))
+                    .spawn(move || events::run(source, shared, tx, stop))?,
+            );
+        }
+        if !replica.scrape_metrics() {
+            continue;
+        }
+        let (shared, stop) = (shared.clone(), stop.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("kvlb-scrape-{r}"))
+                .spawn(move || scrape::run(r, shared, stop))?,
+        );
+    }
+    Ok((ResidencyFeed::new(shared, rx), threads))
+}
+
+/// A Prometheus series: name, type, help, and the value of one replica at `now_ms`.
+type Series = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&ReplicaTelemetry, u64) -> Option<f64>,
+);
+
+/// Append the per-replica telemetry gauges to a Prometheus text exposition.
+pub fn render_metrics(shared: &Shared, out: &mut String) {
+    let now = shared.now_ms();
+    let series: [Series; 9] = [
+        (
+            "kvlb_replica_running",
+            "gauge",
+            "Requests running on the replica, as its /metrics reports.",
+            |t, _| known(t.running.load(Relaxed)),
+        ),
+        (
+            "kvlb_replica_waiting",
+            "gauge",
+            "Requests waiting on the replica, as its /metrics reports.",
+            |t, _| known(t.waiting.load(Relaxed)),
+        ),
+        (
+            "kvlb_replica_kv_usage",
+            "gauge",
+            "KV cache usage of the replica (0..1), as its /metrics reports.",
+            |t, _| known(t.kv_usage_milli.load(Relaxed)).map(|v| v / 1000.0),
+        ),
+        (
+            "kvlb_replica_telemetry_age_seconds",
+            "gauge",
+            "Seconds since the replica's last KV event batch or metrics scrape.",
+            |t, now| t.age_s(now),
+        ),
+        (
+            "kvlb_replica_telemetry_stale",
+            "gauge",
+            "1 while the replica's residency is dropped for stale telemetry.",
+            |t, _| Some(t.stale() as u8 as f64),
+        ),
+        (
+            "kvlb_replica_kv_events_total",
+            "counter",
+            "KV cache events applied from the replica.",
+            |t, _| Some(t.events_seen.load(Relaxed) as f64),
+        ),
+        (
+            "kvlb_replica_kv_event_gaps_total",
+            "counter",
+            "Sequence gaps in the replica's KV event stream.",
+            |t, _| Some(t.gaps.load(Relaxed) as f64),
+        ),
+        (
+            "kvlb_replica_kv_event_restarts_total",
+            "counter",
+            "Times the replica's KV event sequence went backwards (engine restart).",
+            |t, _| Some(t.restarts.load(Relaxed) as f64),
+        ),
+        (
+            "kvlb_replica_kv_offloaded_blocks_total",
+            "counter",
+            "Blocks the replica stored on a tier other than GPU.",
+            |t, _| Some(t.offloaded_blocks.load(Relaxed) as f64),
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (replica, t) in shared.cfg.replicas.iter().zip(shared.telemetry.iter()) {
+            if let Some(v) = value(t, now) {
+                let _ = writeln!(out, "{name}{{replica=\"{}\"}} {v}", replica.url);
+            }
+        }
+    }
+}
+
+fn known(v: u64) -> Option<f64> {
+    (v != UNKNOWN).then_some(v as f64)
+}

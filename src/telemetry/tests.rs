@@ -1,0 +1,425 @@
+//! Unit tests of the pure parts (event state, metrics parsing) and of the feed against a real
+//! residency writer.
+
+use super::events::{EventState, SeqCheck};
+use super::scrape::{parse_metrics, MetricsSample};
+use super::{ReplicaTelemetry, ResidencyFeed, ResidencyOp};
+use crate::kv_events::{KvEvent, KvEventBatch, Medium};
+use crate::prefix::token_block_hashes;
+use crate::residency::{ResidencyConfig, ResidencyIndex};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>) -> KvEvent {
+    KvEvent::BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens.collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some(Medium::Gpu),
+    }
+}
+
+fn batch(events: Vec<KvEvent>) -> KvEventBatch {
+    KvEventBatch {
+        ts: 0.0,
+        events,
+        dp_rank: None,
+    }
+}
+
+fn frames(seq: u64, b: &KvEventBatch) -> Vec<Vec<u8>> {
+    vec![
+        Vec::new(),
+        seq.to_be_bytes().to_vec(),
+        crate::kv_events::encode_batch(b, crate::kv_events::EventFormat::Map),
+    ]
+}
+
+fn kvlb_hashes(tokens: std::ops::Range<u32>) -> Vec<u64> {
+    let mut out = Vec::new();
+    token_block_hashes(&tokens.collect::<Vec<_>>(), 16, &mut out);
+    out
+}
+
+type Replay = Box<dyn FnMut(u64) -> Option<super::events::ReplayAnswer>>;
+
+fn no_replay() -> Replay {
+    Box::new(|_| None)
+}
+
+#[test]
+fn sequence_checks() {
+    let mut s = EventState::new(0, 16);
+    assert_eq!(s.check_seq(7), SeqCheck::First);
+    let tel = ReplicaTelemetry::default();
+    s.apply(7, &batch(vec![]), &tel, &mut Vec::new());
+    assert_eq!(s.check_seq(8), SeqCheck::InOrder);
+    assert_eq!(s.check_seq(10), SeqCheck::Gap { from: 8, to: 10 });
+    assert_eq!(s.check_seq(7), SeqCheck::Backwards);
+    assert_eq!(s.check_seq(0), SeqCheck::Backwards);
+}
+
+#[test]
+fn stored_chains_from_parent_and_removed_counts_copies() {
+    let mut s = EventState::new(3, 16);
+    let tel = ReplicaTelemetry::default();
+    let mut ops = Vec::new();
+    let whole = kvlb_hashes(0..64);
+    // Two blocks from the root, then two more chained on the second.
+    s.receive(
+        &frames(0, &batch(vec![stored(&[-1i64 as u64, 11], None, 0..32)])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    s.receive(
+        &frames(1, &batch(vec![stored(&[12, 13], Some(11), 32..64)])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert_eq!(
+        ops,
+        vec![
+            ResidencyOp::Insert {
+                replica: 3,
+                blocks: whole[..2].to_vec()
+            },
+            ResidencyOp::Insert {
+                replica: 3,
+                blocks: whole[2..].to_vec()
+            },
+        ]
+    );
+    // Unknown parent: skipped and counted; wrong token count: malformed.
+    ops.clear();
+    s.receive(
+        &frames(
+            2,
+            &batch(vec![
+                stored(&[20], Some(999), 0..16),
+                stored(&[21], None, 0..15),
+            ]),
+        ),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert!(ops.is_empty());
+    assert_eq!(tel.skipped_unknown_parent.load(Relaxed), 1);
+    assert_eq!(tel.skipped_malformed.load(Relaxed), 1);
+    // The same engine block stored twice needs two removals to be forgotten.
+    s.receive(
+        &frames(3, &batch(vec![stored(&[12], Some(11), 32..48)])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    ops.clear();
+    let removed = KvEvent::BlockRemoved {
+        block_hashes: vec![12, 12, 12, 77],
+        medium: None,
+    };
+    s.receive(
+        &frames(4, &batch(vec![removed])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert_eq!(
+        ops,
+        vec![ResidencyOp::Remove {
+            replica: 3,
+            blocks: vec![whole[2], whole[2]]
+        }]
+    );
+    // Offloaded tiers count as resident but are noted.
+    ops.clear();
+    let cpu = KvEvent::BlockStored {
+        block_hashes: vec![30],
+        parent_block_hash: None,
+        token_ids: (100..116).collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some(Medium::Cpu),
+    };
+    s.receive(
+        &frames(5, &batch(vec![cpu])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert_eq!(ops.len(), 1);
+    assert_eq!(tel.offloaded_blocks.load(Relaxed), 1);
+    // Another block size cannot match requests.
+    ops.clear();
+    let big = KvEvent::BlockStored {
+        block_hashes: vec![40],
+        parent_block_hash: None,
+        token_ids: (0..32).collect(),
+        block_size: 32,
+        lora_id: None,
+        medium: None,
+    };
+    s.receive(
+        &frames(6, &batch(vec![big])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert!(ops.is_empty());
+    assert_eq!(tel.skipped_block_size.load(Relaxed), 1);
+    // AllBlocksCleared forgets the chain too.
+    s.receive(
+        &frames(7, &batch(vec![KvEvent::AllBlocksCleared])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert_eq!(ops, vec![ResidencyOp::Clear { replica: 3 }]);
+    assert_eq!(s.known_blocks(), 0);
+}
+
+#[test]
+fn gaps_replay_or_clear_and_restarts_clear() {
+    let tel = ReplicaTelemetry::default();
+    let mut s = EventState::new(0, 16);
+    let mut ops = Vec::new();
+    let b0 = batch(vec![stored(&[1], None, 0..16)]);
+    let b1 = batch(vec![stored(&[2], Some(1), 16..32)]);
+    let b2 = batch(vec![stored(&[3], Some(2), 32..48)]);
+    s.receive(&frames(0, &b0), &tel, &mut no_replay(), &mut ops)
+        .unwrap();
+    // Gap filled by replay: batch 1 applied before 2, no clear.
+    let kept = [(0, b0.clone()), (1, b1.clone()), (2, b2.clone())];
+    let mut replay: Replay = Box::new(move |from| {
+        Some(Ok(kept
+            .iter()
+            .filter(|(s, _)| *s >= from)
+            .cloned()
+            .collect()))
+    });
+    ops.clear();
+    s.receive(&frames(2, &b2), &tel, &mut replay, &mut ops)
+        .unwrap();
+    let whole = kvlb_hashes(0..48);
+    assert_eq!(
+        ops,
+        vec![
+            ResidencyOp::Insert {
+                replica: 0,
+                blocks: vec![whole[1]]
+            },
+            ResidencyOp::Insert {
+                replica: 0,
+                blocks: vec![whole[2]]
+            },
+        ]
+    );
+    assert_eq!(tel.replays.load(Relaxed), 1);
+    assert!(!tel.stale());
+    // Gap without replay: clear, stale until the next in-order batch. The batch after the gap
+    // chains on a parent now unknown, so it is skipped.
+    ops.clear();
+    let b5 = batch(vec![stored(&[6], Some(3), 48..64)]);
+    s.receive(&frames(5, &b5), &tel, &mut no_replay(), &mut ops)
+        .unwrap();
+    assert_eq!(ops, vec![ResidencyOp::Clear { replica: 0 }]);
+    assert!(tel.stale_gap.load(Relaxed));
+    assert_eq!(tel.gaps.load(Relaxed), 2);
+    s.receive(&frames(6, &b0), &tel, &mut no_replay(), &mut ops)
+        .unwrap();
+    assert!(!tel.stale());
+    // Backwards: restart, clear, then the batch applies.
+    ops.clear();
+    s.receive(&frames(0, &b0), &tel, &mut no_replay(), &mut ops)
+        .unwrap();
+    assert_eq!(
+        ops,
+        vec![
+            ResidencyOp::Clear { replica: 0 },
+            ResidencyOp::Insert {
+                replica: 0,
+                blocks: vec![whole[0]]
+            }
+        ]
+    );
+    assert_eq!(tel.restarts.load(Relaxed), 1);
+    // Garbage is counted, not applied, and shows up as a gap next time.
+    assert!(s
+        .receive(
+            &[b"t".to_vec(), b"short".to_vec(), b"x".to_vec()],
+            &tel,
+            &mut no_replay(),
+            &mut ops
+        )
+        .is_err());
+    assert!(s
+        .receive(
+            &[Vec::new(), 1u64.to_be_bytes().to_vec(), vec![0xc1]],
+            &tel,
+            &mut no_replay(),
+            &mut ops
+        )
+        .is_err());
+    assert_eq!(tel.decode_errors.load(Relaxed), 2);
+    assert_eq!(s.check_seq(2), SeqCheck::Gap { from: 1, to: 2 });
+}
+
+#[test]
+fn joining_a_running_stream_replays_from_zero() {
+    let tel = ReplicaTelemetry::default();
+    let mut s = EventState::new(0, 16);
+    let b0 = batch(vec![stored(&[1], None, 0..16)]);
+    let b1 = batch(vec![stored(&[2], Some(1), 16..32)]);
+    let kept = [(0, b0.clone()), (1, b1.clone())];
+    let mut replay: Replay = Box::new(move |from| {
+        Some(Ok(kept
+            .iter()
+            .filter(|(s, _)| *s >= from)
+            .cloned()
+            .collect()))
+    });
+    let mut ops = Vec::new();
+    s.receive(&frames(1, &b1), &tel, &mut replay, &mut ops)
+        .unwrap();
+    assert_eq!(ops.len(), 2, "{ops:?}");
+    assert_eq!(tel.skipped_unknown_parent.load(Relaxed), 0);
+}
+
+#[test]
+fn metrics_vllm_and_sglang() {
+    let vllm = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+vllm:num_requests_running{model_name="Qwen/Qwen3-8B",engine="1"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="a}b \"q\""} 4.0
+vllm:num_requests_waiting{engine="1",model_name="x"} 1.0 1700000000000
+vllm:kv_cache_usage_perc{engine="0",model_name="x"} 0.4
+vllm:kv_cache_usage_perc{engine="1",model_name="x"} 0.2
+vllm:prefix_cache_hits_total{engine="0",model_name="x"} 4096.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="x"} 1.0
+"#;
+    let m = parse_metrics(vllm);
+    assert_eq!(m.running, Some(5.0));
+    assert_eq!(m.waiting, Some(5.0));
+    assert!((m.kv_usage.unwrap() - 0.3).abs() < 1e-9);
+    let old = "vllm:gpu_cache_usage_perc{model_name=\"x\"} 0.75\nvllm:num_requests_running 1\n";
+    let m = parse_metrics(old);
+    assert_eq!(m.kv_usage, Some(0.75));
+    assert_eq!(m.running, Some(1.0));
+    assert_eq!(m.waiting, None);
+    let sglang = "sglang:num_running_reqs{model_name=\"m\",tp_rank=\"0\"} 7.0\nsglang:num_queue_reqs{model_name=\"m\"} 9.0\nsglang:token_usage{model_name=\"m\"} 0.5\nsglang:cache_hit_rate{model_name=\"m\"} 0.1\n";
+    assert_eq!(
+        parse_metrics(sglang),
+        MetricsSample {
+            running: Some(7.0),
+            waiting: Some(9.0),
+            kv_usage: Some(0.5)
+        }
+    );
+    // Hostile input: nothing known, no panic.
+    for junk in [
+        "",
+        "{{{",
+        "vllm:num_requests_running{",
+        "vllm:num_requests_running NaNx",
+        "\u{0}\u{ff}",
+    ] {
+        assert_eq!(parse_metrics(junk), MetricsSample::default(), "{junk:?}");
+    }
+}
+
+fn shared_with(replicas: usize) -> Arc<crate::worker::Shared> {
+    let mut cfg = crate::config::ServeConfig {
+        workers: 1,
+        ..Default::default()
+    };
+    for i in 0..replicas {
+        cfg.replicas.push(
+            crate::config::parse_replica_url("replica", &format!("http://127.0.0.1:{}", 9000 + i))
+                .unwrap(),
+        );
+    }
+    let (index, _writer) = ResidencyIndex::new(ResidencyConfig::default()).unwrap();
+    Arc::new(crate::worker::Shared::new(cfg, index, Vec::new()))
+}
+
+#[test]
+fn feed_applies_ops_and_expires_only_guesses() {
+    let shared = shared_with(2);
+    let (_index, mut writer) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: 2,
+        block_tokens: 16,
+        kv_capacity_tokens: 1 << 20,
+    })
+    .unwrap();
+    let (tx, rx) = crossbeam::channel::bounded(16);
+    let mut feed = ResidencyFeed::new(shared.clone(), rx);
+    shared.telemetry[0].events_connected.store(true, Relaxed);
+    // A routing guess and a confirmed block on replica 0, a guess on replica 1 (no events).
+    writer.insert_routed(0, &[100], 0).unwrap();
+    writer.insert_routed(1, &[100], 0).unwrap();
+    tx.send(ResidencyOp::Insert {
+        replica: 0,
+        blocks: vec![200, 201],
+    })
+    .unwrap();
+    feed.on_tick(&mut writer, 1_000);
+    assert_eq!(writer.copies(0, 200), 1);
+    assert_eq!(feed.confirmed_blocks(0), 2);
+    // 3 s later: the guess on the event-backed replica is gone, confirmed blocks stay, the
+    // replica without events keeps its guess.
+    feed.on_tick(&mut writer, 3_000_000);
+    assert!(!writer.holds(0, 100));
+    assert!(writer.holds(0, 200) && writer.holds(0, 201));
+    assert_eq!(writer.copies(0, 200), 1);
+    assert!(writer.holds(1, 100));
+    tx.send(ResidencyOp::Remove {
+        replica: 0,
+        blocks: vec![200],
+    })
+    .unwrap();
+    tx.send(ResidencyOp::Clear { replica: 1 }).unwrap();
+    feed.on_tick(&mut writer, 3_001_000);
+    assert!(!writer.holds(0, 200) && writer.holds(0, 201));
+    assert!(!writer.holds(1, 100));
+    assert_eq!(feed.confirmed_blocks(0), 1);
+}
+
+#[test]
+fn silent_replicas_go_stale_and_lose_residency() {
+    let shared = shared_with(2);
+    let (_index, mut writer) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: 2,
+        block_tokens: 16,
+        kv_capacity_tokens: 1 << 20,
+    })
+    .unwrap();
+    let (_tx, rx) = crossbeam::channel::bounded(16);
+    let mut feed = ResidencyFeed::new(shared.clone(), rx);
+    // Replica 0 reported once at 1 s; replica 1 never did.
+    shared.telemetry[0].touch(1_000);
+    writer.insert(0, &[1, 2], 1_000_000).unwrap();
+    writer.insert_routed(1, &[3], 1_000_000).unwrap();
+    feed.on_tick(&mut writer, 30_000_000);
+    assert!(!shared.telemetry[0].stale() && writer.holds(0, 1));
+    feed.on_tick(&mut writer, 31_500_000);
+    assert!(shared.telemetry[0].stale());
+    assert!(!writer.holds(0, 1) && !writer.holds(0, 2));
+    assert!(!shared.telemetry[1].stale() && writer.holds(1, 3));
+    // Fresh telemetry lifts it.
+    shared.telemetry[0].touch(31_600);
+    feed.on_tick(&mut writer, 32_000_000);
+    assert!(!shared.telemetry[0].stale());
+}

@@ -1,0 +1,510 @@
+//! Replica telemetry end to end: `kvlb serve` subscribed to real ZeroMQ KV event publishers
+//! (the simulated replica `kvlb replica`, and a pyzmq + msgspec publisher written from
+//! replica-interfaces.md, tests/py/kv_publisher.py) learns where prompts are resident from the
+//! replicas' own events and routes token-id prompts there; gaps, restarts and clears drop what
+//! it learned; /replicas shows the replicas' scraped queue numbers.
+//!
+//! The Python side needs pyzmq and msgspec: $KVLB_PYTHON, else .venv/bin/python at the
+//! repository root (tests/run.sh creates it), else python3.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::Duration;
+use support::{wait_until, HttpConn, Kvlb};
+
+const T: Duration = Duration::from_secs(20);
+
+/// A child process killed and reaped on drop (also when a test panics), whose stderr or
+/// stdout lines are collected by a thread.
+struct ChildGuard {
+    child: Child,
+    lines: Receiver<String>,
+    stdin: Option<ChildStdin>,
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ChildGuard {
+    fn spawn(mut cmd: Command, read_stderr: bool) -> ChildGuard {
+        cmd.stdin(Stdio::piped());
+        if read_stderr {
+            cmd.stderr(Stdio::piped()).stdout(Stdio::null());
+        } else {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+        }
+        let mut child = cmd.spawn().expect("spawn child process");
+        let (tx, lines) = mpsc::channel();
+        let out: Box<dyn std::io::Read + Send> = if read_stderr {
+            Box::new(child.stderr.take().unwrap())
+        } else {
+            Box::new(child.stdout.take().unwrap())
+        };
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        ChildGuard {
+            child,
+            lines,
+            stdin,
+        }
+    }
+
+    fn next_line(&mut self) -> String {
+        match self.lines.recv_timeout(T) {
+            Ok(l) => l,
+            Err(_) => panic!(
+                "no output within {T:?} (exit status {:?})",
+                self.child.try_wait().ok().flatten()
+            ),
+        }
+    }
+}
+
+/// `kvlb replica --count n` with KV events: each replica's HTTP address and event endpoint.
+struct Replicas {
+    _proc: ChildGuard,
+    http: Vec<SocketAddr>,
+    events: Vec<String>,
+}
+
+fn start_replicas(n: usize) -> Replicas {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlb"));
+    cmd.args([
+        "replica",
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--count",
+        &n.to_string(),
+        "--time-scale",
+        "50",
+    ]);
+    let mut proc = ChildGuard::spawn(cmd, true);
+    let (mut http, mut events) = (Vec::new(), Vec::new());
+    loop {
+        let line = proc.next_line();
+        if line.starts_with("kvlb replica: ready") {
+            break;
+        }
+        // kvlb replica: replica I on ADDR kv_events=tcp://ADDR
+        if let Some(rest) = line.strip_prefix("kvlb replica: replica ") {
+            let mut words = rest.split_whitespace();
+            let _index = words.next();
+            assert_eq!(words.next(), Some("on"), "{line}");
+            http.push(words.next().unwrap().parse().unwrap());
+            let ev = words
+                .find_map(|w| w.strip_prefix("kv_events="))
+                .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
+            events.push(ev.to_string());
+        }
+    }
+    assert_eq!(http.len(), n);
+    Replicas {
+        _proc: proc,
+        http,
+        events,
+    }
+}
+
+fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
+    let r = kvlb.admin_get("/replicas");
+    let v: Value = serde_json::from_str(&r.body_text()).expect("/replicas is JSON");
+    v["replicas"].as_array().unwrap().clone()
+}
+
+fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
+        .collect()
+}
+
+fn completion_body(tokens: &[u32]) -> Vec<u8> {
+    json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})
+        .to_string()
+        .into_bytes()
+}
+
+fn post(addr: SocketAddr, path: &str, body: &[u8]) -> support::Response {
+    let mut c = HttpConn::connect(addr);
+    c.request("POST", path, &[("Content-Type", "application/json")], body)
+        .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
+}
+
+/// Decision fields of `x-kvlb-decision` (reason, matched_tokens).
+fn decision(r: &support::Response) -> (String, u64) {
+    let d = r
+        .header("x-kvlb-decision")
+        .unwrap_or_else(|| panic!("no x-kvlb-decision: {}", r.describe()))
+        .to_string();
+    let field = |k: &str| {
+        d.split(';')
+            .map(str::trim)
+            .find_map(|p| p.strip_prefix(&format!("{k}=")))
+            .unwrap_or("")
+            .to_string()
+    };
+    (
+        field("reason"),
+        field("matched_tokens").parse().unwrap_or(0),
+    )
+}
+
+#[test]
+fn replica_events_steer_token_prompts_and_clears_undo_them() {
+    let reps = start_replicas(2);
+    let replica_arg = |i: usize| format!("http://{},kv_events={}", reps.http[i], reps.events[i]);
+    let (r0, r1) = (replica_arg(0), replica_arg(1));
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--metrics-interval",
+        "200ms",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    assert!(
+        wait_until(T, || replicas_json(&kvlb)
+            .iter()
+            .all(|r| r["telemetry"]["events_connected"] == true)),
+        "kvlb did not subscribe to both replicas: {:?}\n{}",
+        replicas_json(&kvlb),
+        kvlb.stderr()
+    );
+    // The subscription lands on the publisher a little after the connection.
+    std::thread::sleep(Duration::from_millis(300));
+
+    // Replica 1 computes the prompt (kvlb not involved) and publishes BlockStored.
+    let prompt = token_prompt(4096, 1);
+    let body = completion_body(&prompt);
+    let direct = post(reps.http[1], "/v1/completions", &body);
+    assert_eq!(direct.status, 200, "{}", direct.describe());
+    assert!(
+        wait_until(T, || replicas_json(&kvlb)[1]["resident_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 256),
+        "kvlb did not learn replica 1's blocks: {:?}",
+        replicas_json(&kvlb)
+    );
+    assert_eq!(replicas_json(&kvlb)[0]["resident_blocks"], 0);
+
+    // The same prompt through kvlb goes to replica 1 for the cache.
+    let via = post(kvlb.listen, "/v1/completions", &body);
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(
+        via.header("x-kvlb-replica"),
+        Some(format!("http://{}", reps.http[1]).as_str()),
+        "{}",
+        via.describe()
+    );
+    let (reason, matched) = decision(&via);
+    assert_eq!(reason, "cache", "{}", via.describe());
+    assert!(matched >= 4000, "{}", via.describe());
+
+    // The replica drops its cache (AllBlocksCleared): kvlb forgets it.
+    let reset = post(reps.http[1], "/reset_prefix_cache", b"");
+    assert!(reset.status < 300, "{}", reset.describe());
+    assert!(
+        wait_until(T, || replicas_json(&kvlb)[1]["resident_blocks"] == 0),
+        "kvlb still believes replica 1 holds blocks: {:?}",
+        replicas_json(&kvlb)
+    );
+    let again = post(kvlb.listen, "/v1/completions", &body);
+    assert_eq!(again.status, 200, "{}", again.describe());
+    let (reason, matched) = decision(&again);
+    assert!(reason != "cache" || matched == 0, "{}", again.describe());
+
+    // Metrics scraped from the replicas show up per replica.
+    assert!(
+        wait_until(T, || replicas_json(&kvlb).iter().all(|r| {
+            let t = &r["telemetry"];
+            t["running"].is_u64() && t["waiting"].is_u64() && t["kv_usage"].is_number()
+        })),
+        "no scraped numbers in /replicas: {:?}",
+        replicas_json(&kvlb)
+    );
+    let metrics = kvlb.admin_get("/metrics").body_text();
+    for name in [
+        "kvlb_replica_waiting{",
+        "kvlb_replica_running{",
+        "kvlb_replica_kv_usage{",
+        "kvlb_replica_telemetry_age_seconds{",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    let t1 = &replicas_json(&kvlb)[1]["telemetry"];
+    assert!(t1["events_seen"].as_u64().unwrap() >= 2, "{t1}");
+    assert_eq!(t1["stale"], false, "{t1}");
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The test interpreter; fails (never skips) without pyzmq and msgspec.
+fn python() -> PathBuf {
+    let py: PathBuf = match std::env::var_os("KVLB_PYTHON") {
+        Some(p) => p.into(),
+        None if repo().join(".venv/bin/python").exists() => repo().join(".venv/bin/python"),
+        None => "python3".into(),
+    };
+    let ok = Command::new(&py)
+        .args(["-c", "import zmq, msgspec"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "{} cannot import zmq and msgspec. Run `bash tests/run.sh` once (it creates .venv), or \
+         `python3 -m venv .venv && .venv/bin/pip install pyzmq msgspec`, or point KVLB_PYTHON \
+         at an interpreter that has them.",
+        py.display()
+    );
+    py
+}
+
+/// tests/py/kv_publisher.py: a pyzmq publisher driven by JSON commands.
+struct PyPublisher {
+    proc: ChildGuard,
+    endpoint: String,
+    replay: Option<String>,
+}
+
+impl PyPublisher {
+    fn start(format: &str, replay: bool) -> PyPublisher {
+        PyPublisher::start_on(format, replay, 0, "")
+    }
+
+    /// On a given PUB port (0: any) with a topic frame.
+    fn start_on(format: &str, replay: bool, port: u16, topic: &str) -> PyPublisher {
+        let mut cmd = Command::new(python());
+        cmd.arg(repo().join("tests/py/kv_publisher.py")).args([
+            "--format",
+            format,
+            "--port",
+            &port.to_string(),
+            "--topic",
+            topic,
+        ]);
+        if replay {
+            cmd.arg("--replay");
+        }
+        let mut proc = ChildGuard::spawn(cmd, false);
+        let hello: Value = serde_json::from_str(&proc.next_line()).unwrap();
+        PyPublisher {
+            endpoint: hello["endpoint"].as_str().unwrap().to_string(),
+            replay: hello["replay"].as_str().map(String::from),
+            proc,
+        }
+    }
+
+    fn command(&mut self, cmd: Value) -> Value {
+        let stdin = self.proc.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+        let reply: Value = serde_json::from_str(&self.proc.next_line()).unwrap();
+        assert_eq!(reply["ok"], true, "publisher said {reply} to {cmd}");
+        reply
+    }
+
+    fn publish(&mut self, seq: u64, events: Value, send: bool) {
+        self.command(json!({"op": "publish", "seq": seq, "events": events, "send": send}));
+    }
+}
+
+/// BlockStored events for `tokens` in 16-token blocks with SGLang-style signed hashes
+/// (`-(first_id + i)`), split in two chained events.
+fn stored_events(tokens: &[u32], first_id: i64) -> Value {
+    let blocks = tokens.len() / 16;
+    let ids: Vec<i64> = (0..blocks as i64).map(|i| -(first_id + i)).collect();
+    let half = blocks / 2;
+    json!([
+        {"type": "BlockStored", "block_hashes": ids[..half], "parent_block_hash": null,
+         "token_ids": tokens[..half * 16], "block_size": 16, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": ids[half..], "parent_block_hash": ids[half - 1],
+         "token_ids": tokens[half * 16..blocks * 16], "block_size": 16, "medium": "GPU"},
+    ])
+}
+
+fn telemetry_of(kvlb: &Kvlb, r: usize) -> Value {
+    let all = replicas_json(kvlb);
+    let mut t = all[r]["telemetry"].clone();
+    t["resident_blocks"] = all[r]["resident_blocks"].clone();
+    t
+}
+
+/// Replica 1's events come from the Python publisher (its HTTP side is a simulated replica).
+fn spec_publisher_scenario(format: &str, with_replay: bool) {
+    let reps = start_replicas(2);
+    let mut publisher = PyPublisher::start(format, with_replay);
+    let mut r1 = format!("http://{},kv_events={}", reps.http[1], publisher.endpoint);
+    if let Some(replay) = &publisher.replay {
+        r1.push_str(&format!(",kv_replay={replay}"));
+    }
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+
+    // seq 0: prompt A stored on replica 1 (signed hashes, chained parent).
+    let a = token_prompt(4096, 2);
+    publisher.publish(0, stored_events(&a, 1), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 256),
+        "{format}: kvlb did not learn prompt A: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let via = post(kvlb.listen, "/v1/completions", &completion_body(&a));
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(
+        via.header("x-kvlb-replica"),
+        Some(r1.split(',').next().unwrap()),
+        "{format}: {}",
+        via.describe()
+    );
+    assert_eq!(decision(&via).0, "cache", "{format}: {}", via.describe());
+
+    let b = token_prompt(256, 3);
+    if with_replay {
+        // seq 1 is kept but never sent; seq 2 shows the gap and replay fills it.
+        publisher.publish(1, stored_events(&b, 1000), false);
+        publisher.publish(2, json!([]), true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["replays"] == 1),
+            "{format}: no replay: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 256 + 16),
+            "{format}: replayed blocks missing: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        assert_eq!(telemetry_of(&kvlb, 1)["stale"], false);
+    } else {
+        // seq 2 after 0: a gap with no replay clears replica 1 and marks it stale.
+        publisher.publish(2, stored_events(&b, 1000), true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["gaps"] == 1),
+            "{format}: gap not seen: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        assert_eq!(telemetry_of(&kvlb, 1)["stale"], true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 16),
+            "{format}: only the batch after the gap should be left: {}",
+            telemetry_of(&kvlb, 1)
+        );
+        // The next in-order batch lifts the stale mark.
+        publisher.publish(3, json!([]), true);
+        assert!(
+            wait_until(T, || telemetry_of(&kvlb, 1)["stale"] == false),
+            "{format}: still stale: {}",
+            telemetry_of(&kvlb, 1)
+        );
+    }
+
+    // The sequence going backwards (engine restart) drops everything known.
+    let c = token_prompt(64, 4);
+    publisher.publish(0, stored_events(&c, 5000), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["restarts"] == 1),
+        "{format}: restart not seen: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 4),
+        "{format}: residency after restart: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let again = post(kvlb.listen, "/v1/completions", &completion_body(&a));
+    assert_eq!(again.status, 200, "{}", again.describe());
+    let (reason, matched) = decision(&again);
+    assert!(
+        reason != "cache" || matched == 0,
+        "{format}: {}",
+        again.describe()
+    );
+}
+
+#[test]
+fn spec_publisher_map_encoding_gap_without_replay() {
+    spec_publisher_scenario("map", false);
+}
+
+#[test]
+fn spec_publisher_array_encoding_gap_with_replay() {
+    spec_publisher_scenario("array", true);
+}
+
+/// The publisher goes away and an engine comes back on the same endpoint numbering from 0
+/// again: kvlb reconnects on its own and drops what the old engine had stored.
+#[test]
+fn reconnects_after_publisher_restart_and_forgets_the_old_engine() {
+    let reps = start_replicas(1);
+    let mut publisher = PyPublisher::start_on("map", false, 0, "kv@pod-0@Qwen/Qwen3-8B");
+    let port: u16 = publisher
+        .endpoint
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let r0 = format!("http://{},kv_events={}", reps.http[0], publisher.endpoint);
+    let kvlb = Kvlb::serve(&["--explain", "--workers", "1", "--replica", &r0]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    let a = token_prompt(512, 5);
+    publisher.publish(0, stored_events(&a, 1), true);
+    publisher.publish(1, json!([]), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 0)["resident_blocks"] == 32),
+        "{}",
+        telemetry_of(&kvlb, 0)
+    );
+    drop(publisher);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 0)["events_connected"] == false),
+        "kvlb did not notice the publisher left: {}",
+        telemetry_of(&kvlb, 0)
+    );
+    let mut restarted = PyPublisher::start_on("map", false, port, "kv@pod-0@Qwen/Qwen3-8B");
+    restarted.command(json!({"op": "wait_subscribed"}));
+    let b = token_prompt(64, 6);
+    restarted.publish(0, stored_events(&b, 1), true);
+    assert!(
+        wait_until(T, || {
+            let t = telemetry_of(&kvlb, 0);
+            t["restarts"] == 1 && t["resident_blocks"] == 4
+        }),
+        "kvlb kept the old engine's blocks: {}",
+        telemetry_of(&kvlb, 0)
+    );
+    assert_eq!(telemetry_of(&kvlb, 0)["connects"], 2);
+}
