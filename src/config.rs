@@ -77,7 +77,9 @@ pub struct TelemetryConfig {
     /// shown as stale.
     pub stale_after: Duration,
     /// On replicas with live KV events, blocks kvlb only assumed from its own routing are
-    /// dropped once this old unless events confirmed them.
+    /// dropped once this old unless events confirmed them. Events confirm token-id prompts
+    /// only (chat and text prompts are hashed over their text until a tokenizer is
+    /// configured), so the default is long enough for a conversation's next turns.
     pub routed_guess_ttl: Duration,
 }
 
@@ -86,7 +88,7 @@ impl Default for TelemetryConfig {
         TelemetryConfig {
             metrics_interval: Duration::from_secs(1),
             stale_after: Duration::from_secs(30),
-            routed_guess_ttl: Duration::from_secs(2),
+            routed_guess_ttl: Duration::from_secs(120),
         }
     }
 }
@@ -463,7 +465,7 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --replica URL,metrics=on|off   poll the replica's /metrics (default: on when kv_events is set)
   --metrics-interval DUR   how often each replica's /metrics is polled (default 1s)
   --telemetry-stale-after DUR  no events nor metrics this long: drop the replica's residency (default 30s)
-  --routed-guess-ttl DUR   with KV events, routing guesses not confirmed this long are dropped (default 2s)
+  --routed-guess-ttl DUR   with KV events, routing guesses not confirmed this long are dropped (default 120s)
   --policy NAME            cache_aware | round_robin | least_loaded | power_of_two (default cache_aware)
   --explain                add x-kvlb-decision to responses (matched tokens, estimates, reason)
   --min-match-tokens N     cache_aware: shorter prefix matches count as none (default 256)
