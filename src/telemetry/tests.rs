@@ -357,7 +357,12 @@ fn shared_with(replicas: usize) -> Arc<crate::worker::Shared> {
 
 #[test]
 fn feed_applies_ops_and_expires_only_guesses() {
-    let shared = shared_with(2);
+    let mut shared = shared_with(2);
+    Arc::get_mut(&mut shared)
+        .expect("not shared yet")
+        .cfg
+        .telemetry
+        .routed_guess_ttl = std::time::Duration::from_secs(2);
     let (_index, mut writer) = ResidencyIndex::new(ResidencyConfig {
         max_replicas: 2,
         block_tokens: 16,
