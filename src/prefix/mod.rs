@@ -43,7 +43,9 @@
 #[cfg(test)]
 mod tests;
 
-use crate::prompt::{extract_prompt, Endpoint, Piece, PromptError, PromptForm, PromptSink};
+use crate::prompt::{
+    extract_prompt_with, Endpoint, Piece, PromptError, PromptForm, PromptScratch, PromptSink,
+};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Canonical bytes per text-mode block (see the module header for the choice).
@@ -129,7 +131,13 @@ pub struct PrefixHashes {
     pub est_prompt_tokens: u32,
     /// The block being filled, when pieces do not end on a block boundary.
     block: Box<[u8; BLOCK_BUFFER]>,
+    /// Where extraction records the messages during its first pass.
+    scratch: PromptScratch,
 }
+
+/// Pieces of a conversation recorded in one pass (see [`extract_prompt_with`]): a run of text
+/// and an escape are two, so this holds ~4000 escapes, far more than a 32 KiB body of code.
+const RECORDED_PIECES: usize = 8192;
 
 impl PrefixHashes {
     /// Buffers for requests under `cfg`: the only allocation; later requests reuse them.
@@ -141,6 +149,7 @@ impl PrefixHashes {
             total_units: 0,
             est_prompt_tokens: 0,
             block: Box::new([0u8; BLOCK_BUFFER]),
+            scratch: PromptScratch::new(RECORDED_PIECES),
         }
     }
 
@@ -218,7 +227,7 @@ pub fn hash_request(
         max_blocks: cfg.max_blocks,
         units: 0,
     };
-    match extract_prompt(endpoint, body, &mut chain) {
+    match extract_prompt_with(endpoint, body, &mut out.scratch, &mut chain) {
         Ok(form) => {
             let units = chain.units;
             out.total_units = units;

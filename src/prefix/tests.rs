@@ -2,6 +2,7 @@
 //! event hashing, and the warm path keeps its buffers.
 
 use super::*;
+use crate::prompt::extract_prompt;
 use crate::prompt::tests::conversation;
 
 const CHAT: &[u8] = b"/v1/chat/completions";
