@@ -403,6 +403,12 @@ impl<'s, 'b> Recording<'s, 'b> {
     }
 }
 
+/// Messages stop being recorded once they average a piece per this many bytes (past some
+/// slack for short messages, whose markers are pieces too): prose has one per ~100 bytes,
+/// escaped code one per ~10.
+const DENSE_BYTES: usize = 32;
+const DENSE_SLACK: usize = 2048;
+
 /// First pass over `messages` (the cursor on its value): records its pieces where it can, and
 /// otherwise (any error, any value that is not an array of messages) skims it exactly as
 /// without recording, leaving the error to the second pass.
@@ -413,7 +419,13 @@ fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result
             if c.peek_token()? != b'[' {
                 return Err(PromptError::WrongType("messages"));
             }
+            let mut dense = false;
             c.array(1, |c, _| {
+                if record.resume.is_none() && dense {
+                    // Escape-dense text: a piece every few bytes costs more to record and
+                    // replay than a second scan, so the rest is scanned again.
+                    record.resume = Some(c.pos);
+                }
                 if record.resume.is_some() {
                     return c.skim(MESSAGE_DEPTH - 1);
                 }
@@ -432,6 +444,7 @@ fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result
                     c.pos = at;
                     return c.skim(MESSAGE_DEPTH - 1);
                 }
+                dense = record.len * DENSE_BYTES > c.pos - start + DENSE_SLACK;
                 result
             })
         })();
