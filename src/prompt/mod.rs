@@ -33,10 +33,17 @@
 //! message (and a content part, and a tool call's function) a value is emitted as it is scanned
 //! when every field before it in canonical order has been emitted already (`role` before
 //! `content`, as clients usually write it), and otherwise recorded and re-scanned at the end of
-//! the object; so the common shapes cost exactly two scans of the prompt text. A token-id
-//! prompt needs nothing else from the body and is emitted during the first pass. Strings are
-//! scanned 64 bytes at a time with SSE2 bit masks (see `scan`); `benches/prefix.rs` measures
-//! the whole path.
+//! the object. `messages` usually comes first in the body (the OpenAI clients send the caller's
+//! keyword order, `messages` before `model`; `tools` anywhere), yet is emitted last: so the
+//! first pass extracts it already and records its pieces (body ranges, decoded escapes and
+//! markers copied) in scratch space, and the second pass replays them after model, salt and
+//! tools, reading the prompt text once. Escape-dense messages (a piece every few bytes) and
+//! messages past the scratch space are only skimmed in the first pass and scanned again in the
+//! second, as before; any error in `messages` falls back to that path too, so results and
+//! errors are those of the plain two-pass reading (tested against it). A token-id prompt needs
+//! nothing else from the body and is emitted during the first pass. Strings are scanned 64
+//! bytes at a time with SSE2 bit masks (see `scan`); `benches/prefix.rs` measures the whole
+//! path.
 //!
 //! Anything that is not such a body (other path, invalid JSON, wrong types, missing fields,
 //! duplicate keys we read, nesting deeper than [`MAX_DEPTH`], a cut-short body) is a
