@@ -824,6 +824,11 @@ mod tests {
             }
             assert_eq!(skip_plain_chunks(&buf, start), expect);
             assert_eq!(skip_plain_chunks_sse2(&buf, start), expect);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // Safety: the CPU supports AVX2.
+                assert_eq!(unsafe { skip_plain_chunks_avx2(&buf, start) }, expect);
+            }
         }
     }
 
