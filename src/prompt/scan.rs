@@ -313,11 +313,14 @@ impl<'a> Cursor<'a> {
         let mut carry = 0u64;
         let mut padded = [b' '; 64];
         loop {
-            if carry == 0 {
-                chunk_pos = skip_plain_chunks(buf, chunk_pos);
-            }
             let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
             let masks = classify(chunk);
+            if carry == 0 && valid == 64 && masks.quote | masks.backslash | masks.control == 0 {
+                // A plain chunk: the ones after it are likely plain too (short strings and
+                // string ends are found without that call).
+                chunk_pos = skip_plain_chunks(buf, chunk_pos + 64);
+                continue;
+            }
             let (escaped, starts) = escapes(masks.backslash, &mut carry);
             let (inside, closing) = string_extent(&masks, escaped, valid);
             if masks.control & inside != 0 {
@@ -385,11 +388,14 @@ impl<'a> Cursor<'a> {
         let mut carry = 0u64;
         let mut padded = [b' '; 64];
         loop {
-            if carry == 0 {
-                chunk_pos = skip_plain_chunks(buf, chunk_pos);
-            }
             let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
             let masks = classify(chunk);
+            if carry == 0 && valid == 64 && masks.quote | masks.backslash | masks.control == 0 {
+                // A plain chunk: the ones after it are likely plain too (short strings and
+                // string ends are found without that call).
+                chunk_pos = skip_plain_chunks(buf, chunk_pos + 64);
+                continue;
+            }
             let (escaped, _) = escapes(masks.backslash, &mut carry);
             let (inside, closing) = string_extent(&masks, escaped, valid);
             if masks.control & inside != 0 {
