@@ -690,6 +690,25 @@ impl<'a> Cursor<'a> {
     /// Reads an object key into `key` (decoded, truncated to its capacity) and consumes the
     /// colon after it. Returns the decoded length, which exceeds `key.len()` for long keys.
     pub fn object_key(&mut self, key: &mut [u8]) -> Result<usize, PromptError> {
+        // Most keys are short and plain: read them in place.
+        if self.peek_token()? == b'"' {
+            let start = self.pos + 1;
+            let window = self
+                .buf
+                .get(start..self.buf.len().min(start + key.len() + 1))
+                .unwrap_or(&[]);
+            if let Some(end) = window
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+            {
+                if window[end] == b'"' {
+                    key[..end].copy_from_slice(&window[..end]);
+                    self.pos = start + end + 1;
+                    self.expect(b':')?;
+                    return Ok(end);
+                }
+            }
+        }
         let mut len = 0usize;
         self.string(&mut |piece: &[u8]| {
             for &b in piece {
@@ -969,6 +988,38 @@ mod tests {
             }
         }
         assert!(compared > 2000, "{compared} valid strings compared");
+    }
+
+    #[test]
+    fn object_keys_read_as_decoded_strings() {
+        let alphabet: &[u8] = b"ab\\\"n\x01 u0";
+        let mut x = 0x7f4a_7c15_9e37_79b9u64;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut json = vec![b' ', b'"'];
+            let mut y = x;
+            for _ in 0..x % 40 {
+                y = y.wrapping_mul(6364136223846793005).wrapping_add(1);
+                json.push(alphabet[(y >> 33) as usize % alphabet.len()]);
+            }
+            json.extend_from_slice(&b"\" : 1"[..(x >> 40) as usize % 6]);
+            let mut decoded = Vec::new();
+            let mut c = Cursor::new(&json, 0);
+            let expect = c
+                .string(&mut |p: &[u8]| decoded.extend_from_slice(p))
+                .and_then(|_| c.expect(b':'))
+                .map(|_| (decoded.len(), c.pos));
+            let mut key = [0u8; KEY_CAPACITY];
+            let mut k = Cursor::new(&json, 0);
+            let got = k.object_key(&mut key).map(|len| (len, k.pos));
+            assert_eq!(got, expect, "{:?}", String::from_utf8_lossy(&json));
+            if let Ok((len, _)) = got {
+                let n = len.min(KEY_CAPACITY);
+                assert_eq!(key[..n], decoded[..n]);
+            }
+        }
     }
 
     #[test]
