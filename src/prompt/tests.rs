@@ -710,10 +710,10 @@ fn every_truncation_is_an_error() {
 }
 
 /// xorshift64*, deterministic.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -820,7 +820,7 @@ fn extracted_with(
 
 /// A random chat or completions body: any key order, escapes, part arrays, tool calls, odd
 /// types and now and then a broken byte.
-fn random_body(rng: &mut Rng) -> String {
+pub(crate) fn random_body(rng: &mut Rng) -> String {
     let words = [
         "plain text ",
         "line\\n",
