@@ -374,7 +374,7 @@ impl<'s, 'b> Recording<'s, 'b> {
             self.overflowed = true;
             return;
         };
-        dst.copy_from_slice(piece);
+        scan::copy_short(dst, piece);
         self.arena_len += piece.len();
         if let Some(last) = self.len.checked_sub(1).map(|i| &mut self.entries[i]) {
             let (last_offset, last_len) = (*last & 0xffff_ffff, *last >> 32 & LEN_MASK);

@@ -702,7 +702,7 @@ impl<'a> Cursor<'a> {
                 .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
             {
                 if window[end] == b'"' {
-                    key[..end].copy_from_slice(&window[..end]);
+                    copy_short(&mut key[..end], &window[..end]);
                     self.pos = start + end + 1;
                     self.expect(b':')?;
                     return Ok(end);
@@ -786,6 +786,50 @@ impl<'a> Cursor<'a> {
                 _ => return Err(self.syntax()),
             }
         }
+    }
+}
+
+/// `dst.copy_from_slice(src)` for the few bytes of keys, markers and escapes, without a call
+/// to `memcpy`: at most two overlapping fixed-size moves. Slices of different lengths are left
+/// alone.
+#[inline(always)]
+pub fn copy_short(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    if n != dst.len() {
+        return;
+    }
+    match n {
+        0 => {}
+        1..=3 => {
+            dst[0] = src[0];
+            dst[n / 2] = src[n / 2];
+            dst[n - 1] = src[n - 1];
+        }
+        4..=7 => {
+            let (a, b): ([u8; 4], [u8; 4]) = (
+                src[..4].try_into().unwrap_or_default(),
+                src[n - 4..].try_into().unwrap_or_default(),
+            );
+            dst[..4].copy_from_slice(&a);
+            dst[n - 4..].copy_from_slice(&b);
+        }
+        8..=16 => {
+            let (a, b): ([u8; 8], [u8; 8]) = (
+                src[..8].try_into().unwrap_or_default(),
+                src[n - 8..].try_into().unwrap_or_default(),
+            );
+            dst[..8].copy_from_slice(&a);
+            dst[n - 8..].copy_from_slice(&b);
+        }
+        17..=32 => {
+            let (a, b): ([u8; 16], [u8; 16]) = (
+                src[..16].try_into().unwrap_or_default(),
+                src[n - 16..].try_into().unwrap_or_default(),
+            );
+            dst[..16].copy_from_slice(&a);
+            dst[n - 16..].copy_from_slice(&b);
+        }
+        _ => dst.copy_from_slice(src),
     }
 }
 
