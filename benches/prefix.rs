@@ -6,7 +6,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use kvlb::prefix::{hash_request, text_block_hashes, PrefixConfig, PrefixHashes};
-use kvlb::prompt::{extract_prompt, Endpoint, Piece};
+use kvlb::prompt::{extract_prompt, extract_prompt_with, Endpoint, Piece, PromptScratch};
 use std::time::{Duration, Instant};
 
 #[global_allocator]
@@ -145,12 +145,15 @@ fn bench(c: &mut Criterion) {
                 black_box(out.hashes.len())
             })
         });
+        // The scratch space `hash_request` keeps per worker.
+        let mut scratch = PromptScratch::new(8192);
         group.bench_function(format!("extract_only_chat_32k_{name}"), |b| {
             b.iter(|| {
                 let mut n = 0usize;
-                extract_prompt(
+                extract_prompt_with(
                     Endpoint::ChatCompletions,
                     black_box(bytes),
+                    &mut scratch,
                     &mut |p: Piece<'_>| {
                         if let Piece::Text(t) = p {
                             n += t.len()

@@ -2,6 +2,7 @@
 //! event hashing, and the warm path keeps its buffers.
 
 use super::*;
+use crate::prompt::extract_prompt;
 use crate::prompt::tests::conversation;
 
 const CHAT: &[u8] = b"/v1/chat/completions";
@@ -327,4 +328,45 @@ fn config_is_validated() {
     let mut out = PrefixHashes::new(&cfg);
     hash_request(COMPLETIONS, br#"{"prompt":[1,2,3]}"#, &cfg, &mut out).unwrap();
     assert!(out.hashes.is_empty());
+}
+
+#[test]
+fn hashes_equal_the_two_pass_reference_chained_with_xxh3() {
+    use crate::prompt::tests::{random_body, reference_extract_prompt, Rng};
+    use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+    let cfg = PrefixConfig::default();
+    let mut out = PrefixHashes::new(&cfg);
+    let mut rng = Rng(0x005E_ED0F_B10C_4A5E);
+    let mut bodies: Vec<String> = (0..3000).map(|_| random_body(&mut rng)).collect();
+    bodies.extend((1..40).map(conversation));
+    let mut compared = 0;
+    for body in &bodies {
+        for path in [CHAT, COMPLETIONS] {
+            let endpoint = Endpoint::from_path(path).unwrap();
+            let mut canonical = Vec::new();
+            let mut tokens = false;
+            let reference =
+                reference_extract_prompt(endpoint, body.as_bytes(), &mut |p: Piece<'_>| match p {
+                    Piece::Text(b) => canonical.extend_from_slice(b),
+                    Piece::Token(_) => tokens = true,
+                });
+            let result = hash_request(path, body.as_bytes(), &cfg, &mut out);
+            assert_eq!(result.map(|_| ()), reference.map(|_| ()), "{body}");
+            if result.is_err() || tokens {
+                continue;
+            }
+            let mut parent = TEXT_CHAIN_ROOT;
+            let expect: Vec<u64> = canonical
+                .chunks_exact(BLOCK_BYTES)
+                .map(|block| {
+                    parent = xxh3_64_with_seed(&xxh3_64(block).to_le_bytes(), parent);
+                    parent
+                })
+                .collect();
+            assert_eq!(out.hashes, expect, "{body}");
+            assert_eq!(out.total_units, canonical.len());
+            compared += 1;
+        }
+    }
+    assert!(compared > 1000, "{compared} bodies hashed");
 }

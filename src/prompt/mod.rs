@@ -33,10 +33,17 @@
 //! message (and a content part, and a tool call's function) a value is emitted as it is scanned
 //! when every field before it in canonical order has been emitted already (`role` before
 //! `content`, as clients usually write it), and otherwise recorded and re-scanned at the end of
-//! the object; so the common shapes cost exactly two scans of the prompt text. A token-id
-//! prompt needs nothing else from the body and is emitted during the first pass. Strings are
-//! scanned 64 bytes at a time with SSE2 bit masks (see `scan`); `benches/prefix.rs` measures
-//! the whole path.
+//! the object. `messages` usually comes first in the body (the OpenAI clients send the caller's
+//! keyword order, `messages` before `model`; `tools` anywhere), yet is emitted last: so the
+//! first pass extracts it already and records its pieces (body ranges, decoded escapes and
+//! markers copied) in scratch space, and the second pass replays them after model, salt and
+//! tools, reading the prompt text once. Escape-dense messages (a piece every few bytes) and
+//! messages past the scratch space are only skimmed in the first pass and scanned again in the
+//! second, as before; any error in `messages` falls back to that path too, so results and
+//! errors are those of the plain two-pass reading (tested against it). A token-id prompt needs
+//! nothing else from the body and is emitted during the first pass. Strings are scanned 64
+//! bytes at a time with SSE2 bit masks (see `scan`); `benches/prefix.rs` measures the whole
+//! path.
 //!
 //! Anything that is not such a body (other path, invalid JSON, wrong types, missing fields,
 //! duplicate keys we read, nesting deeper than [`MAX_DEPTH`], a cut-short body) is a
@@ -198,7 +205,53 @@ pub fn extract_prompt(
     body: &[u8],
     sink: &mut impl PromptSink,
 ) -> Result<PromptForm, PromptError> {
-    let fields = top_level(endpoint, body, sink)?;
+    let mut entries = [0u64; STACK_ENTRIES];
+    let mut arena = [0u8; STACK_ARENA];
+    let mut record = Recording::new(body, &mut entries, &mut arena);
+    extract(endpoint, body, &mut record, sink)
+}
+
+/// [`extract_prompt`] recording into `scratch`, which holds the messages of a whole long
+/// conversation (the stack space of [`extract_prompt`] holds a few messages; the rest are
+/// scanned twice). Same pieces, same result.
+pub fn extract_prompt_with(
+    endpoint: Endpoint,
+    body: &[u8],
+    scratch: &mut PromptScratch,
+    sink: &mut impl PromptSink,
+) -> Result<PromptForm, PromptError> {
+    let mut record = Recording::new(body, &mut scratch.entries, &mut scratch.arena);
+    extract(endpoint, body, &mut record, sink)
+}
+
+/// Recording space reused across requests (see [`extract_prompt_with`]); sized once.
+pub struct PromptScratch {
+    entries: Box<[u64]>,
+    arena: Box<[u8]>,
+}
+
+impl PromptScratch {
+    /// Space for `pieces` recorded pieces (about two per escape in the messages, one per
+    /// plain run and marker), with 4 bytes of decoded text per piece.
+    pub fn new(pieces: usize) -> PromptScratch {
+        PromptScratch {
+            entries: vec![0u64; pieces].into_boxed_slice(),
+            arena: vec![0u8; pieces * 4].into_boxed_slice(),
+        }
+    }
+}
+
+/// Pieces recorded by [`extract_prompt`] on its stack.
+const STACK_ENTRIES: usize = 256;
+const STACK_ARENA: usize = 1024;
+
+fn extract(
+    endpoint: Endpoint,
+    body: &[u8],
+    record: &mut Recording<'_, '_>,
+    sink: &mut impl PromptSink,
+) -> Result<PromptForm, PromptError> {
+    let fields = top_level(endpoint, body, record, sink)?;
     if fields.tokens_emitted {
         return Ok(PromptForm::Tokens);
     }
@@ -233,7 +286,14 @@ pub fn extract_prompt(
             let start = fields
                 .messages
                 .ok_or(PromptError::MissingField("messages"))?;
-            messages(body, start, text)?;
+            if record.complete {
+                record.replay(text);
+                if let Some(at) = record.resume {
+                    messages_from(body, at, text)?;
+                }
+            } else {
+                messages(body, start, text)?;
+            }
         }
         Endpoint::Completions => {
             let start = fields.prompt.ok_or(PromptError::MissingField("prompt"))?;
@@ -241,6 +301,171 @@ pub fn extract_prompt(
         }
     }
     Ok(PromptForm::Text)
+}
+
+/// The canonical pieces of `messages`, recorded during the first pass so that the second pass
+/// replays them instead of scanning the prompt text again (`messages` usually comes before
+/// `model` and `tools`, which are emitted first). A piece that lies in the body is recorded as
+/// its byte range (adjacent ranges merged), any other (markers, decoded escapes) is copied into
+/// the arena. When the space runs out in message `k`, the pieces of messages `0..k` are kept,
+/// the rest of the array is only skimmed as before, and the second pass scans from message `k`.
+struct Recording<'s, 'b> {
+    body: &'b [u8],
+    /// Range: start | len << 32. Arena bytes: `INLINE` | offset | len << 32.
+    entries: &'s mut [u64],
+    arena: &'s mut [u8],
+    len: usize,
+    arena_len: usize,
+    overflowed: bool,
+    /// The recorded pieces are those of all messages but the ones from this position on.
+    complete: bool,
+    resume: Option<usize>,
+}
+
+const INLINE: u64 = 1 << 63;
+const LEN_MASK: u64 = 0x7fff_ffff;
+
+impl<'s, 'b> Recording<'s, 'b> {
+    fn new(body: &'b [u8], entries: &'s mut [u64], arena: &'s mut [u8]) -> Self {
+        Recording {
+            body,
+            entries,
+            arena,
+            len: 0,
+            arena_len: 0,
+            overflowed: false,
+            complete: false,
+            resume: None,
+        }
+    }
+
+    /// Recording needs offsets and lengths that fit in 31 bits, and some space.
+    fn usable(&self) -> bool {
+        self.body.len() <= LEN_MASK as usize && !self.entries.is_empty()
+    }
+
+    #[inline(always)]
+    fn push(&mut self, piece: &[u8]) {
+        if self.overflowed || piece.is_empty() {
+            return;
+        }
+        let base = self.body.as_ptr() as usize;
+        let at = piece.as_ptr() as usize;
+        if at >= base && at + piece.len() <= base + self.body.len() {
+            let start = (at - base) as u64;
+            if let Some(last) = self.len.checked_sub(1).map(|i| &mut self.entries[i]) {
+                let (last_start, last_len) = (*last & 0xffff_ffff, *last >> 32 & LEN_MASK);
+                if *last & INLINE == 0 && last_start + last_len == start {
+                    *last = last_start | (last_len + piece.len() as u64) << 32;
+                    return;
+                }
+            }
+            self.entry(start | (piece.len() as u64) << 32);
+        } else {
+            self.push_copy(piece);
+        }
+    }
+
+    /// A piece that is not in the body: its bytes go into the arena.
+    #[inline(never)]
+    fn push_copy(&mut self, piece: &[u8]) {
+        let offset = self.arena_len;
+        let Some(dst) = self.arena.get_mut(offset..offset + piece.len()) else {
+            self.overflowed = true;
+            return;
+        };
+        scan::copy_short(dst, piece);
+        self.arena_len += piece.len();
+        if let Some(last) = self.len.checked_sub(1).map(|i| &mut self.entries[i]) {
+            let (last_offset, last_len) = (*last & 0xffff_ffff, *last >> 32 & LEN_MASK);
+            if *last & INLINE != 0 && last_offset + last_len == offset as u64 {
+                *last = INLINE | last_offset | (last_len + piece.len() as u64) << 32;
+                return;
+            }
+        }
+        self.entry(INLINE | offset as u64 | (piece.len() as u64) << 32);
+    }
+
+    #[inline(always)]
+    fn entry(&mut self, entry: u64) {
+        match self.entries.get_mut(self.len) {
+            Some(slot) => {
+                *slot = entry;
+                self.len += 1;
+            }
+            None => self.overflowed = true,
+        }
+    }
+
+    fn replay(&self, text: &mut impl FnMut(&[u8])) {
+        for &entry in &self.entries[..self.len] {
+            let start = (entry & 0xffff_ffff) as usize;
+            let len = (entry >> 32 & LEN_MASK) as usize;
+            if entry & INLINE == 0 {
+                text(&self.body[start..start + len]);
+            } else {
+                text(&self.arena[start..start + len]);
+            }
+        }
+    }
+}
+
+/// Messages stop being recorded once they average a piece per this many bytes (past some
+/// slack for short messages, whose markers are pieces too): prose has one per ~100 bytes,
+/// escaped code one per ~10.
+const DENSE_BYTES: usize = 32;
+const DENSE_SLACK: usize = 2048;
+
+/// First pass over `messages` (the cursor on its value): records its pieces where it can, and
+/// otherwise (any error, any value that is not an array of messages) skims it exactly as
+/// without recording, leaving the error to the second pass.
+fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result<(), PromptError> {
+    let start = c.pos;
+    if record.usable() {
+        let recorded = (|| {
+            if c.peek_token()? != b'[' {
+                return Err(PromptError::WrongType("messages"));
+            }
+            let mut dense = false;
+            c.array(1, |c, _| {
+                if record.resume.is_none() && dense {
+                    // Escape-dense text: a piece every few bytes costs more to record and
+                    // replay than a second scan, so the rest is scanned again.
+                    record.resume = Some(c.pos);
+                }
+                if record.resume.is_some() {
+                    return c.skim(MESSAGE_DEPTH - 1);
+                }
+                let (at, len, arena_len) = (c.pos, record.len, record.arena_len);
+                // The last entry may grow by merging with this message's first piece.
+                let last = len.checked_sub(1).map(|i| record.entries[i]);
+                let result = message(c, &mut |piece: &[u8]| record.push(piece));
+                if record.overflowed {
+                    // Out of space: keep the messages before this one.
+                    record.len = len;
+                    record.arena_len = arena_len;
+                    if let Some(last) = last {
+                        record.entries[len - 1] = last;
+                    }
+                    record.resume = Some(at);
+                    c.pos = at;
+                    return c.skim(MESSAGE_DEPTH - 1);
+                }
+                dense = record.len * DENSE_BYTES > c.pos - start + DENSE_SLACK;
+                result
+            })
+        })();
+        if recorded.is_ok() {
+            record.complete = true;
+            return Ok(());
+        }
+        record.len = 0;
+        record.arena_len = 0;
+        record.resume = None;
+        record.overflowed = false;
+        c.pos = start;
+    }
+    c.skim(1)
 }
 
 /// Where the top-level values the prefix is built from start.
@@ -261,6 +486,7 @@ struct TopLevel {
 fn top_level(
     endpoint: Endpoint,
     body: &[u8],
+    record: &mut Recording<'_, '_>,
     sink: &mut impl PromptSink,
 ) -> Result<TopLevel, PromptError> {
     let mut c = Cursor::new(body, 0);
@@ -302,6 +528,9 @@ fn top_level(
             }
             // The big values the second pass reads in full (escapes included) are only skimmed
             // here; the rest is checked now, whatever the second pass does.
+            if endpoint == Endpoint::ChatCompletions && name == "messages" {
+                return record_messages(c, record);
+            }
             let reread = match endpoint {
                 Endpoint::ChatCompletions => matches!(name, "messages" | "tools"),
                 Endpoint::Completions => name == "prompt",
@@ -393,6 +622,19 @@ fn messages(body: &[u8], start: usize, text: &mut impl FnMut(&[u8])) -> Result<(
         return Err(PromptError::WrongType("messages"));
     }
     c.array(1, |c, _| message(c, text))
+}
+
+/// The messages from one at `at` (after `[` or a comma) to the end of the array.
+fn messages_from(body: &[u8], at: usize, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+    let mut c = Cursor::new(body, at);
+    loop {
+        message(&mut c, text)?;
+        match c.peek_token()? {
+            b',' => c.pos += 1,
+            b']' => return Ok(()),
+            _ => return Err(c.syntax()),
+        }
+    }
 }
 
 fn message(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {

@@ -313,11 +313,14 @@ impl<'a> Cursor<'a> {
         let mut carry = 0u64;
         let mut padded = [b' '; 64];
         loop {
-            if carry == 0 {
-                chunk_pos = skip_plain_chunks(buf, chunk_pos);
-            }
             let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
             let masks = classify(chunk);
+            if carry == 0 && valid == 64 && masks.quote | masks.backslash | masks.control == 0 {
+                // A plain chunk: the ones after it are likely plain too (short strings and
+                // string ends are found without that call).
+                chunk_pos = skip_plain_chunks(buf, chunk_pos + 64);
+                continue;
+            }
             let (escaped, starts) = escapes(masks.backslash, &mut carry);
             let (inside, closing) = string_extent(&masks, escaped, valid);
             if masks.control & inside != 0 {
@@ -385,11 +388,14 @@ impl<'a> Cursor<'a> {
         let mut carry = 0u64;
         let mut padded = [b' '; 64];
         loop {
-            if carry == 0 {
-                chunk_pos = skip_plain_chunks(buf, chunk_pos);
-            }
             let (chunk, valid) = chunk_at(buf, chunk_pos, &mut padded);
             let masks = classify(chunk);
+            if carry == 0 && valid == 64 && masks.quote | masks.backslash | masks.control == 0 {
+                // A plain chunk: the ones after it are likely plain too (short strings and
+                // string ends are found without that call).
+                chunk_pos = skip_plain_chunks(buf, chunk_pos + 64);
+                continue;
+            }
             let (escaped, _) = escapes(masks.backslash, &mut carry);
             let (inside, closing) = string_extent(&masks, escaped, valid);
             if masks.control & inside != 0 {
@@ -684,6 +690,25 @@ impl<'a> Cursor<'a> {
     /// Reads an object key into `key` (decoded, truncated to its capacity) and consumes the
     /// colon after it. Returns the decoded length, which exceeds `key.len()` for long keys.
     pub fn object_key(&mut self, key: &mut [u8]) -> Result<usize, PromptError> {
+        // Most keys are short and plain: read them in place.
+        if self.peek_token()? == b'"' {
+            let start = self.pos + 1;
+            let window = self
+                .buf
+                .get(start..self.buf.len().min(start + key.len() + 1))
+                .unwrap_or(&[]);
+            if let Some(end) = window
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+            {
+                if window[end] == b'"' {
+                    copy_short(&mut key[..end], &window[..end]);
+                    self.pos = start + end + 1;
+                    self.expect(b':')?;
+                    return Ok(end);
+                }
+            }
+        }
         let mut len = 0usize;
         self.string(&mut |piece: &[u8]| {
             for &b in piece {
@@ -764,6 +789,50 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// `dst.copy_from_slice(src)` for the few bytes of keys, markers and escapes, without a call
+/// to `memcpy`: at most two overlapping fixed-size moves. Slices of different lengths are left
+/// alone.
+#[inline(always)]
+pub fn copy_short(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    if n != dst.len() {
+        return;
+    }
+    match n {
+        0 => {}
+        1..=3 => {
+            dst[0] = src[0];
+            dst[n / 2] = src[n / 2];
+            dst[n - 1] = src[n - 1];
+        }
+        4..=7 => {
+            let (a, b): ([u8; 4], [u8; 4]) = (
+                src[..4].try_into().unwrap_or_default(),
+                src[n - 4..].try_into().unwrap_or_default(),
+            );
+            dst[..4].copy_from_slice(&a);
+            dst[n - 4..].copy_from_slice(&b);
+        }
+        8..=16 => {
+            let (a, b): ([u8; 8], [u8; 8]) = (
+                src[..8].try_into().unwrap_or_default(),
+                src[n - 8..].try_into().unwrap_or_default(),
+            );
+            dst[..8].copy_from_slice(&a);
+            dst[n - 8..].copy_from_slice(&b);
+        }
+        17..=32 => {
+            let (a, b): ([u8; 16], [u8; 16]) = (
+                src[..16].try_into().unwrap_or_default(),
+                src[n - 16..].try_into().unwrap_or_default(),
+            );
+            dst[..16].copy_from_slice(&a);
+            dst[n - 16..].copy_from_slice(&b);
+        }
+        _ => dst.copy_from_slice(src),
+    }
+}
+
 /// Longest object key compared by name; longer keys are skipped as unknown.
 const KEY_CAPACITY: usize = 24;
 
@@ -824,6 +893,11 @@ mod tests {
             }
             assert_eq!(skip_plain_chunks(&buf, start), expect);
             assert_eq!(skip_plain_chunks_sse2(&buf, start), expect);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // Safety: the CPU supports AVX2.
+                assert_eq!(unsafe { skip_plain_chunks_avx2(&buf, start) }, expect);
+            }
         }
     }
 
@@ -958,6 +1032,38 @@ mod tests {
             }
         }
         assert!(compared > 2000, "{compared} valid strings compared");
+    }
+
+    #[test]
+    fn object_keys_read_as_decoded_strings() {
+        let alphabet: &[u8] = b"ab\\\"n\x01 u0";
+        let mut x = 0x7f4a_7c15_9e37_79b9u64;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut json = vec![b' ', b'"'];
+            let mut y = x;
+            for _ in 0..x % 40 {
+                y = y.wrapping_mul(6364136223846793005).wrapping_add(1);
+                json.push(alphabet[(y >> 33) as usize % alphabet.len()]);
+            }
+            json.extend_from_slice(&b"\" : 1"[..(x >> 40) as usize % 6]);
+            let mut decoded = Vec::new();
+            let mut c = Cursor::new(&json, 0);
+            let expect = c
+                .string(&mut |p: &[u8]| decoded.extend_from_slice(p))
+                .and_then(|_| c.expect(b':'))
+                .map(|_| (decoded.len(), c.pos));
+            let mut key = [0u8; KEY_CAPACITY];
+            let mut k = Cursor::new(&json, 0);
+            let got = k.object_key(&mut key).map(|len| (len, k.pos));
+            assert_eq!(got, expect, "{:?}", String::from_utf8_lossy(&json));
+            if let Ok((len, _)) = got {
+                let n = len.min(KEY_CAPACITY);
+                assert_eq!(key[..n], decoded[..n]);
+            }
+        }
     }
 
     #[test]

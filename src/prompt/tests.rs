@@ -2,6 +2,136 @@
 
 use super::*;
 
+/// The two-pass extraction before messages were recorded, kept as the reference the
+/// recording path is compared against. Streams the canonical prefix of `body` into `sink` and says which form it took.
+///
+/// On `Err`, some pieces may already have been emitted: the sink must discard them.
+pub(crate) fn reference_extract_prompt(
+    endpoint: Endpoint,
+    body: &[u8],
+    sink: &mut impl PromptSink,
+) -> Result<PromptForm, PromptError> {
+    let fields = reference_top_level(endpoint, body, sink)?;
+    if fields.tokens_emitted {
+        return Ok(PromptForm::Tokens);
+    }
+    if endpoint == Endpoint::Completions && fields.prompt.is_none() {
+        return Err(PromptError::MissingField("prompt"));
+    }
+
+    let text = &mut |piece: &[u8]| sink.piece(Piece::Text(piece));
+    text(super::MODEL);
+    if let Some(start) = fields.model {
+        string_or_null(&mut Cursor::new(body, start), "model", text)?;
+    }
+    if let Some(start) = fields.cache_salt {
+        let mut c = Cursor::new(body, start);
+        if !c.null()? {
+            text(super::CACHE_SALT);
+            string_or_null(&mut c, "cache_salt", text)?;
+        }
+    }
+    if let Some(start) = fields.tools {
+        let mut c = Cursor::new(body, start);
+        if !c.null()? {
+            if c.peek_token()? != b'[' {
+                return Err(PromptError::WrongType("tools"));
+            }
+            text(super::TOOLS);
+            c.value(1, text)?;
+        }
+    }
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            let start = fields
+                .messages
+                .ok_or(PromptError::MissingField("messages"))?;
+            messages(body, start, text)?;
+        }
+        Endpoint::Completions => {
+            let start = fields.prompt.ok_or(PromptError::MissingField("prompt"))?;
+            text_prompt(body, start, text)?;
+        }
+    }
+    Ok(PromptForm::Text)
+}
+
+/// Where the top-level values the prefix is built from start.
+#[derive(Default)]
+struct ReferenceTopLevel {
+    model: Option<usize>,
+    cache_salt: Option<usize>,
+    tools: Option<usize>,
+    messages: Option<usize>,
+    prompt: Option<usize>,
+    /// A completions prompt of token ids was emitted during this pass (token mode needs nothing
+    /// else from the body, so it takes one pass).
+    tokens_emitted: bool,
+}
+
+/// First pass: validate the whole body and record where the wanted values start; token-id
+/// prompts are emitted on the way.
+fn reference_top_level(
+    endpoint: Endpoint,
+    body: &[u8],
+    sink: &mut impl PromptSink,
+) -> Result<ReferenceTopLevel, PromptError> {
+    let mut c = Cursor::new(body, 0);
+    if c.peek_token()? != b'{' {
+        // Distinguish "some other JSON" from "not JSON at all" for the metric.
+        let at = c.pos;
+        c.skip(0)?;
+        c.skip_ws();
+        return Err(if c.pos == body.len() {
+            PromptError::NotAnObject
+        } else {
+            PromptError::Syntax {
+                offset: at.max(c.pos),
+            }
+        });
+    }
+    let mut fields = ReferenceTopLevel::default();
+    c.object(0, |c, key| {
+        c.skip_ws();
+        let slot = match key {
+            b"model" => Some((&mut fields.model, "model")),
+            b"cache_salt" => Some((&mut fields.cache_salt, "cache_salt")),
+            b"tools" => Some((&mut fields.tools, "tools")),
+            b"messages" => Some((&mut fields.messages, "messages")),
+            b"prompt" => Some((&mut fields.prompt, "prompt")),
+            _ => None,
+        };
+        if let Some((slot, name)) = slot {
+            if slot.is_some() {
+                return Err(PromptError::DuplicateKey(name));
+            }
+            *slot = Some(c.pos);
+            if name == "prompt"
+                && endpoint == Endpoint::Completions
+                && prompt_form(c.buf, c.pos)? == PromptForm::Tokens
+            {
+                fields.tokens_emitted = true;
+                return token_prompt(c, sink);
+            }
+            // The big values the second pass reads in full (escapes included) are only skimmed
+            // here; the rest is checked now, whatever the second pass does.
+            let reread = match endpoint {
+                Endpoint::ChatCompletions => matches!(name, "messages" | "tools"),
+                Endpoint::Completions => name == "prompt",
+            };
+            if reread {
+                return c.skim(1);
+            }
+        }
+        c.skip(1)
+    })?;
+    c.skip_ws();
+    if c.pos != body.len() {
+        return Err(c.syntax());
+    }
+    Ok(fields)
+}
+
 /// The canonical form of a body: its form, text bytes and token ids.
 fn canon(endpoint: Endpoint, body: &str) -> Result<(PromptForm, Vec<u8>, Vec<u32>), PromptError> {
     canon_bytes(endpoint, body.as_bytes())
@@ -580,10 +710,10 @@ fn every_truncation_is_an_error() {
 }
 
 /// xorshift64*, deterministic.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -666,4 +796,160 @@ fn errors_read_well() {
         "request field `messages[].content` has the wrong type"
     );
     assert_eq!(PromptError::TooDeep { offset: 3 }.label(), "too_deep");
+}
+
+/// What an extraction produced: its result and the concatenated pieces.
+type Extracted = (Result<PromptForm, PromptError>, Vec<u8>, Vec<u32>);
+
+fn extracted_with(
+    run: impl FnOnce(&mut dyn FnMut(Piece<'_>)) -> Result<PromptForm, PromptError>,
+) -> Extracted {
+    let mut text = Vec::new();
+    let mut tokens = Vec::new();
+    let result = run(&mut |p: Piece<'_>| match p {
+        Piece::Text(b) => text.extend_from_slice(b),
+        Piece::Token(t) => tokens.push(t),
+    });
+    if result.is_err() {
+        // Pieces before an error are to be discarded: not part of the result.
+        text.clear();
+        tokens.clear();
+    }
+    (result, text, tokens)
+}
+
+/// A random chat or completions body: any key order, escapes, part arrays, tool calls, odd
+/// types and now and then a broken byte.
+pub(crate) fn random_body(rng: &mut Rng) -> String {
+    let words = [
+        "plain text ",
+        "line\\n",
+        "quote\\\" ",
+        "tab\\t",
+        "caf\\u00e9 ",
+        "\\ud83d\\ude00",
+        "back\\\\slash ",
+        "\\ud83d lone ",
+        "é ",
+        "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx ",
+    ];
+    let text = |rng: &mut Rng| {
+        let mut s = String::new();
+        for _ in 0..rng.next() % 40 {
+            s.push_str(words[rng.next() as usize % words.len()]);
+        }
+        s
+    };
+    let mut messages = Vec::new();
+    for _ in 0..rng.next() % 8 {
+        let mut fields = vec![format!(
+            r#""role":"{}""#,
+            ["user", "assistant", "system", "tool"][rng.next() as usize % 4]
+        )];
+        match rng.next() % 6 {
+            0 => fields.push(format!(
+                r#""content":[{{"type":"text","text":"{}"}},{{"text":"{}","type":"text"}},{{"type":"image_url","image_url":{{"url":"u{}"}}}},{{"type":"x","y":[1,2]}}]"#,
+                text(rng),
+                text(rng),
+                rng.next() % 9
+            )),
+            1 => fields.push(r#""content":null"#.to_string()),
+            2 => fields.push(format!(
+                r#""tool_calls":[{{"id":"c","function":{{"arguments":"{{\"a\":{}}}","name":"f"}}}}]"#,
+                rng.next() % 9
+            )),
+            3 => fields.push(r#""content":5"#.to_string()),
+            _ => fields.push(format!(r#""content":"{}""#, text(rng))),
+        }
+        if rng.next().is_multiple_of(4) {
+            fields.push(r#""name":"n""#.to_string());
+        }
+        if rng.next().is_multiple_of(5) {
+            fields.push(r#""tool_call_id":"t1""#.to_string());
+        }
+        if rng.next().is_multiple_of(50) {
+            fields.clear();
+        }
+        let n = fields.len();
+        for i in 0..n {
+            fields.swap(i, i + rng.next() as usize % (n - i));
+        }
+        messages.push(format!("{{{}}}", fields.join(",")));
+    }
+    let mut top = vec![
+        format!(r#""messages":[{}]"#, messages.join(" , ")),
+        r#""model":"Qwen/Qwen3-8B""#.to_string(),
+        r#""stream":true"#.to_string(),
+    ];
+    if rng.next().is_multiple_of(2) {
+        top.push(r#""tools":[{"type":"function","function":{"name":"run"}}]"#.to_string());
+    }
+    if rng.next().is_multiple_of(4) {
+        top.push(r#""cache_salt":"s""#.to_string());
+    }
+    if rng.next().is_multiple_of(3) {
+        top.push(format!(r#""prompt":["{}","x"]"#, text(rng)));
+    }
+    if rng.next().is_multiple_of(6) {
+        top.push(r#""prompt":[[1,2],[3]]"#.to_string());
+    }
+    if rng.next().is_multiple_of(20) {
+        top.push(r#""messages":[]"#.to_string());
+    }
+    if rng.next().is_multiple_of(20) {
+        top.push(r#""messages":"no""#.to_string());
+    }
+    let n = top.len();
+    for i in 0..n {
+        top.swap(i, i + rng.next() as usize % (n - i));
+    }
+    let mut body = format!("{{{}}}", top.join(","));
+    if rng.next().is_multiple_of(3) {
+        let broken = b"{}[]\":,\\u0\n\x01 ";
+        let mut bytes = body.into_bytes();
+        for _ in 0..1 + rng.next() % 2 {
+            let at = rng.next() as usize % bytes.len();
+            let b = broken[rng.next() as usize % broken.len()];
+            match rng.next() % 3 {
+                0 => bytes[at] = b,
+                1 => {
+                    bytes.remove(at);
+                }
+                _ => bytes.insert(at, b),
+            }
+        }
+        if rng.next().is_multiple_of(4) {
+            let cut = rng.next() as usize % bytes.len();
+            bytes.truncate(cut);
+        }
+        body = String::from_utf8_lossy(&bytes).into_owned();
+    }
+    body
+}
+
+#[test]
+fn recording_path_equals_the_two_pass_reference() {
+    let mut rng = Rng(0x0DDB_1A5E_5BAD_5EED);
+    let mut scratches: Vec<PromptScratch> = [0, 1, 2, 3, 5, 9, 17, 64, 8192]
+        .into_iter()
+        .map(PromptScratch::new)
+        .collect();
+    let mut ok = 0;
+    for _ in 0..6000 {
+        let body = random_body(&mut rng);
+        let body = body.as_bytes();
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            let reference =
+                extracted_with(|mut s| reference_extract_prompt(endpoint, body, &mut s));
+            let stack = extracted_with(|mut s| extract_prompt(endpoint, body, &mut s));
+            assert_eq!(stack, reference, "{}", String::from_utf8_lossy(body));
+            for scratch in scratches.iter_mut() {
+                let with =
+                    extracted_with(|mut s| extract_prompt_with(endpoint, body, scratch, &mut s));
+                assert_eq!(with, reference, "{}", String::from_utf8_lossy(body));
+            }
+            ok += reference.0.is_ok() as usize;
+        }
+    }
+    assert!(ok > 2000, "{ok} bodies extracted");
 }
