@@ -55,6 +55,38 @@ pub fn socket_address(endpoint: &str) -> io::Result<String> {
     }
 }
 
+/// A server's shared state, as far as its accept loop cares.
+trait Accepting: Send + Sync + 'static {
+    fn shutting_down(&self) -> bool;
+}
+
+/// Accept peers until the server shuts down, serving each on a thread named `name`.
+fn accept_peers<S: Accepting>(
+    listener: TcpListener,
+    shared: std::sync::Arc<S>,
+    name: &str,
+    serve: fn(TcpStream, std::sync::Arc<S>),
+) {
+    loop {
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(_) if shared.shutting_down() => return,
+            Err(_) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if shared.shutting_down() {
+            return;
+        }
+        let peer_shared = shared.clone();
+        let _ = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || serve(stream, peer_shared));
+    }
+}
+
 fn bind_listener(endpoint: &str) -> io::Result<TcpListener> {
     let addr = socket_address(endpoint)?;
     TcpListener::bind(&addr)

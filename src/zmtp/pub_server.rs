@@ -3,7 +3,7 @@
 //! the message (like ZeroMQ's send high-water mark); the publisher never waits for a reader.
 
 use super::wire::{encode_message, Connection, Incoming};
-use super::{bind_listener, wake_address, HANDSHAKE_TIMEOUT};
+use super::{accept_peers, bind_listener, wake_address, Accepting, HANDSHAKE_TIMEOUT};
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TrySendError};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -207,25 +207,14 @@ impl Drop for PubServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    loop {
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(_) if shared.shutdown.load(Ordering::Acquire) => return,
-            Err(_) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        if shared.shutdown.load(Ordering::Acquire) {
-            return;
-        }
-        let peer_shared = shared.clone();
-        let _ = thread::Builder::new()
-            .name("zmtp-pub-peer".into())
-            .spawn(move || serve_subscriber(stream, peer_shared));
+impl Accepting for Shared {
+    fn shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
     }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    accept_peers(listener, shared, "zmtp-pub-peer", serve_subscriber);
 }
 
 /// Handshake, register the subscriber, start its writer, then read its subscriptions until it

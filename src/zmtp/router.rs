@@ -4,7 +4,7 @@
 //! sees exactly the frames the DEALER sent.
 
 use super::wire::{Connection, Incoming};
-use super::{bind_listener, wake_address, Message, HANDSHAKE_TIMEOUT};
+use super::{accept_peers, bind_listener, wake_address, Accepting, Message, HANDSHAKE_TIMEOUT};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -75,24 +75,14 @@ impl Drop for RouterServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    loop {
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(_) if shared.shutdown.load(Ordering::Acquire) => return,
-            Err(_) => {
-                thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        if shared.shutdown.load(Ordering::Acquire) {
-            return;
-        }
-        let peer_shared = shared.clone();
-        let _ = thread::Builder::new()
-            .name("zmtp-router-peer".into())
-            .spawn(move || serve_peer(stream, peer_shared));
+impl Accepting for Shared {
+    fn shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
     }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    accept_peers(listener, shared, "zmtp-router-peer", serve_peer);
 }
 
 fn serve_peer(stream: TcpStream, shared: Arc<Shared>) {
