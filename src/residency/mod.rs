@@ -168,8 +168,8 @@ impl ResidencyWriter {
     }
 }
 
-/// Run `writer` on its own thread: every `period` it calls `on_tick(&mut writer, now_us)`
-/// (where KV events get applied) and then drains the routing logs, until `stop` is set; the
+/// Run `writer` on its own thread: every `period` it drains the routing logs and then calls
+/// `on_tick(&mut writer, now_us)` (where KV events get applied), until `stop` is set; the
 /// thread then returns the writer. `clock` gives the microseconds passed to the writer.
 pub fn spawn_writer_thread<C, T>(
     mut writer: ResidencyWriter,
@@ -187,8 +187,10 @@ where
         .spawn(move || {
             while !stop.load(Ordering::Acquire) {
                 let now = clock();
-                on_tick(&mut writer, now);
+                // Routing guesses first, then what the replicas reported: an event (a removal,
+                // a clear) must override a guess made before it, however late the tick runs.
                 writer.drain(now);
+                on_tick(&mut writer, now);
                 std::thread::sleep(period);
             }
             writer.drain(clock());
