@@ -7,17 +7,22 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyName {
     CacheAware,
+    ConsistentHash,
+    Random,
     RoundRobin,
     LeastLoaded,
     PowerOfTwo,
 }
 
 impl PolicyName {
-    pub const NAMES: &'static str = "cache_aware, round_robin, least_loaded, power_of_two";
+    pub const NAMES: &'static str =
+        "cache_aware, round_robin, least_loaded, power_of_two, consistent_hash, random";
 
     pub fn parse(s: &str) -> Option<PolicyName> {
         match s {
             "cache_aware" => Some(PolicyName::CacheAware),
+            "consistent_hash" => Some(PolicyName::ConsistentHash),
+            "random" => Some(PolicyName::Random),
             "round_robin" => Some(PolicyName::RoundRobin),
             "least_loaded" => Some(PolicyName::LeastLoaded),
             "power_of_two" => Some(PolicyName::PowerOfTwo),
@@ -28,6 +33,8 @@ impl PolicyName {
     pub fn as_str(self) -> &'static str {
         match self {
             PolicyName::CacheAware => "cache_aware",
+            PolicyName::ConsistentHash => "consistent_hash",
+            PolicyName::Random => "random",
             PolicyName::RoundRobin => "round_robin",
             PolicyName::LeastLoaded => "least_loaded",
             PolicyName::PowerOfTwo => "power_of_two",
@@ -466,7 +473,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --metrics-interval DUR   how often each replica's /metrics is polled (default 1s)
   --telemetry-stale-after DUR  no events nor metrics this long: drop the replica's residency (default 30s)
   --routed-guess-ttl DUR   with KV events, routing guesses not confirmed this long are dropped (default 120s)
-  --policy NAME            cache_aware | round_robin | least_loaded | power_of_two (default cache_aware)
+  --policy NAME            cache_aware | round_robin | least_loaded | power_of_two |
+                           consistent_hash | random (default cache_aware)
   --explain                add x-kvlb-decision to responses (matched tokens, estimates, reason)
   --min-match-tokens N     cache_aware: shorter prefix matches count as none (default 256)
   --recompute-weight X     cache_aware: weight of prefill against queueing (default 2; 1 = plain TTFT)
@@ -958,6 +966,14 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.0.contains("replica[0].kv_events"), "{e}");
+    }
+
+    #[test]
+    fn every_policy_name_parses() {
+        for name in PolicyName::NAMES.split(", ") {
+            let p = PolicyName::parse(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(p.as_str(), name);
+        }
     }
 
     #[test]

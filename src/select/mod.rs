@@ -86,6 +86,8 @@ pub fn build(
         PolicyName::RoundRobin => Box::new(RoundRobin::new(worker)),
         PolicyName::LeastLoaded => Box::new(LeastLoaded::new(worker)),
         PolicyName::PowerOfTwo => Box::new(PowerOfTwo),
+        PolicyName::ConsistentHash => Box::new(ConsistentHash::new()),
+        PolicyName::Random => Box::new(Random),
     })
 }
 
