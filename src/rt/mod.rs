@@ -317,6 +317,21 @@ impl Inner {
         (slots.len() - 1) as u32
     }
 
+    /// Store `after` in `slot`'s timespec (kept there until the entry is submitted) and return
+    /// a pointer the kernel may read.
+    fn set_timespec(
+        &self,
+        slot: u32,
+        after: std::time::Duration,
+    ) -> *const io_uring::types::Timespec {
+        let mut slots = self.slots.borrow_mut();
+        let s = &mut slots[slot as usize];
+        s.timespec = io_uring::types::Timespec::new()
+            .sec(after.as_secs())
+            .nsec(after.subsec_nanos());
+        &s.timespec as *const io_uring::types::Timespec
+    }
+
     /// Push entries that must stay contiguous (a linked chain) into the submission queue.
     fn push(&self, entries: &[squeue::Entry]) {
         let mut ring = self.ring.borrow_mut();
@@ -361,14 +376,7 @@ pub(crate) fn submit(entry: squeue::Entry) -> u32 {
 pub(crate) fn submit_with_timeout(entry: squeue::Entry, after: std::time::Duration) -> u32 {
     with_current(|inner| {
         let slot = inner.alloc_slot();
-        let ts_ptr = {
-            let mut slots = inner.slots.borrow_mut();
-            let s = &mut slots[slot as usize];
-            s.timespec = io_uring::types::Timespec::new()
-                .sec(after.as_secs())
-                .nsec(after.subsec_nanos());
-            &s.timespec as *const io_uring::types::Timespec
-        };
+        let ts_ptr = inner.set_timespec(slot, after);
         let op = entry.user_data(slot as u64).flags(squeue::Flags::IO_LINK);
         let timeout = opcode::LinkTimeout::new(ts_ptr).build().user_data(IGNORED);
         inner.push(&[op, timeout]);
@@ -380,14 +388,7 @@ pub(crate) fn submit_with_timeout(entry: squeue::Entry, after: std::time::Durati
 pub(crate) fn submit_timeout(after: std::time::Duration) -> u32 {
     with_current(|inner| {
         let slot = inner.alloc_slot();
-        let ts_ptr = {
-            let mut slots = inner.slots.borrow_mut();
-            let s = &mut slots[slot as usize];
-            s.timespec = io_uring::types::Timespec::new()
-                .sec(after.as_secs())
-                .nsec(after.subsec_nanos());
-            &s.timespec as *const io_uring::types::Timespec
-        };
+        let ts_ptr = inner.set_timespec(slot, after);
         inner.push(&[opcode::Timeout::new(ts_ptr).build().user_data(slot as u64)]);
         slot
     })
