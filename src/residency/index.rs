@@ -2,6 +2,7 @@
 //! control-thread owner of the truth: per-replica counts, LRU order and capacity).
 
 use super::table::{BitTable, Mask, MAX_WORDS, MIN_SLOTS};
+use crate::lru::LruList;
 use arc_swap::ArcSwap;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -189,16 +190,12 @@ impl ResidencyIndex {
     }
 }
 
-const NIL: u32 = u32::MAX;
-
 /// One (replica, block) the writer knows of.
 #[derive(Debug, Clone, Copy)]
 struct Node {
     hash: u64,
     /// Copies the replica reported (KV events); 0 when only routing says it is there.
     count: u32,
-    prev: u32,
-    next: u32,
     last_used_us: u64,
 }
 
@@ -224,14 +221,11 @@ impl Hasher for BlockHasher {
 
 type BlockMap = HashMap<u64, u32, BuildHasherDefault<BlockHasher>>;
 
-/// A replica's resident blocks in LRU order (head = most recently used).
+/// A replica's resident blocks in LRU order.
 struct ReplicaBlocks {
     capacity: usize,
     map: BlockMap,
-    nodes: Vec<Node>,
-    free: Vec<u32>,
-    head: u32,
-    tail: u32,
+    lru: LruList<Node>,
 }
 
 impl ReplicaBlocks {
@@ -239,10 +233,7 @@ impl ReplicaBlocks {
         ReplicaBlocks {
             capacity,
             map: BlockMap::default(),
-            nodes: Vec::new(),
-            free: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            lru: LruList::new(),
         }
     }
 
@@ -252,79 +243,34 @@ impl ReplicaBlocks {
 
     fn bytes(&self) -> usize {
         // hashbrown: one control byte plus the (u64, u32) entry (16 bytes) per bucket.
-        self.map.capacity() * 17
-            + self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.free.capacity() * 4
-    }
-
-    fn unlink(&mut self, i: u32) {
-        let Node { prev, next, .. } = self.nodes[i as usize];
-        match prev {
-            NIL => self.head = next,
-            p => self.nodes[p as usize].next = next,
-        }
-        match next {
-            NIL => self.tail = prev,
-            n => self.nodes[n as usize].prev = prev,
-        }
-    }
-
-    fn push_front(&mut self, i: u32) {
-        self.nodes[i as usize].prev = NIL;
-        self.nodes[i as usize].next = self.head;
-        match self.head {
-            NIL => self.tail = i,
-            h => self.nodes[h as usize].prev = i,
-        }
-        self.head = i;
+        self.map.capacity() * 17 + self.lru.bytes()
     }
 
     fn touch(&mut self, i: u32, now_us: u64) {
-        self.nodes[i as usize].last_used_us = now_us;
-        if self.head != i {
-            self.unlink(i);
-            self.push_front(i);
-        }
+        self.lru.get_mut(i).last_used_us = now_us;
+        self.lru.touch(i);
     }
 
-    /// Add `hash` (not present) at the front; returns its node.
+    /// Add `hash` (not present) as the most recent; returns its node.
     fn add(&mut self, hash: u64, count: u32, now_us: u64) -> u32 {
-        let node = Node {
+        let i = self.lru.push_newest(Node {
             hash,
             count,
-            prev: NIL,
-            next: NIL,
             last_used_us: now_us,
-        };
-        let i = match self.free.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        };
+        });
         self.map.insert(hash, i);
-        self.push_front(i);
         i
     }
 
     fn drop_node(&mut self, i: u32) -> u64 {
-        self.unlink(i);
-        let hash = self.nodes[i as usize].hash;
+        let hash = self.lru.remove(i).hash;
         self.map.remove(&hash);
-        self.free.push(i);
         hash
     }
 
     fn clear(&mut self) {
         self.map = BlockMap::default();
-        self.nodes = Vec::new();
-        self.free = Vec::new();
-        self.head = NIL;
-        self.tail = NIL;
+        self.lru.clear();
     }
 }
 
@@ -390,7 +336,7 @@ impl ResidencyWriter {
             match rb.map.get(&hash) {
                 Some(&i) => {
                     if stored {
-                        rb.nodes[i as usize].count += 1;
+                        rb.lru.get_mut(i).count += 1;
                     }
                     rb.touch(i, now_us);
                 }
@@ -411,7 +357,7 @@ impl ResidencyWriter {
         self.check_replica(r)?;
         let rb = &mut self.replicas[r];
         if let Some(&i) = rb.map.get(&hash) {
-            let node = &mut rb.nodes[i as usize];
+            let node = rb.lru.get_mut(i);
             node.count = node.count.saturating_sub(1);
             if node.count == 0 {
                 rb.drop_node(i);
@@ -425,13 +371,12 @@ impl ResidencyWriter {
     /// Replica `r` holds nothing any more (AllBlocksCleared, restart, removal from the fleet).
     pub fn clear(&mut self, r: usize) -> Result<(), String> {
         self.check_replica(r)?;
-        let mut i = self.replicas[r].head;
-        while i != NIL {
-            let node = self.replicas[r].nodes[i as usize];
+        let mut rb = std::mem::replace(&mut self.replicas[r], ReplicaBlocks::new(0));
+        for node in rb.lru.iter() {
             self.clear_bit(node.hash, r);
-            i = node.next;
         }
-        self.replicas[r].clear();
+        rb.clear();
+        self.replicas[r] = rb;
         self.finish(r);
         Ok(())
     }
@@ -443,8 +388,8 @@ impl ResidencyWriter {
         let mut dropped = 0;
         loop {
             let rb = &mut self.replicas[r];
-            let t = rb.tail;
-            if t == NIL || rb.nodes[t as usize].last_used_us >= before_us {
+            let Some(t) = rb.lru.oldest() else { break };
+            if rb.lru.get(t).last_used_us >= before_us {
                 break;
             }
             let hash = rb.drop_node(t);
@@ -466,7 +411,7 @@ impl ResidencyWriter {
     pub fn copies(&self, r: usize, hash: u64) -> u32 {
         self.replicas
             .get(r)
-            .and_then(|b| b.map.get(&hash).map(|&i| b.nodes[i as usize].count))
+            .and_then(|b| b.map.get(&hash).map(|&i| b.lru.get(i).count))
             .unwrap_or(0)
     }
 
@@ -483,7 +428,9 @@ impl ResidencyWriter {
 
     fn evict(&mut self, r: usize) {
         while self.replicas[r].len() > self.replicas[r].capacity {
-            let t = self.replicas[r].tail;
+            let Some(t) = self.replicas[r].lru.oldest() else {
+                break;
+            };
             let hash = self.replicas[r].drop_node(t);
             self.clear_bit(hash, r);
         }

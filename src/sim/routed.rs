@@ -12,97 +12,31 @@
 //! Touching a prompt refreshes its blocks last to first, so its prefix is the most recent part
 //! and is evicted last (as the engine frees a request's tail before its head).
 
+use crate::lru::LruList;
 use std::collections::HashMap;
 
-const NIL: u32 = u32::MAX;
-
-struct Node {
-    id: u64,
-    prev: u32,
-    next: u32,
-}
-
-/// One replica's blocks in LRU order (head = least recent).
+/// One replica's blocks in LRU order.
+#[derive(Default)]
 struct ReplicaBlocks {
     slot: HashMap<u64, u32>,
-    nodes: Vec<Node>,
-    free: Vec<u32>,
-    head: u32,
-    tail: u32,
+    lru: LruList<u64>,
 }
 
 impl ReplicaBlocks {
-    fn new() -> ReplicaBlocks {
-        ReplicaBlocks {
-            slot: HashMap::new(),
-            nodes: Vec::new(),
-            free: Vec::new(),
-            head: NIL,
-            tail: NIL,
-        }
-    }
-
-    fn unlink(&mut self, i: u32) {
-        let (prev, next) = (self.nodes[i as usize].prev, self.nodes[i as usize].next);
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.nodes[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.nodes[next as usize].prev = prev;
-        }
-    }
-
-    fn push_tail(&mut self, i: u32) {
-        self.nodes[i as usize].prev = self.tail;
-        self.nodes[i as usize].next = NIL;
-        if self.tail == NIL {
-            self.head = i;
-        } else {
-            self.nodes[self.tail as usize].next = i;
-        }
-        self.tail = i;
-    }
-
     /// Make `id` the most recent; returns whether it was new.
     fn touch(&mut self, id: u64) -> bool {
         if let Some(&i) = self.slot.get(&id) {
-            self.unlink(i);
-            self.push_tail(i);
+            self.lru.touch(i);
             return false;
         }
-        let node = Node {
-            id,
-            prev: NIL,
-            next: NIL,
-        };
-        let i = match self.free.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        };
+        let i = self.lru.push_newest(id);
         self.slot.insert(id, i);
-        self.push_tail(i);
         true
     }
 
     /// Drop the least recent block.
     fn evict(&mut self) -> Option<u64> {
-        let i = self.head;
-        if i == NIL {
-            return None;
-        }
-        self.unlink(i);
-        self.free.push(i);
-        let id = self.nodes[i as usize].id;
+        let id = self.lru.remove(self.lru.oldest()?);
         self.slot.remove(&id);
         Some(id)
     }
@@ -129,7 +63,7 @@ impl RoutedBlocks {
         engine_block_size: u32,
     ) -> RoutedBlocks {
         RoutedBlocks {
-            replicas: (0..replicas).map(|_| ReplicaBlocks::new()).collect(),
+            replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
             capacity_blocks: (kv_capacity_tokens / block_tokens.max(1) as u64).max(1) as usize,
             block_tokens: block_tokens.max(1),
             engine_block_size: engine_block_size.max(1),
