@@ -186,16 +186,24 @@ impl Replica {
         Ok(())
     }
 
-    /// The client went away: abort these requests.
+    /// The client went away: abort these requests. The aborts are accounted under the same
+    /// lock, so /metrics never shows a request gone from running but not yet finished.
     pub fn cancel(&self, ids: &[RequestId]) {
         let mut st = self.lock();
         let now = self.clock.engine_time(Instant::now());
+        let mut any = false;
         for &id in ids {
             if st.engine.cancel(now, id) {
+                any = true;
                 if let Some(r) = st.routes.get_mut(&id) {
                     r.cancelled = true;
                 }
             }
+        }
+        if any {
+            let (mut outputs, mut touched) = (Vec::new(), Vec::new());
+            st.engine.advance(now, &mut outputs);
+            route_outputs(&mut st, now, &mut outputs, &mut touched);
         }
         drop(st);
         self.wake();
