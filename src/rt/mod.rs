@@ -7,10 +7,14 @@
 //!
 //! Why the io-uring crate rather than tokio-uring: tokio-uring (last release 0.5.0, 2024) drives
 //! its ring from an epoll loop inside a tokio runtime and offers no linked timeouts, splice or
-//! registered resources; this executor is a few hundred lines, submits and reaps in one
-//! `io_uring_enter` per loop turn, and lets deadlines ride on the kernel's linked timeouts so
-//! no user-space timer wheel is needed on the request path.
+//! registered resources; this executor is a few hundred lines and submits and reaps in one
+//! `io_uring_enter` per loop turn.
+//!
+//! Deadlines of operations live in a user-space timing wheel (`deadline`), not in kernel linked
+//! timeouts: arming one is a few stores, and only one that expires costs a submission (an async
+//! cancel of its operation). The loop's `io_uring_enter` waits no longer than the next deadline.
 
+mod deadline;
 pub mod op;
 pub mod select;
 
@@ -35,7 +39,6 @@ pub const REQUIRED_OPCODES: &[(u8, &str)] = &[
     (opcode::Read::CODE, "IORING_OP_READ"),
     (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD"),
     (opcode::Timeout::CODE, "IORING_OP_TIMEOUT"),
-    (opcode::LinkTimeout::CODE, "IORING_OP_LINK_TIMEOUT"),
     (opcode::AsyncCancel::CODE, "IORING_OP_ASYNC_CANCEL"),
 ];
 
@@ -79,7 +82,7 @@ enum SlotState {
 }
 
 /// The kernel-facing half of one operation. Boxed individually so its address is stable:
-/// timespecs for linked timeouts live here until submission.
+/// the timespec of a standalone timeout lives here until the kernel has read it.
 struct Slot {
     state: SlotState,
     waker: Option<Waker>,
@@ -104,6 +107,10 @@ pub(crate) struct Inner {
     free_tasks: RefCell<Vec<usize>>,
     run_queue: RefCell<VecDeque<usize>>,
     live_tasks: Cell<usize>,
+    /// Deadlines of pending operations (by slot), in ms since `epoch`.
+    deadlines: RefCell<deadline::Wheel>,
+    fired: RefCell<Vec<u32>>,
+    epoch: std::time::Instant,
 }
 
 thread_local! {
@@ -146,6 +153,9 @@ impl Runtime {
                 free_tasks: RefCell::new(Vec::new()),
                 run_queue: RefCell::new(VecDeque::with_capacity(1024)),
                 live_tasks: Cell::new(0),
+                deadlines: RefCell::new(deadline::Wheel::new(0)),
+                fired: RefCell::new(Vec::new()),
+                epoch: std::time::Instant::now(),
             }),
         })
     }
@@ -167,6 +177,7 @@ impl Runtime {
             }
             self.inner.submit_and_wait();
             self.inner.reap();
+            self.inner.expire_deadlines();
         }
         // Drop remaining tasks while the runtime is still current (their drops cancel ops).
         let leftovers: Vec<Task> = self
@@ -255,14 +266,52 @@ impl Inner {
         }
     }
 
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Submit what is queued and wait for a completion, or for the next deadline.
     fn submit_and_wait(&self) {
+        let wait_ms = self.deadlines.borrow().next_wait_ms(self.now_ms());
         let ring = self.ring.borrow_mut();
         loop {
-            match ring.submit_and_wait(1) {
+            let r = match wait_ms {
+                None => ring.submit_and_wait(1),
+                Some(0) => ring.submit(),
+                Some(ms) => {
+                    let ts = io_uring::types::Timespec::new()
+                        .sec(ms / 1000)
+                        .nsec((ms % 1000) as u32 * 1_000_000);
+                    let args = io_uring::types::SubmitArgs::new().timespec(&ts);
+                    ring.submitter().submit_with_args(1, &args)
+                }
+            };
+            match r {
                 Ok(_) => return,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => return,
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => return,
                 Err(e) => panic!("io_uring_enter failed: {e}"),
+            }
+        }
+    }
+
+    /// Cancel the operations whose deadline has passed; each completes with -ECANCELED.
+    fn expire_deadlines(&self) {
+        let mut fired = self.fired.borrow_mut();
+        {
+            let mut wheel = self.deadlines.borrow_mut();
+            if wheel.armed() == 0 {
+                return;
+            }
+            wheel.expire(self.now_ms(), &mut fired);
+        }
+        for slot in fired.drain(..) {
+            let pending = self.slots.borrow()[slot as usize].state == SlotState::Pending;
+            if pending {
+                self.push(&[opcode::AsyncCancel::new(slot as u64)
+                    .build()
+                    .user_data(IGNORED)]);
             }
         }
     }
@@ -278,6 +327,7 @@ impl Inner {
             let Some(slot) = slots.get_mut(ud as usize) else {
                 continue;
             };
+            self.deadlines.borrow_mut().disarm(ud as u32);
             match slot.state {
                 SlotState::Pending => {
                     slot.state = SlotState::Done;
@@ -371,16 +421,29 @@ pub(crate) fn submit(entry: squeue::Entry) -> u32 {
     })
 }
 
-/// Submit an operation linked to a timeout `after` from now: the kernel cancels it at the
-/// deadline and it completes with -ECANCELED.
+/// Submit an operation with a deadline `after` from now: when it passes, the operation is
+/// cancelled and completes with -ECANCELED.
 pub(crate) fn submit_with_timeout(entry: squeue::Entry, after: std::time::Duration) -> u32 {
     with_current(|inner| {
         let slot = inner.alloc_slot();
-        let ts_ptr = inner.set_timespec(slot, after);
-        let op = entry.user_data(slot as u64).flags(squeue::Flags::IO_LINK);
-        let timeout = opcode::LinkTimeout::new(ts_ptr).build().user_data(IGNORED);
-        inner.push(&[op, timeout]);
+        inner.push(&[entry.user_data(slot as u64)]);
+        let at = inner.now_ms() + after.as_nanos().div_ceil(1_000_000) as u64;
+        inner.deadlines.borrow_mut().arm(slot, at);
         slot
+    })
+}
+
+/// Move the deadline of a pending operation to `after` from now (None: no deadline).
+pub(crate) fn set_deadline(slot: u32, after: Option<std::time::Duration>) {
+    with_current(|inner| {
+        let mut wheel = inner.deadlines.borrow_mut();
+        match after {
+            Some(d) => wheel.arm(
+                slot,
+                inner.now_ms() + d.as_nanos().div_ceil(1_000_000) as u64,
+            ),
+            None => wheel.disarm(slot),
+        }
     })
 }
 
@@ -439,6 +502,7 @@ pub(crate) fn abandon_slot(slot: u32, keep: Option<Box<dyn Any>>) {
                 s.waker = None;
                 s.keep = keep;
                 drop(slots);
+                inner.deadlines.borrow_mut().disarm(slot);
                 inner.push(&[opcode::AsyncCancel::new(slot as u64)
                     .build()
                     .user_data(IGNORED)]);
