@@ -683,3 +683,54 @@ fn many_simultaneous_connections_are_all_served() {
         assert_eq!(resp.body, format!("client {i}").as_bytes());
     }
 }
+
+#[test]
+fn request_pipelined_while_the_first_is_in_flight_is_answered_after_it() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(b"GET /slow?ms=500 HTTP/1.1\r\nHost: kvlb.test\r\n\r\n")
+        .unwrap();
+    // The second request arrives while kvlb waits on the replica for the first.
+    std::thread::sleep(Duration::from_millis(150));
+    conn.send(b"GET /echo?second HTTP/1.1\r\nHost: kvlb.test\r\n\r\n")
+        .unwrap();
+    let first = conn.read_response("GET").expect("first response");
+    expect_ok(
+        &first,
+        &kvlb,
+        "slow request with a request pipelined behind it",
+    );
+    assert_eq!(first.body, b"slow done\n", "{}", first.describe());
+    let second = conn.read_response("GET").expect("second response");
+    expect_ok(
+        &second,
+        &kvlb,
+        "request pipelined while the first was in flight",
+    );
+    assert_eq!(second.header("x-got-path"), Some("/echo?second"));
+    // And the connection still serves.
+    let third = conn.request("GET", "/echo?third", &[], b"").expect("third");
+    expect_ok(&third, &kvlb, "request after the pipelined pair");
+}
+
+#[test]
+fn client_leaving_after_pipelining_still_cancels_the_request_in_flight() {
+    let backend = Backend::start();
+    let kvlb = proxied_to(&backend, &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    conn.send(b"GET /slow?ms=3000 HTTP/1.1\r\nHost: kvlb.test\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    conn.send(b"GET /echo?second HTTP/1.1\r\nHost: kvlb.test\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    drop(conn);
+    let cancelled =
+        support::wait_until(Duration::from_millis(2000), || backend.stats().aborted >= 1);
+    assert!(
+        cancelled,
+        "backend still serving 2 s after the client left (the slow request takes 3 s): {:?}",
+        backend.stats()
+    );
+}

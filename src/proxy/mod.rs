@@ -21,7 +21,9 @@ use crate::worker::Worker;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
-use std::pin::pin;
+use watch::ClientWatch;
+
+mod watch;
 use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -42,6 +44,8 @@ struct Conn {
     cbuf: Vec<u8>,
     obuf: Vec<u8>,
     ubuf: Vec<u8>,
+    /// All receives from the client go through here (see `watch`).
+    watch: ClientWatch,
 }
 
 /// Answer a connection over the limit with 503 and close it.
@@ -62,8 +66,12 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
         cbuf: w.take_buf(),
         obuf: w.take_buf(),
         ubuf: w.take_buf(),
+        watch: ClientWatch::new(fd, w.take_buf()),
     };
     let _ = connection_loop(&w, &mut conn).await;
+    if let Some(b) = conn.watch.finish() {
+        w.give_buf(b);
+    }
     // Safety: linger-free close of our own socket; shutdown first so a client still sending
     // sees the end instead of a reset where possible.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };
@@ -123,14 +131,9 @@ async fn recv_client(conn: &mut Conn, deadline: Instant, max: usize) -> io::Resu
         let extra = len.max(4096).min(max.saturating_sub(len).max(4096));
         conn.cbuf.reserve(extra);
     }
-    let (r, b) = op::recv(
-        conn.fd,
-        std::mem::take(&mut conn.cbuf),
-        Some(remaining(deadline)),
-    )
-    .await;
-    conn.cbuf = b;
-    r
+    conn.watch
+        .recv_into(&mut conn.cbuf, remaining(deadline))
+        .await
 }
 
 async fn send_local_error(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
@@ -148,14 +151,11 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 return End::Close;
             }
             let slot = w.idle_client_enter(conn.fd);
-            let (r, b) = op::recv(
-                conn.fd,
-                std::mem::take(&mut conn.cbuf),
-                Some(cfg.timeouts.idle),
-            )
-            .await;
+            let r = conn
+                .watch
+                .recv_into(&mut conn.cbuf, cfg.timeouts.idle)
+                .await;
             w.idle_client_leave(slot);
-            conn.cbuf = b;
             match r {
                 Ok(n) if n > 0 => {}
                 _ => return End::Close,
@@ -485,8 +485,6 @@ async fn connect_upstream(w: &Worker, replica: usize) -> io::Result<RawFd> {
     }
 }
 
-const HUP_MASK: u32 = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
-
 /// Where a request goes and what kvlb expects of it there.
 struct Routed {
     replica: usize,
@@ -646,26 +644,15 @@ async fn read_response_head(
         close: !head.keep_alive || w.draining.get(),
         http10: head.minor_version == 0,
     };
-    let mut hup = pin!(op::poll(conn.fd, HUP_MASK));
-    let mut watching = true;
+    conn.watch.arm();
     loop {
         let buf = std::mem::take(&mut conn.ubuf);
-        let timeout = Some(remaining(deadline));
-        let got = if watching {
-            let recv = pin!(op::recv(ufd, buf, timeout));
-            match select(recv, hup.as_mut()).await {
-                Either::Left(v) => v,
-                Either::Right(Ok(_)) => return Err(UpstreamFailure::ClientGone),
-                Either::Right(Err(_)) => {
-                    // The watch itself failed; carry on without it.
-                    watching = false;
-                    continue;
-                }
-            }
-        } else {
-            op::recv(ufd, buf, timeout).await
+        // Nothing is there yet: the request has only just been sent.
+        let recv = op::RecvOp::start(ufd, buf, Some(remaining(deadline)), true);
+        let (r, b) = match select(recv, conn.watch.gone()).await {
+            Either::Left(v) => v,
+            Either::Right(()) => return Err(UpstreamFailure::ClientGone),
         };
-        let (r, b) = got;
         conn.ubuf = b;
         match r {
             Ok(0) => return Err(UpstreamFailure::Closed),
@@ -775,14 +762,10 @@ async fn flush_obuf(conn: &mut Conn) -> io::Result<()> {
 }
 
 /// Receive the next piece of the response body while watching for the client going away.
-async fn recv_upstream(
-    conn: &mut Conn,
-    ufd: RawFd,
-    hup: std::pin::Pin<&mut impl std::future::Future<Output = io::Result<u32>>>,
-) -> Result<usize, Relayed> {
+async fn recv_upstream(conn: &mut Conn, ufd: RawFd) -> Result<usize, Relayed> {
     conn.ubuf.clear();
-    let recv = pin!(op::recv(ufd, std::mem::take(&mut conn.ubuf), None));
-    match select(recv, hup).await {
+    let recv = op::RecvOp::start(ufd, std::mem::take(&mut conn.ubuf), None, false);
+    match select(recv, conn.watch.gone()).await {
         Either::Left((r, b)) => {
             conn.ubuf = b;
             match r {
@@ -811,7 +794,6 @@ async fn relay_body(
     let avail_start = rhead.head_len;
     let avail_end = conn.ubuf.len();
     rc.bytes_from_replica.fetch_add(avail_end as u64, Relaxed);
-    let mut hup = pin!(op::poll(conn.fd, HUP_MASK));
     let gone = |e: io::Error| {
         let _ = e;
         Relayed::ClientGone
@@ -840,7 +822,7 @@ async fn relay_body(
             }
             let mut left = n - first as u64;
             while left > 0 {
-                let got = match recv_upstream(conn, ufd, hup.as_mut()).await {
+                let got = match recv_upstream(conn, ufd).await {
                     Ok(g) => g,
                     Err(r) => return r,
                 };
@@ -899,7 +881,7 @@ async fn relay_body(
                 if dec.is_done() {
                     break;
                 }
-                match recv_upstream(conn, ufd, hup.as_mut()).await {
+                match recv_upstream(conn, ufd).await {
                     Ok(got) => rc.bytes_from_replica.fetch_add(got as u64, Relaxed),
                     Err(r) => return r,
                 };
@@ -918,7 +900,7 @@ async fn relay_body(
                 return gone(e);
             }
             loop {
-                match recv_upstream(conn, ufd, hup.as_mut()).await {
+                match recv_upstream(conn, ufd).await {
                     Ok(got) => {
                         in_flight.first_byte();
                         rc.bytes_from_replica.fetch_add(got as u64, Relaxed);

@@ -434,7 +434,7 @@ pub(crate) fn submit_with_timeout(entry: squeue::Entry, after: std::time::Durati
 }
 
 /// Move the deadline of a pending operation to `after` from now (None: no deadline).
-pub(crate) fn set_deadline(slot: u32, after: Option<std::time::Duration>) {
+pub fn set_deadline(slot: u32, after: Option<std::time::Duration>) {
     with_current(|inner| {
         let mut wheel = inner.deadlines.borrow_mut();
         match after {

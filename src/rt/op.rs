@@ -57,38 +57,84 @@ fn errno(res: i32) -> io::Error {
     io::Error::from_raw_os_error(-res)
 }
 
+/// `IORING_RECVSEND_POLL_FIRST` (linux/io_uring.h), in a receive's ioprio field.
+const RECVSEND_POLL_FIRST: u16 = 1;
+
+/// A receive in flight, as a named `Unpin` future that can be stored, polled from several
+/// places and have its deadline moved (`rt::set_deadline` with `slot()`).
+pub struct RecvOp {
+    op: Op<Vec<u8>>,
+    len: usize,
+}
+
+impl RecvOp {
+    /// Receive into the spare capacity of `buf` (grown if it has none). `poll_first` skips the
+    /// kernel's first, non-blocking attempt when the caller knows nothing has arrived yet (an
+    /// answer not asked for yet, the next request of a keep-alive client).
+    pub fn start(
+        fd: RawFd,
+        mut buf: Vec<u8>,
+        timeout: Option<Duration>,
+        poll_first: bool,
+    ) -> RecvOp {
+        if buf.capacity() == buf.len() {
+            buf.reserve(4096);
+        }
+        let len = buf.len();
+        let spare = (buf.capacity() - len).min(u32::MAX as usize) as u32;
+        // Safety: the pointer is inside buf's heap allocation, which `Op` owns until completion.
+        let ptr = unsafe { buf.as_mut_ptr().add(len) };
+        let ioprio = if poll_first { RECVSEND_POLL_FIRST } else { 0 };
+        let entry = opcode::Recv::new(Fd(fd), ptr, spare).ioprio(ioprio).build();
+        let slot = match timeout {
+            Some(d) => submit_with_timeout(entry, d),
+            None => submit(entry),
+        };
+        RecvOp {
+            op: Op::new(slot, buf),
+            len,
+        }
+    }
+
+    pub fn slot(&self) -> u32 {
+        self.op.slot
+    }
+}
+
+impl Future for RecvOp {
+    /// Bytes received (0 at end of stream; `ErrorKind::TimedOut` when its deadline passed) and
+    /// the buffer, extended by them.
+    type Output = (io::Result<usize>, Vec<u8>);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let len = self.len;
+        match Pin::new(&mut self.op).poll(cx) {
+            Poll::Ready((res, _, mut buf)) => Poll::Ready(if res >= 0 {
+                // Safety: the kernel initialised `res` bytes after `len`.
+                unsafe { buf.set_len(len + res as usize) };
+                (Ok(res as usize), buf)
+            } else if res == -libc::ECANCELED {
+                // Only a passed deadline cancels an operation whose future is still alive.
+                (
+                    Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out")),
+                    buf,
+                )
+            } else {
+                (Err(errno(res)), buf)
+            }),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
 /// Receive into the spare capacity of `buf` (which must have some), extending its length.
-/// With a timeout the kernel cancels the receive at the deadline: `ErrorKind::TimedOut`.
+/// With a timeout the receive is cancelled at the deadline: `ErrorKind::TimedOut`.
 pub async fn recv(
     fd: RawFd,
-    mut buf: Vec<u8>,
+    buf: Vec<u8>,
     timeout: Option<Duration>,
 ) -> (io::Result<usize>, Vec<u8>) {
-    if buf.capacity() == buf.len() {
-        buf.reserve(4096);
-    }
-    let len = buf.len();
-    let spare = (buf.capacity() - len).min(u32::MAX as usize) as u32;
-    // Safety: the pointer is inside buf's heap allocation, which `Op` owns until completion.
-    let ptr = unsafe { buf.as_mut_ptr().add(len) };
-    let entry = opcode::Recv::new(Fd(fd), ptr, spare).build();
-    let slot = match timeout {
-        Some(d) => submit_with_timeout(entry, d),
-        None => submit(entry),
-    };
-    let (res, _, mut buf) = Op::new(slot, buf).await;
-    if res >= 0 {
-        // Safety: the kernel initialised `res` bytes after `len`.
-        unsafe { buf.set_len(len + res as usize) };
-        (Ok(res as usize), buf)
-    } else if res == -libc::ECANCELED && timeout.is_some() {
-        (
-            Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out")),
-            buf,
-        )
-    } else {
-        (Err(errno(res)), buf)
-    }
+    RecvOp::start(fd, buf, timeout, false).await
 }
 
 /// Send `buf[range]` once (may be partial).
@@ -248,15 +294,36 @@ pub async fn connect(fd: RawFd, addr: SocketAddr, timeout: Duration) -> io::Resu
     }
 }
 
+/// A poll in flight, as a named `Unpin` future.
+pub struct PollOp {
+    op: Op<()>,
+}
+
+impl PollOp {
+    /// Wait until `fd` reports one of `mask` (poll(2) bits).
+    pub fn start(fd: RawFd, mask: u32) -> PollOp {
+        PollOp {
+            op: Op::new(submit(opcode::PollAdd::new(Fd(fd), mask).build()), ()),
+        }
+    }
+}
+
+impl Future for PollOp {
+    /// The bits that fired.
+    type Output = io::Result<u32>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match Pin::new(&mut self.op).poll(cx) {
+            Poll::Ready((res, _, ())) if res >= 0 => Poll::Ready(Ok(res as u32)),
+            Poll::Ready((res, _, ())) => Poll::Ready(Err(errno(res))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
 /// Wait until `fd` reports one of `mask` (poll(2) bits); returns the bits that fired.
 pub async fn poll(fd: RawFd, mask: u32) -> io::Result<u32> {
-    let entry = opcode::PollAdd::new(Fd(fd), mask).build();
-    let (res, _, ()) = Op::new(submit(entry), ()).await;
-    if res >= 0 {
-        Ok(res as u32)
-    } else {
-        Err(errno(res))
-    }
+    PollOp::start(fd, mask).await
 }
 
 /// Read an eventfd's 8-byte counter.
