@@ -160,6 +160,12 @@ pub struct Decision {
 }
 
 const HOT_SLOTS: usize = 4096;
+/// Prompts whose every block is already resident on the replica chosen are logged for the
+/// residency writer at most once per this interval (per replica and prefix): enough to keep
+/// a hot prefix fresh in the writer's LRU order and TTL, without handing it the same blocks on
+/// every request of a hot prefix.
+const RELOG_RESIDENT_US: u64 = 1_000_000;
+const LOGGED_SLOTS: usize = 4096;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Estimate {
@@ -179,6 +185,8 @@ pub struct CacheAware {
     hot: Box<[u32; HOT_SLOTS]>,
     hot_window_start_us: u64,
     last: Decision,
+    /// When each (replica, last block) was last logged while fully resident: key, time in us.
+    logged: Box<[(u64, u64); LOGGED_SLOTS]>,
 }
 
 fn hot_slot(block: u64) -> usize {
@@ -199,6 +207,7 @@ impl CacheAware {
             hot: Box::new([0; HOT_SLOTS]),
             hot_window_start_us: 0,
             last: Decision::default(),
+            logged: Box::new([(0, 0); LOGGED_SLOTS]),
         })
     }
 
@@ -351,7 +360,20 @@ impl Policy for CacheAware {
         }
         let replica = candidates[chosen].replica;
         if let (Some(log), true) = (&self.log, with_prefix) {
-            log.record(replica, req.blocks);
+            let resident = self.matched.get(replica).copied().unwrap_or(0) as usize;
+            let fresh = resident == req.blocks.len() && {
+                let key =
+                    req.blocks[resident - 1] ^ (replica as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let e = &mut self.logged[hot_slot(key) % LOGGED_SLOTS];
+                let fresh = e.0 == key && req.now_us.saturating_sub(e.1) < RELOG_RESIDENT_US;
+                if !fresh {
+                    *e = (key, req.now_us);
+                }
+                fresh
+            };
+            if !fresh {
+                log.record(replica, req.blocks);
+            }
         }
         self.last = Decision {
             replica,

@@ -530,3 +530,30 @@ fn mooncake_conversation_trace() {
         assert!(ours.spread < 1.5, "{ours:?}");
     }
 }
+
+#[test]
+fn a_resident_prefix_is_relogged_once_a_second_not_per_request() {
+    let (idx, mut w) = fleet(2);
+    let log = w.routing_log(64);
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default())
+        .unwrap()
+        .with_routing_log(log.clone());
+    let prompt = blocks(8);
+    let c = queued(&[0, 0]);
+    // Not resident anywhere yet: logged.
+    let r = p.select(&req(&prompt, 512, 0), &c, 0);
+    assert_eq!(log.recorded(), 1);
+    w.drain(0);
+    // Resident on r now: the first fully resident request refreshes, the next ones within a
+    // second are not logged again.
+    for t in 1..100u64 {
+        assert_eq!(p.select(&req(&prompt, 512, t * 1000), &c, 0), r);
+    }
+    assert_eq!(log.recorded(), 2);
+    assert_eq!(p.select(&req(&prompt, 512, 1_200_000), &c, 0), r);
+    assert_eq!(log.recorded(), 3);
+    // A longer prompt (new blocks) is always logged.
+    let longer = blocks(12);
+    p.select(&req(&longer, 768, 1_200_001), &c, 0);
+    assert_eq!(log.recorded(), 4);
+}
