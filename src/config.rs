@@ -203,6 +203,44 @@ pub struct Timeouts {
     pub drain: Duration,
 }
 
+/// Replica health: active checks, passive ejection, slow start (see `crate::fleet`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthConfig {
+    /// GET this path on every replica each `interval` (zero interval: no active checks).
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Failed checks in a row before a replica is taken out.
+    pub unhealthy_after: u32,
+    /// Passed checks in a row before it is put back.
+    pub healthy_after: u32,
+    /// Transport failures in a row (connect error, reset, timeout, immediate 503) that eject a
+    /// replica for `fail_timeout` (0: never eject).
+    pub max_fails: u32,
+    pub fail_timeout: Duration,
+    /// A replica back from ejection or newly added gets traffic gradually over this long.
+    pub slow_start: Duration,
+    /// Other replicas a request may be retried on when it failed at connect time or got an
+    /// immediate 503, before anything reached the client.
+    pub retries: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> HealthConfig {
+        HealthConfig {
+            path: "/health".into(),
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+            unhealthy_after: 2,
+            healthy_after: 2,
+            max_fails: 3,
+            fail_timeout: Duration::from_secs(10),
+            slow_start: Duration::from_secs(10),
+            retries: 1,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServeConfig {
     pub listen: Vec<SocketAddr>,
@@ -218,6 +256,11 @@ pub struct ServeConfig {
     pub explain: bool,
     pub cost_model: CostModel,
     pub telemetry: TelemetryConfig,
+    pub health: HealthConfig,
+    /// Replica slots (the most replicas the fleet can hold at once, reloads included).
+    pub max_replicas: usize,
+    /// Bearer token the admin API's changing endpoints require (None: they are disabled).
+    pub admin_token: Option<String>,
 }
 
 /// A configuration error: printed as `kvlb: invalid configuration: {0}`, exit status 2.
@@ -457,6 +500,9 @@ impl Default for ServeConfig {
             explain: false,
             cost_model: CostModel::default(),
             telemetry: TelemetryConfig::default(),
+            health: HealthConfig::default(),
+            max_replicas: 64,
+            admin_token: None,
         }
     }
 }
@@ -490,7 +536,21 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --idle-timeout DUR       keep-alive idle time (default 60s)
   --connect-timeout DUR    replica connect timeout (default 3s)
   --upstream-timeout DUR   time to the replica's response head, 504 beyond (default 300s)
-  --drain-timeout DUR      how long SIGTERM waits for in-flight requests (default 30s)";
+  --drain-timeout DUR      how long SIGTERM waits for in-flight requests (default 30s)
+  --health-path PATH       active health check path (default /health)
+  --health-interval DUR    active check period, 0 = off (default 2s)
+  --health-timeout DUR     active check timeout (default 1s)
+  --unhealthy-after N      failed checks in a row that take a replica out (default 2)
+  --healthy-after N        passed checks in a row that put it back (default 2)
+  --max-fails N            transport failures in a row that eject a replica, 0 = never (default 3)
+  --fail-timeout DUR       how long an ejected replica is skipped (default 10s)
+  --slow-start DUR         traffic ramp for a replica back from ejection or newly added (default 10s)
+  --retries N              other replicas tried after a connect failure or an immediate 503 (default 1)
+  --max-replicas N         replica slots, reloads and admin additions included (default 64)
+  --admin-token TOKEN      bearer token for the admin API's changing endpoints (default: disabled)
+
+SIGHUP (or POST /reload on the admin listener) rereads the configuration: replicas, policy,
+limits, timeouts and health settings change without dropping connections or requests.";
 
 const FILE_KEYS: &[&str] = &[
     "listen",
@@ -512,6 +572,17 @@ const FILE_KEYS: &[&str] = &[
     "metrics_interval",
     "telemetry_stale_after",
     "routed_guess_ttl",
+    "health_path",
+    "health_interval",
+    "health_timeout",
+    "unhealthy_after",
+    "healthy_after",
+    "max_fails",
+    "fail_timeout",
+    "slow_start",
+    "retries",
+    "max_replicas",
+    "admin_token",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -608,6 +679,46 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "metrics_interval" => cfg.telemetry.metrics_interval = parse_duration(key, v)?,
         "telemetry_stale_after" => cfg.telemetry.stale_after = parse_duration(key, v)?,
         "routed_guess_ttl" => cfg.telemetry.routed_guess_ttl = parse_duration(key, v)?,
+        "health_path" => {
+            if !v.starts_with('/') || v.bytes().any(|b| b <= b' ' || b == 0x7f) {
+                return Err(bad(key, v, "expected an absolute path such as /health"));
+            }
+            cfg.health.path = v.to_string()
+        }
+        "health_interval" => cfg.health.interval = parse_duration(key, v)?,
+        "health_timeout" => cfg.health.timeout = parse_duration(key, v)?,
+        "unhealthy_after" => cfg.health.unhealthy_after = parse_count(key, v, 1)?,
+        "healthy_after" => cfg.health.healthy_after = parse_count(key, v, 1)?,
+        "max_fails" => cfg.health.max_fails = parse_count(key, v, 0)?,
+        "fail_timeout" => cfg.health.fail_timeout = parse_duration(key, v)?,
+        "slow_start" => cfg.health.slow_start = parse_duration(key, v)?,
+        "retries" => cfg.health.retries = parse_count(key, v, 0)?,
+        "max_replicas" => {
+            cfg.max_replicas = v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=crate::residency::MAX_REPLICAS).contains(n))
+                .ok_or_else(|| {
+                    bad(
+                        key,
+                        v,
+                        &format!(
+                            "expected a number from 1 to {}",
+                            crate::residency::MAX_REPLICAS
+                        ),
+                    )
+                })?
+        }
+        "admin_token" => {
+            if v.len() < 16 || v.bytes().any(|b| !b.is_ascii_graphic()) {
+                return Err(bad(
+                    key,
+                    "<hidden>",
+                    "expected at least 16 printable characters without spaces",
+                ));
+            }
+            cfg.admin_token = Some(v.to_string())
+        }
         "explain" => {
             cfg.explain = match v {
                 "true" | "1" | "yes" | "on" => true,
@@ -619,6 +730,13 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         _ => return Err(ConfigError(format!("unknown key {key:?}"))),
     }
     Ok(())
+}
+
+fn parse_count(key: &str, v: &str, min: u32) -> Result<u32, ConfigError> {
+    v.parse::<u32>()
+        .ok()
+        .filter(|n| *n >= min && *n <= 1_000_000)
+        .ok_or_else(|| bad(key, v, &format!("expected a whole number >= {min}")))
 }
 
 fn toml_scalar(key: &str, v: &toml::Value) -> Result<String, ConfigError> {
@@ -840,6 +958,25 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         return Err(Some(ConfigError(
             "no listener: give --listen ADDR or listen = [\"ADDR\"] in the file".into(),
         )));
+    }
+    if cfg.replicas.len() > cfg.max_replicas {
+        return Err(Some(ConfigError(format!(
+            "max_replicas = {}: {} replicas are configured; raise max_replicas",
+            cfg.max_replicas,
+            cfg.replicas.len()
+        ))));
+    }
+    let mut urls: Vec<&str> = cfg
+        .replicas
+        .iter()
+        .map(|r| r.url.trim_end_matches('/'))
+        .collect();
+    urls.sort_unstable();
+    if let Some(w) = urls.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Some(ConfigError(format!(
+            "replica = {:?}: listed twice",
+            w[0]
+        ))));
     }
     Ok(cfg)
 }

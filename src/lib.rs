@@ -7,9 +7,11 @@
 pub mod admin;
 pub mod alloc;
 pub mod config;
+pub mod control;
 pub mod demo;
 pub mod engine;
 pub mod estimate;
+pub mod fleet;
 pub mod http;
 pub mod kv_events;
 pub mod lru;

@@ -85,9 +85,15 @@ impl Histogram {
 pub struct ReplicaCounters {
     /// Responses by status class 1xx..5xx (index 0..4), as forwarded from the replica.
     pub responses: [AtomicU64; 5],
-    /// Errors kvlb answered for this replica: 502 and 504.
+    /// Errors kvlb answered for this replica: 502, 504, and 503 after its 503 could not be
+    /// retried elsewhere.
     pub bad_gateway: AtomicU64,
     pub gateway_timeout: AtomicU64,
+    pub unavailable: AtomicU64,
+    /// Requests that failed here (connect error, immediate 503) and were tried elsewhere.
+    pub retries: AtomicU64,
+    /// Times passive health checks ejected this replica.
+    pub ejections: AtomicU64,
     /// Client went away before the response completed.
     pub client_aborts: AtomicU64,
     pub bytes_to_replica: AtomicU64,
@@ -161,8 +167,6 @@ pub struct ReplicaLoad {
     pub queued_prefill_tokens: AtomicU64,
     /// Requests here past their first byte.
     pub decoding: AtomicU32,
-    /// Milliseconds since start until which the replica is skipped after a connect failure.
-    pub down_until_ms: AtomicU64,
 }
 
 fn value_histogram(out: &mut String, name: &str, help: &str, hs: &[&ValueHistogram]) {
@@ -204,7 +208,12 @@ fn histogram(out: &mut String, name: &str, help: &str, hs: &[&Histogram]) {
     let _ = writeln!(out, "{name}_count {cum}");
 }
 
-/// Prometheus text for the whole process.
+/// The replica slots in use: (slot, url); empty slots have an empty url.
+fn live(urls: &[String]) -> impl Iterator<Item = (usize, &String)> {
+    urls.iter().enumerate().filter(|(_, u)| !u.is_empty())
+}
+
+/// Prometheus text for the whole process. `replica_urls` has one entry per replica slot.
 pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[String]) -> String {
     let mut out = String::with_capacity(8192);
     let sum = |f: &dyn Fn(&WorkerStats) -> u64| -> u64 { workers.iter().map(f).sum() };
@@ -215,7 +224,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "counter",
         "Responses forwarded from replicas, by replica and status class.",
     );
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         for (c, class) in ["1xx", "2xx", "3xx", "4xx", "5xx"].iter().enumerate() {
             let v = sum(&|w| w.replicas[r].responses[c].load(Relaxed));
             let _ = writeln!(
@@ -233,6 +242,31 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
             out,
             "kvlb_requests_total{{replica=\"{url}\",status=\"504\"}} {v}"
         );
+        let v = sum(&|w| w.replicas[r].unavailable.load(Relaxed));
+        let _ = writeln!(
+            out,
+            "kvlb_requests_total{{replica=\"{url}\",status=\"503\"}} {v}"
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_retries_total",
+        "counter",
+        "Requests that failed on a replica at connect time or with an immediate 503 and were tried on another.",
+    );
+    for (r, url) in live(replica_urls) {
+        let v = sum(&|w| w.replicas[r].retries.load(Relaxed));
+        let _ = writeln!(out, "kvlb_retries_total{{replica=\"{url}\"}} {v}");
+    }
+    family(
+        &mut out,
+        "kvlb_ejections_total",
+        "counter",
+        "Times a replica was ejected after consecutive transport failures (passive health).",
+    );
+    for (r, url) in live(replica_urls) {
+        let v = sum(&|w| w.replicas[r].ejections.load(Relaxed));
+        let _ = writeln!(out, "kvlb_ejections_total{{replica=\"{url}\"}} {v}");
     }
     family(
         &mut out,
@@ -250,7 +284,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         let _ = writeln!(out, "kvlb_local_responses_total{{status=\"{label}\"}} {v}");
     }
     family(&mut out, "kvlb_client_aborts_total", "counter", "Requests whose client went away before the response completed; the replica request was cancelled.");
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         let v = sum(&|w| w.replicas[r].client_aborts.load(Relaxed));
         let _ = writeln!(out, "kvlb_client_aborts_total{{replica=\"{url}\"}} {v}");
     }
@@ -260,7 +294,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "gauge",
         "Requests in flight per replica, across workers.",
     );
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         let _ = writeln!(
             out,
             "kvlb_replica_in_flight{{replica=\"{url}\"}} {}",
@@ -273,7 +307,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "gauge",
         "Estimated prompt tokens routed to each replica and not yet prefilled (no first byte yet).",
     );
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         let _ = writeln!(
             out,
             "kvlb_replica_queued_prefill_tokens{{replica=\"{url}\"}} {}",
@@ -286,7 +320,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "gauge",
         "Requests past their first byte (decoding) per replica.",
     );
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         let _ = writeln!(
             out,
             "kvlb_replica_decoding{{replica=\"{url}\"}} {}",
@@ -364,7 +398,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "counter",
         "Bytes exchanged with replicas.",
     );
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         let to = sum(&|w| w.replicas[r].bytes_to_replica.load(Relaxed));
         let from = sum(&|w| w.replicas[r].bytes_from_replica.load(Relaxed));
         let _ = writeln!(
@@ -382,7 +416,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "counter",
         "Replica connections used: new (connect) or reused from the keep-alive pool.",
     );
-    for (r, url) in replica_urls.iter().enumerate() {
+    for (r, url) in live(replica_urls) {
         let c = sum(&|w| w.replicas[r].connects.load(Relaxed));
         let u = sum(&|w| w.replicas[r].reuses.load(Relaxed));
         let _ = writeln!(

@@ -25,7 +25,7 @@ pub fn main(args: Vec<String>) -> i32 {
         eprintln!("kvlb: {e}");
         return 1;
     }
-    match run(cfg) {
+    match run(cfg, args) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("kvlb: {e}");
@@ -48,7 +48,7 @@ fn block_signals() -> libc::sigset_t {
     }
 }
 
-fn run(cfg: ServeConfig) -> Result<(), String> {
+fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     let sigset = block_signals();
     let n_workers = cfg.workers;
 
@@ -87,7 +87,10 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
     // The residency index: read by every worker's cache_aware policy, written by one thread
     // from the workers' routing logs.
     let (residency, mut writer) = ResidencyIndex::new(ResidencyConfig {
-        max_replicas: cfg.replicas.len().clamp(1, crate::residency::MAX_REPLICAS),
+        max_replicas: cfg
+            .max_replicas
+            .max(cfg.replicas.len())
+            .clamp(1, crate::residency::MAX_REPLICAS),
         block_tokens: crate::prefix::BLOCK_BYTES as u32 / 4,
         kv_capacity_tokens: crate::config::DEFAULT_KV_CAPACITY_TOKENS,
     })
@@ -102,9 +105,16 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
     let writer_stop = Arc::new(AtomicBool::new(false));
     let epoch = shared.epoch;
     // Replica telemetry (KV events, /metrics): its threads feed the writer's tick.
-    let (mut feed, _telemetry_threads) =
-        crate::telemetry::start(shared.clone(), writer_stop.clone())
-            .map_err(|e| format!("cannot start the telemetry threads: {e}"))?;
+    let (mut feed, telemetry) = crate::telemetry::start(shared.clone())
+        .map_err(|e| format!("cannot start the telemetry threads: {e}"))?;
+    let control = Arc::new(crate::control::Control::new(
+        shared.clone(),
+        args,
+        telemetry,
+    ));
+    control
+        .spawn_health_thread(writer_stop.clone())
+        .map_err(|e| format!("cannot start the health thread: {e}"))?;
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),
@@ -113,7 +123,7 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
         move |w, now| feed.on_tick(w, now),
     )
     .map_err(|e| format!("cannot start the residency writer: {e}"))?;
-    crate::admin::spawn(admin, shared.clone());
+    crate::admin::spawn(admin, shared.clone(), control.clone());
 
     let mut wakers = Vec::new();
     let mut handles = Vec::new();
@@ -149,8 +159,8 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
     eprintln!("kvlb: admin on {admin_addr}");
     eprintln!(
         "kvlb: ready ({n_workers} workers, policy {}, {} replicas)",
-        shared.cfg.policy.as_str(),
-        shared.cfg.replicas.len()
+        shared.cfg().policy.as_str(),
+        shared.fleet.len()
     );
 
     sd_notify("READY=1\nSTATUS=serving");
@@ -164,14 +174,24 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
         match sig {
             libc::SIGTERM | libc::SIGINT => break,
             libc::SIGHUP => {
-                eprintln!("kvlb: SIGHUP: reloading is not supported by this build; ignoring")
+                sd_notify(&format!(
+                    "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=reloading",
+                    monotonic_usec()
+                ));
+                match control.reload() {
+                    Ok(msg) => eprintln!("kvlb: SIGHUP: {msg}"),
+                    Err(e) => eprintln!(
+                        "kvlb: SIGHUP: reload refused: {e}; the running configuration is unchanged"
+                    ),
+                }
+                sd_notify("READY=1\nSTATUS=serving");
             }
             _ => {}
         }
     }
     eprintln!(
         "kvlb: draining: no new connections; waiting up to {:?} for in-flight requests",
-        shared.cfg.timeouts.drain
+        shared.cfg().timeouts.drain
     );
     sd_notify("STOPPING=1\nSTATUS=draining");
     shared.draining.store(true, Relaxed);
@@ -184,6 +204,7 @@ fn run(cfg: ServeConfig) -> Result<(), String> {
         let _ = h.join();
     }
     writer_stop.store(true, Relaxed);
+    crate::telemetry::stop_all(&shared);
     let _ = writer_thread.join();
     let left: u64 = shared
         .workers
@@ -218,4 +239,15 @@ pub fn sd_notify(state: &str) {
     if let Err(e) = r {
         eprintln!("kvlb: cannot notify systemd: {e}");
     }
+}
+
+/// CLOCK_MONOTONIC in microseconds (what systemd wants with RELOADING=1).
+fn monotonic_usec() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // Safety: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
 }

@@ -24,16 +24,16 @@ use std::os::fd::RawFd;
 use watch::ClientWatch;
 
 mod watch;
+use crate::config::ReplicaConfig;
 use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Bodies up to this size are sent upstream in the same write as the head.
 const COALESCE_BODY: usize = 16 * 1024;
 /// Most bytes of a replica's response head.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
-/// How long a replica that refused a connection is skipped.
-const DOWN_AFTER_CONNECT_FAILURE_MS: u64 = 1000;
 
 struct Conn {
     fd: RawFd,
@@ -143,8 +143,10 @@ async fn send_local_error(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
 }
 
 async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
-    let cfg = &w.shared.cfg;
     loop {
+        // The configuration in force for this request (a reload may change it between two).
+        let shared_cfg = w.shared.cfg();
+        let cfg = &*shared_cfg;
         // Wait for the first bytes of the next request.
         if conn.cbuf.is_empty() {
             if w.draining.get() {
@@ -203,100 +205,70 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         let body_len = body_end - head.head_len;
         w.stats().requests.fetch_add(1, Relaxed);
 
-        // Select.
-        let n = w.fill_candidates();
-        if n == 0 {
-            let end = send_local_error(w, conn, HttpError::NoReplica).await;
-            return end;
-        }
-        // Hash the prompt's prefix blocks (no allocation: the worker's buffers are reused).
-        let path = &conn.cbuf[head.target.0..head.target.1];
-        let body = &conn.cbuf[head.head_len..body_end];
-        let mut prefix = w.prefix.borrow_mut();
-        let parsed = head.method == Method::Post
-            && match crate::prefix::hash_request(path, body, &w.shared.prefix, &mut prefix) {
-                Ok(()) => true,
-                Err(PromptError::NotAPromptPath) => false,
-                Err(e) => {
-                    let stats = w.stats();
-                    if let Some(i) = PROMPT_ERRORS.iter().position(|l| *l == e.label()) {
-                        stats.prompt_errors[i].fetch_add(1, Relaxed);
+        w.refresh();
+        // Hash the prompt's prefix blocks once (no allocation: the worker's buffers are reused).
+        let parsed = {
+            let path = &conn.cbuf[head.target.0..head.target.1];
+            let body = &conn.cbuf[head.head_len..body_end];
+            let mut prefix = w.prefix.borrow_mut();
+            head.method == Method::Post
+                && match crate::prefix::hash_request(path, body, &w.shared.prefix, &mut prefix) {
+                    Ok(()) => true,
+                    Err(PromptError::NotAPromptPath) => false,
+                    Err(e) => {
+                        let stats = w.stats();
+                        if let Some(i) = PROMPT_ERRORS.iter().position(|l| *l == e.label()) {
+                            stats.prompt_errors[i].fetch_add(1, Relaxed);
+                        }
+                        false
                     }
-                    false
+                }
+        };
+
+        // Select and forward; a failure at connect time or an immediate 503 is retried on
+        // another replica while nothing has reached the client.
+        let mut tried = [usize::MAX; MAX_ATTEMPTS];
+        let mut attempts = 0;
+        let max_attempts = (cfg.health.retries as usize + 1).min(MAX_ATTEMPTS);
+        let mut last_failure = None;
+        let outcome = loop {
+            if attempts > 0 {
+                rebuild_upstream_head(conn, head_end);
+            }
+            let Some((routed, explain_len)) =
+                route(w, conn, &head, body_end, parsed, &tried[..attempts])
+            else {
+                match last_failure.take() {
+                    None => return send_local_error(w, conn, HttpError::NoReplica).await,
+                    Some((r, f)) => break Forwarded::Failed(r, f, false),
                 }
             };
-        let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if parsed {
-            let block_tokens = match prefix.mode {
-                PrefixMode::Text => prefix.block_units / 4,
-                PrefixMode::Tokens => prefix.block_units,
-            };
-            (&prefix.hashes, block_tokens, prefix.est_prompt_tokens)
-        } else {
-            // Not a prompt: its size stands for its work (about 4 bytes a token).
-            (&[], 0, (body_len / 4).min(u32::MAX as usize) as u32)
-        };
-        let view = RequestView {
-            method: head.method,
-            path,
-            body,
-            blocks,
-            block_tokens,
-            prompt_tokens,
-            now_us: w.shared.epoch.elapsed().as_micros() as u64,
-        };
-        let random = w.rng.borrow_mut().next_u64();
-        let (replica, decision) = {
-            let cands = w.candidates.borrow();
-            let mut policy = w.policy.borrow_mut();
-            let i = policy.select(&view, &cands, random);
-            (cands[i.min(cands.len() - 1)].replica, policy.decision())
-        };
-        drop(prefix);
-        // What the replica will compute: the prompt less what is resident there.
-        let matched = decision.map(|d| d.matched_tokens).unwrap_or(0);
-        let prefill_tokens = prompt_tokens.saturating_sub(matched) as u64;
-        conn.explain_len = 0;
-        if let Some(d) = decision {
-            let stats = w.stats();
-            let reason = match d.reason {
-                Reason::Cache => 0,
-                Reason::Load => 1,
-                Reason::Fallback => 2,
-            };
-            stats.decisions[reason].fetch_add(1, Relaxed);
-            if d.spilled {
-                stats.spills.fetch_add(1, Relaxed);
+            conn.explain_len = explain_len;
+            // The host header falls back to the replica's authority (HTTP/1.0 clients).
+            if !head.has_host {
+                conn.obuf.extend_from_slice(b"host: ");
+                conn.obuf
+                    .extend_from_slice(routed.spec.authority.as_bytes());
+                conn.obuf.extend_from_slice(b"\r\n");
             }
-            stats.matched_tokens.observe(d.matched_tokens as f64);
-            stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
-            if cfg.explain {
-                conn.explain_len = write_decision(&mut conn.explain, &d, prompt_tokens);
+            request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
+            let replica = routed.replica;
+            tried[attempts] = replica;
+            attempts += 1;
+            let may_retry = attempts < max_attempts && !w.draining.get();
+            match forward(w, conn, routed, &head, body_end, received_at, may_retry).await {
+                Forwarded::Failed(r, f, true) if may_retry => {
+                    w.stats().replicas[r].retries.fetch_add(1, Relaxed);
+                    last_failure = Some((r, f));
+                    continue;
+                }
+                other => break other,
             }
-        }
-        let estimate_s = decision.map(|d| d.ttft_s).unwrap_or(0.0);
-
-        // The host header falls back to the replica's authority (HTTP/1.0 clients).
-        if !head.has_host {
-            let auth = &cfg.replicas[replica].authority;
-            conn.obuf.extend_from_slice(b"host: ");
-            conn.obuf.extend_from_slice(auth.as_bytes());
-            conn.obuf.extend_from_slice(b"\r\n");
-        }
-        request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
-
-        let outcome = forward(
-            w,
-            conn,
-            Routed {
-                replica,
-                prefill_tokens,
-                estimate_s,
-            },
-            &head,
-            body_end,
-            received_at,
-        )
-        .await;
+        };
+        let outcome = match outcome {
+            Forwarded::Failed(r, f, _) => fail(w, conn, r, f).await,
+            other => other,
+        };
         w.stats()
             .allocations
             .store(crate::alloc::thread_allocations(), Relaxed);
@@ -315,6 +287,99 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
     }
 }
 
+/// Most replicas one request is tried on (the first and its retries).
+const MAX_ATTEMPTS: usize = 8;
+
+/// Choose a replica for the request (not one of `tried`) and account for the decision.
+/// Returns None when no replica is left to try.
+fn route(
+    w: &Worker,
+    conn: &mut Conn,
+    head: &RequestHead,
+    body_end: usize,
+    parsed: bool,
+    tried: &[usize],
+) -> Option<(Routed, usize)> {
+    let cfg = w.shared.cfg();
+    if w.fill_candidates(tried) == 0 {
+        return None;
+    }
+    let body_len = body_end - head.head_len;
+    let path = &conn.cbuf[head.target.0..head.target.1];
+    let body = &conn.cbuf[head.head_len..body_end];
+    let prefix = w.prefix.borrow();
+    let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if parsed {
+        let block_tokens = match prefix.mode {
+            PrefixMode::Text => prefix.block_units / 4,
+            PrefixMode::Tokens => prefix.block_units,
+        };
+        (&prefix.hashes, block_tokens, prefix.est_prompt_tokens)
+    } else {
+        // Not a prompt: its size stands for its work (about 4 bytes a token).
+        (&[], 0, (body_len / 4).min(u32::MAX as usize) as u32)
+    };
+    let view = RequestView {
+        method: head.method,
+        path,
+        body,
+        blocks,
+        block_tokens,
+        prompt_tokens,
+        now_us: w.shared.epoch.elapsed().as_micros() as u64,
+    };
+    let random = w.rng.borrow_mut().next_u64();
+    let (replica, decision) = {
+        let cands = w.candidates.borrow();
+        let mut policy = w.policy.borrow_mut();
+        let i = policy.select(&view, &cands, random);
+        (cands[i.min(cands.len() - 1)].replica, policy.decision())
+    };
+    drop(prefix);
+    let slot = w.shared.fleet.slot(replica);
+    let epoch = slot.epoch.load(Relaxed);
+    // The slot was emptied since the candidates were read: nothing to send there.
+    let spec = slot.spec()?;
+    // What the replica will compute: the prompt less what is resident there.
+    let matched = decision.map(|d| d.matched_tokens).unwrap_or(0);
+    let prefill_tokens = prompt_tokens.saturating_sub(matched) as u64;
+    let mut explain_len = 0;
+    if let Some(d) = decision {
+        let stats = w.stats();
+        let reason = match d.reason {
+            Reason::Cache => 0,
+            Reason::Load => 1,
+            Reason::Fallback => 2,
+        };
+        stats.decisions[reason].fetch_add(1, Relaxed);
+        if d.spilled {
+            stats.spills.fetch_add(1, Relaxed);
+        }
+        stats.matched_tokens.observe(d.matched_tokens as f64);
+        stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
+        if cfg.explain {
+            explain_len = write_decision(&mut conn.explain, &d, prompt_tokens);
+        }
+    }
+    Some((
+        Routed {
+            replica,
+            epoch,
+            spec,
+            prefill_tokens,
+            estimate_s: decision.map(|d| d.ttft_s).unwrap_or(0.0),
+        },
+        explain_len,
+    ))
+}
+
+/// Write the upstream request head into obuf again (a retry: the previous attempt's buffer
+/// holds the failed replica's answer by now).
+fn rebuild_upstream_head(conn: &mut Conn, head_end: usize) {
+    conn.obuf.clear();
+    // The head parsed before, unchanged in cbuf (de-chunking only rewrote the body).
+    let _ = request::parse_request(&conn.cbuf, head_end, conn.client_ip, &mut conn.obuf);
+}
+
 /// Read the request body; returns (body_end, request_end) offsets in cbuf.
 async fn read_body(
     w: &Worker,
@@ -322,7 +387,7 @@ async fn read_body(
     head: &RequestHead,
     deadline: Instant,
 ) -> Result<(usize, usize), End> {
-    let max_body = w.shared.cfg.limits.max_body_bytes;
+    let max_body = w.shared.cfg().limits.max_body_bytes;
     let start = head.head_len;
     match head.body {
         BodyFraming::None => Ok((start, start)),
@@ -398,6 +463,9 @@ enum Forwarded {
     KeepAlive,
     /// The client connection must close (error, abort, or close-delimited response).
     Close,
+    /// Nothing reached the client: the replica failed this way. The flag says whether another
+    /// replica may be tried (a connect failure or an immediate 503).
+    Failed(usize, UpstreamFailure, bool),
 }
 
 /// Counts a request in flight at a replica and on the worker until dropped: first as queued
@@ -471,12 +539,21 @@ enum UpstreamFailure {
     Timeout,
     Invalid,
     ClientGone,
+    /// The replica answered 503 at once (overloaded or shutting down); its answer was dropped
+    /// to try another replica, and none was left.
+    Unavailable,
 }
 
-async fn connect_upstream(w: &Worker, replica: usize) -> io::Result<RawFd> {
-    let addr = w.shared.cfg.replicas[replica].addr;
+impl UpstreamFailure {
+    /// A failure of the replica (not of the client): counts towards its ejection.
+    fn counts_against_replica(&self) -> bool {
+        !matches!(self, UpstreamFailure::ClientGone)
+    }
+}
+
+async fn connect_upstream(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
     let fd = op::tcp_socket(&addr)?;
-    match op::connect(fd, addr, w.shared.cfg.timeouts.connect).await {
+    match op::connect(fd, addr, w.shared.cfg().timeouts.connect).await {
         Ok(()) => Ok(fd),
         Err(e) => {
             op::close(fd);
@@ -488,6 +565,9 @@ async fn connect_upstream(w: &Worker, replica: usize) -> io::Result<RawFd> {
 /// Where a request goes and what kvlb expects of it there.
 struct Routed {
     replica: usize,
+    /// The slot's epoch when routed (pooled connections must match it).
+    epoch: u64,
+    spec: Arc<ReplicaConfig>,
     /// Prompt tokens the replica will compute (not resident there).
     prefill_tokens: u64,
     /// cache_aware's time-to-first-token estimate, 0 when the policy makes none.
@@ -501,12 +581,13 @@ async fn forward(
     head: &RequestHead,
     body_end: usize,
     received_at: Instant,
+    may_retry: bool,
 ) -> Forwarded {
     let replica = routed.replica;
     let mut in_flight = InFlight::new(w, &routed, received_at);
     let stats = w.stats();
     let rc = &stats.replicas[replica];
-    let url: &str = &w.shared.cfg.replicas[replica].url;
+    let url: &str = &routed.spec.url;
     let body_len = body_end - head.head_len;
     let coalesce = body_len <= COALESCE_BODY;
     let head_len_up = conn.obuf.len();
@@ -514,7 +595,25 @@ async fn forward(
         conn.obuf
             .extend_from_slice(&conn.cbuf[head.head_len..body_end]);
     }
-    let upstream_deadline = Instant::now() + w.shared.cfg.timeouts.upstream;
+    let cfg = w.shared.cfg();
+    let upstream_deadline = Instant::now() + cfg.timeouts.upstream;
+    let slot = w.shared.fleet.slot(replica);
+    let failed = |f: UpstreamFailure, retryable: bool| {
+        if f.counts_against_replica()
+            && slot.record_failure(
+                w.shared.now_ms(),
+                cfg.health.max_fails,
+                cfg.health.fail_timeout.as_millis() as u64,
+            )
+        {
+            eprintln!(
+                "kvlb: replica {url}: {} failures in a row; ejected for {:?}",
+                cfg.health.max_fails, cfg.health.fail_timeout
+            );
+            rc.ejections.fetch_add(1, Relaxed);
+        }
+        Forwarded::Failed(replica, f, retryable)
+    };
 
     // Send the request and read the response head; a pooled connection that turns out to be
     // closed is retried once on a fresh connection (nothing has reached the replica's
@@ -522,7 +621,7 @@ async fn forward(
     let mut attempt = 0;
     let (ufd, rhead) = loop {
         attempt += 1;
-        let (ufd, reused) = match w.pooled_upstream(replica) {
+        let (ufd, reused) = match w.pooled_upstream(replica, routed.epoch) {
             Some(fd) if attempt == 1 => {
                 rc.reuses.fetch_add(1, Relaxed);
                 (fd, true)
@@ -531,15 +630,14 @@ async fn forward(
                 if let Some(fd) = pooled {
                     op::close(fd);
                 }
-                match connect_upstream(w, replica).await {
+                match connect_upstream(w, routed.spec.addr).await {
                     Ok(fd) => {
                         rc.connects.fetch_add(1, Relaxed);
                         (fd, false)
                     }
                     Err(e) => {
-                        w.mark_down(replica, DOWN_AFTER_CONNECT_FAILURE_MS);
                         conn.obuf.truncate(head_len_up);
-                        return fail(w, conn, replica, UpstreamFailure::Connect(e)).await;
+                        return failed(UpstreamFailure::Connect(e), true);
                     }
                 }
             }
@@ -553,12 +651,17 @@ async fn forward(
             Err(_) => {
                 op::close(ufd);
                 conn.obuf.truncate(head_len_up);
-                return fail(w, conn, replica, UpstreamFailure::Closed).await;
+                return failed(UpstreamFailure::Closed, false);
             }
         }
         rc.bytes_to_replica
             .fetch_add((head_len_up + body_len) as u64, Relaxed);
         match read_response_head(w, conn, ufd, url, head, upstream_deadline).await {
+            Ok(h) if h.status == 503 && may_retry => {
+                // Overloaded or going away, and nothing sent yet: another replica may do.
+                op::close(ufd);
+                return failed(UpstreamFailure::Unavailable, true);
+            }
             Ok(h) => break (ufd, h),
             Err(UpstreamFailure::Closed) if reused && attempt == 1 => {
                 op::close(ufd);
@@ -567,10 +670,15 @@ async fn forward(
             Err(f) => {
                 op::close(ufd);
                 conn.obuf.truncate(head_len_up);
-                return fail(w, conn, replica, f).await;
+                return failed(f, false);
             }
         }
     };
+    if rhead.status == 503 {
+        let _ = failed(UpstreamFailure::Unavailable, false);
+    } else {
+        slot.record_success();
+    }
     let first_byte = Instant::now();
     stats
         .ttfb
@@ -588,7 +696,7 @@ async fn forward(
             client_close,
         } => {
             if upstream_reusable && rhead.reusable {
-                w.return_upstream(replica, ufd);
+                w.return_upstream(replica, ufd, routed.epoch);
             } else {
                 op::close(ufd);
             }
@@ -700,7 +808,8 @@ async fn read_response_head(
 /// Answer the client for a failure before any response byte was sent.
 async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -> Forwarded {
     let rc = &w.stats().replicas[replica];
-    let url: &str = &w.shared.cfg.replicas[replica].url;
+    let spec = w.shared.fleet.slot(replica).spec();
+    let url: &str = spec.as_ref().map_or("(removed)", |s| s.url.as_str());
     let (status, reason, kind, msg) = match f {
         UpstreamFailure::ClientGone => {
             rc.client_aborts.fetch_add(1, Relaxed);
@@ -730,12 +839,18 @@ async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -
             "upstream_error",
             format!("replica {url} sent an invalid response head"),
         ),
+        UpstreamFailure::Unavailable => (
+            503,
+            "Service Unavailable",
+            "upstream_unavailable",
+            format!("replica {url} answered 503 and no other replica was available"),
+        ),
     };
-    if status == 504 {
-        rc.gateway_timeout.fetch_add(1, Relaxed);
-    } else {
-        rc.bad_gateway.fetch_add(1, Relaxed);
-    }
+    match status {
+        504 => rc.gateway_timeout.fetch_add(1, Relaxed),
+        503 => rc.unavailable.fetch_add(1, Relaxed),
+        _ => rc.bad_gateway.fetch_add(1, Relaxed),
+    };
     conn.obuf.clear();
     write_error(&mut conn.obuf, status, reason, kind, &msg, Some(url), true);
     let n = conn.obuf.len();

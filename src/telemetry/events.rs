@@ -328,9 +328,12 @@ pub fn run(
     stop: Arc<AtomicBool>,
 ) {
     let tel = &shared.telemetry[source.replica];
+    let Some(spec) = shared.fleet.slot(source.replica).spec() else {
+        return;
+    };
     // Without metrics, an open event connection is the only sign of life of an idle engine
     // (an idle engine publishes nothing): count it as fresh telemetry.
-    let connection_is_liveness = !shared.cfg.replicas[source.replica].scrape_metrics();
+    let connection_is_liveness = !spec.scrape_metrics();
     let mut state = EventState::new(source.replica, source.token_block_size);
     let mut backoff = BACKOFF_MIN;
     let mut ops = Vec::new();
@@ -351,7 +354,7 @@ pub fn run(
                 if msg != last_error {
                     eprintln!(
                         "kvlb: replica {}: KV events {}: {msg}; retrying",
-                        shared.cfg.replicas[source.replica].url, source.endpoint
+                        spec.url, source.endpoint
                     );
                     last_error = msg;
                 }

@@ -37,7 +37,7 @@ pub struct ResidencyFeed {
 
 impl ResidencyFeed {
     pub fn new(shared: Arc<Shared>, ops: Receiver<ResidencyOp>) -> ResidencyFeed {
-        let n = shared.cfg.replicas.len();
+        let n = shared.fleet.capacity();
         ResidencyFeed {
             shared,
             ops,
@@ -93,11 +93,16 @@ impl ResidencyFeed {
                     self.confirmed[replica] = HashMap::new();
                 }
             }
+            ResidencyOp::Capacity { replica, tokens } => {
+                if let Err(e) = writer.set_capacity_tokens(replica, tokens) {
+                    eprintln!("kvlb: replica slot {replica}: {e}");
+                }
+            }
         }
     }
 
     fn sweep(&mut self, writer: &mut ResidencyWriter, now_us: u64) {
-        let cfg = &self.shared.cfg.telemetry;
+        let cfg = &self.shared.cfg().telemetry;
         let ttl_us = cfg.routed_guess_ttl.as_micros() as u64;
         let stale_ms = cfg.stale_after.as_millis() as u64;
         let now_ms = now_us / 1000;
@@ -106,9 +111,11 @@ impl ResidencyFeed {
             let last = tel.last_update_ms.load(Relaxed);
             let silent = last != 0 && now_ms.saturating_sub(last) > stale_ms;
             if silent && !tel.stale_silent.load(Relaxed) {
+                let url = self.shared.fleet.slot(r).spec().map(|s| s.url.clone());
                 eprintln!(
                     "kvlb: replica {}: no KV events nor metrics for {:?}; dropping its residency",
-                    self.shared.cfg.replicas[r].url, cfg.stale_after
+                    url.as_deref().unwrap_or("(removed)"),
+                    cfg.stale_after
                 );
                 let _ = writer.clear(r);
                 self.confirmed[r] = HashMap::new();

@@ -44,7 +44,6 @@ use crate::worker::Shared;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 /// Residency operations queued for the writer; beyond this the event threads wait.
 pub const OP_QUEUE: usize = 16_384;
@@ -125,6 +124,38 @@ impl Default for ReplicaTelemetry {
 }
 
 impl ReplicaTelemetry {
+    /// Forget everything (the slot got a new replica).
+    pub fn reset(&self) {
+        let d = ReplicaTelemetry::default();
+        macro_rules! copy {
+            ($($f:ident),*) => { $( self.$f.store(d.$f.load(Relaxed), Relaxed); )* };
+        }
+        copy!(
+            running,
+            waiting,
+            kv_usage_milli,
+            last_update_ms,
+            last_event_ms,
+            last_metrics_ms,
+            scrapes,
+            scrape_errors,
+            events_seen,
+            batches_seen,
+            events_connected,
+            stale_gap,
+            stale_silent,
+            offloaded_blocks,
+            skipped_unknown_parent,
+            skipped_malformed,
+            skipped_block_size,
+            decode_errors,
+            gaps,
+            replays,
+            restarts,
+            connects
+        );
+    }
+
     pub fn stale(&self) -> bool {
         self.stale_gap.load(Relaxed) || self.stale_silent.load(Relaxed)
     }
@@ -185,20 +216,45 @@ pub enum ResidencyOp {
     Insert { replica: usize, blocks: Vec<u64> },
     /// One copy fewer of each block (BlockRemoved).
     Remove { replica: usize, blocks: Vec<u64> },
-    /// The replica holds nothing (AllBlocksCleared, restart, unfillable gap).
+    /// The replica holds nothing (AllBlocksCleared, restart, unfillable gap, removal).
     Clear { replica: usize },
+    /// The replica (newly in this slot) holds at most this many tokens.
+    Capacity { replica: usize, tokens: u64 },
 }
 
-/// Start the telemetry threads (event subscribers for replicas with `kv_events`, a metrics
-/// scraper per replica) and return the feed for the residency writer's tick. Threads end
-/// soon after `stop` is set.
-pub fn start(
-    shared: Arc<Shared>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> std::io::Result<(ResidencyFeed, Vec<JoinHandle<()>>)> {
+/// Starts and stops the telemetry threads of replica slots, and queues residency operations
+/// for the writer (from the control thread: capacity of a new replica, clearing a removed one).
+#[derive(Clone)]
+pub struct Telemetry {
+    tx: crossbeam::channel::Sender<ResidencyOp>,
+}
+
+/// Create the residency feed (run by the writer's tick) and start the telemetry threads of
+/// every replica in the fleet.
+pub fn start(shared: Arc<Shared>) -> std::io::Result<(ResidencyFeed, Telemetry)> {
     let (tx, rx) = crossbeam::channel::bounded(OP_QUEUE);
-    let mut threads = Vec::new();
-    for (r, replica) in shared.cfg.replicas.iter().enumerate() {
+    let t = Telemetry { tx };
+    for (r, slot) in shared.fleet.slots() {
+        if slot.spec().is_some() {
+            t.spawn_replica(&shared, r)?;
+        }
+    }
+    Ok((ResidencyFeed::new(shared, rx), t))
+}
+
+impl Telemetry {
+    /// Start the threads of slot `r`'s replica (event subscriber if it has `kv_events`, metrics
+    /// scraper if it is polled); they stop when the slot's `telemetry_stop` is set.
+    pub fn spawn_replica(&self, shared: &Arc<Shared>, r: usize) -> std::io::Result<()> {
+        let slot = shared.fleet.slot(r);
+        let Some(replica) = slot.spec() else {
+            return Ok(());
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        if let Some(old) = slot.telemetry_stop.swap(Some(stop.clone())) {
+            old.store(true, Relaxed);
+        }
+        shared.telemetry[r].reset();
         if let Some(endpoint) = replica.kv_events.clone() {
             let source = events::EventSource {
                 replica: r,
@@ -206,24 +262,35 @@ pub fn start(
                 replay: replica.kv_replay.clone(),
                 token_block_size: shared.prefix.token_block_size,
             };
-            let (shared, stop, tx) = (shared.clone(), stop.clone(), tx.clone());
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("kvlb-events-{r}"))
-                    .spawn(move || events::run(source, shared, tx, stop))?,
-            );
+            let (shared, stop, tx) = (shared.clone(), stop.clone(), self.tx.clone());
+            std::thread::Builder::new()
+                .name(format!("kvlb-events-{r}"))
+                .spawn(move || events::run(source, shared, tx, stop))?;
         }
-        if !replica.scrape_metrics() {
-            continue;
-        }
-        let (shared, stop) = (shared.clone(), stop.clone());
-        threads.push(
+        if replica.scrape_metrics() {
+            let shared = shared.clone();
             std::thread::Builder::new()
                 .name(format!("kvlb-scrape-{r}"))
-                .spawn(move || scrape::run(r, shared, stop))?,
-        );
+                .spawn(move || scrape::run(r, shared, stop))?;
+        }
+        Ok(())
     }
-    Ok((ResidencyFeed::new(shared, rx), threads))
+
+    /// Queue an operation for the residency writer (waits at most a second when it is full).
+    pub fn send(&self, op: ResidencyOp) -> bool {
+        self.tx
+            .send_timeout(op, std::time::Duration::from_secs(1))
+            .is_ok()
+    }
+}
+
+/// Stop every replica's telemetry threads.
+pub fn stop_all(shared: &Shared) {
+    for (_, slot) in shared.fleet.slots() {
+        if let Some(stop) = slot.telemetry_stop.swap(None) {
+            stop.store(true, Relaxed);
+        }
+    }
 }
 
 /// A Prometheus series: name, type, help, and the value of one replica at `now_ms`.
@@ -295,8 +362,9 @@ pub fn render_metrics(shared: &Shared, out: &mut String) {
     ];
     for (name, kind, help, value) in series {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (replica, t) in shared.cfg.replicas.iter().zip(shared.telemetry.iter()) {
-            if let Some(v) = value(t, now) {
+        for (r, slot) in shared.fleet.slots() {
+            let Some(replica) = slot.spec() else { continue };
+            if let Some(v) = value(&shared.telemetry[r], now) {
                 let _ = writeln!(out, "{name}{{replica=\"{}\"}} {v}", replica.url);
             }
         }

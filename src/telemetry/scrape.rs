@@ -154,9 +154,11 @@ pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io
 
 /// The scrape thread of replica `r`: every `metrics_interval` until `stop`.
 pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
-    let replica = &shared.cfg.replicas[r];
+    let Some(replica) = shared.fleet.slot(r).spec() else {
+        return;
+    };
     let tel = &shared.telemetry[r];
-    let interval = shared.cfg.telemetry.metrics_interval;
+    let interval = shared.cfg().telemetry.metrics_interval;
     let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(5));
     let mut next = Instant::now();
     while !stop.load(Relaxed) {

@@ -343,6 +343,7 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="x"} 1.
 fn shared_with(replicas: usize) -> Arc<crate::worker::Shared> {
     let mut cfg = crate::config::ServeConfig {
         workers: 1,
+        max_replicas: replicas,
         ..Default::default()
     };
     for i in 0..replicas {
@@ -357,12 +358,10 @@ fn shared_with(replicas: usize) -> Arc<crate::worker::Shared> {
 
 #[test]
 fn feed_applies_ops_and_expires_only_guesses() {
-    let mut shared = shared_with(2);
-    Arc::get_mut(&mut shared)
-        .expect("not shared yet")
-        .cfg
-        .telemetry
-        .routed_guess_ttl = std::time::Duration::from_secs(2);
+    let shared = shared_with(2);
+    let mut cfg = (**shared.cfg()).clone();
+    cfg.telemetry.routed_guess_ttl = std::time::Duration::from_secs(2);
+    shared.set_cfg(cfg);
     let (_index, mut writer) = ResidencyIndex::new(ResidencyConfig {
         max_replicas: 2,
         block_tokens: 16,

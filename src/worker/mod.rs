@@ -18,7 +18,10 @@ use std::time::{Duration, Instant};
 
 /// State every worker reads; written by the main and admin threads.
 pub struct Shared {
-    pub cfg: ServeConfig,
+    /// The configuration in force; a reload swaps it whole (read with `cfg()`).
+    config: arc_swap::ArcSwap<ServeConfig>,
+    /// The replicas, by slot; every per-replica vector below has `fleet.capacity()` entries.
+    pub fleet: crate::fleet::Fleet,
     /// Which prefix blocks kvlb believes each replica holds (read by cache_aware).
     pub residency: Arc<crate::residency::ResidencyIndex>,
     /// Blocks the residency writer could not take because a routing log was full.
@@ -39,9 +42,16 @@ impl Shared {
         residency: Arc<crate::residency::ResidencyIndex>,
         routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
     ) -> Shared {
-        let n = cfg.replicas.len();
+        let n = cfg.max_replicas.max(cfg.replicas.len());
         let workers = (0..cfg.workers).map(|_| WorkerStats::new(n)).collect();
+        let fleet = crate::fleet::Fleet::new(n);
+        for r in &cfg.replicas {
+            fleet
+                .add(r.clone(), 0)
+                .expect("the fleet has a slot for every configured replica");
+        }
         Shared {
+            fleet,
             residency,
             routing_logs,
             prefix: crate::prefix::PrefixConfig::default(),
@@ -52,8 +62,19 @@ impl Shared {
             telemetry: (0..n)
                 .map(|_| crate::telemetry::ReplicaTelemetry::default())
                 .collect(),
-            cfg,
+            config: arc_swap::ArcSwap::from_pointee(cfg),
         }
+    }
+
+    /// The configuration in force now (a lock-free load; cheap, allocation-free).
+    pub fn cfg(&self) -> arc_swap::Guard<Arc<ServeConfig>> {
+        self.config.load()
+    }
+
+    /// Put a new configuration in force (the fleet is changed separately).
+    pub fn set_cfg(&self, cfg: ServeConfig) {
+        self.config.store(Arc::new(cfg));
+        self.fleet.generation.fetch_add(1, Relaxed);
     }
 
     pub fn now_ms(&self) -> u64 {
@@ -73,7 +94,11 @@ pub struct Worker {
     pub shared: Arc<Shared>,
     pub policy: RefCell<Box<dyn Policy>>,
     pub rng: RefCell<Rng>,
-    idle_upstream: RefCell<Vec<Vec<RawFd>>>,
+    /// Idle keep-alive connections per replica slot, with the slot's epoch when they were
+    /// opened (a slot given to another replica since then makes them stale).
+    idle_upstream: RefCell<Vec<Vec<(RawFd, u64)>>>,
+    /// The fleet generation this worker's policy was built for.
+    generation: Cell<u64>,
     bufs: RefCell<Vec<Vec<u8>>>,
     pub candidates: RefCell<Vec<Candidate>>,
     pub spans: RefCell<Vec<(usize, usize)>>,
@@ -108,17 +133,53 @@ impl Worker {
         }
     }
 
-    /// An idle keep-alive connection to replica `r`, if any.
-    pub fn pooled_upstream(&self, r: usize) -> Option<RawFd> {
-        self.idle_upstream.borrow_mut()[r].pop()
+    /// An idle keep-alive connection to replica slot `r` as of `epoch`, if any.
+    pub fn pooled_upstream(&self, r: usize, epoch: u64) -> Option<RawFd> {
+        let mut pool = self.idle_upstream.borrow_mut();
+        while let Some((fd, e)) = pool[r].pop() {
+            if e == epoch {
+                return Some(fd);
+            }
+            // Opened to the slot's previous replica.
+            op::close(fd);
+        }
+        None
     }
 
-    pub fn return_upstream(&self, r: usize, fd: RawFd) {
+    pub fn return_upstream(&self, r: usize, fd: RawFd, epoch: u64) {
         let mut pool = self.idle_upstream.borrow_mut();
-        if self.draining.get() || pool[r].len() >= MAX_IDLE_UPSTREAM {
+        let current = self.shared.fleet.slot(r).epoch.load(Relaxed);
+        if self.draining.get() || pool[r].len() >= MAX_IDLE_UPSTREAM || epoch != current {
             op::close(fd);
         } else {
-            pool[r].push(fd);
+            pool[r].push((fd, epoch));
+        }
+    }
+
+    /// Pick up a changed fleet or configuration: rebuild the policy (the only per-worker state
+    /// that depends on them). Nothing happens, and nothing is allocated, while they are
+    /// unchanged.
+    pub fn refresh(&self) {
+        let g = self.shared.fleet.generation.load(Relaxed);
+        if g == self.generation.get() {
+            return;
+        }
+        self.generation.set(g);
+        let cfg = self.shared.cfg();
+        match build_policy(&self.shared, self.id, &cfg) {
+            Ok(p) => *self.policy.borrow_mut() = p,
+            Err(e) => eprintln!("kvlb: worker {}: keeping the previous policy: {e}", self.id),
+        }
+        // Close idle connections to replicas that left.
+        let mut pool = self.idle_upstream.borrow_mut();
+        for (r, conns) in pool.iter_mut().enumerate() {
+            let epoch = self.shared.fleet.slot(r).epoch.load(Relaxed);
+            conns.retain(|&(fd, e)| {
+                if e != epoch {
+                    op::close(fd);
+                }
+                e == epoch
+            });
         }
     }
 
@@ -142,40 +203,57 @@ impl Worker {
         self.free_idle.borrow_mut().push(slot);
     }
 
-    /// Fill `candidates` with the replicas available now; returns how many.
-    pub fn fill_candidates(&self) -> usize {
+    /// Fill `candidates` with the replicas a request may go to now, leaving out those in
+    /// `tried`; returns how many. Replicas ejected or failing their health checks are left out;
+    /// one in slow start is considered by a growing share of requests. If that leaves none,
+    /// every active replica not tried is a candidate (better a likely failure than a certain
+    /// one).
+    pub fn fill_candidates(&self, tried: &[usize]) -> usize {
         let now = self.shared.now_ms();
+        let slow_start_ms = self.shared.cfg().health.slow_start.as_millis() as u64;
         let mut c = self.candidates.borrow_mut();
         c.clear();
-        for (i, load) in self.shared.loads.iter().enumerate() {
-            if load.down_until_ms.load(Relaxed) <= now {
-                c.push(Candidate {
-                    replica: i,
-                    in_flight: load.in_flight.load(Relaxed),
-                    queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
-                    decoding: load.decoding.load(Relaxed),
-                });
+        let candidate = |i: usize| {
+            let load = &self.shared.loads[i];
+            Candidate {
+                replica: i,
+                in_flight: load.in_flight.load(Relaxed),
+                queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
+                decoding: load.decoding.load(Relaxed),
             }
+        };
+        for (i, slot) in self.shared.fleet.slots() {
+            if !slot.available(now) || tried.contains(&i) {
+                continue;
+            }
+            let ramp = slot.ramp(now, slow_start_ms);
+            if ramp < 1.0 {
+                let u = (self.rng.borrow_mut().next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                if u >= ramp {
+                    continue;
+                }
+            }
+            c.push(candidate(i));
         }
         if c.is_empty() {
-            // Every replica failed recently: try them all rather than refuse outright.
-            for (i, load) in self.shared.loads.iter().enumerate() {
-                c.push(Candidate {
-                    replica: i,
-                    in_flight: load.in_flight.load(Relaxed),
-                    queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
-                    decoding: load.decoding.load(Relaxed),
-                });
+            for (i, slot) in self.shared.fleet.slots() {
+                if slot.state() == crate::fleet::ACTIVE && !tried.contains(&i) {
+                    c.push(candidate(i));
+                }
             }
         }
         c.len()
     }
+}
 
-    pub fn mark_down(&self, r: usize, for_ms: u64) {
-        self.shared.loads[r]
-            .down_until_ms
-            .store(self.shared.now_ms() + for_ms, Relaxed);
-    }
+/// The policy a worker runs under `cfg`.
+fn build_policy(shared: &Shared, id: usize, cfg: &ServeConfig) -> Result<Box<dyn Policy>, String> {
+    let parts = select::CacheAwareParts {
+        index: shared.residency.clone(),
+        log: shared.routing_logs[id].clone(),
+        config: cfg.cost_model.policy_config(),
+    };
+    select::build(cfg.policy, id, Some(parts))
 }
 
 /// Create a listening socket bound to `addr` with SO_REUSEPORT.
@@ -222,13 +300,9 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
             std::process::exit(1);
         }
     };
-    let n_replicas = shared.cfg.replicas.len();
-    let parts = select::CacheAwareParts {
-        index: shared.residency.clone(),
-        log: shared.routing_logs[id].clone(),
-        config: shared.cfg.cost_model.policy_config(),
-    };
-    let policy = match select::build(shared.cfg.policy, id, Some(parts)) {
+    let n_replicas = shared.fleet.capacity();
+    let generation = shared.fleet.generation.load(Relaxed);
+    let policy = match build_policy(&shared, id, &shared.cfg()) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("kvlb: worker {id}: {e}");
@@ -242,6 +316,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
             0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
         )),
         idle_upstream: RefCell::new(vec![Vec::new(); n_replicas]),
+        generation: Cell::new(generation),
         bufs: RefCell::new(Vec::new()),
         candidates: RefCell::new(Vec::with_capacity(n_replicas)),
         spans: RefCell::new(Vec::with_capacity(64)),
@@ -273,7 +348,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
                 unsafe { libc::shutdown(fd, libc::SHUT_RD) };
             }
         }
-        let deadline = Instant::now() + w.shared.cfg.timeouts.drain;
+        let deadline = Instant::now() + w.shared.cfg().timeouts.drain;
         while w.open.get() > 0 && Instant::now() < deadline {
             op::sleep(Duration::from_millis(20)).await;
             for &fd in w.idle_clients.borrow().iter() {
@@ -288,7 +363,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         op::close(l);
     }
     for pool in worker.idle_upstream.borrow_mut().drain(..) {
-        for fd in pool {
+        for (fd, _) in pool {
             op::close(fd);
         }
     }
@@ -307,7 +382,7 @@ async fn accept_loop(w: Rc<Worker>, listener: RawFd) {
                 }
                 let stats = w.stats();
                 stats.accepted.fetch_add(1, Relaxed);
-                if w.open.get() >= w.shared.cfg.limits.max_connections {
+                if w.open.get() >= w.shared.cfg().limits.max_connections {
                     rt::spawn(proxy::refuse(w.clone(), fd));
                     continue;
                 }
