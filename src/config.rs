@@ -455,6 +455,25 @@ pub fn parse_duration(key: &str, v: &str) -> Result<Duration, ConfigError> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// A duration where zero (`0`, `0s`, `off`) means "disabled".
+fn parse_duration_or_off(key: &str, v: &str) -> Result<Duration, ConfigError> {
+    let t = v.trim();
+    if t == "off"
+        || t.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse::<f64>()
+            == Ok(0.0)
+    {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(key, v).map_err(|_| {
+        bad(
+            key,
+            v,
+            "expected a duration such as 500ms, 10s or 2m, or 0 / off",
+        )
+    })
+}
+
 /// `64KiB`, `8MiB`, `1048576`.
 pub fn parse_size(key: &str, v: &str) -> Result<usize, ConfigError> {
     let v = v.trim();
@@ -685,13 +704,13 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
             }
             cfg.health.path = v.to_string()
         }
-        "health_interval" => cfg.health.interval = parse_duration(key, v)?,
+        "health_interval" => cfg.health.interval = parse_duration_or_off(key, v)?,
         "health_timeout" => cfg.health.timeout = parse_duration(key, v)?,
         "unhealthy_after" => cfg.health.unhealthy_after = parse_count(key, v, 1)?,
         "healthy_after" => cfg.health.healthy_after = parse_count(key, v, 1)?,
         "max_fails" => cfg.health.max_fails = parse_count(key, v, 0)?,
         "fail_timeout" => cfg.health.fail_timeout = parse_duration(key, v)?,
-        "slow_start" => cfg.health.slow_start = parse_duration(key, v)?,
+        "slow_start" => cfg.health.slow_start = parse_duration_or_off(key, v)?,
         "retries" => cfg.health.retries = parse_count(key, v, 0)?,
         "max_replicas" => {
             cfg.max_replicas = v

@@ -33,6 +33,9 @@ handle:
   /echo?conn_close=1    the echo answer with `Connection: close`; the connection then closes
   /stats                JSON counters: connections_opened, connections_closed, requests,
                         aborted (slow/hang requests whose peer closed first)
+  /health               200 (503 after /set_health?ok=0); not counted in requests
+  /set_health?ok=0|1    make /health fail or pass
+  /set_mode?status=C    answer every other request with status C (0: back to normal)
 HEAD on any path answers the head of a 11-byte response without the body; HEAD /chunked
 announces Transfer-Encoding: chunked instead.
 
@@ -53,6 +56,8 @@ from urllib.parse import parse_qs, urlsplit
 
 STATS_LOCK = threading.Lock()
 STATS = {"connections_opened": 0, "connections_closed": 0, "requests": 0, "aborted": 0}
+# Test knobs: /health passes; 0 = normal answers, else every request gets this status.
+CONTROL = {"healthy": True, "status": 0}
 
 
 def bump(key, by=1):
@@ -218,9 +223,23 @@ class Handler(BaseHTTPRequestHandler):
         self.dispatch()
 
     def dispatch(self):
-        if urlsplit(self.path).path == "/health" and self.command == "GET":
+        path, q = self.query()
+        if path == "/health" and self.command == "GET":
             # The load balancer's health checks: not counted with the requests tests make.
-            self.send_simple(200, b"")
+            self.send_simple(200 if CONTROL["healthy"] else 503, b"")
+            return
+        if path == "/set_health":
+            CONTROL["healthy"] = q.get("ok", "1") == "1"
+            self.send_simple(200, b"ok\n")
+            return
+        if path == "/set_mode":
+            CONTROL["status"] = int(q.get("status", "0"))
+            self.send_simple(200, b"ok\n")
+            return
+        if CONTROL["status"] and path != "/stats":
+            bump("requests")
+            self.read_body()
+            self.send_simple(CONTROL["status"], b"backend: forced status\n")
             return
         self.served_on_connection += 1
         bump("requests")

@@ -1,0 +1,533 @@
+//! Operating the fleet while serving: reload (SIGHUP and the admin API), adding, draining and
+//! removing replicas by the admin API (bearer token), retries on connect failure and immediate
+//! 503, passive ejection, active health checks. Real processes, real sockets.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{wait_until, Backend, HttpConn, Kvlb, TempDir};
+
+const TOKEN: &str = "test-admin-token-0123456789";
+
+/// A raw admin request; returns (status, body).
+fn admin(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect admin");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = token
+        .map(|t| format!("authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: admin\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (status, body)
+}
+
+fn backend_get(b: &Backend, path: &str) {
+    let r = support::client::get(b.addr, path);
+    assert_eq!(r.status, 200, "backend {path}: {}", r.describe());
+}
+
+/// The replica that answered a GET /echo through kvlb.
+fn served_by(kvlb: &Kvlb, conn: &mut HttpConn) -> String {
+    let r = conn
+        .request("GET", "/echo", &[], b"")
+        .unwrap_or_else(|e| panic!("request through kvlb: {e}\nkvlb stderr:\n{}", kvlb.stderr()));
+    assert_eq!(
+        r.status,
+        200,
+        "{}\nkvlb stderr:\n{}",
+        r.describe(),
+        kvlb.stderr()
+    );
+    r.header("x-kvlb-replica").unwrap_or("").to_string()
+}
+
+fn replicas_json(kvlb: &Kvlb) -> serde_json::Value {
+    kvlb.admin_get("/replicas").json().expect("/replicas JSON")
+}
+
+fn replica_urls(kvlb: &Kvlb) -> Vec<String> {
+    replicas_json(kvlb)["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["url"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn sighup(kvlb: &Kvlb) {
+    // Safety: kill(2) on our own child's pid (not reaped while `kvlb` lives).
+    assert_eq!(
+        unsafe { libc::kill(kvlb.pid() as libc::pid_t, libc::SIGHUP) },
+        0
+    );
+}
+
+/// Clients requesting in a loop over keep-alive connections until stopped; counts failures.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failed: Arc<std::sync::Mutex<Vec<String>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(addr: SocketAddr, clients: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let threads = (0..clients)
+            .map(|_| {
+                let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+                std::thread::spawn(move || {
+                    let mut conn = HttpConn::connect(addr);
+                    while !stop.load(Relaxed) {
+                        match conn.request("POST", "/echo", &[], b"{\"prompt\": \"hello\"}") {
+                            Ok(r) if r.status == 200 => {
+                                ok.fetch_add(1, Relaxed);
+                                if r.says_close() {
+                                    conn = HttpConn::connect(addr);
+                                }
+                            }
+                            Ok(r) => {
+                                failed.lock().unwrap().push(r.describe());
+                                conn = HttpConn::connect(addr);
+                            }
+                            Err(e) => {
+                                failed.lock().unwrap().push(e.to_string());
+                                conn = HttpConn::connect(addr);
+                            }
+                        }
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            failed,
+            threads,
+        }
+    }
+
+    /// Stop and return (answered, failures).
+    fn finish(self) -> (u64, Vec<String>) {
+        self.stop.store(true, Relaxed);
+        for t in self.threads {
+            t.join().unwrap();
+        }
+        let failed = self.failed.lock().unwrap().clone();
+        (self.ok.load(Relaxed), failed)
+    }
+}
+
+#[test]
+fn sighup_reload_changes_replicas_and_policy_without_dropping_requests() {
+    let (a, b) = (Backend::start(), Backend::start());
+    let dir = TempDir::new("reload");
+    let file = dir.file("kvlb.toml");
+    let write = |replicas: &[&Backend], policy: &str| {
+        let mut text = format!("policy = \"{policy}\"\n");
+        for r in replicas {
+            text.push_str(&format!("[[replica]]\nurl = \"{}\"\n", r.url()));
+        }
+        std::fs::write(&file, text).unwrap();
+    };
+    write(&[&a], "least_loaded");
+    let path = file.to_str().unwrap().to_string();
+    let kvlb = Kvlb::serve(&[
+        "--config",
+        &path,
+        "--workers",
+        "2",
+        "--health-interval",
+        "0",
+    ]);
+    let load = Load::start(kvlb.listen, 4);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    assert_eq!(served_by(&kvlb, &mut conn), a.url());
+
+    // Add b, switch to round_robin: both replicas serve, on the same connection.
+    write(&[&a, &b], "round_robin");
+    sighup(&kvlb);
+    assert!(
+        wait_until(Duration::from_secs(5), || served_by(&kvlb, &mut conn)
+            == b.url()),
+        "b never served after the reload; kvlb stderr:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(replicas_json(&kvlb)["policy"], "round_robin");
+    assert!(
+        kvlb.stderr().contains("1 replicas added"),
+        "{}",
+        kvlb.stderr()
+    );
+
+    // A slow request on a, then remove a: it completes; a drains out; b takes everything.
+    let listen = kvlb.listen;
+    let slow = std::thread::spawn(move || {
+        let mut c = HttpConn::connect(listen);
+        // round_robin over 2: one of two tries lands on a.
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.push(c.request("GET", "/slow?ms=1500", &[], b""));
+        }
+        got
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    write(&[&b], "round_robin");
+    sighup(&kvlb);
+    assert!(
+        wait_until(Duration::from_secs(10), || replica_urls(&kvlb)
+            == vec![b.url()]),
+        "a was not removed: {}\nkvlb stderr:\n{}",
+        replicas_json(&kvlb),
+        kvlb.stderr()
+    );
+    for r in slow.join().unwrap() {
+        let r = r.expect("slow request across the removal");
+        assert_eq!(r.status, 200, "{}", r.describe());
+    }
+    for _ in 0..6 {
+        assert_eq!(served_by(&kvlb, &mut conn), b.url());
+    }
+    let (ok, failed) = load.finish();
+    assert!(ok > 50, "only {ok} requests answered under load");
+    assert!(
+        failed.is_empty(),
+        "requests failed across reloads: {failed:?}"
+    );
+}
+
+#[test]
+fn a_bad_reload_is_refused_and_the_old_configuration_keeps_serving() {
+    let a = Backend::start();
+    let dir = TempDir::new("badreload");
+    let file = dir.file("kvlb.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "policy = \"round_robin\"\n[[replica]]\nurl = \"{}\"\n",
+            a.url()
+        ),
+    )
+    .unwrap();
+    let path = file.to_str().unwrap().to_string();
+    let kvlb = Kvlb::serve(&["--config", &path, "--health-interval", "0"]);
+    std::fs::write(&file, "policy = \"fastest\"\n").unwrap();
+    sighup(&kvlb);
+    assert!(
+        wait_until(Duration::from_secs(5), || kvlb
+            .stderr()
+            .contains("reload refused")),
+        "no refusal logged:\n{}",
+        kvlb.stderr()
+    );
+    assert!(kvlb.stderr().contains("fastest"), "{}", kvlb.stderr());
+    let mut conn = HttpConn::connect(kvlb.listen);
+    assert_eq!(served_by(&kvlb, &mut conn), a.url());
+    assert_eq!(replicas_json(&kvlb)["policy"], "round_robin");
+}
+
+#[test]
+fn admin_api_needs_its_token_and_adds_drains_and_removes_replicas() {
+    let (a, b) = (Backend::start(), Backend::start());
+    let ua = a.url();
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &ua,
+        "--policy",
+        "round_robin",
+        "--admin-token",
+        TOKEN,
+        "--health-interval",
+        "0",
+    ]);
+    let add = format!("{{\"url\": \"{}\"}}", b.url());
+    let (st, body) = admin(kvlb.admin, "POST", "/replicas", None, &add);
+    assert_eq!(st, 401, "{body}");
+    assert!(body.contains("\"error\""), "{body}");
+    let (st, _) = admin(
+        kvlb.admin,
+        "POST",
+        "/replicas",
+        Some("wrong-token-wrong-token"),
+        &add,
+    );
+    assert_eq!(st, 401);
+    let (st, body) = admin(kvlb.admin, "POST", "/replicas", Some(TOKEN), "{\"url\": 5}");
+    assert_eq!(st, 400, "{body}");
+    let (st, body) = admin(
+        kvlb.admin,
+        "POST",
+        "/replicas",
+        Some(TOKEN),
+        "{\"url\": \"ftp://x\"}",
+    );
+    assert_eq!(st, 400, "{body}");
+
+    let (st, body) = admin(kvlb.admin, "POST", "/replicas", Some(TOKEN), &add);
+    assert_eq!(st, 200, "{body}");
+    let (st, body) = admin(kvlb.admin, "POST", "/replicas", Some(TOKEN), &add);
+    assert_eq!(st, 409, "adding twice: {body}");
+    assert_eq!(replica_urls(&kvlb), vec![ua.clone(), b.url()]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        seen.insert(served_by(&kvlb, &mut conn));
+    }
+    assert_eq!(
+        seen.len(),
+        2,
+        "round robin over the added replica: {seen:?}"
+    );
+
+    // Drain a: it stays listed (draining) and gets nothing new.
+    let (st, body) = admin(
+        kvlb.admin,
+        "POST",
+        "/replicas/drain",
+        Some(TOKEN),
+        &format!("{{\"url\": \"{ua}\"}}"),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("draining"), "{body}");
+    for _ in 0..10 {
+        assert_eq!(served_by(&kvlb, &mut conn), b.url());
+    }
+    assert_eq!(replica_urls(&kvlb).len(), 2);
+    // Remove it: gone once idle.
+    let (st, body) = admin(
+        kvlb.admin,
+        "DELETE",
+        "/replicas",
+        Some(TOKEN),
+        &format!("{{\"url\": \"{ua}\"}}"),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(
+        wait_until(Duration::from_secs(5), || replica_urls(&kvlb)
+            == vec![b.url()]),
+        "{}",
+        replicas_json(&kvlb)
+    );
+    let (st, _) = admin(
+        kvlb.admin,
+        "DELETE",
+        "/replicas",
+        Some(TOKEN),
+        &format!("{{\"url\": \"{ua}\"}}"),
+    );
+    assert_eq!(st, 404);
+    // And the metrics no longer list it.
+    assert_eq!(kvlb.metric("kvlb_replica_up", &[&ua]), None);
+    assert_eq!(kvlb.metric("kvlb_replica_up", &[&b.url()]), Some(1.0));
+}
+
+#[test]
+fn without_a_token_the_changing_endpoints_are_disabled() {
+    let a = Backend::start();
+    let kvlb = Kvlb::serve(&["--replica", &a.url(), "--health-interval", "0"]);
+    let (st, body) = admin(kvlb.admin, "POST", "/reload", Some("anything-anything"), "");
+    assert_eq!(st, 403, "{body}");
+    assert!(body.contains("admin_token"), "{body}");
+}
+
+#[test]
+fn a_connect_failure_is_retried_on_another_replica() {
+    let b = Backend::start();
+    // A port nothing listens on.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &dead,
+        "--replica",
+        &b.url(),
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--max-fails",
+        "1000",
+        "--health-interval",
+        "0",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    for _ in 0..10 {
+        assert_eq!(served_by(&kvlb, &mut conn), b.url());
+    }
+    let retries = kvlb.metric("kvlb_retries_total", &[&dead]).unwrap_or(0.0);
+    assert!(
+        retries >= 4.0,
+        "retries counted: {retries}\n{}",
+        kvlb.admin_get("/metrics").body_text()
+    );
+}
+
+#[test]
+fn an_immediate_503_is_retried_elsewhere_and_passed_through_without_retries() {
+    let (a, b) = (Backend::start(), Backend::start());
+    backend_get(&a, "/set_mode?status=503");
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--replica",
+        &b.url(),
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--max-fails",
+        "0",
+        "--health-interval",
+        "0",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    for _ in 0..8 {
+        assert_eq!(served_by(&kvlb, &mut conn), b.url());
+    }
+    drop(kvlb);
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--replica",
+        &b.url(),
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--max-fails",
+        "0",
+        "--retries",
+        "0",
+        "--health-interval",
+        "0",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let statuses: Vec<u16> = (0..8)
+        .map(|_| conn.request("GET", "/echo", &[], b"").unwrap().status)
+        .collect();
+    assert!(
+        statuses.contains(&503) && statuses.contains(&200),
+        "{statuses:?}"
+    );
+}
+
+#[test]
+fn consecutive_failures_eject_a_replica() {
+    let (a, b) = (Backend::start(), Backend::start());
+    backend_get(&a, "/set_mode?status=503");
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--replica",
+        &b.url(),
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--retries",
+        "0",
+        "--max-fails",
+        "2",
+        "--fail-timeout",
+        "60s",
+        "--health-interval",
+        "0",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let mut from_a = 0;
+    for _ in 0..20 {
+        let r = conn.request("GET", "/echo", &[], b"").unwrap();
+        if r.status == 503 {
+            from_a += 1;
+        }
+    }
+    assert_eq!(from_a, 2, "a should be ejected after 2 failures in a row");
+    assert_eq!(kvlb.metric("kvlb_ejections_total", &[&a.url()]), Some(1.0));
+    assert_eq!(kvlb.metric("kvlb_replica_up", &[&a.url()]), Some(0.0));
+    assert!(kvlb.stderr().contains("ejected"), "{}", kvlb.stderr());
+}
+
+#[test]
+fn failing_health_checks_take_a_replica_out_and_passing_ones_bring_it_back() {
+    let (a, b) = (Backend::start(), Backend::start());
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--replica",
+        &b.url(),
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--health-interval",
+        "100ms",
+        "--unhealthy-after",
+        "2",
+        "--healthy-after",
+        "2",
+        "--slow-start",
+        "0s",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    backend_get(&a, "/set_health?ok=0");
+    assert!(
+        wait_until(Duration::from_secs(5), || kvlb
+            .metric("kvlb_replica_up", &[&a.url()])
+            == Some(0.0)),
+        "a not taken out: {}",
+        replicas_json(&kvlb)
+    );
+    for _ in 0..10 {
+        assert_eq!(served_by(&kvlb, &mut conn), b.url());
+    }
+    backend_get(&a, "/set_health?ok=1");
+    assert!(
+        wait_until(Duration::from_secs(5), || kvlb
+            .metric("kvlb_replica_up", &[&a.url()])
+            == Some(1.0)),
+        "a not back: {}",
+        replicas_json(&kvlb)
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..10 {
+        seen.insert(served_by(&kvlb, &mut conn));
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let log = kvlb.stderr();
+    assert!(
+        log.contains("taken out of rotation") && log.contains("healthy again"),
+        "{log}"
+    );
+}
