@@ -8,6 +8,7 @@ pub mod admin;
 pub mod alloc;
 pub mod config;
 pub mod demo;
+pub mod discovery;
 pub mod engine;
 pub mod estimate;
 pub mod http;
