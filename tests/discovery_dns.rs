@@ -420,6 +420,16 @@ fn stray_datagrams_are_ignored_and_a_silent_resolver_is_skipped() {
         "waited for the silent resolver first"
     );
 
+    // A closed port (ICMP port unreachable) is skipped without waiting for the timeout.
+    let closed = UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let got = resolve(&source, &[closed, server.addr], Duration::from_secs(3)).unwrap();
+    assert_eq!(got.len(), 2);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+
     // Only silent resolvers: a timeout error after ATTEMPTS rounds.
     let e = resolve(
         &source,
@@ -490,4 +500,25 @@ fn runner_publishes_changes_and_keeps_the_last_good_set() {
     stop.store(true, Ordering::Relaxed);
     runner.stop();
     assert!(t0.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn replica_flags_are_valid_replica_values() {
+    let source = DnsSource::parse(
+        "dns+srv://_http._tcp.vllm.test,kv_events=tcp://{host}:5557,kv_replay=tcp://{host}:5558,kv_capacity_tokens=100000,metrics=on",
+    )
+    .unwrap();
+    for addr in [sa("127.0.0.10:8001"), sa("[::1]:8002")] {
+        let flag = source.replica_flag(addr);
+        let r = kvlb::config::parse_replica_flag("--replica-dns", &flag)
+            .unwrap_or_else(|e| panic!("{flag}: {e}"));
+        assert_eq!(r.addr, addr);
+        assert_eq!(r.kv_capacity_tokens, 100_000);
+        assert_eq!(r.metrics, Some(true));
+        let host = match addr {
+            SocketAddr::V4(a) => a.ip().to_string(),
+            SocketAddr::V6(a) => format!("[{}]", a.ip()),
+        };
+        assert_eq!(r.kv_events, Some(format!("tcp://{host}:5557")));
+    }
 }

@@ -50,6 +50,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const ATTEMPTS: u32 = 2;
 /// While resolution keeps failing, one log line at most this often.
 pub const FAILURE_LOG_PERIOD: Duration = Duration::from_secs(60);
+/// Distinct SRV targets one resolution follows at most (each may cost address queries).
+pub const MAX_SRV_TARGETS: usize = 4096;
 /// Replica options a source may carry (those of `--replica URL,key=value`).
 pub const REPLICA_OPTIONS: &[&str] = &["kv_capacity_tokens", "kv_events", "kv_replay", "metrics"];
 
@@ -365,6 +367,12 @@ pub fn resolve(
                 let mut cache: Vec<(String, Vec<IpAddr>)> = Vec::new();
                 for (target, port) in targets {
                     if !cache.iter().any(|(t, _)| *t == target) {
+                        if cache.len() == MAX_SRV_TARGETS {
+                            return Err(DiscoveryError::Dns {
+                                name: name.clone(),
+                                error: DnsError::Malformed("more SRV targets than kvlb follows", 0),
+                            });
+                        }
                         let mut ips: Vec<IpAddr> = dns::addresses(&known, &target)
                             .map_err(dns_err(&target))?
                             .into_iter()
