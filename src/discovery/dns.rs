@@ -66,6 +66,8 @@ pub enum DnsError {
     CnameChain(String),
     /// No resolver address to ask.
     NoServers,
+    /// An SRV answer names more distinct targets than the limit given.
+    TooManyTargets(usize),
 }
 
 impl fmt::Display for DnsError {
@@ -89,6 +91,7 @@ impl fmt::Display for DnsError {
             DnsError::Timeout(s) => write!(f, "DNS server {s} did not answer in time"),
             DnsError::Io(s, e) => write!(f, "DNS server {s}: {e}"),
             DnsError::CnameChain(n) => write!(f, "CNAME chain from {n:?} is too long or loops"),
+            DnsError::TooManyTargets(n) => write!(f, "SRV answer names more than {n} targets"),
             DnsError::NoServers => f.write_str(
                 "no DNS server to ask (set dns_servers or a nameserver line in /etc/resolv.conf)",
             ),

@@ -370,7 +370,7 @@ pub fn resolve(
                         if cache.len() == MAX_SRV_TARGETS {
                             return Err(DiscoveryError::Dns {
                                 name: name.clone(),
-                                error: DnsError::Malformed("more SRV targets than kvlb follows", 0),
+                                error: DnsError::TooManyTargets(MAX_SRV_TARGETS),
                             });
                         }
                         let mut ips: Vec<IpAddr> = dns::addresses(&known, &target)
