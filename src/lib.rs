@@ -9,6 +9,7 @@ pub mod alloc;
 pub mod config;
 pub mod control;
 pub mod demo;
+pub mod discovery;
 pub mod engine;
 pub mod estimate;
 pub mod fleet;
