@@ -261,6 +261,11 @@ pub struct ServeConfig {
     pub max_replicas: usize,
     /// Bearer token the admin API's changing endpoints require (None: they are disabled).
     pub admin_token: Option<String>,
+    /// DNS sources of replicas (`dns://NAME:PORT`, `dns+srv://NAME`; see `crate::discovery`),
+    /// re-resolved on their interval beside the static list.
+    pub replica_dns: Vec<String>,
+    /// Resolvers for them (`IP[:PORT]`); empty: those of /etc/resolv.conf.
+    pub dns_servers: Vec<String>,
 }
 
 /// A configuration error: printed as `kvlb: invalid configuration: {0}`, exit status 2.
@@ -522,6 +527,8 @@ impl Default for ServeConfig {
             health: HealthConfig::default(),
             max_replicas: 64,
             admin_token: None,
+            replica_dns: Vec::new(),
+            dns_servers: Vec::new(),
         }
     }
 }
@@ -567,6 +574,9 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --retries N              other replicas tried after a connect failure or an immediate 503 (default 1)
   --max-replicas N         replica slots, reloads and admin additions included (default 64)
   --admin-token TOKEN      bearer token for the admin API's changing endpoints (default: disabled)
+  --replica-dns SOURCE     replicas from DNS, repeatable: dns://NAME:PORT (A/AAAA) or
+                           dns+srv://NAME (SRV), [,interval=5s][,family=ipv4][,kv_events=tcp://{host}:5557]
+  --dns-server ADDR        resolver for --replica-dns, repeatable (default: /etc/resolv.conf)
 
 SIGHUP (or POST /reload on the admin listener) rereads the configuration: replicas, policy,
 limits, timeouts and health settings change without dropping connections or requests.";
@@ -602,6 +612,8 @@ const FILE_KEYS: &[&str] = &[
     "retries",
     "max_replicas",
     "admin_token",
+    "replica_dns",
+    "dns_servers",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -751,6 +763,20 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// A DNS replica source or resolver address, validated as `crate::discovery` will read it
+/// (the replica options it carries too).
+fn check_dns_setting(key: &str, v: &str) -> Result<(), ConfigError> {
+    if key.contains("server") {
+        return crate::discovery::parse_dns_server(v)
+            .map(|_| ())
+            .map_err(|e| bad(key, v, &e.to_string()));
+    }
+    let src = crate::discovery::DnsSource::parse(v).map_err(|e| bad(key, v, &e.to_string()))?;
+    let probe = src.replica_flag("127.0.0.1:1".parse().expect("literal address"));
+    parse_replica_flag(key, &probe)?;
+    Ok(())
+}
+
 fn parse_count(key: &str, v: &str, min: u32) -> Result<u32, ConfigError> {
     v.parse::<u32>()
         .ok()
@@ -809,6 +835,28 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                         bad("listen", &v.to_string(), "expected a string HOST:PORT")
                     })?;
                     cfg.listen.push(parse_addr("listen", s)?);
+                }
+            }
+            "replica_dns" | "dns_servers" => {
+                let list = match value {
+                    toml::Value::Array(a) => a.clone(),
+                    toml::Value::String(_) => vec![value.clone()],
+                    other => {
+                        return Err(bad(key, &other.to_string(), "expected a list of strings"))
+                    }
+                };
+                let mut out = Vec::new();
+                for v in list {
+                    let s = v
+                        .as_str()
+                        .ok_or_else(|| bad(key, &v.to_string(), "expected a string"))?;
+                    check_dns_setting(key, s)?;
+                    out.push(s.to_string());
+                }
+                if key == "replica_dns" {
+                    cfg.replica_dns = out;
+                } else {
+                    cfg.dns_servers = out;
                 }
             }
             "replica" => {
@@ -918,6 +966,8 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
     }
     let mut listen_flag = Vec::new();
     let mut replica_flag = Vec::new();
+    let mut dns_flag = Vec::new();
+    let mut dns_server_flag = Vec::new();
     let mut i = 0;
     while i < args.len() {
         let flag = args[i].as_str();
@@ -951,6 +1001,14 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
             "--replica" => {
                 replica_flag.push(parse_replica_flag("--replica", &value).map_err(Some)?)
             }
+            "--replica-dns" => {
+                check_dns_setting("--replica-dns", &value).map_err(Some)?;
+                dns_flag.push(value);
+            }
+            "--dns-server" => {
+                check_dns_setting("--dns-server", &value).map_err(Some)?;
+                dns_server_flag.push(value);
+            }
             _ => {
                 let key = name.trim_start_matches("--").replace('-', "_");
                 if !(FILE_KEYS.contains(&key.as_str()) || COST_MODEL_KEYS.contains(&key.as_str()))
@@ -972,6 +1030,12 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
     }
     if !replica_flag.is_empty() {
         cfg.replicas = replica_flag;
+    }
+    if !dns_flag.is_empty() {
+        cfg.replica_dns = dns_flag;
+    }
+    if !dns_server_flag.is_empty() {
+        cfg.dns_servers = dns_server_flag;
     }
     if cfg.listen.is_empty() {
         return Err(Some(ConfigError(

@@ -32,6 +32,8 @@ pub struct Control {
     args: Vec<String>,
     telemetry: Telemetry,
     lock: Mutex<()>,
+    /// Per DNS source (`replica_dns`, in order): the URLs it put in the fleet.
+    discovered: Mutex<Vec<Vec<String>>>,
 }
 
 impl Control {
@@ -41,6 +43,7 @@ impl Control {
             args,
             telemetry,
             lock: Mutex::new(()),
+            discovered: Mutex::new(Vec::new()),
         }
     }
 
@@ -100,12 +103,19 @@ impl Control {
                 }
             }
         }
+        if new.replica_dns != old.replica_dns || new.dns_servers != old.dns_servers {
+            restart_only.push("replica_dns/dns_servers");
+            new.replica_dns = old.replica_dns.clone();
+            new.dns_servers = old.dns_servers.clone();
+        }
+        let discovered: Vec<String> = self.discovered_urls();
         let removes: Vec<usize> = fleet
             .slots()
             .filter(|(_, s)| s.state() == ACTIVE)
             .filter(|(_, s)| {
                 let url = s.spec().map(|r| r.url.clone()).unwrap_or_default();
                 !new.replicas.iter().any(|r| same_url(&r.url, &url))
+                    && !discovered.iter().any(|d| same_url(d, &url))
             })
             .map(|(i, _)| i)
             .collect();
@@ -143,6 +153,102 @@ impl Control {
             ));
         }
         Ok(msg)
+    }
+
+    fn discovered_urls(&self) -> Vec<String> {
+        let d = self.discovered.lock().unwrap_or_else(|p| p.into_inner());
+        d.iter().flatten().cloned().collect()
+    }
+
+    /// Start one discovery thread per `replica_dns` source; each keeps the fleet's share of
+    /// that source equal to what DNS answers. The handles stop their threads when dropped.
+    pub fn start_discovery(
+        self: &Arc<Self>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<Vec<crate::discovery::Discovery>, String> {
+        let cfg = self.shared.cfg();
+        if cfg.replica_dns.is_empty() {
+            return Ok(Vec::new());
+        }
+        let resolvers = crate::discovery::resolvers(&cfg.dns_servers).map_err(|e| e.to_string())?;
+        *self.discovered.lock().unwrap_or_else(|p| p.into_inner()) =
+            vec![Vec::new(); cfg.replica_dns.len()];
+        let mut handles = Vec::new();
+        for (k, spec) in cfg.replica_dns.iter().enumerate() {
+            let source = crate::discovery::DnsSource::parse(spec).map_err(|e| e.to_string())?;
+            let me = self.clone();
+            let src = source.clone();
+            handles.push(
+                crate::discovery::Discovery::start(
+                    source,
+                    resolvers.clone(),
+                    crate::discovery::DEFAULT_TIMEOUT,
+                    stop.clone(),
+                    move |addrs| me.sync_discovered(k, &src, addrs),
+                )
+                .map_err(|e| format!("cannot start DNS discovery for {spec}: {e}"))?,
+            );
+        }
+        Ok(handles)
+    }
+
+    /// Make source `k`'s replicas in the fleet those at `addrs`.
+    fn sync_discovered(
+        &self,
+        k: usize,
+        source: &crate::discovery::DnsSource,
+        addrs: &[std::net::SocketAddr],
+    ) {
+        let _g = self.guard();
+        let mut wanted = Vec::new();
+        for a in addrs {
+            match config::parse_replica_flag("replica_dns", &source.replica_flag(*a)) {
+                Ok(r) => wanted.push(r),
+                Err(e) => eprintln!("kvlb: discovery {}: {a}: {e}", source.spec),
+            }
+        }
+        let mut discovered = self.discovered.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(mine) = discovered.get_mut(k) else {
+            return;
+        };
+        let now = self.shared.now_ms();
+        let fleet = &self.shared.fleet;
+        // Gone from DNS: drain out (only what this source added).
+        mine.retain(|url| {
+            if wanted.iter().any(|r| same_url(&r.url, url)) {
+                return true;
+            }
+            if let Some(i) = fleet.find(url) {
+                fleet.drain(i, true);
+                eprintln!(
+                    "kvlb: discovery {}: replica {url} left; draining out",
+                    source.spec
+                );
+            }
+            false
+        });
+        for r in wanted {
+            if mine.iter().any(|u| same_url(u, &r.url)) {
+                continue;
+            }
+            if let Some(i) = fleet.find(&r.url) {
+                if fleet.slot(i).state() == ACTIVE {
+                    // Listed statically (or by another source) already: not ours.
+                    continue;
+                }
+            }
+            let url = r.url.clone();
+            match self.add_locked(r, now) {
+                Ok(slot) => {
+                    eprintln!(
+                        "kvlb: discovery {}: replica {url} joined (slot {slot})",
+                        source.spec
+                    );
+                    mine.push(url);
+                }
+                Err(e) => eprintln!("kvlb: discovery {}: cannot add {url}: {e}", source.spec),
+            }
+        }
     }
 
     /// Add one replica (admin API). Returns its slot.

@@ -124,6 +124,7 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     )
     .map_err(|e| format!("cannot start the residency writer: {e}"))?;
     crate::admin::spawn(admin, shared.clone(), control.clone());
+    let _discovery = control.start_discovery(writer_stop.clone())?;
 
     let mut wakers = Vec::new();
     let mut handles = Vec::new();

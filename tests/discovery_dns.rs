@@ -2,6 +2,9 @@
 //! on one ephemeral port, answering A, AAAA, SRV (+ additional), CNAME, NXDOMAIN, SERVFAIL and
 //! truncated answers. The server's encoder is written here, independently of kvlb's codec.
 
+#[path = "support/mod.rs"]
+mod support;
+
 use kvlb::discovery::{resolve, Discovery, DiscoveryError, DnsSource};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, UdpSocket};
@@ -520,5 +523,93 @@ fn replica_flags_are_valid_replica_values() {
             SocketAddr::V6(a) => format!("[{}]", a.ip()),
         };
         assert_eq!(r.kv_events, Some(format!("tcp://{host}:5557")));
+    }
+}
+
+/// kvlb serving replicas found by SRV records, following the records as they change.
+#[test]
+fn kvlb_follows_the_fleet_dns_announces() {
+    let (a, b) = (support::Backend::start(), support::Backend::start());
+    let (pa, pb) = (a.addr.port(), b.addr.port());
+    let server = DnsServer::start(Zone {
+        records: vec![
+            ("_http._tcp.fleet.test", Rec::Srv(pa, "pod-a.fleet.test")),
+            ("pod-a.fleet.test", v4(1)),
+        ],
+        srv_additional: true,
+        ..Zone::default()
+    });
+    let dns = server.addr.to_string();
+    let kvlb = support::Kvlb::serve(&[
+        "--replica-dns",
+        "dns+srv://_http._tcp.fleet.test,interval=100ms",
+        "--dns-server",
+        &dns,
+        "--policy",
+        "round_robin",
+        "--health-interval",
+        "0",
+    ]);
+    let urls = || -> Vec<String> {
+        let j = kvlb.admin_get("/replicas").json().unwrap();
+        let mut v: Vec<String> = j["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["state"] == "active")
+            .map(|r| r["url"].as_str().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    assert!(
+        support::wait_until(Duration::from_secs(5), || urls() == vec![a.url()]),
+        "{:?}\n{}",
+        urls(),
+        kvlb.stderr()
+    );
+    let mut conn = support::HttpConn::connect(kvlb.listen);
+    let r = conn.request("GET", "/echo", &[], b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(r.header("x-kvlb-replica"), Some(a.url().as_str()));
+
+    // Scale up: b joins and takes its share.
+    server.set(|z| {
+        z.records
+            .push(("_http._tcp.fleet.test", Rec::Srv(pb, "pod-a.fleet.test")))
+    });
+    let mut want = vec![a.url(), b.url()];
+    want.sort();
+    assert!(
+        support::wait_until(Duration::from_secs(5), || urls() == want),
+        "{:?}\n{}",
+        urls(),
+        kvlb.stderr()
+    );
+    let served: std::collections::BTreeSet<String> = (0..6)
+        .map(|_| {
+            let r = conn.request("GET", "/echo", &[], b"").unwrap();
+            r.header("x-kvlb-replica").unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(served.len(), 2, "{served:?}");
+
+    // Scale down: a leaves; b takes everything. A failing server keeps the last set.
+    server.set(|z| {
+        z.records
+            .retain(|(_, r)| !matches!(r, Rec::Srv(p, _) if *p == pa))
+    });
+    assert!(
+        support::wait_until(Duration::from_secs(5), || urls() == vec![b.url()]),
+        "{:?}\n{}",
+        urls(),
+        kvlb.stderr()
+    );
+    server.set(|z| z.servfail = true);
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(urls(), vec![b.url()]);
+    for _ in 0..4 {
+        let r = conn.request("GET", "/echo", &[], b"").unwrap();
+        assert_eq!(r.header("x-kvlb-replica"), Some(b.url().as_str()));
     }
 }
