@@ -58,6 +58,8 @@ pub struct ReplicaConfig {
     /// Poll the replica's GET /metrics: Some(on/off) as configured; None = only when it has
     /// `kv_events` (a real engine; plain HTTP backends need not serve /metrics).
     pub metrics: Option<bool>,
+    /// Most requests in flight there (None: the global `max_in_flight`).
+    pub max_in_flight: Option<u32>,
 }
 
 impl ReplicaConfig {
@@ -266,6 +268,60 @@ pub struct ServeConfig {
     pub replica_dns: Vec<String>,
     /// Resolvers for them (`IP[:PORT]`); empty: those of /etc/resolv.conf.
     pub dns_servers: Vec<String>,
+    /// Clients must send `Authorization: Bearer <one of these>` (empty: no check).
+    pub api_keys: ApiKeys,
+    /// Most requests in flight per replica (0: no limit; a replica's own `max_in_flight` wins).
+    pub max_in_flight: u32,
+    /// Requests that may wait (across workers) while every replica is at its limit; beyond,
+    /// 429 with Retry-After.
+    pub queue_size: u32,
+    /// How long one may wait before 429.
+    pub queue_timeout: Duration,
+}
+
+/// Client API keys, compared without early exit.
+#[derive(Clone, PartialEq, Default)]
+pub struct ApiKeys {
+    keys: Vec<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ApiKeys({} keys)", self.keys.len())
+    }
+}
+
+impl ApiKeys {
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether `given` is one of the keys (time independent of where a key first differs).
+    pub fn accepts(&self, given: &[u8]) -> bool {
+        let mut ok = false;
+        for k in &self.keys {
+            let same = k.len() == given.len()
+                && k.iter().zip(given).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+            ok |= same;
+        }
+        ok
+    }
+
+    fn add(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
+        if v.len() < 8 || v.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err(bad(
+                key,
+                "<hidden>",
+                "an API key must be at least 8 printable characters without spaces",
+            ));
+        }
+        self.keys.push(v.as_bytes().to_vec());
+        Ok(())
+    }
 }
 
 /// A configuration error: printed as `kvlb: invalid configuration: {0}`, exit status 2.
@@ -349,6 +405,7 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         kv_events: None,
         kv_replay: None,
         metrics: None,
+        max_in_flight: None,
     })
 }
 
@@ -375,12 +432,15 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
             "kv_events" => r.kv_events = Some(parse_zmq_endpoint(&format!("{key} kv_events"), val)?),
             "kv_replay" => r.kv_replay = Some(parse_zmq_endpoint(&format!("{key} kv_replay"), val)?),
             "metrics" => r.metrics = Some(parse_switch(&format!("{key} metrics"), val)?),
+            "max_in_flight" => {
+                r.max_in_flight = Some(parse_count(&format!("{key} max_in_flight"), val, 0)?)
+            }
             _ => {
                 return Err(bad(
                     key,
                     v,
                     &format!(
-                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_events, kv_replay, metrics)"
+                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_events, kv_replay, metrics, max_in_flight)"
                     ),
                 ))
             }
@@ -529,6 +589,10 @@ impl Default for ServeConfig {
             admin_token: None,
             replica_dns: Vec::new(),
             dns_servers: Vec::new(),
+            api_keys: ApiKeys::default(),
+            max_in_flight: 0,
+            queue_size: 1024,
+            queue_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -577,6 +641,13 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --replica-dns SOURCE     replicas from DNS, repeatable: dns://NAME:PORT (A/AAAA) or
                            dns+srv://NAME (SRV), [,interval=5s][,family=ipv4][,kv_events=tcp://{host}:5557]
   --dns-server ADDR        resolver for --replica-dns, repeatable (default: /etc/resolv.conf)
+  --api-keys-file FILE     client API keys, one per line (# comments); requests without
+                           Authorization: Bearer <key> get 401 (default: no check)
+  --max-in-flight N        requests in flight per replica, 0 = no limit (default 0); per replica:
+                           --replica URL,max_in_flight=N
+  --queue-size N           requests waiting while every replica is at its limit (default 1024);
+                           beyond, 429 with Retry-After
+  --queue-timeout DUR      longest wait in that queue before 429 (default 30s)
 
 SIGHUP (or POST /reload on the admin listener) rereads the configuration: replicas, policy,
 limits, timeouts and health settings change without dropping connections or requests.";
@@ -614,6 +685,11 @@ const FILE_KEYS: &[&str] = &[
     "admin_token",
     "replica_dns",
     "dns_servers",
+    "api_keys",
+    "api_keys_file",
+    "max_in_flight",
+    "queue_size",
+    "queue_timeout",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -622,6 +698,7 @@ const REPLICA_KEYS: &[&str] = &[
     "kv_events",
     "kv_replay",
     "metrics",
+    "max_in_flight",
 ];
 
 const COST_MODEL_KEYS: &[&str] = &[
@@ -724,6 +801,22 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "fail_timeout" => cfg.health.fail_timeout = parse_duration(key, v)?,
         "slow_start" => cfg.health.slow_start = parse_duration_or_off(key, v)?,
         "retries" => cfg.health.retries = parse_count(key, v, 0)?,
+        "api_keys_file" => {
+            let text = std::fs::read_to_string(v)
+                .map_err(|e| bad(key, v, &format!("cannot read: {e}")))?;
+            cfg.api_keys = ApiKeys::default();
+            for line in text.lines().map(str::trim) {
+                if !line.is_empty() && !line.starts_with('#') {
+                    cfg.api_keys.add(key, line)?;
+                }
+            }
+            if cfg.api_keys.is_empty() {
+                return Err(bad(key, v, "the file holds no key"));
+            }
+        }
+        "max_in_flight" => cfg.max_in_flight = parse_count(key, v, 0)?,
+        "queue_size" => cfg.queue_size = parse_count(key, v, 0)?,
+        "queue_timeout" => cfg.queue_timeout = parse_duration(key, v)?,
         "max_replicas" => {
             cfg.max_replicas = v
                 .parse::<usize>()
@@ -837,6 +930,18 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                     cfg.listen.push(parse_addr("listen", s)?);
                 }
             }
+            "api_keys" => {
+                let list = value
+                    .as_array()
+                    .ok_or_else(|| bad(key, "<hidden>", "expected a list of strings"))?;
+                cfg.api_keys = ApiKeys::default();
+                for v in list {
+                    let s = v
+                        .as_str()
+                        .ok_or_else(|| bad(key, "<hidden>", "expected strings"))?;
+                    cfg.api_keys.add(key, s)?;
+                }
+            }
             "replica_dns" | "dns_servers" => {
                 let list = match value {
                     toml::Value::Array(a) => a.clone(),
@@ -912,6 +1017,10 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                                 return Err(bad(&key, &other.to_string(), "expected true or false"))
                             }
                         });
+                    }
+                    if let Some(v) = t.get("max_in_flight") {
+                        let key = format!("replica[{i}].max_in_flight");
+                        replica.max_in_flight = Some(parse_count(&key, &toml_scalar(&key, v)?, 0)?);
                     }
                     check_replay(&format!("replica[{i}]"), &replica)?;
                     cfg.replicas.push(replica);
@@ -1014,6 +1123,9 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
                 if !(FILE_KEYS.contains(&key.as_str()) || COST_MODEL_KEYS.contains(&key.as_str()))
                     || key == "listen"
                     || key == "replica"
+                    || key == "api_keys"
+                    || key == "replica_dns"
+                    || key == "dns_servers"
                     || key == "cost_model"
                 {
                     return Err(Some(ConfigError(format!(

@@ -49,6 +49,8 @@ pub struct ReplicaSlot {
     pub check_passes: AtomicU32,
     /// Stops this slot's telemetry threads.
     pub telemetry_stop: ArcSwapOption<AtomicBool>,
+    /// The replica's own concurrency limit (0: the global `max_in_flight`).
+    pub max_in_flight: AtomicU32,
 }
 
 impl ReplicaSlot {
@@ -65,6 +67,7 @@ impl ReplicaSlot {
             check_fails: AtomicU32::new(0),
             check_passes: AtomicU32::new(0),
             telemetry_stop: ArcSwapOption::empty(),
+            max_in_flight: AtomicU32::new(0),
         }
     }
 
@@ -175,6 +178,8 @@ impl Fleet {
             let s = &self.slots[i];
             if s.state() == DRAINING {
                 // Re-adding a draining replica takes it back.
+                s.max_in_flight
+                    .store(spec.max_in_flight.unwrap_or(0), Relaxed);
                 s.spec.store(Some(Arc::new(spec)));
                 s.removing.store(false, Relaxed);
                 s.state.store(ACTIVE, Relaxed);
@@ -194,6 +199,8 @@ impl Fleet {
                 )
             })?;
         let s = &self.slots[i];
+        s.max_in_flight
+            .store(spec.max_in_flight.unwrap_or(0), Relaxed);
         s.spec.store(Some(Arc::new(spec)));
         s.epoch.fetch_add(1, Relaxed);
         s.consecutive_failures.store(0, Relaxed);

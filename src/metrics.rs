@@ -108,10 +108,12 @@ pub struct WorkerStats {
     pub open_connections: AtomicU64,
     pub in_flight: AtomicU64,
     pub requests: AtomicU64,
+    /// Requests that waited in the queue for a replica below its concurrency limit.
+    pub queued: AtomicU64,
     /// Heap allocations made by the worker's thread (published after each request).
     pub allocations: AtomicU64,
     /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
-    pub local_errors: [AtomicU64; 7],
+    pub local_errors: [AtomicU64; 9],
     pub ttfb: Histogram,
     pub total: Histogram,
     /// From the request received to the first response body byte (the first token).
@@ -125,7 +127,7 @@ pub struct WorkerStats {
     pub replicas: Vec<ReplicaCounters>,
 }
 
-pub const LOCAL_ERROR_CODES: [u16; 7] = [400, 408, 413, 431, 501, 503, 0];
+pub const LOCAL_ERROR_CODES: [u16; 9] = [400, 401, 408, 413, 429, 431, 501, 503, 0];
 
 impl WorkerStats {
     pub fn new(replicas: usize) -> WorkerStats {
@@ -134,6 +136,7 @@ impl WorkerStats {
             open_connections: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
             local_errors: Default::default(),
             ttfb: Histogram::default(),

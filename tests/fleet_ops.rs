@@ -531,3 +531,136 @@ fn failing_health_checks_take_a_replica_out_and_passing_ones_bring_it_back() {
         "{log}"
     );
 }
+
+#[test]
+fn client_api_keys_are_checked_and_a_refusal_keeps_the_connection() {
+    let a = Backend::start();
+    let dir = TempDir::new("keys");
+    let keys = dir.file("keys");
+    std::fs::write(&keys, "# team keys\nsk-team-one-0001\n\nsk-team-two-0002\n").unwrap();
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--api-keys-file",
+        keys.to_str().unwrap(),
+        "--health-interval",
+        "0",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let r = conn
+        .request("POST", "/v1/chat/completions", &[], b"{}")
+        .unwrap();
+    assert_eq!(r.status, 401, "{}", r.describe());
+    assert!(r.is_json_error(), "{}", r.describe());
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    let r = conn
+        .request(
+            "GET",
+            "/echo",
+            &[("Authorization", "Bearer sk-team-one-0000")],
+            b"",
+        )
+        .expect("same connection after a 401");
+    assert_eq!(r.status, 401, "{}", r.describe());
+    let r = conn
+        .request(
+            "GET",
+            "/echo",
+            &[("Authorization", "Bearer sk-team-two-0002")],
+            b"",
+        )
+        .expect("same connection after two 401s");
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(
+        kvlb.metric("kvlb_local_responses_total", &["401"]),
+        Some(2.0)
+    );
+    assert_eq!(
+        a.stats().requests,
+        2,
+        "refused requests must not reach the replica (1 accepted + this /stats request)"
+    );
+}
+
+#[test]
+fn concurrency_limits_queue_then_refuse_with_429() {
+    let a = Backend::start();
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--max-in-flight",
+        "1",
+        "--queue-size",
+        "1",
+        "--queue-timeout",
+        "5s",
+        "--health-interval",
+        "0",
+    ]);
+    let listen = kvlb.listen;
+    let spawn = |path: &'static str| {
+        std::thread::spawn(move || {
+            let mut c = HttpConn::connect(listen);
+            let t = std::time::Instant::now();
+            let r = c.request("GET", path, &[], b"").expect("answer");
+            (r, t.elapsed())
+        })
+    };
+    let first = spawn("/slow?ms=600");
+    std::thread::sleep(Duration::from_millis(150));
+    // Waits in the queue for the slow one to finish, then goes.
+    let second = spawn("/echo?queued");
+    std::thread::sleep(Duration::from_millis(150));
+    assert!(
+        wait_until(Duration::from_secs(2), || kvlb
+            .metric("kvlb_queue_waiting", &[])
+            == Some(1.0)),
+        "second request not queued"
+    );
+    // The queue (1) is full: refused at once.
+    let mut c = HttpConn::connect(kvlb.listen);
+    let r = c.request("GET", "/echo?third", &[], b"").unwrap();
+    assert_eq!(r.status, 429, "{}", r.describe());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(r.is_json_error());
+    let (r1, _) = first.join().unwrap();
+    assert_eq!(r1.status, 200, "{}", r1.describe());
+    let (r2, waited) = second.join().unwrap();
+    assert_eq!(r2.status, 200, "{}", r2.describe());
+    assert!(
+        waited >= Duration::from_millis(300),
+        "the queued request did not wait: {waited:?}"
+    );
+    // The refused connection still serves.
+    let r = c.request("GET", "/echo?after", &[], b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.describe());
+    drop(kvlb);
+
+    // A short queue timeout: 429 after waiting.
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--max-in-flight",
+        "1",
+        "--queue-timeout",
+        "300ms",
+        "--health-interval",
+        "0",
+    ]);
+    let listen = kvlb.listen;
+    let slow = std::thread::spawn(move || {
+        HttpConn::connect(listen).request("GET", "/slow?ms=1500", &[], b"")
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    let r = HttpConn::connect(kvlb.listen)
+        .request("GET", "/echo", &[], b"")
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", r.describe());
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(slow.join().unwrap().unwrap().status, 200);
+}

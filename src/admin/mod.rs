@@ -295,6 +295,14 @@ fn get(path: &str, shared: &Shared) -> Reply {
             let draining = shared.draining.load(Relaxed) as u8;
             text.push_str("# HELP kvlb_draining 1 while kvlb drains after SIGTERM.\n# TYPE kvlb_draining gauge\n");
             text.push_str(&format!("kvlb_draining {draining}\n"));
+            text.push_str("# HELP kvlb_queue_waiting Requests waiting for a replica below its concurrency limit.\n# TYPE kvlb_queue_waiting gauge\n");
+            text.push_str(&format!(
+                "kvlb_queue_waiting {}\n",
+                shared.queued.load(Relaxed)
+            ));
+            let queued: u64 = shared.workers.iter().map(|w| w.queued.load(Relaxed)).sum();
+            text.push_str("# HELP kvlb_queued_total Requests that waited in the queue.\n# TYPE kvlb_queued_total counter\n");
+            text.push_str(&format!("kvlb_queued_total {queued}\n"));
             let now = shared.now_ms();
             text.push_str("# HELP kvlb_replica_up 1 while the replica takes new requests (active, not ejected, passing health checks).\n# TYPE kvlb_replica_up gauge\n");
             for (i, url) in urls.iter().enumerate() {

@@ -29,10 +29,13 @@ pub enum HttpError {
     RequestTimeout,
     NoReplica,
     Overloaded,
+    Unauthorized,
+    QueueFull,
+    QueueTimeout,
 }
 
 impl HttpError {
-    pub const ALL: [HttpError; 19] = [
+    pub const ALL: [HttpError; 22] = [
         HttpError::MalformedRequestLine,
         HttpError::InvalidTarget,
         HttpError::BadVersion,
@@ -52,6 +55,9 @@ impl HttpError {
         HttpError::RequestTimeout,
         HttpError::NoReplica,
         HttpError::Overloaded,
+        HttpError::Unauthorized,
+        HttpError::QueueFull,
+        HttpError::QueueTimeout,
     ];
 
     /// Status code, reason phrase, OpenAI error type and message.
@@ -172,11 +178,38 @@ impl HttpError {
                 "service_unavailable",
                 "kvlb is at its connection limit",
             ),
+            Unauthorized => (
+                401,
+                "Unauthorized",
+                "invalid_request_error",
+                "missing or invalid API key: send Authorization: Bearer <key>",
+            ),
+            QueueFull => (
+                429,
+                "Too Many Requests",
+                "rate_limit_error",
+                "every replica is at its concurrency limit and the wait queue is full; retry later",
+            ),
+            QueueTimeout => (
+                429,
+                "Too Many Requests",
+                "rate_limit_error",
+                "every replica stayed at its concurrency limit for the queue timeout; retry later",
+            ),
         }
     }
 
     pub fn status(self) -> u16 {
         self.parts().0
+    }
+
+    /// Whether the connection stays open after this error (the request was well-formed and
+    /// read whole; only refused).
+    pub fn keeps_connection(self) -> bool {
+        matches!(
+            self,
+            HttpError::Unauthorized | HttpError::QueueFull | HttpError::QueueTimeout
+        )
     }
 
     /// The complete response (head and JSON body), built once per process. Error responses
@@ -188,7 +221,18 @@ impl HttpError {
                 .iter()
                 .map(|e| {
                     let (status, reason, kind, msg) = e.parts();
-                    render_error(status, reason, kind, msg, None, true)
+                    // Refusals of a well-formed request keep the connection; anything else
+                    // closes it (after a framing error the byte stream cannot be trusted).
+                    let mut r =
+                        render_error(status, reason, kind, msg, None, !e.keeps_connection());
+                    let extra: &[u8] = match e {
+                        HttpError::Unauthorized => b"www-authenticate: Bearer\r\n",
+                        HttpError::QueueFull | HttpError::QueueTimeout => b"retry-after: 1\r\n",
+                        _ => b"",
+                    };
+                    let at = r.windows(2).position(|w| w == b"\r\n").map_or(0, |p| p + 2);
+                    r.splice(at..at, extra.iter().copied());
+                    r
                 })
                 .collect()
         });

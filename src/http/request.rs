@@ -47,6 +47,9 @@ pub struct RequestHead {
     pub expect_continue: bool,
     /// The client sent a Host header (HTTP/1.0 clients may not; the caller adds one).
     pub has_host: bool,
+    /// Byte range of the credentials of `Authorization: Bearer <credentials>` (empty when
+    /// absent or another scheme).
+    pub bearer: (usize, usize),
 }
 
 fn method_of(m: &str) -> Method {
@@ -188,6 +191,7 @@ pub fn parse_request(
     let mut conn_close = false;
     let mut conn_keep_alive = false;
     let mut expect_continue = false;
+    let mut bearer: &[u8] = &[];
     // Names listed in Connection are hop-by-hop too (up to 16 of them).
     let mut conn_named: [&[u8]; 16] = [&[]; 16];
     let mut n_named = 0;
@@ -211,6 +215,11 @@ pub fn parse_request(
             }
         } else if name.eq_ignore_ascii_case("host") {
             host_count += 1;
+        } else if name.eq_ignore_ascii_case("authorization") {
+            let v = trim_ows(h.value);
+            if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
+                bearer = trim_ows(&v[7..]);
+            }
         } else if name.eq_ignore_ascii_case("connection") {
             for t in h.value.split(|b| *b == b',') {
                 let t = trim_ows(t);
@@ -315,7 +324,13 @@ pub fn parse_request(
     }
 
     let target_start = path.as_ptr() as usize - buf.as_ptr() as usize;
+    let bearer_start = if bearer.is_empty() {
+        0
+    } else {
+        bearer.as_ptr() as usize - buf.as_ptr() as usize
+    };
     Ok(RequestHead {
+        bearer: (bearer_start, bearer_start + bearer.len()),
         head_len,
         method,
         target: (target_start, target_start + path.len()),

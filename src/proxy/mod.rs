@@ -205,6 +205,18 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         let body_len = body_end - head.head_len;
         w.stats().requests.fetch_add(1, Relaxed);
 
+        // Client API keys, when configured.
+        if !cfg.api_keys.is_empty()
+            && !cfg
+                .api_keys
+                .accepts(&conn.cbuf[head.bearer.0..head.bearer.1])
+        {
+            match refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await {
+                true => continue,
+                false => return End::Close,
+            }
+        }
+
         w.refresh();
         // Hash the prompt's prefix blocks once (no allocation: the worker's buffers are reused).
         let parsed = {
@@ -235,14 +247,21 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             if attempts > 0 {
                 rebuild_upstream_head(conn, head_end);
             }
-            let Some((routed, explain_len)) =
-                route(w, conn, &head, body_end, parsed, &tried[..attempts])
-            else {
-                match last_failure.take() {
-                    None => return send_local_error(w, conn, HttpError::NoReplica).await,
-                    Some((r, f)) => break Forwarded::Failed(r, f, false),
-                }
-            };
+            let (routed, explain_len) =
+                match route(w, conn, &head, body_end, parsed, &tried[..attempts]) {
+                    Route::To(r, e) => (r, e),
+                    Route::AllBusy => match wait_for_capacity(w, &tried[..attempts]).await {
+                        Ok(()) => continue,
+                        Err(e) => match refuse_request(w, conn, e, &head, req_end).await {
+                            true => break Forwarded::Refused,
+                            false => return End::Close,
+                        },
+                    },
+                    Route::NoneLeft => match last_failure.take() {
+                        None => return send_local_error(w, conn, HttpError::NoReplica).await,
+                        Some((r, f)) => break Forwarded::Failed(r, f, false),
+                    },
+                };
             conn.explain_len = explain_len;
             // The host header falls back to the replica's authority (HTTP/1.0 clients).
             if !head.has_host {
@@ -267,19 +286,15 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         };
         let outcome = match outcome {
             Forwarded::Failed(r, f, _) => fail(w, conn, r, f).await,
+            // Answered (429) and the request bytes dropped already.
+            Forwarded::Refused => continue,
             other => other,
         };
         w.stats()
             .allocations
             .store(crate::alloc::thread_allocations(), Relaxed);
 
-        // Keep pipelined bytes for the next round.
-        let len = conn.cbuf.len();
-        conn.cbuf.copy_within(req_end..len, 0);
-        conn.cbuf.truncate(len - req_end);
-        if conn.cbuf.capacity() > 1 << 20 && conn.cbuf.len() < 16 * 1024 {
-            conn.cbuf.shrink_to(16 * 1024);
-        }
+        consume_request(conn, req_end);
         match outcome {
             Forwarded::KeepAlive if head.keep_alive && !w.draining.get() => continue,
             _ => return End::Close,
@@ -290,6 +305,66 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
 /// Most replicas one request is tried on (the first and its retries).
 const MAX_ATTEMPTS: usize = 8;
 
+/// Drop the request that ends at `req_end` from cbuf, keeping pipelined bytes for the next.
+fn consume_request(conn: &mut Conn, req_end: usize) {
+    let len = conn.cbuf.len();
+    conn.cbuf.copy_within(req_end..len, 0);
+    conn.cbuf.truncate(len - req_end);
+    if conn.cbuf.capacity() > 1 << 20 && conn.cbuf.len() < 16 * 1024 {
+        conn.cbuf.shrink_to(16 * 1024);
+    }
+}
+
+/// Answer a well-formed request with a refusal (401, 429) and drop it; returns whether the
+/// connection carries on.
+async fn refuse_request(
+    w: &Worker,
+    conn: &mut Conn,
+    e: HttpError,
+    head: &RequestHead,
+    req_end: usize,
+) -> bool {
+    w.stats().local_error(e.status());
+    let sent = op::send_static(conn.fd, e.response()).await.is_ok();
+    consume_request(conn, req_end);
+    sent && head.keep_alive && e.keeps_connection() && !w.draining.get()
+}
+
+/// Wait, in the bounded queue, until some replica not in `tried` is below its concurrency
+/// limit. Err: the 429 to answer (queue full, or waited `queue_timeout`).
+async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(), HttpError> {
+    let cfg = w.shared.cfg();
+    let queued = &w.shared.queued;
+    if queued.fetch_add(1, Relaxed) >= cfg.queue_size as u64 {
+        queued.fetch_sub(1, Relaxed);
+        return Err(HttpError::QueueFull);
+    }
+    w.stats().queued.fetch_add(1, Relaxed);
+    let deadline = Instant::now() + cfg.queue_timeout;
+    let mut pause = Duration::from_millis(1);
+    let result = loop {
+        op::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(8));
+        if w.fill_candidates(tried).0 > 0 {
+            break Ok(());
+        }
+        if Instant::now() >= deadline || w.draining.get() {
+            break Err(HttpError::QueueTimeout);
+        }
+    };
+    queued.fetch_sub(1, Relaxed);
+    result
+}
+
+enum Route {
+    /// Send it there (its concurrency slot taken), with the explain line's length.
+    To(Routed, usize),
+    /// Every replica left is at its concurrency limit.
+    AllBusy,
+    /// No replica left to try.
+    NoneLeft,
+}
+
 /// Choose a replica for the request (not one of `tried`) and account for the decision.
 /// Returns None when no replica is left to try.
 fn route(
@@ -299,10 +374,12 @@ fn route(
     body_end: usize,
     parsed: bool,
     tried: &[usize],
-) -> Option<(Routed, usize)> {
+) -> Route {
     let cfg = w.shared.cfg();
-    if w.fill_candidates(tried) == 0 {
-        return None;
+    match w.fill_candidates(tried) {
+        (0, 0) => return Route::NoneLeft,
+        (0, _) => return Route::AllBusy,
+        _ => {}
     }
     let body_len = body_end - head.head_len;
     let path = &conn.cbuf[head.target.0..head.target.1];
@@ -338,7 +415,20 @@ fn route(
     let slot = w.shared.fleet.slot(replica);
     let epoch = slot.epoch.load(Relaxed);
     // The slot was emptied since the candidates were read: nothing to send there.
-    let spec = slot.spec()?;
+    let Some(spec) = slot.spec() else {
+        return Route::NoneLeft;
+    };
+    // Take a concurrency slot there; another worker may have taken the last one since the
+    // candidates were read.
+    let cap = match slot.max_in_flight.load(Relaxed) {
+        0 => cfg.max_in_flight,
+        c => c,
+    };
+    let in_flight = &w.shared.loads[replica].in_flight;
+    if in_flight.fetch_add(1, Relaxed) >= cap && cap > 0 {
+        in_flight.fetch_sub(1, Relaxed);
+        return Route::AllBusy;
+    }
     // What the replica will compute: the prompt less what is resident there.
     let matched = decision.map(|d| d.matched_tokens).unwrap_or(0);
     let prefill_tokens = prompt_tokens.saturating_sub(matched) as u64;
@@ -360,7 +450,7 @@ fn route(
             explain_len = write_decision(&mut conn.explain, &d, prompt_tokens);
         }
     }
-    Some((
+    Route::To(
         Routed {
             replica,
             epoch,
@@ -369,7 +459,7 @@ fn route(
             estimate_s: decision.map(|d| d.ttft_s).unwrap_or(0.0),
         },
         explain_len,
-    ))
+    )
 }
 
 /// Write the upstream request head into obuf again (a retry: the previous attempt's buffer
@@ -466,6 +556,8 @@ enum Forwarded {
     /// Nothing reached the client: the replica failed this way. The flag says whether another
     /// replica may be tried (a connect failure or an immediate 503).
     Failed(usize, UpstreamFailure, bool),
+    /// Refused with 429 while queued; answered, the connection carries on.
+    Refused,
 }
 
 /// Counts a request in flight at a replica and on the worker until dropped: first as queued
@@ -482,8 +574,8 @@ struct InFlight<'a> {
 impl<'a> InFlight<'a> {
     fn new(w: &'a Worker, routed: &Routed, received_at: Instant) -> InFlight<'a> {
         let (replica, prefill_tokens) = (routed.replica, routed.prefill_tokens);
+        // `route` took the replica's in-flight slot already.
         let load = &w.shared.loads[replica];
-        load.in_flight.fetch_add(1, Relaxed);
         load.queued_prefill_tokens
             .fetch_add(prefill_tokens, Relaxed);
         w.stats().in_flight.fetch_add(1, Relaxed);

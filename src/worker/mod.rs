@@ -31,6 +31,8 @@ pub struct Shared {
     pub loads: Vec<ReplicaLoad>,
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
+    /// Requests waiting, across workers, for a replica below its concurrency limit.
+    pub queued: std::sync::atomic::AtomicU64,
     pub epoch: Instant,
     /// What each replica reports of itself (metrics, KV events); see `crate::telemetry`.
     pub telemetry: Vec<crate::telemetry::ReplicaTelemetry>,
@@ -58,6 +60,7 @@ impl Shared {
             loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
             workers,
             draining: AtomicBool::new(false),
+            queued: std::sync::atomic::AtomicU64::new(0),
             epoch: Instant::now(),
             telemetry: (0..n)
                 .map(|_| crate::telemetry::ReplicaTelemetry::default())
@@ -208,9 +211,20 @@ impl Worker {
     /// one in slow start is considered by a growing share of requests. If that leaves none,
     /// every active replica not tried is a candidate (better a likely failure than a certain
     /// one).
-    pub fn fill_candidates(&self, tried: &[usize]) -> usize {
+    /// Replicas at their concurrency limit are left out and counted: returns (candidates,
+    /// replicas left out for being at their limit).
+    pub fn fill_candidates(&self, tried: &[usize]) -> (usize, usize) {
         let now = self.shared.now_ms();
-        let slow_start_ms = self.shared.cfg().health.slow_start.as_millis() as u64;
+        let cfg = self.shared.cfg();
+        let slow_start_ms = cfg.health.slow_start.as_millis() as u64;
+        let mut capped = 0;
+        let at_cap = |i: usize, slot: &crate::fleet::ReplicaSlot| {
+            let cap = match slot.max_in_flight.load(Relaxed) {
+                0 => cfg.max_in_flight,
+                c => c,
+            };
+            cap > 0 && self.shared.loads[i].in_flight.load(Relaxed) >= cap
+        };
         let mut c = self.candidates.borrow_mut();
         c.clear();
         let candidate = |i: usize| {
@@ -226,6 +240,10 @@ impl Worker {
             if !slot.available(now) || tried.contains(&i) {
                 continue;
             }
+            if at_cap(i, slot) {
+                capped += 1;
+                continue;
+            }
             let ramp = slot.ramp(now, slow_start_ms);
             if ramp < 1.0 {
                 let u = (self.rng.borrow_mut().next_u64() >> 11) as f64 / (1u64 << 53) as f64;
@@ -235,14 +253,18 @@ impl Worker {
             }
             c.push(candidate(i));
         }
-        if c.is_empty() {
+        if c.is_empty() && capped == 0 {
             for (i, slot) in self.shared.fleet.slots() {
                 if slot.state() == crate::fleet::ACTIVE && !tried.contains(&i) {
-                    c.push(candidate(i));
+                    if at_cap(i, slot) {
+                        capped += 1;
+                    } else {
+                        c.push(candidate(i));
+                    }
                 }
             }
         }
-        c.len()
+        (c.len(), capped)
     }
 }
 
