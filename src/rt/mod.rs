@@ -13,6 +13,7 @@
 
 pub mod op;
 pub mod select;
+pub mod splice;
 
 use io_uring::{opcode, squeue, IoUring};
 use std::any::Any;
