@@ -281,9 +281,57 @@ impl Sockmap {
     }
 }
 
-const HUP: u32 = (libc::POLLHUP | libc::POLLERR) as u32;
+const HUP: u32 = libc::POLLHUP as u32;
 const RDHUP: u32 = libc::POLLRDHUP as u32;
 const ERR: u32 = libc::POLLERR as u32;
+
+/// Whether a socket was reset or closed under kvlb (TCP_CLOSE or a pending error).
+fn failed(fd: RawFd) -> bool {
+    let mut err: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // Safety: getsockopt(2) writes at most `len` bytes into the c_int we own.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            &mut err as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r < 0 || err != 0 {
+        return true;
+    }
+    let mut info = [0u8; 8];
+    let mut len = info.len() as libc::socklen_t;
+    // Safety: as above, the first bytes of struct tcp_info (tcpi_state is the first).
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr() as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    const TCP_CLOSE: u8 = 7;
+    r < 0 || info[0] == TCP_CLOSE
+}
+
+/// Wait for the next event of one socket: its end of file or failure (poll bits) while it is
+/// open, only its failure (ERR) once its end of file was seen (poll would report that end
+/// again at once, so the socket is checked every 50 ms instead).
+async fn watch(fd: RawFd, eof_seen: bool) -> u32 {
+    if !eof_seen {
+        return op::poll(fd, RDHUP).await.unwrap_or(ERR);
+    }
+    loop {
+        op::sleep(Duration::from_millis(50)).await;
+        if failed(fd) {
+            return ERR;
+        }
+    }
+}
 /// How long to wait for redirected bytes to reach the peer with no progress, before passing
 /// the FIN on regardless.
 const FLUSH_STALL: Duration = Duration::from_secs(5);
@@ -338,10 +386,8 @@ pub(crate) async fn relay(
     let (mut c_eof, mut r_eof) = (false, false);
     let mut aborted = None;
     while !(c_eof && r_eof) {
-        let cmask = if c_eof { HUP } else { HUP | RDHUP };
-        let rmask = if r_eof { HUP } else { HUP | RDHUP };
-        let watch_c = pin!(op::poll(cfd, cmask));
-        let watch_r = pin!(op::poll(rfd, rmask));
+        let watch_c = pin!(watch(cfd, c_eof));
+        let watch_r = pin!(watch(rfd, r_eof));
         // Until the replica's first byte, look at the program's count now and then.
         let tick = pin!(op::sleep(if in_flight.decoding {
             Duration::from_secs(3600)
@@ -349,30 +395,24 @@ pub(crate) async fn relay(
             Duration::from_millis(20)
         }));
         match select(select(watch_c, watch_r), tick).await {
-            Either::Left(Either::Left(r)) => {
-                let bits = r.unwrap_or(HUP);
+            Either::Left(Either::Left(bits)) => {
                 // An error, or a full close before kvlb shut this socket's write half: abort.
-                if bits & ERR != 0 || (bits & libc::POLLHUP as u32 != 0 && !r_eof) {
+                if bits & ERR != 0 || (bits & HUP != 0 && !r_eof) {
                     aborted = Some(true);
                     break;
                 }
-                if bits & (RDHUP | libc::POLLHUP as u32) != 0 && !c_eof {
-                    c_eof = true;
-                    flushed(rfd, || prelude + sm.redirected(ck)).await;
-                    super::shutdown(rfd, libc::SHUT_WR);
-                }
+                c_eof = true;
+                flushed(rfd, || prelude + sm.redirected(ck)).await;
+                super::shutdown(rfd, libc::SHUT_WR);
             }
-            Either::Left(Either::Right(r)) => {
-                let bits = r.unwrap_or(HUP);
-                if bits & ERR != 0 || (bits & libc::POLLHUP as u32 != 0 && !c_eof) {
+            Either::Left(Either::Right(bits)) => {
+                if bits & ERR != 0 || (bits & HUP != 0 && !c_eof) {
                     aborted = Some(false);
                     break;
                 }
-                if bits & (RDHUP | libc::POLLHUP as u32) != 0 && !r_eof {
-                    r_eof = true;
-                    flushed(cfd, || sm.redirected(rk)).await;
-                    super::shutdown(cfd, libc::SHUT_WR);
-                }
+                r_eof = true;
+                flushed(cfd, || sm.redirected(rk)).await;
+                super::shutdown(cfd, libc::SHUT_WR);
             }
             Either::Right(()) => {}
         }
