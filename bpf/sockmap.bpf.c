@@ -39,6 +39,11 @@ int kvlb_verdict(struct __sk_buff *skb)
 	/* Not (or no longer) joined: leave the bytes to the socket's own reader. */
 	if (!p)
 		return SK_PASS;
+	/* A FIN comes as a buffer without data. Redirected, the kernel would try to send zero
+	 * bytes on the peer, take that for a broken pipe and fail the peer (EPIPE). kvlb passes
+	 * FIN on itself (shutdown), so the empty buffer is dropped here. */
+	if (skb->len == 0)
+		return SK_DROP;
 	__sync_fetch_and_add(&p->redirected_bytes, skb->len);
 	__sync_fetch_and_add(&p->redirected_skbs, 1);
 	return bpf_sk_redirect_hash(skb, &kvlb_socks, &p->peer, 0);

@@ -430,6 +430,14 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         }
     };
     rc.connects.fetch_add(1, Relaxed);
+    let forwarding = effective_forwarding(w.shared.cfg.l4_forwarding);
+    let mut buf = buf;
+    if forwarding == L4Forwarding::Sockmap {
+        // The program would see a buffer kvlb has partly read whole again (the kernel hands
+        // it over from its start): take every queued byte now, so only untouched buffers are
+        // queued when the socket enters the map. They go out with the prelude.
+        sockmap::take_queued(cfd, &mut buf);
+    }
     let prelude = buf.len();
     let (r, buf) = op::send_all(rfd, buf, 0, prelude).await;
     w.give_buf(buf);
@@ -443,14 +451,10 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
     }
     rc.bytes_to_replica.fetch_add(prelude as u64, Relaxed);
     STATS.active.fetch_add(1, Relaxed);
-    let forwarding = effective_forwarding(w.shared.cfg.l4_forwarding);
     let moved = match forwarding {
         L4Forwarding::Sockmap => {
             match sockmap::relay(w, cfd, rfd, prelude as u64, &mut in_flight).await {
-                Ok(m) => {
-                    STATS.joined[1].fetch_add(1, Relaxed);
-                    m
-                }
+                Ok(m) => m,
                 Err(()) => {
                     STATS.sockmap_join_failures.fetch_add(1, Relaxed);
                     STATS.joined[0].fetch_add(1, Relaxed);

@@ -201,6 +201,36 @@ fn set_rcvlowat(fd: RawFd, bytes: libc::c_int) -> io::Result<()> {
     }
 }
 
+/// Receive every byte queued on `fd` now (without waiting) into `buf`. Afterwards no buffer
+/// of the socket's receive queue is partly read.
+pub(crate) fn take_queued(fd: RawFd, buf: &mut Vec<u8>) {
+    loop {
+        let mut queued: libc::c_int = 0;
+        // Safety: FIONREAD writes one c_int into the variable we own.
+        if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } < 0 || queued <= 0 {
+            return;
+        }
+        let want = queued as usize;
+        buf.reserve(want);
+        let len = buf.len();
+        // Safety: recv(2) writes at most `want` bytes into the spare capacity reserved above;
+        // the length is extended by what it reports.
+        let r = unsafe {
+            libc::recv(
+                fd,
+                buf.as_mut_ptr().add(len) as *mut libc::c_void,
+                want,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if r <= 0 {
+            return;
+        }
+        // Safety: the kernel initialised `r` bytes after `len`.
+        unsafe { buf.set_len(len + r as usize) };
+    }
+}
+
 /// Bytes the socket has been given to send (by kvlb or by the program): what it transmitted
 /// once plus what waits in its queue. Exact for data: SYN and FIN are not counted.
 fn bytes_written(fd: RawFd) -> io::Result<u64> {
@@ -379,6 +409,7 @@ pub(crate) async fn relay(
         let _ = set_rcvlowat(rfd, 1);
         return Err(());
     }
+    super::STATS.joined[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // Open the gate and flush both queues through the program.
     let _ = set_rcvlowat(rfd, 1);
     let _ = set_rcvlowat(cfd, 1);
