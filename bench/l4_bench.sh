@@ -5,7 +5,7 @@
 #
 #   resp-1M, resp-64M   GET of a 1 MiB / 64 MiB response (nginx serving a file), keep-alive
 #   prompt-256K         POST of a 256 KiB chat prompt, small answer, keep-alive
-#   sse                 long token streams (kvlb replica, time-scaled: ~1 ms per token, 2000
+#   sse                 token streams (kvlb replica, time-scaled: ~0.5 ms per token, 1000
 #                       tokens per stream), 32 streams at once
 #
 # Each proxy runs alone on core PROXY_CORE (0), the backends and wrk on LOAD_CORE (1). For each
@@ -119,7 +119,7 @@ http {
 EOF
 start "$LOAD_CORE" "$TMP/nginx.log" nginx -p "$TMP" -c "$TMP/nginx.conf"
 start "$LOAD_CORE" "$TMP/replica.log" "$KVLB" replica --listen "127.0.0.1:$REPLICA_PORT" \
-    --time-scale 8 --max-num-seqs 1024
+    --time-scale 16 --max-num-seqs 1024
 wait_http "http://127.0.0.1:$NGINX_PORT/1m.bin"
 for _ in $(seq 100); do grep -q 'kvlb replica: ready' "$TMP/replica.log" && break; sleep 0.1; done
 
@@ -200,7 +200,7 @@ printf '%s\n' "$done_fn" >"$TMP/get.lua"
 {
     echo 'wrk.method = "POST"'
     echo 'wrk.headers["Content-Type"] = "application/json"'
-    echo 'wrk.body = "{\"model\":\"Qwen/Qwen3-8B\",\"messages\":[{\"role\":\"user\",\"content\":\"Stream a long answer.\"}],\"max_tokens\":2000,\"ignore_eos\":true,\"stream\":true}"'
+    echo 'wrk.body = "{\"model\":\"Qwen/Qwen3-8B\",\"messages\":[{\"role\":\"user\",\"content\":\"Stream a long answer.\"}],\"max_tokens\":1000,\"ignore_eos\":true,\"stream\":true}"'
     printf '%s\n' "$done_fn"
 } >"$TMP/sse.lua"
 

@@ -1,7 +1,8 @@
 //! The splice relay of a joined L4 connection: two pumps, client -> replica and replica ->
-//! client, each moving bytes socket -> pipe -> socket with io_uring splice, so they never
-//! enter user space. Pipes come from a per-worker pool (one pair per connection, returned
-//! empty when the connection ends cleanly).
+//! client, each moving bulk bytes socket -> pipe -> socket with io_uring splice, so they never
+//! enter user space, and small reads (requests, answers, stream events) through a pooled
+//! buffer, where a copy is cheaper than the kernel worker hop of a splice. Pipes come from a
+//! per-worker pool (one pair per connection, returned empty when the connection ends cleanly).
 //!
 //! End of file on one side shuts down the other side's write half and the other direction
 //! keeps going (half-close); an error on either side shuts both sockets down, which also wakes
@@ -99,12 +100,52 @@ enum Fault {
 
 const READABLE: u32 = (libc::POLLIN | libc::POLLRDHUP) as u32;
 
-/// Move bytes from `from` to `to` through `pipe` until end of file on `from` (Ok) or a failure.
-async fn pump(from: RawFd, to: RawFd, pipe: &Pipe, moved: &Cell<u64>) -> Result<(), Fault> {
+/// Reads up to this size are copied through a user buffer rather than spliced: a splice runs
+/// on a kernel worker thread (io_uring cannot poll it), and for a small read that hop costs
+/// more than the copy (measured with bench/l4_bench.sh: SSE events, small answers).
+pub const COPY_BELOW: usize = 16 * 1024;
+
+/// Move bytes from `from` to `to` until end of file on `from` (Ok) or a failure. Small reads
+/// are copied through `buf` (io_uring recv and send, which complete in place); once a read
+/// fills `buf` the direction is carrying bulk and switches to splice through `pipe`, and back
+/// to copying when a splice brings less than `COPY_BELOW`.
+async fn pump(
+    from: RawFd,
+    to: RawFd,
+    pipe: &Pipe,
+    buf: &mut Vec<u8>,
+    moved: &Cell<u64>,
+) -> Result<(), Fault> {
+    let mut bulk = false;
     // After a splice that filled the pipe more bytes are likely waiting: splice again at once;
     // otherwise wait for readability first so an idle direction holds no kernel worker.
     let mut hot = false;
     loop {
+        if !bulk {
+            buf.clear();
+            if buf.capacity() < COPY_BELOW {
+                buf.reserve(COPY_BELOW);
+            }
+            let (r, b) = op::recv(from, std::mem::take(buf), None).await;
+            *buf = b;
+            let n = match r {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {
+                    continue
+                }
+                Err(_) => return Err(Fault::Source),
+            };
+            let (r, b) = op::send_all(to, std::mem::take(buf), 0, n).await;
+            *buf = b;
+            if r.is_err() {
+                return Err(Fault::Destination);
+            }
+            moved.set(moved.get() + n as u64);
+            bulk = n == buf.capacity();
+            hot = bulk;
+            continue;
+        }
         if !hot && op::poll(from, READABLE).await.is_err() {
             return Err(Fault::Source);
         }
@@ -130,13 +171,14 @@ async fn pump(from: RawFd, to: RawFd, pipe: &Pipe, moved: &Cell<u64>) -> Result<
             }
         }
         hot = n == pipe.capacity;
+        bulk = n >= COPY_BELOW;
     }
 }
 
 /// Relay between client `cfd` and replica `rfd` until both directions ended or one failed.
 /// The caller closes both sockets afterwards.
 pub(crate) async fn relay(
-    _w: &Worker,
+    w: &Worker,
     cfd: RawFd,
     rfd: RawFd,
     in_flight: &mut InFlight<'_>,
@@ -155,12 +197,14 @@ pub(crate) async fn relay(
             };
         }
     };
+    let mut up_buf = w.take_buf();
+    let mut down_buf = w.take_buf();
     let up_moved = Cell::new(0u64);
     let down_moved = Cell::new(0u64);
     let mut failure: Option<(bool, Fault)> = None;
     {
-        let mut up = pin!(pump(cfd, rfd, &up_pipe, &up_moved));
-        let mut down = pin!(pump(rfd, cfd, &down_pipe, &down_moved));
+        let mut up = pin!(pump(cfd, rfd, &up_pipe, &mut up_buf, &up_moved));
+        let mut down = pin!(pump(rfd, cfd, &down_pipe, &mut down_buf, &down_moved));
         let (mut up_done, mut down_done) = (false, false);
         std::future::poll_fn(|cx| {
             if !up_done {
@@ -205,6 +249,8 @@ pub(crate) async fn relay(
             shutdown(rfd, libc::SHUT_RDWR);
         }
     }
+    w.give_buf(up_buf);
+    w.give_buf(down_buf);
     let clean = failure.is_none();
     give_pipe(up_pipe, clean);
     give_pipe(down_pipe, clean);
