@@ -209,7 +209,7 @@ field() { sed -n "s/.* $2=\([0-9.]*\).*/\1/p" <<<"$1"; }
 say "kvlb L4 forwarding benchmark, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 say "kvlb commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
     git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
-say "machine: $(uname -r), $(nproc) cores; proxy on core $PROXY_CORE, backends and wrk on core $LOAD_CORE; ${DURATION}s per run"
+say "machine: $(uname -r), $(nproc) cores, load average $(cut -d" " -f1-3 /proc/loadavg); proxy on core $PROXY_CORE, backends and wrk on core $LOAD_CORE; ${DURATION}s per run"
 say "versions: $(haproxy -v 2>&1 | head -n 1 | sed 's/ - .*//'), $(nginx -v 2>&1 | sed 's/.*: //'), $(wrk -v 2>&1 | head -n 1 | cut -d' ' -f1-2)"
 say "CPU/GiB: busy ticks of ALL cores (user+nice+system+irq+softirq, /proc/stat) per GiB moved"
 say "         (backends and wrk included: the same for every proxy; compare differences)"
