@@ -13,6 +13,7 @@
 # GiB moved counted on ALL cores from /proc/stat (user+nice+system+irq+softirq), so kernel work
 # charged to the sending cores (loopback softirq, sockmap redirects) is included. The backends'
 # and wrk's work is in that figure too and is the same for every proxy: compare differences.
+# The proxy process's own CPU per GiB (utime+stime) is printed next to it.
 #
 # Environment: DURATION (seconds per run, 4), SHAPES ("resp-1M resp-64M prompt-256K sse"),
 # PROXIES ("kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice"), PROXY_CORE (0),
@@ -144,7 +145,7 @@ backend b
 EOF
 }
 
-declare -A PORT_OF
+declare -A PORT_OF PID_OF
 start_proxy() {
     local name=$1 port=$2 backend=$3 admin
     case $name in
@@ -170,7 +171,9 @@ for p in $PROXIES; do
     *) echo "error: unknown proxy $p" >&2; exit 2 ;; esac
     read -r a b <<<"$(ports 2)"
     start_proxy "$p" "$a" "$NGINX_PORT"
+    PID_OF[$p]=${PIDS[-1]}
     start_proxy "$p" "$b" "$REPLICA_PORT"
+    PID_OF[$p-sse]=${PIDS[-1]}
     PORT_OF[$p]=$a
     PORT_OF[$p-sse]=$b
     wait_http "http://127.0.0.1:$a/1m.bin"
@@ -212,9 +215,12 @@ say "kvlb commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
 say "machine: $(uname -r), $(nproc) cores, load average $(cut -d" " -f1-3 /proc/loadavg); proxy on core $PROXY_CORE, backends and wrk on core $LOAD_CORE; ${DURATION}s per run"
 say "versions: $(haproxy -v 2>&1 | head -n 1 | sed 's/ - .*//'), $(nginx -v 2>&1 | sed 's/.*: //'), $(wrk -v 2>&1 | head -n 1 | cut -d' ' -f1-2)"
 say "CPU/GiB: busy ticks of ALL cores (user+nice+system+irq+softirq, /proc/stat) per GiB moved"
-say "         (backends and wrk included: the same for every proxy; compare differences)"
+say "         (backends and wrk included: the same for every proxy; compare differences;"
+say "         on a shared machine other processes land in it too: see the load average)"
+say "proxy_s/GiB: the proxy process's own CPU (utime+stime, io_uring worker threads included;"
+say "         not the softirq and kworker time of sockmap redirects) per GiB moved"
 say ""
-printf '%-12s %-15s %10s %9s %10s %10s %7s\n' shape proxy MiB/s req/s p99_ms CPU_s/GiB errors | tee -a "$RESULTS"
+printf '%-12s %-15s %9s %8s %9s %10s %10s %6s\n' shape proxy MiB/s req/s p99_ms CPU_s/GiB proxy_s/GiB errors | tee -a "$RESULTS"
 
 HZ=$(getconf CLK_TCK)
 for shape in $SHAPES; do
@@ -227,14 +233,17 @@ for shape in $SHAPES; do
     esac
     for p in $PROXIES; do
         port=${PORT_OF[$p]}
-        [ "$shape" = sse ] && port=${PORT_OF[$p-sse]}
+        pid=${PID_OF[$p]}
+        [ "$shape" = sse ] && port=${PORT_OF[$p-sse]} pid=${PID_OF[$p-sse]}
         url="http://127.0.0.1:$port$path"
         # Short warm-up (connections joined, pipes pooled), then the measured run.
         taskset -c "$LOAD_CORE" wrk -t1 -c"$conns" -d1s -s "$TMP/$script" "$url" >/dev/null 2>&1 || true
         read -r b0 t0 <<<"$(all_cores)"
+        pt0=$(taskset -c "$LOAD_CORE" "$PYTHON" bench/lib/procstat.py ticks "$pid")
         out=$(taskset -c "$LOAD_CORE" wrk -t1 -c"$conns" -d"${DURATION}s" --timeout 10s --latency \
             -s "$TMP/$script" "$url" 2>&1 || true)
         read -r b1 t1 <<<"$(all_cores)"
+        pt1=$(taskset -c "$LOAD_CORE" "$PYTHON" bench/lib/procstat.py ticks "$pid")
         line=$(grep '^BENCH ' <<<"$out" || true)
         if [ -z "$line" ]; then
             printf '%-12s %-15s %s\n' "$shape" "$p" "FAILED: $(tail -n 3 <<<"$out" | tr '\n' ' ')" | tee -a "$RESULTS"
@@ -246,12 +255,12 @@ for shape in $SHAPES; do
         # Bytes through the proxy: responses read, plus the prompts sent upstream.
         [ "$shape" = prompt-256K ] && bytes=$((bytes + req * 262144))
         awk -v s="$shape" -v p="$p" -v req="$req" -v dur="$dur" -v bytes="$bytes" \
-            -v p99="$(field "$line" p99_us)" -v busy=$((b1 - b0)) -v hz="$HZ" \
+            -v p99="$(field "$line" p99_us)" -v busy=$((b1 - b0)) -v hz="$HZ" -v own=$((pt1 - pt0)) \
             -v err="$(field "$line" errors)" 'BEGIN {
                 gib = bytes / 1073741824
-                printf "%-12s %-15s %10.0f %9.0f %10.1f %10.2f %7d\n", s, p,
+                printf "%-12s %-15s %9.0f %8.0f %9.1f %10.2f %10.2f %6d\n", s, p,
                     bytes / 1048576 / (dur / 1e6), req / (dur / 1e6), p99 / 1000,
-                    (gib > 0) ? busy / hz / gib : 0, err
+                    (gib > 0) ? busy / hz / gib : 0, (gib > 0) ? own / hz / gib : 0, err
             }' | tee -a "$RESULTS"
     done
 done
