@@ -466,3 +466,77 @@ fn l4_routes_prompts_like_l7_and_answers_errors() {
     let resp = conn.request("GET", "/echo", &[], b"").unwrap();
     assert_eq!(resp.status, 502, "{}", resp.describe());
 }
+
+#[test]
+fn file_listeners_mix_l7_and_l4() {
+    let backend = Backend::start();
+    let dir = support::TempDir::new("l4-config");
+    let file = dir.file("kvlb.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "listen = [\"127.0.0.1:0\"]\nworkers = 1\nl4_forwarding = \"splice\"\n\
+             [[listener]]\naddress = \"127.0.0.1:0\"\nmode = \"l4\"\n\
+             [[replica]]\nurl = \"{}\"\n",
+            backend.url()
+        ),
+    )
+    .unwrap();
+    let path = file.to_string_lossy().to_string();
+    let kvlb = Kvlb::serve_raw(&["--config", &path, "--admin", "127.0.0.1:0"]);
+    assert_eq!(kvlb.listeners.len(), 2, "{}", kvlb.stderr());
+    // The L7 listener rewrites the answer (x-kvlb-replica); the L4 one passes it as it came.
+    let l7 = support::client::get(kvlb.listeners[0], "/echo");
+    assert!(l7.header("x-kvlb-replica").is_some(), "{}", l7.describe());
+    let l4 = support::client::get(kvlb.listeners[1], "/echo");
+    assert_eq!(l4.status, 200, "{}", l4.describe());
+    assert!(l4.header("x-kvlb-replica").is_none(), "{}", l4.describe());
+    assert!(l4.header("server").is_some(), "{}", l4.describe());
+    wait_idle(&kvlb, "after the two requests");
+    assert_eq!(metric(&kvlb, "kvlb_l4_connections_total", &["splice"]), 1.0);
+}
+
+#[test]
+fn drain_closes_waiting_l4_connections_and_waits_for_joined_ones() {
+    let backend = Backend::start();
+    let mut kvlb = Kvlb::serve(&[
+        "--mode",
+        "l4",
+        "--workers",
+        "1",
+        "--drain-timeout",
+        "2s",
+        "--replica",
+        &backend.url(),
+    ]);
+    let mut joined = HttpConn::connect(kvlb.listen);
+    let resp = joined.request("GET", "/echo", &[], b"").unwrap();
+    assert_eq!(resp.status, 200);
+    let mut waiting = HttpConn::connect(kvlb.listen);
+    std::thread::sleep(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    kvlb.terminate();
+    // A connection that has not sent its first request is closed at once.
+    let (_, closed) = waiting.read_for(Duration::from_secs(1));
+    assert!(
+        closed,
+        "the waiting connection stayed open during the drain"
+    );
+    // A joined connection keeps working until the drain deadline.
+    let resp = joined.request("GET", "/echo", &[], b"").unwrap();
+    assert_eq!(
+        resp.status, 200,
+        "the joined connection stopped during the drain"
+    );
+    let status = kvlb.wait_exit(Duration::from_secs(10));
+    assert!(
+        matches!(status, Some(s) if s.success()),
+        "kvlb did not exit 0 after the drain: {status:?}\n{}",
+        kvlb.stderr()
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(8),
+        "drain took {took:?} with a joined connection and a 2 s drain timeout"
+    );
+}
