@@ -408,23 +408,10 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         Err(e) => {
             w.mark_down(replica, DOWN_AFTER_CONNECT_FAILURE_MS);
             rc.bad_gateway.fetch_add(1, Relaxed);
-            let mut out = Vec::new();
-            let msg = format!("cannot connect to replica {url}: {e}");
-            write_error(
-                &mut out,
-                502,
-                "Bad Gateway",
-                "upstream_error",
-                &msg,
-                Some(url),
-                true,
-            );
-            let n = out.len();
-            let _ = op::send_all(cfd, out, 0, n).await;
+            bad_gateway(cfd, url, &format!("cannot connect to replica {url}: {e}")).await;
             w.give_buf(buf);
             drop(in_flight);
-            // Safety: shutdown(2) of our own client socket before closing it.
-            unsafe { libc::shutdown(cfd, libc::SHUT_WR) };
+            shutdown(cfd, libc::SHUT_WR);
             op::close(cfd);
             return;
         }
@@ -443,7 +430,12 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
     w.give_buf(buf);
     if r.is_err() {
         rc.bad_gateway.fetch_add(1, Relaxed);
-        let _ = op::send_static(cfd, HttpError::NoReplica.response()).await;
+        bad_gateway(
+            cfd,
+            url,
+            &format!("replica {url} closed the connection before answering"),
+        )
+        .await;
         drop(in_flight);
         op::close(rfd);
         op::close(cfd);
@@ -481,6 +473,22 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
     drop(in_flight);
     op::close(rfd);
     op::close(cfd);
+}
+
+/// Answer the client with kvlb's OpenAI-style 502 naming the replica (nothing was relayed yet).
+async fn bad_gateway(cfd: RawFd, url: &str, msg: &str) {
+    let mut out = Vec::new();
+    write_error(
+        &mut out,
+        502,
+        "Bad Gateway",
+        "upstream_error",
+        msg,
+        Some(url),
+        true,
+    );
+    let n = out.len();
+    let _ = op::send_all(cfd, out, 0, n).await;
 }
 
 /// What a relay moved, and how it ended.
