@@ -221,13 +221,13 @@ async fn first_request(
     // The body only matters on prompt paths, where the prefix is hashed from it. A body the
     // client holds back for a 100 Continue, or sends chunked, is not waited for: the replica
     // answers the former and the request is routed by load.
-    let mut prefix = w.prefix.borrow_mut();
-    let prompt_path = head.method == Method::Post
-        && !matches!(
+    let prompt_path = head.method == Method::Post && {
+        let mut prefix = w.prefix.borrow_mut();
+        !matches!(
             crate::prefix::hash_request(&buf[path.0..path.1], b"", &w.shared.prefix, &mut prefix),
             Err(PromptError::NotAPromptPath)
-        );
-    drop(prefix);
+        )
+    };
     let mut body_end = head.head_len;
     if prompt_path && !head.expect_continue {
         if let BodyFraming::Length(n) = head.body {
