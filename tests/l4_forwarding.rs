@@ -540,3 +540,100 @@ fn drain_closes_waiting_l4_connections_and_waits_for_joined_ones() {
         "drain took {took:?} with a joined connection and a 2 s drain timeout"
     );
 }
+
+/// kvlb run as `nobody` (setpriv), killed on drop.
+struct Unprivileged {
+    child: std::process::Child,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Drop for Unprivileged {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn sockmap_without_privileges_falls_back_to_splice_with_one_line() {
+    use std::io::BufRead;
+    // Safety: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: dropping privileges to check the fallback needs root");
+        return;
+    }
+    let backend = Backend::start();
+    let url = backend.url();
+    let spawned = std::process::Command::new("setpriv")
+        .args(["--reuid", "nobody", "--regid", "nogroup", "--clear-groups"])
+        .arg(support::proxy::kvlb_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--mode",
+            "l4",
+            "--l4-forwarding",
+            "sockmap",
+            "--workers",
+            "2",
+            "--replica",
+            &url,
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = spawned else {
+        eprintln!("skipped: setpriv (util-linux) is not installed");
+        return;
+    };
+    let stderr = child.stderr.take().unwrap();
+    let kvlb = Unprivileged {
+        child,
+        log: Default::default(),
+    };
+    let log = kvlb.log.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let mut l = log.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+    });
+    let text = || kvlb.log.lock().unwrap().clone();
+    assert!(
+        wait_until(Duration::from_secs(20), || text().contains("kvlb: ready")
+            && text().contains("sockmap forwarding")),
+        "kvlb as nobody did not start:\n{}",
+        text()
+    );
+    let listen: std::net::SocketAddr = text()
+        .lines()
+        .find_map(|l| l.strip_prefix("kvlb: listening on "))
+        .and_then(|a| a.trim().parse().ok())
+        .expect("listening line");
+    for i in 0..4 {
+        let mut conn = HttpConn::connect(listen);
+        let resp = conn.request("POST", "/echo", &[], b"fallback").unwrap();
+        assert_eq!(resp.body, b"fallback", "request {i}");
+    }
+    let log = text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("sockmap forwarding unavailable"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "expected one clear line about the fallback, got:\n{log}"
+    );
+    assert!(
+        lines[0].contains("L4 connections use splice") && lines[0].contains("not permitted"),
+        "{}",
+        lines[0]
+    );
+}

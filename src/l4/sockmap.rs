@@ -93,11 +93,27 @@ pub fn get() -> Option<&'static Sockmap> {
         .as_ref()
 }
 
+/// An error with its causes, for the one log line (aya keeps the errno in the source chain).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let s = c.to_string();
+        if !out.contains(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        cause = c.source();
+    }
+    out
+}
+
 fn load() -> Result<Sockmap, String> {
     if OBJECT.is_empty() {
         return Err("the BPF program was not built: clang was missing at build time".into());
     }
-    let mut bpf = Ebpf::load(OBJECT).map_err(|e| format!("cannot load the BPF object: {e}"))?;
+    let mut bpf =
+        Ebpf::load(OBJECT).map_err(|e| format!("cannot load the BPF object: {}", chain(&e)))?;
     let socks: SockHash<MapData, SockKey> = bpf
         .take_map("kvlb_socks")
         .ok_or("the BPF object has no kvlb_socks map")?
@@ -114,14 +130,14 @@ fn load() -> Result<Sockmap, String> {
         .try_into()
         .map_err(|e| format!("kvlb_verdict: {e}"))?;
     prog.load()
-        .map_err(|e| format!("cannot load the stream verdict program: {e}"))?;
+        .map_err(|e| format!("cannot load the stream verdict program: {}", chain(&e)))?;
     let program_id = prog.info().map(|i| i.id()).unwrap_or(0);
     let map_fd = socks
         .fd()
         .try_clone()
         .map_err(|e| format!("cannot duplicate the map descriptor: {e}"))?;
     prog.attach(&map_fd)
-        .map_err(|e| format!("cannot attach the stream verdict program: {e}"))?;
+        .map_err(|e| format!("cannot attach the stream verdict program: {}", chain(&e)))?;
     Ok(Sockmap {
         maps: Mutex::new(Maps {
             socks,
