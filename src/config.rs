@@ -42,6 +42,56 @@ impl PolicyName {
     }
 }
 
+/// How a listener treats its connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerMode {
+    /// HTTP/1.1 proxying: every request is routed on its own (see `crate::proxy`).
+    L7,
+    /// The first request is routed, then client and replica sockets are joined for the
+    /// connection's life (see `crate::l4`).
+    L4,
+}
+
+impl ListenerMode {
+    pub fn parse(key: &str, v: &str) -> Result<ListenerMode, ConfigError> {
+        match v {
+            "l7" | "L7" => Ok(ListenerMode::L7),
+            "l4" | "L4" => Ok(ListenerMode::L4),
+            _ => Err(bad(
+                key,
+                v,
+                "expected l7 (HTTP proxying) or l4 (joined sockets)",
+            )),
+        }
+    }
+}
+
+/// How an L4 connection's bytes move between client and replica once joined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L4Forwarding {
+    /// io_uring splice through a per-worker pipe pool.
+    Splice,
+    /// A BPF sockmap stream verdict program redirects bytes inside the kernel.
+    Sockmap,
+}
+
+impl L4Forwarding {
+    pub fn parse(key: &str, v: &str) -> Result<L4Forwarding, ConfigError> {
+        match v {
+            "splice" => Ok(L4Forwarding::Splice),
+            "sockmap" => Ok(L4Forwarding::Sockmap),
+            _ => Err(bad(key, v, "expected splice or sockmap")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            L4Forwarding::Splice => "splice",
+            L4Forwarding::Sockmap => "sockmap",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaConfig {
     /// The URL as configured (echoed in `x-kvlb-replica`).
@@ -246,6 +296,10 @@ impl Default for HealthConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServeConfig {
     pub listen: Vec<SocketAddr>,
+    /// The mode of each address in `listen` (same order); missing entries are L7.
+    pub listen_modes: Vec<ListenerMode>,
+    /// How L4 listeners forward once a connection is joined.
+    pub l4_forwarding: L4Forwarding,
     pub replicas: Vec<ReplicaConfig>,
     pub policy: PolicyName,
     pub workers: usize,
@@ -558,10 +612,22 @@ pub fn parse_size(key: &str, v: &str) -> Result<usize, ConfigError> {
     n.checked_mul(mul).filter(|n| *n > 0).ok_or_else(err)
 }
 
+impl ServeConfig {
+    /// The mode of listener `i` (the index into `listen`).
+    pub fn listener_mode(&self, i: usize) -> ListenerMode {
+        self.listen_modes
+            .get(i)
+            .copied()
+            .unwrap_or(ListenerMode::L7)
+    }
+}
+
 impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
             listen: Vec::new(),
+            listen_modes: Vec::new(),
+            l4_forwarding: L4Forwarding::Splice,
             replicas: Vec::new(),
             policy: PolicyName::CacheAware,
             workers: std::thread::available_parallelism()
@@ -601,6 +667,9 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
 
   --config FILE            TOML configuration (flags override it)
   --listen ADDR            client listener, repeatable (e.g. 0.0.0.0:8080)
+  --mode l7|l4             mode of the --listen addresses: l7 proxies each request (default);
+                           l4 routes a connection's first request, then joins the sockets
+  --l4-forwarding splice|sockmap   how l4 connections forward (default splice)
   --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
   --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
   --replica URL,kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]
@@ -690,6 +759,8 @@ const FILE_KEYS: &[&str] = &[
     "max_in_flight",
     "queue_size",
     "queue_timeout",
+    "listener",
+    "l4_forwarding",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -843,6 +914,7 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
             }
             cfg.admin_token = Some(v.to_string())
         }
+        "l4_forwarding" => cfg.l4_forwarding = L4Forwarding::parse(key, v)?,
         "explain" => {
             cfg.explain = match v {
                 "true" | "1" | "yes" | "on" => true,
@@ -902,6 +974,9 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
     let table: toml::Table = text
         .parse()
         .map_err(|e: toml::de::Error| ConfigError(format!("not valid TOML: {}", e.message())))?;
+    // `listen = [...]` (L7) and `[[listener]]` tables together replace the listeners.
+    let mut file_l7: Option<Vec<SocketAddr>> = None;
+    let mut file_listeners: Option<Vec<(SocketAddr, ListenerMode)>> = None;
     for (key, value) in &table {
         if !FILE_KEYS.contains(&key.as_str()) {
             return Err(ConfigError(format!(
@@ -922,13 +997,14 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                         ))
                     }
                 };
-                cfg.listen.clear();
+                let mut addrs = Vec::new();
                 for v in list {
                     let s = v.as_str().ok_or_else(|| {
                         bad("listen", &v.to_string(), "expected a string HOST:PORT")
                     })?;
-                    cfg.listen.push(parse_addr("listen", s)?);
+                    addrs.push(parse_addr("listen", s)?);
                 }
+                file_l7 = Some(addrs);
             }
             "api_keys" => {
                 let list = value
@@ -964,6 +1040,7 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                     cfg.dns_servers = out;
                 }
             }
+            "listener" => file_listeners = Some(parse_listener_tables(value)?),
             "replica" => {
                 let arr = value.as_array().ok_or_else(|| {
                     bad("replica", &value.to_string(), "expected [[replica]] tables")
@@ -1053,7 +1130,65 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
             }
         }
     }
+    if file_l7.is_some() || file_listeners.is_some() {
+        cfg.listen.clear();
+        cfg.listen_modes.clear();
+        for a in file_l7.unwrap_or_default() {
+            cfg.listen.push(a);
+            cfg.listen_modes.push(ListenerMode::L7);
+        }
+        for (a, m) in file_listeners.unwrap_or_default() {
+            cfg.listen.push(a);
+            cfg.listen_modes.push(m);
+        }
+    }
     Ok(())
+}
+
+/// `[[listener]]` tables: `address = "HOST:PORT"`, `mode = "l7" | "l4"` (default l7).
+fn parse_listener_tables(
+    value: &toml::Value,
+) -> Result<Vec<(SocketAddr, ListenerMode)>, ConfigError> {
+    let arr = value.as_array().ok_or_else(|| {
+        bad(
+            "listener",
+            &value.to_string(),
+            "expected [[listener]] tables with address = \"HOST:PORT\"",
+        )
+    })?;
+    let mut out = Vec::new();
+    for (i, l) in arr.iter().enumerate() {
+        let t = l.as_table().ok_or_else(|| {
+            bad(
+                &format!("listener[{i}]"),
+                &l.to_string(),
+                "expected a table with address = \"HOST:PORT\"",
+            )
+        })?;
+        for k in t.keys() {
+            if k != "address" && k != "mode" {
+                return Err(ConfigError(format!(
+                    "unknown key \"listener[{i}].{k}\" (known keys: address, mode)"
+                )));
+            }
+        }
+        let key = format!("listener[{i}].address");
+        let addr = match t.get("address") {
+            Some(toml::Value::String(s)) => parse_addr(&key, s)?,
+            Some(other) => {
+                return Err(bad(&key, &other.to_string(), "expected a string HOST:PORT"))
+            }
+            None => return Err(ConfigError(format!("{key} is missing"))),
+        };
+        let key = format!("listener[{i}].mode");
+        let mode = match t.get("mode") {
+            Some(toml::Value::String(s)) => ListenerMode::parse(&key, s)?,
+            Some(other) => return Err(bad(&key, &other.to_string(), "expected \"l7\" or \"l4\"")),
+            None => ListenerMode::L7,
+        };
+        out.push((addr, mode));
+    }
+    Ok(out)
 }
 
 /// What the command line asked for: Err(None) means --help was printed.
@@ -1074,6 +1209,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         i += 1;
     }
     let mut listen_flag = Vec::new();
+    let mut mode_flag: Option<ListenerMode> = None;
     let mut replica_flag = Vec::new();
     let mut dns_flag = Vec::new();
     let mut dns_server_flag = Vec::new();
@@ -1107,6 +1243,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         match name {
             "--config" => {}
             "--listen" => listen_flag.push(parse_addr("--listen", &value).map_err(Some)?),
+            "--mode" => mode_flag = Some(ListenerMode::parse("--mode", &value).map_err(Some)?),
             "--replica" => {
                 replica_flag.push(parse_replica_flag("--replica", &value).map_err(Some)?)
             }
@@ -1126,6 +1263,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
                     || key == "api_keys"
                     || key == "replica_dns"
                     || key == "dns_servers"
+                    || key == "listener"
                     || key == "cost_model"
                 {
                     return Err(Some(ConfigError(format!(
@@ -1136,6 +1274,16 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
                     .map_err(|e| Some(ConfigError(e.0.replacen(&key, name, 1))))?;
             }
         }
+    }
+    if let Some(mode) = mode_flag {
+        if listen_flag.is_empty() {
+            return Err(Some(ConfigError(
+                "--mode applies to the --listen addresses on the command line; give --listen ADDR too (or mode = \"l4\" in a [[listener]] table)".into(),
+            )));
+        }
+        cfg.listen_modes = vec![mode; listen_flag.len()];
+    } else if !listen_flag.is_empty() {
+        cfg.listen_modes = vec![ListenerMode::L7; listen_flag.len()];
     }
     if !listen_flag.is_empty() {
         cfg.listen = listen_flag;
@@ -1314,6 +1462,80 @@ mod tests {
         apply_toml(&mut c, include_str!("../systemd/kvlb.toml")).unwrap();
         assert_eq!(c.replicas.len(), 2);
         assert_eq!(c.listen.len(), 1);
+    }
+
+    #[test]
+    fn listener_modes() {
+        let c = from_args(&args(
+            "--listen 127.0.0.1:0 --listen 127.0.0.1:1 --mode l4 --l4-forwarding sockmap",
+        ))
+        .unwrap();
+        assert_eq!(c.listen_modes, vec![ListenerMode::L4, ListenerMode::L4]);
+        assert_eq!(c.l4_forwarding, L4Forwarding::Sockmap);
+        let c = from_args(&args("--listen 127.0.0.1:0")).unwrap();
+        assert_eq!(c.listener_mode(0), ListenerMode::L7);
+        assert_eq!(c.l4_forwarding, L4Forwarding::Splice);
+        let e = from_args(&args("--listen 127.0.0.1:0 --mode l5"))
+            .unwrap_err()
+            .unwrap();
+        assert!(e.0.contains("--mode") && e.0.contains("l5"), "{e}");
+        let e = from_args(&args("--listen 127.0.0.1:0 --l4-forwarding zerocopy"))
+            .unwrap_err()
+            .unwrap();
+        assert!(
+            e.0.contains("--l4-forwarding") && e.0.contains("zerocopy"),
+            "{e}"
+        );
+        assert!(from_args(&args("--mode l4")).is_err());
+
+        let mut c = ServeConfig::default();
+        apply_toml(
+            &mut c,
+            "listen = [\"127.0.0.1:8000\"]\nl4_forwarding = \"sockmap\"\n[[listener]]\naddress = \"127.0.0.1:8001\"\nmode = \"l4\"\n[[listener]]\naddress = \"127.0.0.1:8002\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.listen.len(), 3);
+        assert_eq!(
+            c.listen_modes,
+            vec![ListenerMode::L7, ListenerMode::L4, ListenerMode::L7]
+        );
+        assert_eq!(c.listen[1], "127.0.0.1:8001".parse().unwrap());
+        assert_eq!(c.l4_forwarding, L4Forwarding::Sockmap);
+        let e = apply_toml(
+            &mut c,
+            "[[listener]]\naddress = \"127.0.0.1:1\"\nmode = \"l3\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.0.contains("listener[0].mode") && e.0.contains("l3"),
+            "{e}"
+        );
+        let e = apply_toml(&mut c, "l4_forwarding = \"dma\"").unwrap_err();
+        assert!(e.0.contains("l4_forwarding") && e.0.contains("dma"), "{e}");
+        let e = apply_toml(&mut c, "[[listener]]\nmode = \"l4\"\n").unwrap_err();
+        assert!(e.0.contains("listener[0].address"), "{e}");
+        let e = apply_toml(
+            &mut c,
+            "[[listener]]\naddress = \"127.0.0.1:1\"\nport = 3\n",
+        )
+        .unwrap_err();
+        assert!(e.0.contains("listener[0].port"), "{e}");
+        // Flags replace the file's listeners, with their own mode.
+        let dir = std::env::temp_dir().join(format!("kvlb-cfg-modes-{}", std::process::id()));
+        std::fs::write(
+            &dir,
+            "[[listener]]\naddress = \"127.0.0.1:8001\"\nmode = \"l4\"\n",
+        )
+        .unwrap();
+        let c = from_args(&args(&format!("--config {}", dir.display()))).unwrap();
+        assert_eq!(c.listener_mode(0), ListenerMode::L4);
+        let c = from_args(&args(&format!(
+            "--config {} --listen 127.0.0.1:0",
+            dir.display()
+        )))
+        .unwrap();
+        assert_eq!(c.listener_mode(0), ListenerMode::L7);
+        let _ = std::fs::remove_file(&dir);
     }
 
     #[test]

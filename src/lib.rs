@@ -15,6 +15,7 @@ pub mod estimate;
 pub mod fleet;
 pub mod http;
 pub mod kv_events;
+pub mod l4;
 pub mod lru;
 pub mod metrics;
 pub mod prefix;

@@ -504,5 +504,6 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         "From the request fully received to the response fully sent.",
         &total,
     );
+    crate::l4::render_metrics(&mut out);
     out
 }

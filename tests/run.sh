@@ -31,6 +31,7 @@ trap 'rm -rf "$logdir"' EXIT
 phase "system packages"
 # clang, llvm, libbpf-dev and bpftool join this list with the BPF programs of the L4 mode.
 kvlb_ensure_packages nginx haproxy wrk curl iproute2
+kvlb_ensure_packages clang llvm linux-libc-dev bpftool
 
 # --- 2. Python venv ----------------------------------------------------------------------
 phase "python venv"

@@ -17,6 +17,7 @@
 mod deadline;
 pub mod op;
 pub mod select;
+pub mod splice;
 
 use io_uring::{opcode, squeue, IoUring};
 use std::any::Any;

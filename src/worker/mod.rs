@@ -353,8 +353,13 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
     let fds = listeners.clone();
     rt.block_on(async move {
         let listeners = fds;
-        for &l in &listeners {
-            rt::spawn(accept_loop(w.clone(), l));
+        for (i, &l) in listeners.iter().enumerate() {
+            let l4 = w.shared.cfg().listener_mode(i) == crate::config::ListenerMode::L4;
+            if l4 {
+                // Load the sockmap program (or say why not) before the first connection.
+                crate::l4::effective_forwarding(w.shared.cfg().l4_forwarding);
+            }
+            rt::spawn(accept_loop(w.clone(), l, l4));
         }
         // Wait for the shutdown signal.
         let _ = op::read_eventfd(wake_fd).await;
@@ -391,7 +396,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
     }
 }
 
-async fn accept_loop(w: Rc<Worker>, listener: RawFd) {
+async fn accept_loop(w: Rc<Worker>, listener: RawFd, l4: bool) {
     let mut addr = op::AddrBuf::new();
     loop {
         let (res, a) = op::accept(listener, addr).await;
@@ -410,7 +415,11 @@ async fn accept_loop(w: Rc<Worker>, listener: RawFd) {
                 }
                 op::set_nodelay(fd);
                 let peer = addr.to_socket_addr();
-                rt::spawn(proxy::serve_connection(w.clone(), fd, peer));
+                if l4 {
+                    rt::spawn(crate::l4::serve_connection(w.clone(), fd, peer));
+                } else {
+                    rt::spawn(proxy::serve_connection(w.clone(), fd, peer));
+                }
             }
             Err(e) => {
                 if w.draining.get() {
