@@ -12,6 +12,7 @@ pub mod engine;
 pub mod estimate;
 pub mod http;
 pub mod kv_events;
+pub mod limits;
 pub mod lru;
 pub mod metrics;
 pub mod prefix;
