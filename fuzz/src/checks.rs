@@ -138,7 +138,8 @@ fn decode_in_steps(input: &[u8], step: usize) -> (Option<ChunkError>, Vec<u8>, b
                 }
                 assert_eq!(n, piece.len(), "stopped early without ending the message");
             }
-            Err(e) => return (Some(e), data, false, used),
+            // Where in the input the error was is not reported: only that there was one.
+            Err(e) => return (Some(e), data, false, 0),
         }
     }
     (None, data, false, used)
