@@ -471,23 +471,32 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
     out
 }
 
-/// The process's own resources, under the names Prometheus client libraries use: open
+/// The process's own resources, named as Prometheus client libraries do (kvlb_ prefixed): open
 /// descriptors against the limit, resident memory, threads. An operator watches these for
 /// leaks; the soak test reads them too.
 fn process(out: &mut String) {
     if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
-        family(out, "process_open_fds", "gauge", "Open file descriptors.");
+        family(
+            out,
+            "kvlb_process_open_fds",
+            "gauge",
+            "Open file descriptors.",
+        );
         // The directory handle itself is one of them.
-        let _ = writeln!(out, "process_open_fds {}", dir.count().saturating_sub(1));
+        let _ = writeln!(
+            out,
+            "kvlb_process_open_fds {}",
+            dir.count().saturating_sub(1)
+        );
     }
     if let Ok((soft, _)) = crate::limits::nofile_limit() {
         family(
             out,
-            "process_max_fds",
+            "kvlb_process_max_fds",
             "gauge",
             "The open file descriptor limit (soft).",
         );
-        let _ = writeln!(out, "process_max_fds {soft}");
+        let _ = writeln!(out, "kvlb_process_max_fds {soft}");
     }
     if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
         let field = |name: &str| -> Option<u64> {
@@ -497,20 +506,20 @@ fn process(out: &mut String) {
         if let Some(kib) = field("VmRSS:") {
             family(
                 out,
-                "process_resident_memory_bytes",
+                "kvlb_process_resident_memory_bytes",
                 "gauge",
                 "Resident memory size in bytes.",
             );
-            let _ = writeln!(out, "process_resident_memory_bytes {}", kib * 1024);
+            let _ = writeln!(out, "kvlb_process_resident_memory_bytes {}", kib * 1024);
         }
         if let Some(n) = field("Threads:") {
             family(
                 out,
-                "process_threads",
+                "kvlb_process_threads",
                 "gauge",
                 "OS threads in the process.",
             );
-            let _ = writeln!(out, "process_threads {n}");
+            let _ = writeln!(out, "kvlb_process_threads {n}");
         }
     }
 }

@@ -715,9 +715,9 @@ fn both_reuseport_workers_accept_and_report_their_counts() {
         metric_sum(&snapshot, "kvlb_worker_connections", &[]),
         Some(n as f64)
     );
-    assert!(metric_sum(&snapshot, "process_open_fds", &[]).unwrap_or(0.0) >= n as f64);
-    assert!(metric_sum(&snapshot, "process_resident_memory_bytes", &[]).unwrap_or(0.0) > 0.0);
-    assert!(metric_sum(&snapshot, "process_max_fds", &[]).unwrap_or(0.0) > 0.0);
+    assert!(metric_sum(&snapshot, "kvlb_process_open_fds", &[]).unwrap_or(0.0) >= n as f64);
+    assert!(metric_sum(&snapshot, "kvlb_process_resident_memory_bytes", &[]).unwrap_or(0.0) > 0.0);
+    assert!(metric_sum(&snapshot, "kvlb_process_max_fds", &[]).unwrap_or(0.0) > 0.0);
     for c in conns.iter_mut() {
         assert_eq!(c.read_response("GET").unwrap().status, 200);
     }
