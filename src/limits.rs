@@ -15,6 +15,8 @@ pub fn nofile_limit() -> io::Result<(u64, u64)> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return Err(io::Error::last_os_error());
     }
+    // rlim_t is u64 on 64-bit Linux, u32 on some 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
     Ok((lim.rlim_cur as u64, lim.rlim_max as u64))
 }
 

@@ -291,9 +291,9 @@ fn slowloris_clients_get_408_at_the_client_timeout_without_starving_others() {
                 msg.extend_from_slice(b"\r\n");
                 (&s).write_all(&msg).unwrap();
                 sent = msg.len();
-                msg.extend(std::iter::repeat(b'x').take(4000));
+                msg.extend(std::iter::repeat_n(b'x', 4000));
             } else {
-                msg.extend(std::iter::repeat(b'y').take(4000));
+                msg.extend(std::iter::repeat_n(b'y', 4000));
             }
             s.set_nonblocking(true).unwrap();
             (s, msg, sent, None)
@@ -438,14 +438,14 @@ fn load_client(addr: SocketAddr, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tall
                 }
             },
         };
-        let stream = i % 4 == 0;
+        let stream = i.is_multiple_of(4);
         let body = completion_body(id * 1_000_000 + i, stream, if stream { 6 } else { 3 });
         tally.sent.fetch_add(1, Relaxed);
         let outcome = c
             .send_request("POST", "/v1/completions", &[], body.as_bytes())
             .and_then(|_| c.read_response("POST"));
         tally.record(&outcome);
-        let keep = matches!(&outcome, Ok(r) if !r.says_close()) && i % 20 != 0;
+        let keep = matches!(&outcome, Ok(r) if !r.says_close()) && !i.is_multiple_of(20);
         if !keep {
             conn = None;
         }

@@ -189,7 +189,7 @@ pub fn chunked(data: &[u8]) {
     let mut at = 0;
     while at < data.len() {
         let size = ((pick.next() % 40) as usize + 1).min(data.len() - at);
-        let hex = if pick.next() % 2 == 0 {
+        let hex = if pick.next().is_multiple_of(2) {
             format!("{size:x}")
         } else {
             format!("{size:X}")
@@ -197,7 +197,7 @@ pub fn chunked(data: &[u8]) {
         let zeros = (pick.next() % 3) as usize;
         wire.extend_from_slice("0".repeat(zeros).as_bytes());
         wire.extend_from_slice(hex.as_bytes());
-        if pick.next() % 4 == 0 {
+        if pick.next().is_multiple_of(4) {
             wire.extend_from_slice(b";name=\"va;lue\"");
         }
         wire.extend_from_slice(b"\r\n");
@@ -206,7 +206,7 @@ pub fn chunked(data: &[u8]) {
         at += size;
     }
     wire.extend_from_slice(b"0\r\n");
-    if pick.next() % 2 == 0 {
+    if pick.next().is_multiple_of(2) {
         wire.extend_from_slice(b"x-trailer: 1\r\n");
     }
     wire.extend_from_slice(b"\r\n");
