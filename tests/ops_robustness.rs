@@ -146,6 +146,39 @@ impl Drop for SimReplica {
     }
 }
 
+/// Makes closing `s` send a reset instead of a FIN, so the client side leaves no TIME_WAIT
+/// entry behind. The tests here open tens of thousands of client connections; their TIME_WAIT
+/// entries would hold those ephemeral ports for a minute against any later test that binds a
+/// listener to a port of the ephemeral range.
+fn reset_on_close(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // Safety: setsockopt(2) on an open socket with a valid linger struct and its size.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+/// A client connection that leaves no TIME_WAIT behind (see [`reset_on_close`]).
+fn try_connect(addr: SocketAddr) -> std::io::Result<HttpConn> {
+    let c = HttpConn::try_connect(addr)?;
+    reset_on_close(c.stream());
+    Ok(c)
+}
+
+fn connect(addr: SocketAddr) -> HttpConn {
+    try_connect(addr).unwrap_or_else(|e| panic!("connect to {addr} failed: {e}"))
+}
+
 fn metric(kvlb: &Kvlb, name: &str, labels: &[&str]) -> f64 {
     let text = kvlb.admin_get("/metrics").body_text();
     metric_sum(&text, name, labels).unwrap_or_else(|| panic!("/metrics lacks {name} {labels:?}"))
@@ -193,7 +226,7 @@ fn ten_thousand_keep_alive_connections_are_held_while_others_are_served() {
         let wave = (n - held.len()).min(500);
         let mut batch: Vec<HttpConn> = (0..wave)
             .map(|_| {
-                let mut c = HttpConn::connect(kvlb.listen);
+                let mut c = connect(kvlb.listen);
                 c.send_request("GET", "/health", &[], b"").expect("send");
                 c
             })
@@ -225,7 +258,7 @@ fn ten_thousand_keep_alive_connections_are_held_while_others_are_served() {
     let mut worst = Duration::ZERO;
     for i in 0..200 {
         let t = Instant::now();
-        let mut c = HttpConn::connect(kvlb.listen);
+        let mut c = connect(kvlb.listen);
         for _ in 0..2 {
             let body = completion_body(i, false, 2);
             let resp = c
@@ -284,6 +317,7 @@ fn slowloris_clients_get_408_at_the_client_timeout_without_starving_others() {
     let mut slow: Vec<(TcpStream, Vec<u8>, usize, Option<Duration>)> = (0..n_slow)
         .map(|i| {
             let s = TcpStream::connect(kvlb.listen).expect("connect");
+            reset_on_close(&s);
             s.set_nodelay(true).unwrap();
             let mut msg = b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 4000\r\n".to_vec();
             let mut sent = 0;
@@ -332,7 +366,7 @@ fn slowloris_clients_get_408_at_the_client_timeout_without_starving_others() {
     let mut served = 0;
     while t0.elapsed() < Duration::from_secs(4) {
         let t = Instant::now();
-        let mut c = HttpConn::connect(kvlb.listen);
+        let mut c = connect(kvlb.listen);
         let resp = c
             .request("POST", "/echo", &[], b"hello")
             .unwrap_or_else(|e| panic!("normal client: {e}\n{}", kvlb.stderr()));
@@ -427,7 +461,7 @@ fn load_client(addr: SocketAddr, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tall
         i += 1;
         let c = match conn.as_mut() {
             Some(c) => c,
-            None => match HttpConn::try_connect(addr) {
+            None => match try_connect(addr) {
                 Ok(mut c) => {
                     c.set_read_timeout(Duration::from_secs(20));
                     conn.insert(c)
@@ -508,7 +542,7 @@ fn every_request_is_accounted_for_while_replicas_are_killed_and_restarted() {
     let after = Tally::default();
     std::thread::sleep(Duration::from_millis(1200)); // past the one-second skip of a refusing replica
     for i in 0..60 {
-        let mut c = HttpConn::connect(kvlb.listen);
+        let mut c = connect(kvlb.listen);
         after.sent.fetch_add(1, Relaxed);
         let body = completion_body(i, i % 3 == 0, 3);
         let outcome = c.request("POST", "/v1/completions", &[], body.as_bytes());
@@ -543,7 +577,7 @@ fn soak_client(addr: SocketAddr, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tall
         match (id + i) % 5 {
             0 | 1 => {
                 // Keep-alive burst.
-                let Ok(mut c) = HttpConn::try_connect(addr) else {
+                let Ok(mut c) = try_connect(addr) else {
                     continue;
                 };
                 for j in 0..10 {
@@ -558,7 +592,7 @@ fn soak_client(addr: SocketAddr, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tall
             }
             2 => {
                 // One-shot with Connection: close.
-                let Ok(mut c) = HttpConn::try_connect(addr) else {
+                let Ok(mut c) = try_connect(addr) else {
                     continue;
                 };
                 tally.sent.fetch_add(1, Relaxed);
@@ -573,7 +607,7 @@ fn soak_client(addr: SocketAddr, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tall
             }
             3 => {
                 // A stream the client leaves after its head.
-                let Ok(mut c) = HttpConn::try_connect(addr) else {
+                let Ok(mut c) = try_connect(addr) else {
                     continue;
                 };
                 let body = completion_body(i, true, 200);
@@ -582,7 +616,7 @@ fn soak_client(addr: SocketAddr, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tall
             }
             _ => {
                 // Malformed: Content-Length with Transfer-Encoding gets a 400.
-                let Ok(mut c) = HttpConn::try_connect(addr) else {
+                let Ok(mut c) = try_connect(addr) else {
                     continue;
                 };
                 let _ = c.send(
@@ -682,7 +716,7 @@ fn both_reuseport_workers_accept_and_report_their_counts() {
     let kvlb = Kvlb::serve(&["--replica", &url, "--workers", "2"]);
     // 40 requests held in flight on 40 connections, each from its own source port.
     let n = 40;
-    let mut conns: Vec<HttpConn> = (0..n).map(|_| HttpConn::connect(kvlb.listen)).collect();
+    let mut conns: Vec<HttpConn> = (0..n).map(|_| connect(kvlb.listen)).collect();
     for c in conns.iter_mut() {
         c.send_request("GET", "/slow?ms=1500", &[], b"").unwrap();
     }
