@@ -16,6 +16,7 @@ pub mod fleet;
 pub mod http;
 pub mod kv_events;
 pub mod l4;
+pub mod limits;
 pub mod lru;
 pub mod metrics;
 pub mod prefix;

@@ -505,5 +505,59 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         &total,
     );
     crate::l4::render_metrics(&mut out);
+    process(&mut out);
     out
+}
+
+/// The process's own resources, named as Prometheus client libraries do (kvlb_ prefixed): open
+/// descriptors against the limit, resident memory, threads. An operator watches these for
+/// leaks; the soak test reads them too.
+fn process(out: &mut String) {
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        family(
+            out,
+            "kvlb_process_open_fds",
+            "gauge",
+            "Open file descriptors.",
+        );
+        // The directory handle itself is one of them.
+        let _ = writeln!(
+            out,
+            "kvlb_process_open_fds {}",
+            dir.count().saturating_sub(1)
+        );
+    }
+    if let Ok((soft, _)) = crate::limits::nofile_limit() {
+        family(
+            out,
+            "kvlb_process_max_fds",
+            "gauge",
+            "The open file descriptor limit (soft).",
+        );
+        let _ = writeln!(out, "kvlb_process_max_fds {soft}");
+    }
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        let field = |name: &str| -> Option<u64> {
+            let line = status.lines().find(|l| l.starts_with(name))?;
+            line[name.len()..].split_whitespace().next()?.parse().ok()
+        };
+        if let Some(kib) = field("VmRSS:") {
+            family(
+                out,
+                "kvlb_process_resident_memory_bytes",
+                "gauge",
+                "Resident memory size in bytes.",
+            );
+            let _ = writeln!(out, "kvlb_process_resident_memory_bytes {}", kib * 1024);
+        }
+        if let Some(n) = field("Threads:") {
+            family(
+                out,
+                "kvlb_process_threads",
+                "gauge",
+                "OS threads in the process.",
+            );
+            let _ = writeln!(out, "kvlb_process_threads {n}");
+        }
+    }
 }

@@ -49,6 +49,7 @@ fn block_signals() -> libc::sigset_t {
 }
 
 fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
+    crate::limits::raise_nofile_limit_at_start();
     let sigset = block_signals();
     let n_workers = cfg.workers;
 

@@ -9,6 +9,8 @@
 # 3. Runs the whole Rust suite (`cargo test --release`: unit + integration; release so that
 #    timing-sensitive tests are less noisy) with KVLB_PYTHON pointing at the venv's python.
 # 4. Runs the Python tests in tests/py with pytest, when there are any.
+# 5. Builds the fuzz targets (fuzz/, libFuzzer on stable) and runs each for KVLB_FUZZ_SECONDS
+#    (default 20); each target counts as one test.
 # Ends with one summary line: `tests: N passed, N failed, N skipped`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +34,7 @@ phase "system packages"
 # clang, llvm, libbpf-dev and bpftool join this list with the BPF programs of the L4 mode.
 kvlb_ensure_packages nginx haproxy wrk curl iproute2
 kvlb_ensure_packages clang llvm linux-libc-dev bpftool
+kvlb_ensure_ops_packages
 
 # --- 2. Python venv ----------------------------------------------------------------------
 phase "python venv"
@@ -107,15 +110,26 @@ if [ -n "$py_tests" ]; then
     # Exit 5 means no tests collected: a failure here, since test files exist.
 fi
 
-passed=$((rust_passed + py_passed))
-failed=$((rust_failed + py_failed))
+# --- 5. Fuzz targets ----------------------------------------------------------------------
+phase "fuzz targets (${KVLB_FUZZ_SECONDS:-20}s each)"
+fuzz_status=0
+bash fuzz/run.sh "${KVLB_FUZZ_SECONDS:-20}" 2>&1 | tee "$logdir/fuzz.log" || fuzz_status=$?
+fuzz_passed=$(grep -c '^fuzz .*: ok' "$logdir/fuzz.log" || true)
+fuzz_failed=$(grep -c '^fuzz .*: FAILED' "$logdir/fuzz.log" || true)
+if [ "$fuzz_status" -ne 0 ] && [ "$fuzz_failed" -eq 0 ]; then
+    fuzz_failed=1
+fi
+
+passed=$((rust_passed + py_passed + fuzz_passed))
+failed=$((rust_failed + py_failed + fuzz_failed))
 skipped=$((rust_ignored + py_skipped))
 elapsed=$(($(date +%s) - started))
 echo
 echo "cargo test --release: exit $cargo_status ($rust_passed passed, $rust_failed failed," \
     "$rust_ignored ignored); python: $py_note ($py_passed passed, $py_failed failed," \
-    "$py_skipped skipped); ${elapsed}s"
-if [ "$cargo_status" -ne 0 ] || [ "$py_status" -ne 0 ]; then
+    "$py_skipped skipped); fuzz: exit $fuzz_status ($fuzz_passed passed, $fuzz_failed failed);" \
+    "${elapsed}s"
+if [ "$cargo_status" -ne 0 ] || [ "$py_status" -ne 0 ] || [ "$fuzz_status" -ne 0 ]; then
     echo "FAILED"
     echo "tests: $passed passed, $failed failed, $skipped skipped"
     exit 1

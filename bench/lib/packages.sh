@@ -77,3 +77,9 @@ kvlb_ensure_packages() {
     case " $* " in *" haproxy "*) kvlb_stop_service haproxy /run/haproxy.pid ;; esac
     return 0
 }
+
+# Tools of tests/systemd_unit.rs and fuzz/run.sh: systemd-analyze (package systemd; installing
+# it in a container does not make it PID 1), strace, and a C++ compiler for libFuzzer.
+kvlb_ensure_ops_packages() {
+    kvlb_ensure_packages systemd strace g++
+}

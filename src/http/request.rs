@@ -227,7 +227,12 @@ pub fn parse_request(
                     conn_close = true;
                 } else if t.eq_ignore_ascii_case(b"keep-alive") {
                     conn_keep_alive = true;
-                } else if !t.is_empty() && n_named < conn_named.len() {
+                } else if !t.is_empty()
+                    && !t.eq_ignore_ascii_case(b"host")
+                    && n_named < conn_named.len()
+                {
+                    // Host is end to end: a client naming it in Connection must not strip it
+                    // from the request the replica receives (which would then be invalid).
                     conn_named[n_named] = t;
                     n_named += 1;
                 }
@@ -359,6 +364,18 @@ mod tests {
         let mut out = Vec::new();
         let ip: IpAddr = "10.1.2.3".parse().unwrap();
         parse_request(raw, end, Some(ip), &mut out).map(|h| (h, String::from_utf8(out).unwrap()))
+    }
+
+    #[test]
+    fn host_named_in_connection_is_still_forwarded() {
+        // Found by fuzzing (fuzz/regressions/http_request/connection_names_host).
+        let (h, up) = parse(
+            b"GET /p HTTP/1.1\r\nHost: a\r\nConnection: close, Host, x-hop\r\nx-hop: 1\r\n\r\n",
+        )
+        .unwrap();
+        assert!(h.has_host);
+        assert!(up.contains("\r\nHost: a\r\n"), "{up}");
+        assert!(!up.contains("x-hop"), "{up}");
     }
 
     #[test]

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora in fuzz/seeds/<target>/ (committed; re-run after changing this file).
+
+Seeds are well-formed inputs of each parser from replica-interfaces.md and the unit tests:
+HTTP request heads with every framing, chunked bodies, OpenAI completions and chat bodies, and
+KV event batches in every engine variant (map and positional events, unsigned, signed and
+32-byte digest hashes, map and positional batches). Standard library only: msgpack is written
+by hand below.
+"""
+import json
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(target, name, data):
+    d = os.path.join(HERE, "seeds", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+# --- msgpack ----------------------------------------------------------------------------
+def mp(v):
+    if v is None:
+        return b"\xc0"
+    if v is True:
+        return b"\xc3"
+    if v is False:
+        return b"\xc2"
+    if isinstance(v, float):
+        return b"\xcb" + struct.pack(">d", v)
+    if isinstance(v, int):
+        if 0 <= v < 128:
+            return bytes([v])
+        if 0 <= v < 2**16:
+            return b"\xcd" + struct.pack(">H", v)
+        if 0 <= v < 2**32:
+            return b"\xce" + struct.pack(">I", v)
+        if 0 <= v < 2**64:
+            return b"\xcf" + struct.pack(">Q", v)
+        if -32 <= v < 0:
+            return struct.pack(">b", v)
+        return b"\xd3" + struct.pack(">q", v)
+    if isinstance(v, str):
+        b = v.encode()
+        if len(b) < 32:
+            return bytes([0xA0 | len(b)]) + b
+        return b"\xd9" + bytes([len(b)]) + b
+    if isinstance(v, bytes):
+        return b"\xc4" + bytes([len(v)]) + v
+    if isinstance(v, list):
+        head = bytes([0x90 | len(v)]) if len(v) < 16 else b"\xdc" + struct.pack(">H", len(v))
+        return head + b"".join(mp(x) for x in v)
+    if isinstance(v, dict):
+        head = bytes([0x80 | len(v)]) if len(v) < 16 else b"\xde" + struct.pack(">H", len(v))
+        return head + b"".join(mp(k) + mp(x) for k, x in v.items())
+    raise TypeError(v)
+
+
+TS = 1764450000.25
+tokens = list(range(1, 33))
+stored_map = {
+    "type": "BlockStored",
+    "block_hashes": [8866452693264111234, 807986237951177663],
+    "parent_block_hash": None,
+    "token_ids": tokens,
+    "block_size": 16,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "group_idx": 0,
+}
+removed_map = {"type": "BlockRemoved", "block_hashes": [807986237951177663], "medium": "GPU"}
+cleared_map = {"type": "AllBlocksCleared"}
+write("kv_events", "vllm_map_events", mp([TS, [stored_map, removed_map, cleared_map], 0]))
+write("kv_events", "batch_as_map", mp({"ts": TS, "events": [stored_map], "data_parallel_rank": 1}))
+write("kv_events", "batch_dp_rank_key", mp({"ts": TS, "events": [removed_map], "dp_rank": None}))
+sglang = dict(stored_map)
+sglang["block_hashes"] = [-8635429971592222890, 1256577331724852459]
+sglang["medium"] = "CPU_PINNED"
+write("kv_events", "sglang_signed_hashes", mp([TS, [sglang], None]))
+digest = dict(stored_map)
+digest["block_hashes"] = [bytes(range(32)), bytes(range(32, 64))]
+digest["parent_block_hash"] = bytes(range(64, 96))
+write("kv_events", "digest_hashes", mp([TS, [digest, {"type": "BlockRemoved", "block_hashes": [bytes(range(32))]}]]))
+write(
+    "kv_events",
+    "positional_events",
+    mp(
+        [
+            TS,
+            [
+                ["BlockStored", [1, 2], 7, tokens, 16, 3, "CPU", None, "extra"],
+                ["BlockStored", [5], None, tokens[:16], 16, None],
+                ["BlockRemoved", [1], "GPU"],
+                ["BlockRemoved", [2]],
+                ["AllBlocksCleared"],
+            ],
+            0,
+        ]
+    ),
+)
+write("kv_events", "unknown_event", mp([TS, [{"type": "SomethingNew", "x": [1, {"y": 2}]}], 0]))
+write("kv_events", "empty", mp([0.0, [], None]))
+
+# --- HTTP request heads -------------------------------------------------------------------
+heads = {
+    "get": b"GET / HTTP/1.1\r\nHost: a\r\n\r\n",
+    "post_cl": b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvlb\r\nContent-Type: application/json\r\nContent-Length: 12\r\nConnection: keep-alive\r\n\r\n{\"model\":1}\n",
+    "post_chunked": b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    "http10": b"GET /x?y=1 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+    "xff": b"GET /p HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 10.0.0.1\r\nX-Forwarded-For: 10.0.0.2\r\nConnection: close, x-hop\r\nx-hop: 1\r\nTE: trailers\r\nUpgrade: h2c\r\n\r\n",
+    "absolute": b"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n",
+    "absolute_uri": b"GET http://a:80/v1/models HTTP/1.1\r\nHost: a:80\r\n\r\n",
+    "cl_te": b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+    "dup_cl": b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+    "bare_lf": b"POST /v1/completions HTTP/1.1\nHost: a\nContent-Length: 2\n\n{}",
+    "obs_fold": b"GET / HTTP/1.1\r\nHost: a\r\nX: 1\r\n  2\r\n\r\n",
+    "te_list": b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+}
+for name, data in heads.items():
+    write("http_request", name, data)
+
+# --- chunked bodies -------------------------------------------------------------------------
+chunks = {
+    "simple": b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+    "ext_trailer": b"5;a=b;c=\"d\"\r\nhello\r\n0\r\nx-t: 1\r\ny: 2\r\n\r\n",
+    "bare_lf": b"3\nabc\n0\n\n",
+    "upper_hex": b"A\r\n0123456789\r\n00\r\n\r\nGET / HTTP/1.1\r\n",
+    "size_ws": b"3 ;x\r\nabc\r\n0\r\n\r\n",
+}
+for name, data in chunks.items():
+    write("chunked", name, data)
+
+# --- prompt bodies (first byte: bit 0 = chat, bits 1-3 = scratch size) --------------------
+chat = {
+    "messages": [
+        {"role": "system", "content": "You are helpful.\n\u00e9\ud83d\ude00"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio", "x": [1, 2.5e3, True, None]}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "42"},
+    ],
+    "model": "m",
+    "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}],
+    "cache_salt": "s",
+    "stream": True,
+}
+write("prompt", "chat", b"\x01" + json.dumps(chat).encode())
+write("prompt", "chat_escaped", b"\x07" + json.dumps(chat, ensure_ascii=True).encode())
+write("prompt", "chat_keys_first", b"\x0b" + b'{"model":"m","messages":[{"content":"x\\u0041\\\\","role":"user"}]}')
+write("prompt", "completions_text", b"\x00" + b'{"model":"m","prompt":"Hello \\"world\\"","max_tokens":8}')
+write("prompt", "completions_list", b"\x02" + b'{"prompt":["a","b\\n"],"model":"m"}')
+write("prompt", "completions_tokens", b"\x04" + b'{"model":"m","prompt":[1,2,3,4294967295]}')
+write("prompt", "completions_token_lists", b"\x06" + b'{"model":"m","prompt":[[1,2],[3]]}')
+write("prompt", "lone_surrogate", b"\x01" + b'{"model":"m","messages":[{"role":"user","content":"\\ud800x"}]}')
