@@ -377,11 +377,23 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
             speedup: o.speedup,
             time_scale: o.time_scale,
             wall_s,
+            cpu_s: own_cpu_s(),
         },
         &requests,
         &records,
         &per_replica,
     ))
+}
+
+/// CPU seconds (user + system) this process used so far.
+fn own_cpu_s() -> f64 {
+    // Safety: getrusage(2) fills the zeroed struct we own; RUSAGE_SELF needs nothing else.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(u.ru_utime) + secs(u.ru_stime)
 }
 
 fn progress(

@@ -76,6 +76,7 @@ pub struct RunInfo {
     pub speedup: f64,
     pub time_scale: f64,
     pub wall_s: f64,
+    pub cpu_s: f64,
 }
 
 /// One replica's share of a replay, from its own counters.
@@ -110,6 +111,8 @@ pub struct ReplaySummary {
     /// 99th percentile of how late the replayer sent requests, wall seconds (a busy load
     /// generator shows here).
     pub send_late_p99_wall_s: f64,
+    /// CPU seconds the replayer itself used (user + system).
+    pub replayer_cpu_s: f64,
     pub ttft_p50_s: Option<f64>,
     pub ttft_p90_s: Option<f64>,
     pub ttft_p99_s: Option<f64>,
@@ -198,6 +201,7 @@ pub fn summarize(
         error_samples,
         wall_s: info.wall_s,
         send_late_p99_wall_s: finite(percentile(&late, 99.0)).unwrap_or(0.0),
+        replayer_cpu_s: info.cpu_s,
         ttft_p50_s: finite(percentile(&ttfts, 50.0)),
         ttft_p90_s: finite(percentile(&ttfts, 90.0)),
         ttft_p99_s: finite(percentile(&ttfts, 99.0)),
@@ -256,7 +260,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8}  {}",
+            "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8}  {:>8.1}  {}",
             x.label,
             x.requests,
             x.errors,
@@ -268,6 +272,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
                 .map(|h| format!("{:.1}%", h * 100.0))
                 .unwrap_or_else(|| "-".into()),
             ratio(x.max_mean_load),
+            x.send_late_p99_wall_s * 1000.0,
             if per.is_empty() {
                 "-".into()
             } else {
@@ -332,6 +337,25 @@ fn describe(c: &Comparison, what: &str) -> String {
     )
 }
 
+/// Signs that a balancer did not really route: the replicas saw fewer requests than were
+/// answered, or a replica got none.
+pub fn routing_warnings(summaries: &[ReplaySummary]) -> Vec<String> {
+    let mut out = Vec::new();
+    for s in summaries.iter().filter(|s| !s.replicas.is_empty()) {
+        let seen: f64 = s.replicas.iter().map(|r| r.requests).sum();
+        if seen + 0.5 < s.ok as f64 {
+            out.push(format!(
+                "{}: the replicas counted {seen:.0} requests but {} were answered",
+                s.label, s.ok
+            ));
+        }
+        for r in s.replicas.iter().filter(|r| r.requests < 0.5) {
+            out.push(format!("{}: replica {} got no request", s.label, r.url));
+        }
+    }
+    out
+}
+
 /// The side-by-side report: (text, combined JSON).
 pub fn report(
     summaries: &[ReplaySummary],
@@ -342,6 +366,9 @@ pub fn report(
     let mut text = table(summaries);
     for (label, why) in failed {
         let _ = writeln!(text, "{label:<8}  FAILED: {why}");
+    }
+    for w in routing_warnings(summaries) {
+        let _ = writeln!(text, "WARNING: {w}");
     }
     let find = |label: &str| {
         summaries
@@ -402,6 +429,7 @@ pub fn report(
         "failed": failed_json,
         "vs_baseline": vs_baseline,
         "vs_best_peer": vs_best,
+        "warnings": routing_warnings(summaries),
     });
     Ok((text, json))
 }
@@ -550,6 +578,7 @@ mod tests {
                 speedup: 1.0,
                 time_scale: 10.0,
                 wall_s: 1.0,
+                cpu_s: 0.1,
             },
             &reqs,
             &records,
@@ -599,6 +628,10 @@ mod tests {
             "{text}"
         );
         assert_eq!(json["vs_best_peer"]["other"], "peer");
+        assert!(
+            text.contains("WARNING: kvlb: replica b got no request"),
+            "{text}"
+        );
         assert!(report(&all, &[], Some("nope"), None).is_err());
         let svg = plot("t", &all);
         assert!(svg.starts_with("<svg") && svg.contains("kvlb-round_robin"));
