@@ -27,9 +27,13 @@
 # core BALANCER_CORE (0), so a balancer's CPU use does not slow the simulated GPUs' clocks and
 # every balancer gets the same fleet. PIN=0 leaves placement to the scheduler.
 #
+# ROUNDS=N measures every balancer N times, the order reversed every other round, and keeps each
+# balancer's run with the lowest p99 TTFT (other processes on a shared machine only ever slow
+# a run down); every run's TTFT is listed under the table.
+#
 # Environment: TRACE (the Mooncake conversation trace), START (0), DURATION (75), LOAD (1),
 # TIME_SCALE (5), REPLICAS (4), MAX_OUTPUT (cap output tokens; default the trace's),
-# BALANCERS (all six), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
+# BALANCERS (all six), ROUNDS (1), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
 # use instead of building target/release/kvlb), RESULTS_NAME (e2e-peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +51,7 @@ TIME_SCALE=${TIME_SCALE:-5}
 REPLICAS=${REPLICAS:-4}
 MAX_OUTPUT=${MAX_OUTPUT:-}
 BALANCERS=${BALANCERS:-kvlb kvlb-round_robin sglang-router vllm-router-cache_aware vllm-router-kv_aware nginx}
+ROUNDS=${ROUNDS:-1}
 PIN=${PIN:-1}
 FLEET_CORE=${FLEET_CORE:-1}
 BALANCER_CORE=${BALANCER_CORE:-0}
@@ -61,12 +66,20 @@ for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE"; do
         exit 2
     fi
 done
-for v in "$REPLICAS" "$FLEET_CORE" "$BALANCER_CORE" ${MAX_OUTPUT:+"$MAX_OUTPUT"}; do
+for v in "$ROUNDS" "$REPLICAS" "$FLEET_CORE" "$BALANCER_CORE" ${MAX_OUTPUT:+"$MAX_OUTPUT"}; do
     if ! [[ $v =~ ^[0-9]+$ ]]; then
-        echo "error: REPLICAS, FLEET_CORE, BALANCER_CORE, MAX_OUTPUT must be whole numbers (got '$v')" >&2
+        echo "error: ROUNDS, REPLICAS, FLEET_CORE, BALANCER_CORE, MAX_OUTPUT must be whole numbers (got '$v')" >&2
         exit 2
     fi
 done
+if [ "$ROUNDS" -lt 1 ]; then
+    echo "error: ROUNDS must be at least 1" >&2
+    exit 2
+fi
+if [ "$(echo "$BALANCERS" | tr ' ' '\n' | grep -c .)" -ne "$(echo "$BALANCERS" | tr ' ' '\n' | grep . | sort -u | wc -l)" ]; then
+    echo "error: a balancer appears twice in BALANCERS='$BALANCERS' (use ROUNDS to repeat runs)" >&2
+    exit 2
+fi
 for b in $BALANCERS; do
     case $b in
     kvlb | kvlb-round_robin | sglang-router | vllm-router-cache_aware | vllm-router-kv_aware | nginx) ;;
@@ -212,6 +225,7 @@ SLICE=$(python3 -c "print($DURATION * $LOAD * $TIME_SCALE)")
 say "# kvlb end to end against the peers ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, $(uname -r))"
 say "trace: $(basename "$TRACE"), trace seconds $START..$(python3 -c "print($START + $SLICE)"), load x$LOAD (engine time)"
 say "fleet: $REPLICAS x kvlb replica (8B model on H100 timing, 400k KV tokens each), time scale $TIME_SCALE, KV events on"
+say "rounds: $ROUNDS (order reversed every other round; with more than one, the table shows each balancer's run with the lowest p99 TTFT)"
 say "replay: speedup $SPEEDUP wall, streaming chat, ${MAX_OUTPUT:-trace} output tokens; times below are engine seconds (wall x $TIME_SCALE)"
 if [ "$PIN" = 1 ]; then
     say "pinning: fleet on core $FLEET_CORE; each balancer and the replayer on core $BALANCER_CORE"
@@ -294,21 +308,27 @@ start_balancer() {
     fi
 }
 
-SUMMARIES=()
 FAILED=()
 NOTES=()
-for name in $BALANCERS; do
+ORDER=$BALANCERS
+REVERSED=$(echo "$BALANCERS" | tr ' ' '\n' | grep . | tac | tr '\n' ' ')
+for round in $(seq "$ROUNDS"); do
+for name in $ORDER; do
+    if grep -q "^$name\$" "$TMP/failed" 2>/dev/null; then
+        continue
+    fi
     for u in "${REPLICA_URLS[@]}"; do
         curl -fsS -o /dev/null -X POST "$u/reset_prefix_cache"
     done
     mapfile -t ports < <(python3 "$LIB/procstat.py" ports 2)
     port=${ports[0]}
     mport=${ports[1]}
-    echo "== $name: starting on 127.0.0.1:$port" >&2
+    echo "== round $round/$ROUNDS, $name: starting on 127.0.0.1:$port" >&2
     if ! start_balancer "$name" "$port" "$mport"; then
         why="did not start (log: $(tail -n 3 "$TMP/$name.log" "$TMP/nginx-error.log" 2>/dev/null | tr '\n' ' ' | cut -c1-300))"
         say "FAILED: $name $why"
         FAILED+=(--failed "$name=$why")
+        echo "$name" >>"$TMP/failed"
         stop_tree "$BALANCER_PID"
         BALANCER_PID=""
         continue
@@ -319,11 +339,10 @@ for name in $BALANCERS; do
     wall_before=$(date +%s.%N)
     replay_args=(replay --target "http://127.0.0.1:$port" --trace "$TRACE"
         --start "$START" --duration "$SLICE" --speedup "$SPEEDUP" --time-scale "$TIME_SCALE"
-        --model sim --label "$name" --json "$TMP/$name.json")
+        --model sim --label "$name" --json "$TMP/$name.r$round.json")
     [ -n "$MAX_OUTPUT" ] && replay_args+=(--max-output "$MAX_OUTPUT")
     for u in "${REPLICA_URLS[@]}"; do replay_args+=(--replica "$u"); done
     if on_core "$BALANCER_CORE" "$KVLB" "${replay_args[@]}" >"$TMP/$name.replay.txt" 2>"$TMP/$name.replay.log"; then
-        SUMMARIES+=("$TMP/$name.json")
         ticks_after=$(python3 "$LIB/procstat.py" ticks "$BALANCER_PID")
         fleet_after=$(python3 "$LIB/procstat.py" ticks "$FLEET_PID")
         wall=$(python3 -c "print($(date +%s.%N) - $wall_before)")
@@ -331,29 +350,65 @@ for name in $BALANCERS; do
 hz = $(getconf CLK_TCK)
 print('balancer CPU %.1f s, fleet CPU %.1f s, replayer CPU %.1f s, in %.1f s wall'
       % (($ticks_after - $ticks_before) / hz, ($fleet_after - $fleet_before) / hz,
-         $(python3 -c "import json; print(json.load(open('$TMP/$name.json'))['replayer_cpu_s'])"), $wall))")
-        NOTES+=("$name: $cpu; load average ${load_before} -> $(cut -d' ' -f1 /proc/loadavg)")
+         $(python3 -c "import json; print(json.load(open('$TMP/$name.r$round.json'))['replayer_cpu_s'])"), $wall))")
+        ttft=$(python3 -c "import json; s = json.load(open('$TMP/$name.r$round.json')); print('p50 %.3f p99 %.3f' % (s['ttft_p50_s'] or 0, s['ttft_p99_s'] or 0))")
+        NOTES+=("round $round, $name: TTFT $ttft; $cpu; load average ${load_before} -> $(cut -d' ' -f1 /proc/loadavg)")
     else
         why="replay failed: $(tail -n 3 "$TMP/$name.replay.log" | tr '\n' ' ' | cut -c1-300)"
         say "FAILED: $name $why"
         FAILED+=(--failed "$name=$why")
+        echo "$name" >>"$TMP/failed"
     fi
     if [ "$name" = vllm-router-kv_aware ]; then
         lookups=$(curl -fsS --max-time 5 "http://127.0.0.1:$mport/metrics" 2>/dev/null |
             grep '^vllm_router_kv_placement_lookups_total' | sed 's/vllm_router_kv_placement_lookups_total//' | tr '\n' ' ' || true)
         rejected=$(grep -c 'kv_index decode batch' "$TMP/$name.log" || true)
-        reason=$(grep -o 'kv_index decode batch: [^\x1b]*' "$TMP/$name.log" | head -n 1 | sed 's/\x1b\[[0-9;]*m//g' || true)
-        NOTES+=("vllm-router-kv_aware: KV placement lookups ${lookups:-none reported}; event batches it could not decode: $rejected${reason:+ ($reason)}")
+        reason=$(sed 's/\x1b\[[0-9;]*m//g' "$TMP/$name.log" | grep -o 'kv_index decode batch: .*' | head -n 1 || true)
+        NOTES+=("round $round, vllm-router-kv_aware: KV placement lookups ${lookups:-none reported}; event batches it could not decode: $rejected${reason:+ ($reason)}")
     fi
     stop_tree "$BALANCER_PID"
     BALANCER_PID=""
+done
+if [ "$ORDER" = "$BALANCERS" ]; then ORDER=$REVERSED; else ORDER=$BALANCERS; fi
+done
+
+# With several rounds, each balancer's run with the lowest p99 TTFT goes in the table (a busy
+# machine only ever slows a run down); every run is listed in the notes below it.
+SUMMARIES=()
+for name in $BALANCERS; do
+    best=$(python3 - "$TMP" "$name" "$ROUNDS" <<'PY'
+import json, os, sys
+tmp, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+runs = []
+for r in range(1, rounds + 1):
+    path = os.path.join(tmp, "%s.r%d.json" % (name, r))
+    if os.path.exists(path):
+        s = json.load(open(path))
+        runs.append((s["ttft_p99_s"] if s["ttft_p99_s"] is not None else float("inf"), path))
+if runs:
+    print(min(runs)[1])
+PY
+)
+    [ -n "$best" ] && SUMMARIES+=("$best")
+done
+FAILED_UNIQUE=()
+for name in $BALANCERS; do
+    if grep -q "^$name\$" "$TMP/failed" 2>/dev/null; then
+        for ((i = 0; i < ${#FAILED[@]}; i += 2)); do
+            case ${FAILED[$((i + 1))]} in "$name="*)
+                FAILED_UNIQUE+=(--failed "${FAILED[$((i + 1))]}")
+                break
+                ;;
+            esac
+        done
+    fi
 done
 
 # --- report --------------------------------------------------------------------------------
 say ""
 title="kvlb vs peers, live: $(basename "$TRACE" .jsonl), $REPLICAS replicas, load x$LOAD, time scale $TIME_SCALE"
 "$KVLB" replay report --title "$title" --kvlb kvlb --json "$RESULTS_JSON" --plot "$RESULTS_SVG" \
-    "${FAILED[@]}" "${SUMMARIES[@]}" | tee -a "$RESULTS_TXT"
+    "${FAILED_UNIQUE[@]}" "${SUMMARIES[@]}" | tee -a "$RESULTS_TXT"
 say ""
 say "(times in engine seconds; hit_rate = prompt tokens found in the replicas' prefix caches /"
 say " prompt tokens looked up, from their own /metrics; max/mean = busiest replica's prompt tokens"
