@@ -33,7 +33,8 @@
 #
 # Environment: TRACE (the Mooncake conversation trace), START (0), DURATION (75), LOAD (1),
 # TIME_SCALE (5), REPLICAS (4), MAX_OUTPUT (cap output tokens; default the trace's),
-# BALANCERS (all six), ROUNDS (1), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
+# BALANCERS (all six), ROUNDS (1), WARMUP (15: wall seconds of warm-up traffic through the fresh
+# fleet before any measurement, from trace second WARMUP_START, 3000), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
 # use instead of building target/release/kvlb), RESULTS_NAME (e2e-peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +53,9 @@ REPLICAS=${REPLICAS:-4}
 MAX_OUTPUT=${MAX_OUTPUT:-}
 BALANCERS=${BALANCERS:-kvlb kvlb-round_robin sglang-router vllm-router-cache_aware vllm-router-kv_aware nginx}
 ROUNDS=${ROUNDS:-1}
+WARMUP=${WARMUP:-15}
+WARMUP=${WARMUP%s}
+WARMUP_START=${WARMUP_START:-3000}
 PIN=${PIN:-1}
 FLEET_CORE=${FLEET_CORE:-1}
 BALANCER_CORE=${BALANCER_CORE:-0}
@@ -60,9 +64,9 @@ VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
 num_re='^[0-9]+([.][0-9]+)?$'
-for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE"; do
+for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$WARMUP_START"; do
     if ! [[ $v =~ $num_re ]]; then
-        echo "error: START, DURATION, LOAD and TIME_SCALE must be numbers (got '$v')" >&2
+        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, WARMUP_START must be numbers (got '$v')" >&2
         exit 2
     fi
 done
@@ -307,6 +311,31 @@ start_balancer() {
         return 1
     fi
 }
+
+# Warm-up: a fresh fleet's first minute is not like the others (threads, pages and pools are
+# created on demand), so WARMUP wall seconds of traffic from elsewhere in the trace go through
+# a round-robin kvlb first; the prefix caches are reset before every measured run anyway.
+if [ "$WARMUP" != 0 ]; then
+    mapfile -t ports < <(python3 "$LIB/procstat.py" ports 2)
+    warm_args=()
+    for u in "${REPLICA_URLS[@]}"; do warm_args+=(--replica "$u"); done
+    on_core "$BALANCER_CORE" "$KVLB" serve --listen "127.0.0.1:${ports[0]}" \
+        --admin "127.0.0.1:${ports[1]}" --workers 1 --cores "$BALANCER_CORE" \
+        --policy round_robin "${warm_args[@]}" >"$TMP/warmup.log" 2>&1 &
+    BALANCER_PID=$!
+    if wait_http "http://127.0.0.1:${ports[0]}/v1/models" "$BALANCER_PID" 30; then
+        on_core "$BALANCER_CORE" "$KVLB" replay --target "http://127.0.0.1:${ports[0]}" \
+            --trace "$TRACE" --start "$WARMUP_START" \
+            --duration "$(python3 -c "print($WARMUP * $LOAD * $TIME_SCALE)")" \
+            --speedup "$SPEEDUP" --time-scale "$TIME_SCALE" --model sim --quiet --label warmup \
+            >"$TMP/warmup.txt" 2>&1 || true
+        say "warm-up: $(grep -E "^warmup " "$TMP/warmup.txt" | awk '{print $2 " requests, " $3 " errors"}') in ${WARMUP} s through a round-robin kvlb (trace from $WARMUP_START s)"
+    else
+        say "warm-up: skipped, the warm-up balancer did not start"
+    fi
+    stop_tree "$BALANCER_PID"
+    BALANCER_PID=""
+fi
 
 FAILED=()
 NOTES=()
