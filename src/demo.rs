@@ -4,8 +4,10 @@
 //! requests; print time to first token and the replicas' prefix-cache hit rate per policy, side
 //! by side with round-robin measured in the same run. Nothing to configure.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use crate::replay::client::{self, http};
+use crate::replay::counters::ReplicaCounters;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -275,21 +277,9 @@ fn fleet_counters(replicas: &[SocketAddr]) -> Result<(f64, f64), String> {
     let mut q = 0.0;
     let mut h = 0.0;
     for r in replicas {
-        let (_, body) = http(*r, "GET", "/metrics", b"")?;
-        let text = String::from_utf8_lossy(&body);
-        for line in text.lines() {
-            let val = || {
-                line.rsplit(' ')
-                    .next()
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .unwrap_or(0.0)
-            };
-            if line.starts_with("vllm:prefix_cache_queries_total") {
-                q += val();
-            } else if line.starts_with("vllm:prefix_cache_hits_total") {
-                h += val();
-            }
-        }
+        let c = ReplicaCounters::fetch(*r)?;
+        q += c.prefix_queries;
+        h += c.prefix_hits;
     }
     Ok((q, h))
 }
@@ -410,47 +400,24 @@ fn progress(policy: &str, n: usize, total: usize) {
 /// One streaming chat request: (seconds to the first SSE event, replica, generated text,
 /// kvlb's decision header).
 fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, String), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_nodelay(true).ok();
-    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
-    let mut req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: kvlb\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    req.extend_from_slice(body);
-    let t0 = Instant::now();
-    s.write_all(&req).map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    let mut tmp = [0u8; 16384];
-    let mut ttft = None;
-    loop {
-        let n = s.read(&mut tmp).map_err(|e| e.to_string())?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&tmp[..n]);
-        if ttft.is_none() && buf.windows(5).any(|w| w == b"data:") {
-            ttft = Some(t0.elapsed().as_secs_f64());
-        }
+    let answer = client::stream(
+        addr,
+        "/v1/chat/completions",
+        body,
+        Duration::from_secs(120),
+        true,
+    )?;
+    let text = String::from_utf8_lossy(&answer.body);
+    if answer.status != 200 {
+        return Err(format!(
+            "{}: {text}",
+            answer.head.lines().next().unwrap_or("")
+        ));
     }
-    let text = String::from_utf8_lossy(&buf);
-    let (head, rest) = text.split_once("\r\n\r\n").ok_or("no response head")?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(format!("{}: {rest}", head.lines().next().unwrap_or("")));
-    }
-    let replica = head
-        .lines()
-        .find_map(|l| l.strip_prefix("x-kvlb-replica: "))
-        .unwrap_or("?")
-        .to_string();
-    let decision = head
-        .lines()
-        .find_map(|l| l.strip_prefix("x-kvlb-decision: "))
-        .unwrap_or("")
-        .to_string();
+    let replica = answer.header("x-kvlb-replica").unwrap_or("?").to_string();
+    let decision = answer.header("x-kvlb-decision").unwrap_or("").to_string();
     let mut content = String::new();
-    for line in rest.lines() {
+    for line in text.lines() {
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };
@@ -460,34 +427,10 @@ fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, St
             }
         }
     }
-    Ok((ttft.ok_or("no SSE event")?, replica, content, decision))
-}
-
-/// A small blocking HTTP/1.1 exchange (Connection: close).
-fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).ok();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    req.extend_from_slice(body);
-    s.write_all(&req).map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
-    let p = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no response head")?;
-    let status = String::from_utf8_lossy(&buf[9..12]).parse().unwrap_or(0);
-    let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
-    let mut body = buf[p + 4..].to_vec();
-    if head.contains("transfer-encoding: chunked") {
-        let mut out = Vec::new();
-        let mut dec = crate::http::chunked::ChunkedDecoder::new();
-        let _ = dec.feed(&body, |a, b| out.extend_from_slice(&body[a..b]));
-        body = out;
-    }
-    Ok((status, body))
+    Ok((
+        answer.ttft_s.ok_or("no SSE event")?,
+        replica,
+        content,
+        decision,
+    ))
 }

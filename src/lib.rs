@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod prefix;
 pub mod prompt;
 pub mod proxy;
+pub mod replay;
 pub mod replica;
 pub mod residency;
 pub mod rt;

@@ -8,6 +8,7 @@ commands:
   replica   run simulated GPU replicas (vLLM interfaces)
   demo      a simulated fleet, kvlb in front, traffic replayed, policies compared
   simulate  replay a request trace through simulated replicas, policies compared
+  replay    send a request trace through a balancer, live, and measure TTFT
 
 `kvlb <command> --help` lists a command's options.";
 
@@ -23,6 +24,7 @@ fn main() {
         "replica" => kvlb::replica::main(args),
         "demo" => kvlb::demo::main(args),
         "simulate" => kvlb::sim::main(args),
+        "replay" => kvlb::replay::main(args),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             0

@@ -73,6 +73,31 @@ pub fn prompt_tokens(req: &TraceRequest, out: &mut Vec<u32>) {
     }
 }
 
+/// Letters of prompt-text words: 32 of them, so a word takes 20 bits of a hash.
+const WORD_LETTERS: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+
+/// Append the prompt of `req` as text (for replaying a trace over HTTP): block id k always
+/// gives the same words, one per token, each a space and four letters, which the simulated
+/// engine's tokenizer reads as exactly one token (a piece starts at whitespace and holds up to
+/// five bytes). Equal ids give equal text, so a balancer matching characters, one matching
+/// tokens and the engine's prefix cache all see the sharing the trace describes.
+pub fn prompt_text(req: &TraceRequest, out: &mut String) {
+    let mut left = req.prompt_tokens;
+    out.reserve(5 * left as usize);
+    for &id in &req.block_ids {
+        let n = left.min(TRACE_BLOCK_TOKENS);
+        let seed = mix(id ^ 0x7465_7874);
+        for j in 0..n {
+            let h = mix(seed ^ j as u64);
+            out.push(' ');
+            for k in 0..4 {
+                out.push(WORD_LETTERS[((h >> (5 * k)) & 31) as usize] as char);
+            }
+        }
+        left -= n;
+    }
+}
+
 /// Load `spec`: a file path or `gen:shared-prefix` / `gen:agent-sessions`. Keeps the first
 /// `limit` requests (in arrival order) when given.
 pub fn load(spec: &str, limit: Option<usize>, seed: u64) -> Result<Trace, String> {
@@ -378,6 +403,36 @@ mod tests {
         assert_eq!(b.len(), 512);
         assert_eq!(a[..512], b[..], "equal ids give equal tokens");
         assert!(a.iter().all(|&x| x < FIRST_SPECIAL));
+    }
+
+    #[test]
+    fn prompt_text_is_one_token_per_word_and_shares_like_the_ids() {
+        let a = TraceRequest {
+            arrival_s: 0.0,
+            prompt_tokens: 1000,
+            output_tokens: 1,
+            block_ids: vec![0, 5],
+        };
+        let b = TraceRequest {
+            prompt_tokens: 700,
+            block_ids: vec![0, 6],
+            ..a.clone()
+        };
+        let (mut ta, mut tb) = (String::new(), String::new());
+        prompt_text(&a, &mut ta);
+        prompt_text(&b, &mut tb);
+        assert_eq!(ta.len(), 5000);
+        assert_eq!(crate::engine::tokenizer::count_tokens(&ta), 1000);
+        assert_eq!(crate::engine::tokenizer::count_tokens(&tb), 700);
+        let common = ta
+            .bytes()
+            .zip(tb.bytes())
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(
+            (2560..2570).contains(&common),
+            "first block shared: {common}"
+        );
     }
 
     #[test]

@@ -1,0 +1,525 @@
+//! `kvlb replay`: send a request trace through a balancer, live, and measure what its clients
+//! get. Every request of the trace (Mooncake JSONL, Azure CSV or a built-in generator, read by
+//! `crate::sim::trace`) leaves at its own arrival time divided by `--speedup`, as a streaming
+//! chat or completions request whose prompt is built from the trace's block ids (equal ids,
+//! equal text: the trace's prefix sharing is real shared text); per request the replayer
+//! measures the time to the first server-sent event (TTFT) and to the end of the answer.
+//! Given the replicas' URLs, it reads their own `/metrics` before and after, so requests,
+//! prompt tokens computed and the prefix-cache hit rate per replica are what the engines
+//! report. The summary is printed and written as JSON; `kvlb replay report` puts several
+//! summaries side by side (table, ratios, combined JSON, SVG plot).
+//!
+//! * `client`: the HTTP side (one connection per request, streamed answers timed);
+//! * `counters`: the replicas' `/metrics` counters;
+//! * `summary`: one replay's numbers, and the side-by-side report.
+//!
+//! Open loop: a request is sent when its time comes whether or not earlier ones are answered,
+//! each on its own thread (a few hundred in flight cost a few hundred small stacks); how late
+//! the replayer itself sent is reported, so an overloaded load generator is visible.
+
+pub mod client;
+pub mod counters;
+pub mod summary;
+
+use crate::sim::trace::{self, TraceRequest};
+use counters::ReplicaCounters;
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use summary::{ReplaySummary, RequestRecord};
+
+const HELP: &str = "usage: kvlb replay --target URL --trace FILE|gen:NAME [options]
+       kvlb replay report [--title T] [--kvlb LABEL] [--baseline LABEL] [--failed LABEL=WHY]...
+                          [--json FILE] [--plot FILE.svg] SUMMARY.json...
+
+Replays a request trace through the balancer at URL (http://HOST:PORT) in real time: each
+request leaves at its trace arrival time divided by --speedup, streams its answer, and its
+time to first token (first SSE event) and end-to-end time are measured.
+
+  --target URL          the balancer (or one replica) to send to
+  --trace SPEC          Mooncake JSONL or Azure CSV file, or gen:shared-prefix, gen:agent-sessions
+  --start S             skip requests arriving before S trace seconds (default 0)
+  --duration S          only requests arriving within S trace seconds after --start
+  --limit N             at most N requests (after --start / --duration)
+  --speedup X           divide arrival times by X (default 1)
+  --time-scale X        the replicas' --time-scale: reported times are wall seconds times X, in
+                        the simulated engine's seconds (default 1: wall seconds)
+  --api chat|completions  /v1/chat/completions (default) or /v1/completions
+  --prompt text|token-ids  prompts as text (default) or, for completions, as the token ids the
+                        replicas' tokenizer gives that text
+  --max-output N        cap each request's output tokens (default: the trace's)
+  --model NAME          the model field (default sim)
+  --replica URL         a replica behind the balancer (repeatable): its /metrics is read before
+                        and after, giving requests, prompt tokens computed and hit rate per replica
+  --label NAME          the name in the summary (default: the target URL)
+  --json FILE           write the summary as JSON (- for stdout)
+  --timeout S           per-request limit in wall seconds (default 600)
+  --seed N              generator seed (default 1)
+  --quiet               no progress lines
+
+report: reads summaries written by --json, prints them side by side with the ratios of --kvlb
+(default: the first) to --baseline (default: a label containing round_robin) and to the best
+of the others (lowest p99 TTFT), and writes the combined JSON and an SVG (TTFT CDF per
+balancer, prompt tokens computed per replica). --failed names a balancer that could not run.";
+
+/// `--api`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+/// `--prompt`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PromptForm {
+    Text,
+    TokenIds,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    pub target: String,
+    pub trace: String,
+    pub start_s: f64,
+    pub duration_s: Option<f64>,
+    pub limit: Option<usize>,
+    pub speedup: f64,
+    pub time_scale: f64,
+    pub api: Api,
+    pub prompt: PromptForm,
+    pub max_output: Option<u32>,
+    pub model: String,
+    pub replicas: Vec<String>,
+    pub label: Option<String>,
+    pub json: Option<String>,
+    pub timeout_s: f64,
+    pub seed: u64,
+    pub quiet: bool,
+}
+
+fn positive(flag: &str, v: &str) -> Result<f64, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|x| x.is_finite() && *x > 0.0)
+        .ok_or(format!("{flag} {v:?}: expected a number above 0"))
+}
+
+/// Parse `kvlb replay` flags; `Ok(None)` for `--help`.
+pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
+    let mut o = Options {
+        target: String::new(),
+        trace: String::new(),
+        start_s: 0.0,
+        duration_s: None,
+        limit: None,
+        speedup: 1.0,
+        time_scale: 1.0,
+        api: Api::Chat,
+        prompt: PromptForm::Text,
+        max_output: None,
+        model: "sim".into(),
+        replicas: Vec::new(),
+        label: None,
+        json: None,
+        timeout_s: 600.0,
+        seed: 1,
+        quiet: false,
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let flag = args[i].as_str();
+        match flag {
+            "-h" | "--help" => return Ok(None),
+            "--quiet" => {
+                o.quiet = true;
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        let v = args
+            .get(i + 1)
+            .ok_or(format!("{flag} needs a value (see kvlb replay --help)"))?;
+        let whole = |max: u64| -> Result<u64, String> {
+            v.parse::<u64>()
+                .ok()
+                .filter(|n| (1..=max).contains(n))
+                .ok_or(format!(
+                    "{flag} {v:?}: expected a whole number from 1 to {max}"
+                ))
+        };
+        match flag {
+            "--target" => {
+                client::base_addr(v).map_err(|e| format!("--target {e}"))?;
+                o.target = v.trim_end_matches('/').to_string();
+            }
+            "--trace" => o.trace = v.clone(),
+            "--start" => {
+                o.start_s = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or(format!("--start {v:?}: expected seconds, 0 or more"))?
+            }
+            "--duration" => o.duration_s = Some(positive(flag, v)?),
+            "--limit" => o.limit = Some(whole(u32::MAX as u64)? as usize),
+            "--speedup" => o.speedup = positive(flag, v)?,
+            "--time-scale" => o.time_scale = positive(flag, v)?,
+            "--api" => {
+                o.api = match v.as_str() {
+                    "chat" => Api::Chat,
+                    "completions" => Api::Completions,
+                    _ => return Err(format!("--api {v:?}: expected chat or completions")),
+                }
+            }
+            "--prompt" => {
+                o.prompt = match v.as_str() {
+                    "text" => PromptForm::Text,
+                    "token-ids" => PromptForm::TokenIds,
+                    _ => return Err(format!("--prompt {v:?}: expected text or token-ids")),
+                }
+            }
+            "--max-output" => o.max_output = Some(whole(u32::MAX as u64)? as u32),
+            "--model" => o.model = v.clone(),
+            "--replica" => {
+                client::base_addr(v).map_err(|e| format!("--replica {e}"))?;
+                o.replicas.push(v.trim_end_matches('/').to_string());
+            }
+            "--label" => o.label = Some(v.clone()),
+            "--json" => o.json = Some(v.clone()),
+            "--timeout" => o.timeout_s = positive(flag, v)?,
+            "--seed" => {
+                o.seed = v
+                    .parse()
+                    .map_err(|_| format!("--seed {v:?}: expected a whole number"))?
+            }
+            other => return Err(format!("unknown option {other:?} (see kvlb replay --help)")),
+        }
+        i += 2;
+    }
+    if o.target.is_empty() {
+        return Err("--target URL is required (the balancer, http://HOST:PORT)".into());
+    }
+    if o.trace.is_empty() {
+        return Err("--trace is required (a file, gen:shared-prefix or gen:agent-sessions)".into());
+    }
+    if o.prompt == PromptForm::TokenIds && o.api == Api::Chat {
+        return Err("--prompt token-ids needs --api completions (chat messages are text)".into());
+    }
+    Ok(Some(o))
+}
+
+/// The requests of the trace slice `o` asks for, arrivals rebased to the slice's start (trace
+/// seconds, not yet divided by the speedup).
+pub fn select_requests(o: &Options) -> Result<Vec<TraceRequest>, String> {
+    let t = trace::load(&o.trace, None, o.seed)?;
+    let end = o.duration_s.map(|d| o.start_s + d).unwrap_or(f64::INFINITY);
+    let mut out: Vec<TraceRequest> = t
+        .requests
+        .into_iter()
+        .filter(|r| r.arrival_s >= o.start_s && r.arrival_s < end)
+        .collect();
+    if let Some(n) = o.limit {
+        out.truncate(n);
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "--trace {:?}: no requests between {} s and {} s",
+            o.trace, o.start_s, end
+        ));
+    }
+    for r in &mut out {
+        r.arrival_s -= o.start_s;
+    }
+    Ok(out)
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serialises")
+}
+
+/// The request path and JSON body for one trace request.
+pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) {
+    let mut text = String::new();
+    trace::prompt_text(req, &mut text);
+    let max_tokens = req
+        .output_tokens
+        .max(1)
+        .min(o.max_output.unwrap_or(u32::MAX));
+    let model = json_str(&o.model);
+    match o.api {
+        Api::Chat => (
+            "/v1/chat/completions",
+            format!(
+                r#"{{"model":{model},"messages":[{{"role":"user","content":{}}}],"max_tokens":{max_tokens},"stream":true,"ignore_eos":true}}"#,
+                json_str(&text)
+            )
+            .into_bytes(),
+        ),
+        Api::Completions => {
+            let prompt = match o.prompt {
+                PromptForm::Text => json_str(&text),
+                PromptForm::TokenIds => {
+                    let mut ids = Vec::new();
+                    crate::engine::tokenizer::encode(&text, &mut ids);
+                    serde_json::to_string(&ids).expect("ids serialise")
+                }
+            };
+            (
+                "/v1/completions",
+                format!(
+                    r#"{{"model":{model},"prompt":{prompt},"max_tokens":{max_tokens},"stream":true,"ignore_eos":true}}"#
+                )
+                .into_bytes(),
+            )
+        }
+    }
+}
+
+fn fetch_all(replicas: &[(String, SocketAddr)]) -> Result<Vec<ReplicaCounters>, String> {
+    replicas
+        .iter()
+        .map(|(url, addr)| {
+            ReplicaCounters::fetch(*addr).map_err(|e| format!("--replica {url}: {e}"))
+        })
+        .collect()
+}
+
+/// Replay `o` and summarise it.
+pub fn run(o: &Options) -> Result<ReplaySummary, String> {
+    let target = client::base_addr(&o.target)?;
+    let replicas: Vec<(String, SocketAddr)> = o
+        .replicas
+        .iter()
+        .map(|u| client::base_addr(u).map(|a| (u.clone(), a)))
+        .collect::<Result<_, _>>()?;
+    let requests = select_requests(o)?;
+    let before = fetch_all(&replicas)?;
+    let total = requests.len();
+    let label = o.label.clone().unwrap_or_else(|| o.target.clone());
+    if !o.quiet {
+        eprintln!(
+            "kvlb replay: {label}: {total} requests over {:.0} s of trace, {:.1} s of wall time at speedup {}",
+            requests.last().map(|r| r.arrival_s).unwrap_or(0.0),
+            requests.last().map(|r| r.arrival_s).unwrap_or(0.0) / o.speedup,
+            o.speedup
+        );
+    }
+    let timeout = Duration::from_secs_f64(o.timeout_s);
+    let (tx, rx) = mpsc::channel::<RequestRecord>();
+    let started = Instant::now();
+    let mut last_progress = started;
+    let mut records = Vec::with_capacity(total);
+    for (index, req) in requests.iter().enumerate() {
+        let due = started + Duration::from_secs_f64(req.arrival_s / o.speedup);
+        loop {
+            // Collect answers while waiting, so progress can be shown.
+            let now = Instant::now();
+            if now >= due {
+                break;
+            }
+            match rx.recv_timeout(due - now) {
+                Ok(r) => records.push(r),
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    std::thread::sleep(due.saturating_duration_since(Instant::now()))
+                }
+            }
+        }
+        let late_s = Instant::now().saturating_duration_since(due).as_secs_f64();
+        let tx = tx.clone();
+        let opts = o.clone();
+        let req = req.clone();
+        let spawned = std::thread::Builder::new()
+            .name("replay-request".into())
+            .stack_size(256 * 1024)
+            .spawn(move || {
+                let (path, body) = request_body(&req, &opts);
+                let answer = client::stream(target, path, &body, timeout, false);
+                let _ = tx.send(RequestRecord::from_answer(index, late_s, answer));
+            });
+        if let Err(e) = spawned {
+            records.push(RequestRecord::failed(
+                index,
+                late_s,
+                format!("cannot start a request thread: {e}"),
+            ));
+        }
+        if !o.quiet && last_progress.elapsed() >= Duration::from_secs(5) {
+            last_progress = Instant::now();
+            progress(&label, index + 1, records.len(), total, &records, started);
+        }
+    }
+    drop(tx);
+    for r in rx.iter() {
+        records.push(r);
+        if !o.quiet && last_progress.elapsed() >= Duration::from_secs(5) {
+            last_progress = Instant::now();
+            progress(&label, total, records.len(), total, &records, started);
+        }
+    }
+    let wall_s = started.elapsed().as_secs_f64();
+    let after = fetch_all(&replicas)?;
+    let per_replica: Vec<(String, ReplicaCounters)> = replicas
+        .iter()
+        .zip(after.iter().zip(&before))
+        .map(|((url, _), (a, b))| (url.clone(), a.since(b)))
+        .collect();
+    Ok(summary::summarize(
+        summary::RunInfo {
+            label,
+            target: o.target.clone(),
+            trace: o.trace.clone(),
+            api: match o.api {
+                Api::Chat => "chat".into(),
+                Api::Completions => "completions".into(),
+            },
+            speedup: o.speedup,
+            time_scale: o.time_scale,
+            wall_s,
+            cpu_s: own_cpu_s(),
+        },
+        &requests,
+        &records,
+        &per_replica,
+    ))
+}
+
+/// CPU seconds (user + system) this process used so far.
+fn own_cpu_s() -> f64 {
+    // Safety: getrusage(2) fills the zeroed struct we own; RUSAGE_SELF needs nothing else.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(u.ru_utime) + secs(u.ru_stime)
+}
+
+fn progress(
+    label: &str,
+    sent: usize,
+    answered: usize,
+    total: usize,
+    records: &[RequestRecord],
+    started: Instant,
+) {
+    let errors = records.iter().filter(|r| r.error.is_some()).count();
+    eprintln!(
+        "kvlb replay: {label}: {:.0} s: sent {sent}/{total}, answered {answered}, in flight {}, errors {errors}",
+        started.elapsed().as_secs_f64(),
+        sent.saturating_sub(answered)
+    );
+}
+
+pub fn main(args: Vec<String>) -> i32 {
+    if args.first().map(String::as_str) == Some("report") {
+        return summary::report_main(&args[1..]);
+    }
+    let o = match parse_args(&args) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            println!("{HELP}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("kvlb replay: {e}");
+            return 2;
+        }
+    };
+    let s = match run(&o) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvlb replay: {e}");
+            return 1;
+        }
+    };
+    print!("{}", summary::table(std::slice::from_ref(&s)));
+    if let Some(path) = &o.json {
+        let text = serde_json::to_string_pretty(&s).expect("summary serialises");
+        if path == "-" {
+            println!("{text}");
+        } else if let Err(e) = std::fs::write(path, text + "\n") {
+            eprintln!("kvlb replay: --json {path:?}: cannot write: {e}");
+            return 1;
+        }
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn flags_parse_and_bad_ones_are_named() {
+        let o = parse_args(&args(
+            "--target http://127.0.0.1:9/ --trace gen:shared-prefix --speedup 4 --replica http://127.0.0.1:10 --api completions --prompt token-ids",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(o.target, "http://127.0.0.1:9");
+        assert_eq!(o.speedup, 4.0);
+        assert_eq!(o.replicas, vec!["http://127.0.0.1:10"]);
+        for (bad, says) in [
+            ("--trace x", "--target"),
+            ("--target http://127.0.0.1:9", "--trace"),
+            ("--target 127.0.0.1:9 --trace x", "--target"),
+            (
+                "--target http://127.0.0.1:9 --trace x --speedup 0",
+                "--speedup",
+            ),
+            ("--target http://127.0.0.1:9 --trace x --api grpc", "--api"),
+            (
+                "--target http://127.0.0.1:9 --trace x --prompt token-ids",
+                "token-ids",
+            ),
+            ("--target http://127.0.0.1:9 --trace x --bogus 1", "--bogus"),
+            (
+                "--target http://127.0.0.1:9 --trace x --limit",
+                "needs a value",
+            ),
+        ] {
+            let e = parse_args(&args(bad)).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn slices_are_rebased_and_bodies_carry_the_shared_text() {
+        let mut o = parse_args(&args(
+            "--target http://127.0.0.1:9 --trace gen:shared-prefix --start 10 --duration 5",
+        ))
+        .unwrap()
+        .unwrap();
+        let reqs = select_requests(&o).unwrap();
+        assert!(!reqs.is_empty());
+        assert!(reqs.iter().all(|r| (0.0..5.0).contains(&r.arrival_s)));
+        o.max_output = Some(7);
+        let (path, body) = request_body(&reqs[0], &o);
+        assert_eq!(path, "/v1/chat/completions");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["max_tokens"], 7);
+        assert_eq!(v["stream"], true);
+        let content = v["messages"][0]["content"].as_str().unwrap();
+        assert_eq!(
+            crate::engine::tokenizer::count_tokens(content),
+            reqs[0].prompt_tokens as usize
+        );
+        o.api = Api::Completions;
+        o.prompt = PromptForm::TokenIds;
+        let (path, body) = request_body(&reqs[0], &o);
+        assert_eq!(path, "/v1/completions");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            v["prompt"].as_array().unwrap().len(),
+            reqs[0].prompt_tokens as usize
+        );
+        o.start_s = 1e9;
+        assert!(select_requests(&o).unwrap_err().contains("no requests"));
+    }
+}
