@@ -1553,3 +1553,17 @@ mod tests {
         assert!(e.0.contains("bogus"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod example_file {
+    /// The example shipped for systemd parses and means what its comments say.
+    #[test]
+    fn systemd_example_parses() {
+        let mut c = super::ServeConfig::default();
+        super::apply_toml(&mut c, include_str!("../systemd/kvlb.toml")).unwrap();
+        assert_eq!(c.policy, super::PolicyName::CacheAware);
+        assert_eq!(c.replicas.len(), 2);
+        assert!(c.replicas[0].kv_events.is_some());
+        assert_eq!(c.health.retries, 1);
+    }
+}
