@@ -218,13 +218,15 @@ impl Default for CostModel {
 impl CostModel {
     /// The policy configuration these knobs describe.
     pub fn policy_config(&self) -> crate::select::CacheAwareConfig {
-        let mut e = crate::engine::EngineConfig::default();
-        e.prefill_a_s = self.prefill_a_s;
-        e.prefill_b_s = self.prefill_b_s;
-        e.prefill_c_s = self.prefill_c_s;
-        e.decode_base_s = self.decode_base_s;
-        e.decode_per_seq_s = self.decode_per_seq_s;
-        e.decode_per_ctx_token_s = self.decode_per_ctx_token_s;
+        let e = crate::engine::EngineConfig {
+            prefill_a_s: self.prefill_a_s,
+            prefill_b_s: self.prefill_b_s,
+            prefill_c_s: self.prefill_c_s,
+            decode_base_s: self.decode_base_s,
+            decode_per_seq_s: self.decode_per_seq_s,
+            decode_per_ctx_token_s: self.decode_per_ctx_token_s,
+            ..Default::default()
+        };
         crate::select::CacheAwareConfig {
             model: crate::estimate::TtftModel::from_engine(&e),
             min_match_tokens: self.min_match_tokens,

@@ -549,6 +549,8 @@ fn kvlb_follows_the_fleet_dns_announces() {
         "round_robin",
         "--health-interval",
         "0",
+        "--slow-start",
+        "0",
     ]);
     let urls = || -> Vec<String> {
         let j = kvlb.admin_get("/replicas").json().unwrap();

@@ -81,6 +81,24 @@ fn replica_urls(kvlb: &Kvlb) -> Vec<String> {
         .collect()
 }
 
+/// kvlb over two replicas, round robin on one worker, active health checks off, plus `extra`.
+fn pair(a: &str, b: &str, extra: &[&str]) -> Kvlb {
+    let mut args = vec![
+        "--replica",
+        a,
+        "--replica",
+        b,
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--health-interval",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    Kvlb::serve(&args)
+}
+
 fn sighup(kvlb: &Kvlb) {
     // Safety: kill(2) on our own child's pid (not reaped while `kvlb` lives).
     assert_eq!(
@@ -269,6 +287,9 @@ fn admin_api_needs_its_token_and_adds_drains_and_removes_replicas() {
         TOKEN,
         "--health-interval",
         "0",
+        // Added replicas ramp up over slow start: off here, tested on its own below.
+        "--slow-start",
+        "0",
     ]);
     let add = format!("{{\"url\": \"{}\"}}", b.url());
     let (st, body) = admin(kvlb.admin, "POST", "/replicas", None, &add);
@@ -368,20 +389,7 @@ fn a_connect_failure_is_retried_on_another_replica() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", l.local_addr().unwrap())
     };
-    let kvlb = Kvlb::serve(&[
-        "--replica",
-        &dead,
-        "--replica",
-        &b.url(),
-        "--policy",
-        "round_robin",
-        "--workers",
-        "1",
-        "--max-fails",
-        "1000",
-        "--health-interval",
-        "0",
-    ]);
+    let kvlb = pair(&dead, &b.url(), &["--max-fails", "1000"]);
     let mut conn = HttpConn::connect(kvlb.listen);
     for _ in 0..10 {
         assert_eq!(served_by(&kvlb, &mut conn), b.url());
@@ -398,41 +406,13 @@ fn a_connect_failure_is_retried_on_another_replica() {
 fn an_immediate_503_is_retried_elsewhere_and_passed_through_without_retries() {
     let (a, b) = (Backend::start(), Backend::start());
     backend_get(&a, "/set_mode?status=503");
-    let kvlb = Kvlb::serve(&[
-        "--replica",
-        &a.url(),
-        "--replica",
-        &b.url(),
-        "--policy",
-        "round_robin",
-        "--workers",
-        "1",
-        "--max-fails",
-        "0",
-        "--health-interval",
-        "0",
-    ]);
+    let kvlb = pair(&a.url(), &b.url(), &["--max-fails", "0"]);
     let mut conn = HttpConn::connect(kvlb.listen);
     for _ in 0..8 {
         assert_eq!(served_by(&kvlb, &mut conn), b.url());
     }
     drop(kvlb);
-    let kvlb = Kvlb::serve(&[
-        "--replica",
-        &a.url(),
-        "--replica",
-        &b.url(),
-        "--policy",
-        "round_robin",
-        "--workers",
-        "1",
-        "--max-fails",
-        "0",
-        "--retries",
-        "0",
-        "--health-interval",
-        "0",
-    ]);
+    let kvlb = pair(&a.url(), &b.url(), &["--max-fails", "0", "--retries", "0"]);
     let mut conn = HttpConn::connect(kvlb.listen);
     let statuses: Vec<u16> = (0..8)
         .map(|_| conn.request("GET", "/echo", &[], b"").unwrap().status)
@@ -447,24 +427,18 @@ fn an_immediate_503_is_retried_elsewhere_and_passed_through_without_retries() {
 fn consecutive_failures_eject_a_replica() {
     let (a, b) = (Backend::start(), Backend::start());
     backend_get(&a, "/set_mode?status=503");
-    let kvlb = Kvlb::serve(&[
-        "--replica",
+    let kvlb = pair(
         &a.url(),
-        "--replica",
         &b.url(),
-        "--policy",
-        "round_robin",
-        "--workers",
-        "1",
-        "--retries",
-        "0",
-        "--max-fails",
-        "2",
-        "--fail-timeout",
-        "60s",
-        "--health-interval",
-        "0",
-    ]);
+        &[
+            "--retries",
+            "0",
+            "--max-fails",
+            "2",
+            "--fail-timeout",
+            "60s",
+        ],
+    );
     let mut conn = HttpConn::connect(kvlb.listen);
     let mut from_a = 0;
     for _ in 0..20 {
@@ -663,4 +637,46 @@ fn concurrency_limits_queue_then_refuse_with_429() {
         t.elapsed()
     );
     assert_eq!(slow.join().unwrap().unwrap().status, 200);
+}
+
+#[test]
+fn a_replica_added_while_serving_ramps_up_over_slow_start() {
+    let (a, b) = (Backend::start(), Backend::start());
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &a.url(),
+        "--policy",
+        "round_robin",
+        "--workers",
+        "1",
+        "--admin-token",
+        TOKEN,
+        "--health-interval",
+        "0",
+        "--slow-start",
+        "3s",
+    ]);
+    let (st, body) = admin(
+        kvlb.admin,
+        "POST",
+        "/replicas",
+        Some(TOKEN),
+        &format!("{{\"url\": \"{}\"}}", b.url()),
+    );
+    assert_eq!(st, 200, "{body}");
+    let mut conn = HttpConn::connect(kvlb.listen);
+    // Just added: considered by about 5% of requests, so it gets far fewer than its half.
+    let to_b = (0..40)
+        .filter(|_| served_by(&kvlb, &mut conn) == b.url())
+        .count();
+    assert!(
+        to_b < 12,
+        "the new replica got {to_b} of 40 requests at once"
+    );
+    // Once the ramp is over, round robin alternates.
+    std::thread::sleep(Duration::from_millis(3200));
+    let to_b = (0..20)
+        .filter(|_| served_by(&kvlb, &mut conn) == b.url())
+        .count();
+    assert!((9..=11).contains(&to_b), "after slow start: {to_b} of 20");
 }

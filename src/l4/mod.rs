@@ -21,6 +21,7 @@ use crate::http::{write_error, HttpError};
 use crate::metrics::PROMPT_ERRORS;
 use crate::prefix::PrefixMode;
 use crate::prompt::PromptError;
+pub(crate) use crate::proxy::InFlight;
 use crate::rt::op;
 use crate::select::{Reason, RequestView};
 use crate::worker::Worker;
@@ -322,69 +323,6 @@ async fn first_request(
     ))
 }
 
-/// Counts the connection in flight at its replica until dropped; the first request's prefill
-/// is queued there until the replica's first byte.
-pub(crate) struct InFlight<'a> {
-    w: &'a Worker,
-    replica: usize,
-    prefill_tokens: u64,
-    decoding: bool,
-    received_at: Instant,
-    estimate_s: f64,
-}
-
-impl<'a> InFlight<'a> {
-    fn new(w: &'a Worker, routed: &Routed, received_at: Instant) -> InFlight<'a> {
-        let load = &w.shared.loads[routed.replica];
-        load.in_flight.fetch_add(1, Relaxed);
-        load.queued_prefill_tokens
-            .fetch_add(routed.prefill_tokens, Relaxed);
-        w.stats().in_flight.fetch_add(1, Relaxed);
-        InFlight {
-            w,
-            replica: routed.replica,
-            prefill_tokens: routed.prefill_tokens,
-            decoding: false,
-            received_at,
-            estimate_s: routed.estimate_s,
-        }
-    }
-
-    /// The replica's first byte arrived: the first request's prefill is done.
-    pub(crate) fn first_byte(&mut self) {
-        if self.decoding {
-            return;
-        }
-        let stats = self.w.stats();
-        let observed = self.received_at.elapsed();
-        stats.first_token.observe_us(observed.as_micros() as u64);
-        if self.estimate_s > 0.0 {
-            stats
-                .ttft_ratio
-                .observe(observed.as_secs_f64() / self.estimate_s);
-        }
-        let load = &self.w.shared.loads[self.replica];
-        load.queued_prefill_tokens
-            .fetch_sub(self.prefill_tokens, Relaxed);
-        load.decoding.fetch_add(1, Relaxed);
-        self.decoding = true;
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        let load = &self.w.shared.loads[self.replica];
-        if self.decoding {
-            load.decoding.fetch_sub(1, Relaxed);
-        } else {
-            load.queued_prefill_tokens
-                .fetch_sub(self.prefill_tokens, Relaxed);
-        }
-        load.in_flight.fetch_sub(1, Relaxed);
-        self.w.stats().in_flight.fetch_sub(1, Relaxed);
-    }
-}
-
 async fn connect_replica(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
     let fd = op::tcp_socket(&addr)?;
     match op::connect(fd, addr, w.shared.cfg().timeouts.connect).await {
@@ -399,7 +337,14 @@ async fn connect_replica(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
 /// Connect to the routed replica, send what was read, and relay until the connection ends.
 async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, buf: Vec<u8>) {
     let replica = routed.replica;
-    let mut in_flight = InFlight::new(w, &routed, received_at);
+    let mut in_flight = InFlight::new(
+        w,
+        replica,
+        routed.prefill_tokens,
+        routed.estimate_s,
+        received_at,
+        false,
+    );
     let rc = &w.stats().replicas[replica];
     let slot = w.shared.fleet.slot(replica);
     let Some(spec) = slot.spec() else {

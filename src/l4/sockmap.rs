@@ -436,7 +436,7 @@ pub(crate) async fn relay(
         let watch_c = pin!(watch(cfd, c_eof));
         let watch_r = pin!(watch(rfd, r_eof));
         // Until the replica's first byte, look at the program's count now and then.
-        let tick = pin!(op::sleep(if in_flight.decoding {
+        let tick = pin!(op::sleep(if in_flight.decoding() {
             Duration::from_secs(3600)
         } else {
             Duration::from_millis(20)
@@ -463,7 +463,7 @@ pub(crate) async fn relay(
             }
             Either::Right(()) => {}
         }
-        if !in_flight.decoding && sm.redirected(rk) > 0 {
+        if !in_flight.decoding() && sm.redirected(rk) > 0 {
             in_flight.first_byte();
         }
     }

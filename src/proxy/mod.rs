@@ -18,11 +18,13 @@ use crate::rt::op;
 use crate::rt::select::{select, Either};
 use crate::select::{Decision, Reason, RequestView};
 use crate::worker::Worker;
+pub(crate) use in_flight::InFlight;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
 use watch::ClientWatch;
 
+mod in_flight;
 mod watch;
 use crate::config::ReplicaConfig;
 use std::rc::Rc;
@@ -511,23 +513,21 @@ async fn read_body(
             let mut write = start;
             let mut read = start;
             loop {
-                {
+                let fed = {
                     let mut spans = w.spans.borrow_mut();
                     spans.clear();
-                    let consumed = match dec.feed(&conn.cbuf[read..], |s, e| spans.push((s, e))) {
-                        Ok(c) => c,
-                        Err(_) => {
-                            drop(spans);
-                            return Err(
-                                send_local_error(w, conn, HttpError::InvalidChunkedBody).await
-                            );
+                    let fed = dec.feed(&conn.cbuf[read..], |s, e| spans.push((s, e)));
+                    if let Ok(consumed) = fed {
+                        for &(s, e) in spans.iter() {
+                            conn.cbuf.copy_within(read + s..read + e, write);
+                            write += e - s;
                         }
-                    };
-                    for &(s, e) in spans.iter() {
-                        conn.cbuf.copy_within(read + s..read + e, write);
-                        write += e - s;
+                        read += consumed;
                     }
-                    read += consumed;
+                    fed
+                };
+                if fed.is_err() {
+                    return Err(send_local_error(w, conn, HttpError::InvalidChunkedBody).await);
                 }
                 if write - start > max_body {
                     return Err(send_local_error(w, conn, HttpError::BodyTooLarge).await);
@@ -558,69 +558,6 @@ enum Forwarded {
     Failed(usize, UpstreamFailure, bool),
     /// Refused with 429 while queued; answered, the connection carries on.
     Refused,
-}
-
-/// Counts a request in flight at a replica and on the worker until dropped: first as queued
-/// prefill (its estimated uncached tokens), then, from its first response byte, as decoding.
-struct InFlight<'a> {
-    w: &'a Worker,
-    replica: usize,
-    prefill_tokens: u64,
-    decoding: bool,
-    received_at: Instant,
-    estimate_s: f64,
-}
-
-impl<'a> InFlight<'a> {
-    fn new(w: &'a Worker, routed: &Routed, received_at: Instant) -> InFlight<'a> {
-        let (replica, prefill_tokens) = (routed.replica, routed.prefill_tokens);
-        // `route` took the replica's in-flight slot already.
-        let load = &w.shared.loads[replica];
-        load.queued_prefill_tokens
-            .fetch_add(prefill_tokens, Relaxed);
-        w.stats().in_flight.fetch_add(1, Relaxed);
-        InFlight {
-            w,
-            replica,
-            prefill_tokens,
-            decoding: false,
-            received_at,
-            estimate_s: routed.estimate_s,
-        }
-    }
-
-    /// The first response body byte arrived: the prefill is done.
-    fn first_byte(&mut self) {
-        if !self.decoding {
-            let stats = self.w.stats();
-            let observed = self.received_at.elapsed();
-            stats.first_token.observe_us(observed.as_micros() as u64);
-            if self.estimate_s > 0.0 {
-                stats
-                    .ttft_ratio
-                    .observe(observed.as_secs_f64() / self.estimate_s);
-            }
-            let load = &self.w.shared.loads[self.replica];
-            load.queued_prefill_tokens
-                .fetch_sub(self.prefill_tokens, Relaxed);
-            load.decoding.fetch_add(1, Relaxed);
-            self.decoding = true;
-        }
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        let load = &self.w.shared.loads[self.replica];
-        if self.decoding {
-            load.decoding.fetch_sub(1, Relaxed);
-        } else {
-            load.queued_prefill_tokens
-                .fetch_sub(self.prefill_tokens, Relaxed);
-        }
-        load.in_flight.fetch_sub(1, Relaxed);
-        self.w.stats().in_flight.fetch_sub(1, Relaxed);
-    }
 }
 
 /// A failure before anything reached the client.
@@ -676,7 +613,15 @@ async fn forward(
     may_retry: bool,
 ) -> Forwarded {
     let replica = routed.replica;
-    let mut in_flight = InFlight::new(w, &routed, received_at);
+    // `route` took the replica's in-flight slot already.
+    let mut in_flight = InFlight::new(
+        w,
+        replica,
+        routed.prefill_tokens,
+        routed.estimate_s,
+        received_at,
+        true,
+    );
     let stats = w.stats();
     let rc = &stats.replicas[replica];
     let url: &str = &routed.spec.url;

@@ -102,6 +102,8 @@ struct TaskEntry {
 
 pub(crate) struct Inner {
     ring: RefCell<IoUring>,
+    /// Boxed one by one: a slot's address must not move while the kernel may read it.
+    #[allow(clippy::vec_box)]
     slots: RefCell<Vec<Box<Slot>>>,
     free_slots: RefCell<Vec<u32>>,
     tasks: RefCell<Vec<TaskEntry>>,

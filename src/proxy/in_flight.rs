@@ -1,0 +1,85 @@
+//! A request's presence at its replica, counted from routing to the end of its answer: the
+//! loads every worker's policy reads (requests in flight, prefill queued, decoding) and the
+//! worker's own in-flight gauge. Shared by the L7 path and the L4 mode.
+
+use crate::worker::Worker;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+/// Counts a request in flight at a replica and on the worker until dropped: first as queued
+/// prefill (its estimated uncached tokens), then, from its first response byte, as decoding.
+pub(crate) struct InFlight<'a> {
+    w: &'a Worker,
+    replica: usize,
+    prefill_tokens: u64,
+    decoding: bool,
+    received_at: Instant,
+    estimate_s: f64,
+}
+
+impl<'a> InFlight<'a> {
+    /// `slot_taken`: the replica's in-flight count was already raised for this request (the
+    /// L7 path takes it while checking the replica's concurrency limit).
+    pub(crate) fn new(
+        w: &'a Worker,
+        replica: usize,
+        prefill_tokens: u64,
+        estimate_s: f64,
+        received_at: Instant,
+        slot_taken: bool,
+    ) -> InFlight<'a> {
+        let load = &w.shared.loads[replica];
+        if !slot_taken {
+            load.in_flight.fetch_add(1, Relaxed);
+        }
+        load.queued_prefill_tokens
+            .fetch_add(prefill_tokens, Relaxed);
+        w.stats().in_flight.fetch_add(1, Relaxed);
+        InFlight {
+            w,
+            replica,
+            prefill_tokens,
+            decoding: false,
+            received_at,
+            estimate_s,
+        }
+    }
+
+    /// Whether the replica has answered (its first byte arrived).
+    pub(crate) fn decoding(&self) -> bool {
+        self.decoding
+    }
+
+    /// The first response body byte arrived: the prefill is done.
+    pub(crate) fn first_byte(&mut self) {
+        if !self.decoding {
+            let stats = self.w.stats();
+            let observed = self.received_at.elapsed();
+            stats.first_token.observe_us(observed.as_micros() as u64);
+            if self.estimate_s > 0.0 {
+                stats
+                    .ttft_ratio
+                    .observe(observed.as_secs_f64() / self.estimate_s);
+            }
+            let load = &self.w.shared.loads[self.replica];
+            load.queued_prefill_tokens
+                .fetch_sub(self.prefill_tokens, Relaxed);
+            load.decoding.fetch_add(1, Relaxed);
+            self.decoding = true;
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let load = &self.w.shared.loads[self.replica];
+        if self.decoding {
+            load.decoding.fetch_sub(1, Relaxed);
+        } else {
+            load.queued_prefill_tokens
+                .fetch_sub(self.prefill_tokens, Relaxed);
+        }
+        load.in_flight.fetch_sub(1, Relaxed);
+        self.w.stats().in_flight.fetch_sub(1, Relaxed);
+    }
+}
