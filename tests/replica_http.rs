@@ -629,15 +629,16 @@ fn consecutive_ports_with_count() {
             if line == "kvlb replica: ready" {
                 break;
             }
-            if let Some(rest) = line.strip_prefix("kvlb replica: replica ") {
-                got.push(
-                    rest.split_whitespace()
-                        .nth(2)
-                        .unwrap()
-                        .parse::<SocketAddr>()
-                        .unwrap()
-                        .port(),
-                );
+            // `replica I on HOST:PORT`; other lines (a port of the run taken: `replica I:
+            // cannot listen on ...`) end this attempt.
+            let addr = line
+                .strip_prefix("kvlb replica: replica ")
+                .and_then(|rest| rest.split_once(" on "))
+                .and_then(|(_, a)| a.trim().parse::<SocketAddr>().ok());
+            match addr {
+                Some(a) => got.push(a.port()),
+                None if line.contains("cannot listen") => break,
+                None => {}
             }
         }
         if got.len() == 3 {
