@@ -4,8 +4,9 @@
 //!   rates its exposure low;
 //! - its SystemCallFilter allows every system call a serving kvlb makes (traced with strace
 //!   while it serves requests, scrapes /metrics and drains), io_uring's included;
-//! - kvlb sends READY=1 once it serves and STOPPING=1 on SIGTERM to the datagram socket named
-//!   by NOTIFY_SOCKET (a path or an abstract name), as systemd would receive them.
+//! - kvlb sends READY=1 once it serves, RELOADING=1 then READY=1 on SIGHUP, and STOPPING=1 on
+//!   SIGTERM to the datagram socket named by NOTIFY_SOCKET (a path or an abstract name), as
+//!   systemd would receive them.
 //!
 //! Needs `systemd-analyze` (Debian package `systemd`) and `strace`; `tests/run.sh` installs both.
 
@@ -298,7 +299,7 @@ fn recv_until(sock: &UnixDatagram, want: &str, limit: Duration) -> Vec<String> {
 }
 
 /// Runs `kvlb serve` with NOTIFY_SOCKET=`notify_name` and checks READY=1, a served request,
-/// then STOPPING=1 and exit 0 on SIGTERM.
+/// RELOADING=1 then READY=1 on SIGHUP, then STOPPING=1 and exit 0 on SIGTERM.
 fn check_notify(sock: &UnixDatagram, notify_name: &str) {
     let backend = Backend::start();
     let url = backend.url();
@@ -325,6 +326,31 @@ fn check_notify(sock: &UnixDatagram, notify_name: &str) {
     );
     let resp = client::get(listen, "/echo");
     assert_eq!(resp.status, 200, "{}", resp.describe());
+
+    // SIGHUP (systemctl reload): RELOADING=1 with the monotonic time systemd asks for, then
+    // READY=1 once the reload is applied; still serving.
+    // Safety: kill(2) on a child process we spawned and have not reaped.
+    assert_eq!(
+        unsafe { libc::kill(kvlb.0.id() as libc::pid_t, libc::SIGHUP) },
+        0
+    );
+    let got = recv_until(sock, "READY=1", Duration::from_secs(10));
+    let reloading = got
+        .iter()
+        .position(|m| m.lines().any(|l| l == "RELOADING=1"));
+    let ready = got.iter().rposition(|m| m.lines().any(|l| l == "READY=1"));
+    assert!(
+        matches!((reloading, ready), (Some(r), Some(d)) if r <= d),
+        "no RELOADING=1 then READY=1 after SIGHUP; got {got:?}"
+    );
+    assert!(
+        got.iter().any(|m| m
+            .lines()
+            .any(|l| l.starts_with("MONOTONIC_USEC=") && l.len() > 15)),
+        "RELOADING without MONOTONIC_USEC: {got:?}"
+    );
+    let resp = client::get(listen, "/echo");
+    assert_eq!(resp.status, 200, "after reload: {}", resp.describe());
 
     sigterm(kvlb.0.id());
     let got = recv_until(sock, "STOPPING=1", Duration::from_secs(10));
