@@ -6,7 +6,7 @@
 //! its slot and submits an async cancel, so memory is never freed under the kernel's feet.
 //!
 //! Why the io-uring crate rather than tokio-uring: tokio-uring (last release 0.5.0, 2024) drives
-//! its ring from an epoll loop inside a tokio runtime and offers no linked timeouts, splice or
+//! its ring from an epoll loop inside a tokio runtime and offers no splice, multishot or
 //! registered resources; this executor is a few hundred lines and submits and reaps in one
 //! `io_uring_enter` per loop turn.
 //!
@@ -28,7 +28,7 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, RawWaker, RawWakerVTable, Waker};
 
-/// user_data of completions nobody waits for (async cancels, linked timeouts).
+/// user_data of completions nobody waits for (async cancels).
 const IGNORED: u64 = u64::MAX;
 
 /// Opcodes the data plane submits; checked at start-up.
