@@ -25,6 +25,14 @@ pub fn main(args: Vec<String>) -> i32 {
         eprintln!("kvlb: {e}");
         return 1;
     }
+    let l4 = (0..cfg.listen.len()).any(|i| cfg.listener_mode(i) == config::ListenerMode::L4);
+    if l4 && !rt::splice::supported() {
+        eprintln!(
+            "kvlb: this kernel's io_uring lacks IORING_OP_SPLICE, which L4 listeners need; \
+             kvlb needs Linux 5.19 or later"
+        );
+        return 1;
+    }
     match run(cfg, args) {
         Ok(()) => 0,
         Err(e) => {
