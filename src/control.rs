@@ -136,7 +136,7 @@ impl Control {
             self.add_locked(r, now)?;
         }
         for (i, r) in updates {
-            self.update_locked(i, r, now);
+            self.update_locked(i, r);
         }
         for i in removes {
             fleet.drain(i, true);
@@ -268,20 +268,14 @@ impl Control {
         Ok(i)
     }
 
-    fn update_locked(&self, i: usize, r: ReplicaConfig, now: u64) {
+    fn update_locked(&self, i: usize, r: ReplicaConfig) {
         let tokens = r.kv_capacity_tokens;
-        // Re-adding by URL replaces the options and takes a draining replica back.
-        let fleet = &self.shared.fleet;
-        let slot = fleet.slot(i);
-        if slot.state() == ACTIVE {
-            fleet.drain(i, false);
-        }
-        if fleet.add(r, now).is_ok() {
-            self.telemetry
-                .send(ResidencyOp::Capacity { replica: i, tokens });
-            if let Err(e) = self.telemetry.spawn_replica(&self.shared, i) {
-                eprintln!("kvlb: replica slot {i}: cannot restart its telemetry threads: {e}");
-            }
+        // New options in place (and a draining replica taken back), never out of rotation.
+        self.shared.fleet.update(i, r);
+        self.telemetry
+            .send(ResidencyOp::Capacity { replica: i, tokens });
+        if let Err(e) = self.telemetry.spawn_replica(&self.shared, i) {
+            eprintln!("kvlb: replica slot {i}: cannot restart its telemetry threads: {e}");
         }
     }
 

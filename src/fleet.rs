@@ -216,6 +216,27 @@ impl Fleet {
         Ok(i)
     }
 
+    /// Give slot `i` (holding a replica with the same URL) new options, and take it back if it
+    /// was draining, without a moment out of rotation. A changed address makes the workers'
+    /// pooled connections to it stale.
+    pub fn update(&self, i: usize, spec: ReplicaConfig) {
+        let s = &self.slots[i];
+        let moved = s
+            .spec
+            .load()
+            .as_ref()
+            .is_none_or(|old| old.addr != spec.addr);
+        s.max_in_flight
+            .store(spec.max_in_flight.unwrap_or(0), Relaxed);
+        s.spec.store(Some(Arc::new(spec)));
+        if moved {
+            s.epoch.fetch_add(1, Relaxed);
+        }
+        s.removing.store(false, Relaxed);
+        s.state.store(ACTIVE, Relaxed);
+        self.generation.fetch_add(1, Relaxed);
+    }
+
     /// Stop sending new requests to slot `i`; with `remove`, forget it once idle.
     pub fn drain(&self, i: usize, remove: bool) {
         let s = &self.slots[i];
@@ -298,6 +319,27 @@ mod tests {
         assert!(f.reap_drained(|_| 0).is_empty(), "drained, not removed");
         assert_eq!(f.add(spec(1), 2).unwrap(), 0);
         assert!(f.slot(0).available(3));
+    }
+
+    #[test]
+    fn update_keeps_the_replica_in_rotation() {
+        let f = Fleet::new(1);
+        f.add(spec(1), 1).unwrap();
+        let e = f.slot(0).epoch.load(Relaxed);
+        let mut changed = spec(1);
+        changed.max_in_flight = Some(4);
+        f.update(0, changed);
+        assert!(f.slot(0).available(2));
+        assert_eq!(f.slot(0).max_in_flight.load(Relaxed), 4);
+        assert_eq!(
+            f.slot(0).epoch.load(Relaxed),
+            e,
+            "same address: pooled connections stay"
+        );
+        f.drain(0, true);
+        f.update(0, spec(1));
+        assert_eq!(f.slot(0).state_name(), "active");
+        assert!(f.reap_drained(|_| 0).is_empty());
     }
 
     #[test]
