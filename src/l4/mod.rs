@@ -18,12 +18,9 @@ pub mod sockmap;
 use crate::config::L4Forwarding;
 use crate::http::request::{self, BodyFraming, Method};
 use crate::http::{write_error, HttpError};
-use crate::metrics::PROMPT_ERRORS;
-use crate::prefix::PrefixMode;
 use crate::prompt::PromptError;
 pub(crate) use crate::proxy::InFlight;
 use crate::rt::op;
-use crate::select::{Reason, RequestView};
 use crate::worker::Worker;
 use std::fmt::Write as _;
 use std::io;
@@ -256,68 +253,17 @@ async fn first_request(
     }
     let path_bytes = &buf[path.0..path.1];
     let body = &buf[head.head_len..body_end];
-    let mut prefix = w.prefix.borrow_mut();
-    let parsed = prompt_path
-        && body_end > head.head_len
-        && match crate::prefix::hash_request(path_bytes, body, &w.shared.prefix, &mut prefix) {
-            Ok(()) => true,
-            Err(e) => {
-                if let Some(i) = PROMPT_ERRORS.iter().position(|l| *l == e.label()) {
-                    w.stats().prompt_errors[i].fetch_add(1, Relaxed);
-                }
-                false
-            }
-        };
+    let parsed = prompt_path && body_end > head.head_len && w.hash_prompt(path_bytes, body);
     let body_len = match head.body {
         BodyFraming::Length(n) => n.min(u32::MAX as u64) as usize,
         _ => body.len(),
     };
-    let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if parsed {
-        let block_tokens = match prefix.mode {
-            PrefixMode::Text => prefix.block_units / 4,
-            PrefixMode::Tokens => prefix.block_units,
-        };
-        (&prefix.hashes, block_tokens, prefix.est_prompt_tokens)
-    } else {
-        (&[], 0, (body_len / 4).min(u32::MAX as usize) as u32)
-    };
-    let view = RequestView {
-        method: head.method,
-        path: path_bytes,
-        body,
-        blocks,
-        block_tokens,
-        prompt_tokens,
-        now_us: w.shared.epoch.elapsed().as_micros() as u64,
-    };
-    let random = w.rng.borrow_mut().next_u64();
-    let (replica, decision) = {
-        let cands = w.candidates.borrow();
-        let mut policy = w.policy.borrow_mut();
-        let i = policy.select(&view, &cands, random);
-        (cands[i.min(cands.len() - 1)].replica, policy.decision())
-    };
-    drop(prefix);
-    let matched = decision.map(|d| d.matched_tokens).unwrap_or(0);
-    if let Some(d) = decision {
-        let stats = w.stats();
-        let reason = match d.reason {
-            Reason::Cache => 0,
-            Reason::Load => 1,
-            Reason::Fallback => 2,
-        };
-        stats.decisions[reason].fetch_add(1, Relaxed);
-        if d.spilled {
-            stats.spills.fetch_add(1, Relaxed);
-        }
-        stats.matched_tokens.observe(d.matched_tokens as f64);
-        stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
-    }
+    let choice = w.choose(head.method, path_bytes, body, body_len, parsed);
     Some((
         Routed {
-            replica,
-            prefill_tokens: prompt_tokens.saturating_sub(matched) as u64,
-            estimate_s: decision.map(|d| d.ttft_s).unwrap_or(0.0),
+            replica: choice.replica,
+            prefill_tokens: choice.prefill_tokens(),
+            estimate_s: choice.estimate_s(),
         },
         received_at,
     ))

@@ -11,12 +11,9 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
 use crate::http::{write_error, HttpError};
-use crate::metrics::PROMPT_ERRORS;
-use crate::prefix::PrefixMode;
-use crate::prompt::PromptError;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
-use crate::select::{Decision, Reason, RequestView};
+use crate::select::Decision;
 use crate::worker::Worker;
 pub(crate) use in_flight::InFlight;
 use std::io;
@@ -221,23 +218,11 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
 
         w.refresh();
         // Hash the prompt's prefix blocks once (no allocation: the worker's buffers are reused).
-        let parsed = {
-            let path = &conn.cbuf[head.target.0..head.target.1];
-            let body = &conn.cbuf[head.head_len..body_end];
-            let mut prefix = w.prefix.borrow_mut();
-            head.method == Method::Post
-                && match crate::prefix::hash_request(path, body, &w.shared.prefix, &mut prefix) {
-                    Ok(()) => true,
-                    Err(PromptError::NotAPromptPath) => false,
-                    Err(e) => {
-                        let stats = w.stats();
-                        if let Some(i) = PROMPT_ERRORS.iter().position(|l| *l == e.label()) {
-                            stats.prompt_errors[i].fetch_add(1, Relaxed);
-                        }
-                        false
-                    }
-                }
-        };
+        let parsed = head.method == Method::Post
+            && w.hash_prompt(
+                &conn.cbuf[head.target.0..head.target.1],
+                &conn.cbuf[head.head_len..body_end],
+            );
 
         // Select and forward; a failure at connect time or an immediate 503 is retried on
         // another replica while nothing has reached the client.
@@ -383,37 +368,14 @@ fn route(
         (0, _) => return Route::AllBusy,
         _ => {}
     }
-    let body_len = body_end - head.head_len;
-    let path = &conn.cbuf[head.target.0..head.target.1];
-    let body = &conn.cbuf[head.head_len..body_end];
-    let prefix = w.prefix.borrow();
-    let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if parsed {
-        let block_tokens = match prefix.mode {
-            PrefixMode::Text => prefix.block_units / 4,
-            PrefixMode::Tokens => prefix.block_units,
-        };
-        (&prefix.hashes, block_tokens, prefix.est_prompt_tokens)
-    } else {
-        // Not a prompt: its size stands for its work (about 4 bytes a token).
-        (&[], 0, (body_len / 4).min(u32::MAX as usize) as u32)
-    };
-    let view = RequestView {
-        method: head.method,
-        path,
-        body,
-        blocks,
-        block_tokens,
-        prompt_tokens,
-        now_us: w.shared.epoch.elapsed().as_micros() as u64,
-    };
-    let random = w.rng.borrow_mut().next_u64();
-    let (replica, decision) = {
-        let cands = w.candidates.borrow();
-        let mut policy = w.policy.borrow_mut();
-        let i = policy.select(&view, &cands, random);
-        (cands[i.min(cands.len() - 1)].replica, policy.decision())
-    };
-    drop(prefix);
+    let choice = w.choose(
+        head.method,
+        &conn.cbuf[head.target.0..head.target.1],
+        &conn.cbuf[head.head_len..body_end],
+        body_end - head.head_len,
+        parsed,
+    );
+    let replica = choice.replica;
     let slot = w.shared.fleet.slot(replica);
     let epoch = slot.epoch.load(Relaxed);
     // The slot was emptied since the candidates were read: nothing to send there.
@@ -431,34 +393,17 @@ fn route(
         in_flight.fetch_sub(1, Relaxed);
         return Route::AllBusy;
     }
-    // What the replica will compute: the prompt less what is resident there.
-    let matched = decision.map(|d| d.matched_tokens).unwrap_or(0);
-    let prefill_tokens = prompt_tokens.saturating_sub(matched) as u64;
     let mut explain_len = 0;
-    if let Some(d) = decision {
-        let stats = w.stats();
-        let reason = match d.reason {
-            Reason::Cache => 0,
-            Reason::Load => 1,
-            Reason::Fallback => 2,
-        };
-        stats.decisions[reason].fetch_add(1, Relaxed);
-        if d.spilled {
-            stats.spills.fetch_add(1, Relaxed);
-        }
-        stats.matched_tokens.observe(d.matched_tokens as f64);
-        stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
-        if cfg.explain {
-            explain_len = write_decision(&mut conn.explain, &d, prompt_tokens);
-        }
+    if let (Some(d), true) = (choice.decision, cfg.explain) {
+        explain_len = write_decision(&mut conn.explain, &d, choice.prompt_tokens);
     }
     Route::To(
         Routed {
             replica,
             epoch,
             spec,
-            prefill_tokens,
-            estimate_s: decision.map(|d| d.ttft_s).unwrap_or(0.0),
+            prefill_tokens: choice.prefill_tokens(),
+            estimate_s: choice.estimate_s(),
         },
         explain_len,
     )

@@ -268,6 +268,105 @@ impl Worker {
     }
 }
 
+/// A routing decision: the replica chosen for a request and why.
+pub struct Choice {
+    pub replica: usize,
+    pub decision: Option<crate::select::Decision>,
+    /// Estimated prompt tokens of the request.
+    pub prompt_tokens: u32,
+}
+
+impl Choice {
+    /// Prompt tokens the replica will compute: the prompt less what is resident there.
+    pub fn prefill_tokens(&self) -> u64 {
+        let matched = self.decision.map(|d| d.matched_tokens).unwrap_or(0);
+        self.prompt_tokens.saturating_sub(matched) as u64
+    }
+
+    /// The policy's time-to-first-token estimate (0 when it makes none).
+    pub fn estimate_s(&self) -> f64 {
+        self.decision.map(|d| d.ttft_s).unwrap_or(0.0)
+    }
+}
+
+impl Worker {
+    /// Hash the prompt's prefix blocks into the worker's buffers (no allocation). False when
+    /// the body is not a prompt; malformed prompts are counted by kind.
+    pub fn hash_prompt(&self, path: &[u8], body: &[u8]) -> bool {
+        let mut prefix = self.prefix.borrow_mut();
+        match crate::prefix::hash_request(path, body, &self.shared.prefix, &mut prefix) {
+            Ok(()) => true,
+            Err(crate::prompt::PromptError::NotAPromptPath) => false,
+            Err(e) => {
+                let labels = crate::metrics::PROMPT_ERRORS;
+                if let Some(i) = labels.iter().position(|l| *l == e.label()) {
+                    self.stats().prompt_errors[i].fetch_add(1, Relaxed);
+                }
+                false
+            }
+        }
+    }
+
+    /// Ask the policy for one of the candidates `fill_candidates` left (at least one), and
+    /// count its decision. `hashed`: the worker's prefix buffers hold this request's blocks
+    /// (`hash_prompt` returned true); otherwise the body's size (`body_len`, about 4 bytes a
+    /// token) stands for its work.
+    pub fn choose(
+        &self,
+        method: crate::http::request::Method,
+        path: &[u8],
+        body: &[u8],
+        body_len: usize,
+        hashed: bool,
+    ) -> Choice {
+        let prefix = self.prefix.borrow();
+        let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if hashed {
+            let block_tokens = match prefix.mode {
+                crate::prefix::PrefixMode::Text => prefix.block_units / 4,
+                crate::prefix::PrefixMode::Tokens => prefix.block_units,
+            };
+            (&prefix.hashes, block_tokens, prefix.est_prompt_tokens)
+        } else {
+            (&[], 0, (body_len / 4).min(u32::MAX as usize) as u32)
+        };
+        let view = select::RequestView {
+            method,
+            path,
+            body,
+            blocks,
+            block_tokens,
+            prompt_tokens,
+            now_us: self.shared.epoch.elapsed().as_micros() as u64,
+        };
+        let random = self.rng.borrow_mut().next_u64();
+        let (replica, decision) = {
+            let cands = self.candidates.borrow();
+            let mut policy = self.policy.borrow_mut();
+            let i = policy.select(&view, &cands, random);
+            (cands[i.min(cands.len() - 1)].replica, policy.decision())
+        };
+        if let Some(d) = decision {
+            let stats = self.stats();
+            let reason = match d.reason {
+                select::Reason::Cache => 0,
+                select::Reason::Load => 1,
+                select::Reason::Fallback => 2,
+            };
+            stats.decisions[reason].fetch_add(1, Relaxed);
+            if d.spilled {
+                stats.spills.fetch_add(1, Relaxed);
+            }
+            stats.matched_tokens.observe(d.matched_tokens as f64);
+            stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
+        }
+        Choice {
+            replica,
+            decision,
+            prompt_tokens,
+        }
+    }
+}
+
 /// The policy a worker runs under `cfg`.
 fn build_policy(shared: &Shared, id: usize, cfg: &ServeConfig) -> Result<Box<dyn Policy>, String> {
     let parts = select::CacheAwareParts {
