@@ -285,6 +285,41 @@ pub fn write_error(
     let _ = write!(out, "\",\"type\":\"{kind}\",\"code\":{status}}}}}");
 }
 
+/// Append `n` in decimal (what `write!(out, "{n}")` does, without the formatting machinery:
+/// this runs for every forwarded request head).
+pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
+}
+
+/// Append a client address as `X-Forwarded-For` spells it (IPv4 dotted quad without the
+/// formatting machinery; IPv6 through `Display`).
+pub fn push_ip(out: &mut Vec<u8>, ip: std::net::IpAddr) {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                push_decimal(out, octet as u64);
+            }
+        }
+        std::net::IpAddr::V6(_) => {
+            use std::io::Write;
+            let _ = write!(out, "{ip}");
+        }
+    }
+}
+
 fn json_escaped_len(s: &str) -> usize {
     s.bytes()
         .map(|b| match b {
@@ -315,6 +350,39 @@ fn json_escape_into(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decimal_and_ip_match_display() {
+        for n in [
+            0u64,
+            1,
+            9,
+            10,
+            99,
+            100,
+            2048,
+            65_535,
+            u32::MAX as u64,
+            u64::MAX,
+        ] {
+            let mut out = Vec::new();
+            push_decimal(&mut out, n);
+            assert_eq!(out, n.to_string().into_bytes());
+        }
+        for ip in [
+            "0.0.0.0",
+            "127.0.0.1",
+            "10.1.2.3",
+            "255.255.255.255",
+            "::1",
+            "2001:db8::7",
+        ] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            let mut out = Vec::new();
+            push_ip(&mut out, ip);
+            assert_eq!(out, ip.to_string().into_bytes());
+        }
+    }
 
     #[test]
     fn error_responses_are_valid_json_with_right_length() {

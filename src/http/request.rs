@@ -5,7 +5,6 @@
 //! by kvlb), so a replica never has to agree with kvlb on how a body was delimited.
 
 use super::HttpError;
-use std::io::Write;
 use std::net::IpAddr;
 
 /// Most header fields accepted in a request (more is a 431).
@@ -312,7 +311,7 @@ pub fn parse_request(
                 if !first {
                     out.extend_from_slice(b", ");
                 }
-                let _ = write!(out, "{ip}");
+                super::push_ip(out, ip);
             }
             out.extend_from_slice(b"\r\n");
             continue;
@@ -324,7 +323,9 @@ pub fn parse_request(
     }
     if !xff_written {
         if let Some(ip) = client_ip {
-            let _ = write!(out, "x-forwarded-for: {ip}\r\n");
+            out.extend_from_slice(b"x-forwarded-for: ");
+            super::push_ip(out, ip);
+            out.extend_from_slice(b"\r\n");
         }
     }
 
@@ -350,7 +351,9 @@ pub fn parse_request(
 /// Append Content-Length (when a body goes upstream) and the empty line.
 pub fn finish_upstream_head(out: &mut Vec<u8>, method: Method, body_len: usize) {
     if body_len > 0 || matches!(method, Method::Post | Method::Put | Method::Patch) {
-        let _ = write!(out, "content-length: {body_len}\r\n");
+        out.extend_from_slice(b"content-length: ");
+        super::push_decimal(out, body_len as u64);
+        out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
 }

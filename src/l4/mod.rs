@@ -161,7 +161,7 @@ async fn first_request(
     buf: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
 ) -> Option<(Routed, Instant)> {
-    let shared_cfg = w.shared.cfg();
+    let shared_cfg = w.cfg();
     let cfg = &*shared_cfg;
     if w.draining.get() {
         return None;
@@ -271,7 +271,7 @@ async fn first_request(
 
 async fn connect_replica(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
     let fd = op::tcp_socket(&addr)?;
-    match op::connect(fd, addr, w.shared.cfg().timeouts.connect).await {
+    match op::connect(fd, addr, w.cfg().timeouts.connect).await {
         Ok(()) => Ok(fd),
         Err(e) => {
             op::close(fd);
@@ -305,7 +305,7 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
     let rfd = match connect_replica(w, spec.addr).await {
         Ok(fd) => fd,
         Err(e) => {
-            let health = &w.shared.cfg().health;
+            let health = &w.cfg().health;
             slot.record_failure(
                 w.shared.now_ms(),
                 health.max_fails,
@@ -321,7 +321,7 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         }
     };
     rc.connects.fetch_add(1, Relaxed);
-    let forwarding = effective_forwarding(w.shared.cfg().l4_forwarding);
+    let forwarding = effective_forwarding(w.cfg().l4_forwarding);
     let mut buf = buf;
     if forwarding == L4Forwarding::Sockmap {
         // The program would see a buffer kvlb has partly read whole again (the kernel hands

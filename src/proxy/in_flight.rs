@@ -54,7 +54,7 @@ impl<'a> InFlight<'a> {
     pub(crate) fn first_byte(&mut self) {
         if !self.decoding {
             let stats = self.w.stats();
-            let observed = self.received_at.elapsed();
+            let observed = crate::rt::now().saturating_duration_since(self.received_at);
             stats.first_token.observe_us(observed.as_micros() as u64);
             if self.estimate_s > 0.0 {
                 stats

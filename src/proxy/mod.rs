@@ -14,7 +14,7 @@ use crate::http::{write_error, HttpError};
 use crate::rt::op;
 use crate::rt::select::{select, Either};
 use crate::select::Decision;
-use crate::worker::Worker;
+use crate::worker::{Upstream, Worker};
 pub(crate) use in_flight::InFlight;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -65,7 +65,7 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
         cbuf: w.take_buf(),
         obuf: w.take_buf(),
         ubuf: w.take_buf(),
-        watch: ClientWatch::new(fd, w.take_buf()),
+        watch: ClientWatch::new(fd),
     };
     let _ = connection_loop(&w, &mut conn).await;
     if let Some(b) = conn.watch.finish() {
@@ -119,7 +119,7 @@ fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usiz
 
 fn remaining(deadline: Instant) -> Duration {
     deadline
-        .saturating_duration_since(Instant::now())
+        .saturating_duration_since(crate::rt::now())
         .max(Duration::from_millis(1))
 }
 
@@ -144,7 +144,7 @@ async fn send_local_error(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
 async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
     loop {
         // The configuration in force for this request (a reload may change it between two).
-        let shared_cfg = w.shared.cfg();
+        let shared_cfg = w.cfg();
         let cfg = &*shared_cfg;
         // Wait for the first bytes of the next request.
         if conn.cbuf.is_empty() {
@@ -162,7 +162,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 _ => return End::Close,
             }
         }
-        let received_at = Instant::now();
+        let received_at = crate::rt::now();
         let deadline = received_at + cfg.timeouts.client;
         let max_head = cfg.limits.max_header_bytes;
 
@@ -320,14 +320,14 @@ async fn refuse_request(
 /// Wait, in the bounded queue, until some replica not in `tried` is below its concurrency
 /// limit. Err: the 429 to answer (queue full, or waited `queue_timeout`).
 async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(), HttpError> {
-    let cfg = w.shared.cfg();
+    let cfg = w.cfg();
     let queued = &w.shared.queued;
     if queued.fetch_add(1, Relaxed) >= cfg.queue_size as u64 {
         queued.fetch_sub(1, Relaxed);
         return Err(HttpError::QueueFull);
     }
     w.stats().queued.fetch_add(1, Relaxed);
-    let deadline = Instant::now() + cfg.queue_timeout;
+    let deadline = crate::rt::now() + cfg.queue_timeout;
     let mut pause = Duration::from_millis(1);
     let result = loop {
         op::sleep(pause).await;
@@ -335,7 +335,7 @@ async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(), HttpError>
         if w.fill_candidates(tried).0 > 0 {
             break Ok(());
         }
-        if Instant::now() >= deadline || w.draining.get() {
+        if crate::rt::now() >= deadline || w.draining.get() {
             break Err(HttpError::QueueTimeout);
         }
     };
@@ -362,7 +362,7 @@ fn route(
     parsed: bool,
     tried: &[usize],
 ) -> Route {
-    let cfg = w.shared.cfg();
+    let cfg = w.cfg();
     match w.fill_candidates(tried) {
         (0, 0) => return Route::NoneLeft,
         (0, _) => return Route::AllBusy,
@@ -424,7 +424,7 @@ async fn read_body(
     head: &RequestHead,
     deadline: Instant,
 ) -> Result<(usize, usize), End> {
-    let max_body = w.shared.cfg().limits.max_body_bytes;
+    let max_body = w.cfg().limits.max_body_bytes;
     let start = head.head_len;
     match head.body {
         BodyFraming::None => Ok((start, start)),
@@ -527,7 +527,7 @@ impl UpstreamFailure {
 
 async fn connect_upstream(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
     let fd = op::tcp_socket(&addr)?;
-    match op::connect(fd, addr, w.shared.cfg().timeouts.connect).await {
+    match op::connect(fd, addr, w.cfg().timeouts.connect).await {
         Ok(()) => Ok(fd),
         Err(e) => {
             op::close(fd);
@@ -577,8 +577,8 @@ async fn forward(
         conn.obuf
             .extend_from_slice(&conn.cbuf[head.head_len..body_end]);
     }
-    let cfg = w.shared.cfg();
-    let upstream_deadline = Instant::now() + cfg.timeouts.upstream;
+    let cfg = w.cfg();
+    let upstream_deadline = crate::rt::now() + cfg.timeouts.upstream;
     let slot = w.shared.fleet.slot(replica);
     let failed = |f: UpstreamFailure, retryable: bool| {
         if f.counts_against_replica()
@@ -601,21 +601,21 @@ async fn forward(
     // closed is retried once on a fresh connection (nothing has reached the replica's
     // application then).
     let mut attempt = 0;
-    let (ufd, rhead) = loop {
+    let (mut up, rhead) = loop {
         attempt += 1;
-        let (ufd, reused) = match w.pooled_upstream(replica, routed.epoch) {
-            Some(fd) if attempt == 1 => {
+        let (mut up, reused) = match w.pooled_upstream(replica, routed.epoch) {
+            Some(up) if attempt == 1 => {
                 rc.reuses.fetch_add(1, Relaxed);
-                (fd, true)
+                (up, true)
             }
             pooled => {
-                if let Some(fd) = pooled {
-                    op::close(fd);
+                if let Some(up) = pooled {
+                    up.close();
                 }
                 match connect_upstream(w, routed.spec.addr).await {
                     Ok(fd) => {
                         rc.connects.fetch_add(1, Relaxed);
-                        (fd, false)
+                        (Upstream::new(fd), false)
                     }
                     Err(e) => {
                         conn.obuf.truncate(head_len_up);
@@ -624,33 +624,33 @@ async fn forward(
                 }
             }
         };
-        match send_request(conn, ufd, head, body_end, coalesce).await {
+        match send_request(conn, up.fd, head, body_end, coalesce).await {
             Ok(()) => {}
             Err(_) if reused => {
-                op::close(ufd);
+                up.close();
                 continue;
             }
             Err(_) => {
-                op::close(ufd);
+                up.close();
                 conn.obuf.truncate(head_len_up);
                 return failed(UpstreamFailure::Closed, false);
             }
         }
         rc.bytes_to_replica
             .fetch_add((head_len_up + body_len) as u64, Relaxed);
-        match read_response_head(w, conn, ufd, url, head, upstream_deadline).await {
+        match read_response_head(w, conn, &mut up, url, head, upstream_deadline).await {
             Ok(h) if h.status == 503 && may_retry => {
                 // Overloaded or going away, and nothing sent yet: another replica may do.
-                op::close(ufd);
+                up.close();
                 return failed(UpstreamFailure::Unavailable, true);
             }
-            Ok(h) => break (ufd, h),
+            Ok(h) => break (up, h),
             Err(UpstreamFailure::Closed) if reused && attempt == 1 => {
-                op::close(ufd);
+                up.close();
                 continue;
             }
             Err(f) => {
-                op::close(ufd);
+                up.close();
                 conn.obuf.truncate(head_len_up);
                 return failed(f, false);
             }
@@ -661,26 +661,28 @@ async fn forward(
     } else {
         slot.record_success();
     }
-    let first_byte = Instant::now();
+    let first_byte = crate::rt::now();
     stats
         .ttfb
         .observe_us(first_byte.duration_since(received_at).as_micros() as u64);
     let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
     rc.responses[class].fetch_add(1, Relaxed);
 
-    let result = relay_body(w, conn, ufd, replica, head, &rhead, &mut in_flight).await;
-    stats
-        .total
-        .observe_us(received_at.elapsed().as_micros() as u64);
+    let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight).await;
+    stats.total.observe_us(
+        crate::rt::now()
+            .saturating_duration_since(received_at)
+            .as_micros() as u64,
+    );
     match result {
         Relayed::Complete {
             upstream_reusable,
             client_close,
         } => {
             if upstream_reusable && rhead.reusable {
-                w.return_upstream(replica, ufd, routed.epoch);
+                w.return_upstream(replica, up, routed.epoch);
             } else {
-                op::close(ufd);
+                up.close();
             }
             if client_close {
                 Forwarded::Close
@@ -690,11 +692,11 @@ async fn forward(
         }
         Relayed::ClientGone => {
             rc.client_aborts.fetch_add(1, Relaxed);
-            op::close(ufd);
+            up.close();
             Forwarded::Close
         }
         Relayed::UpstreamBroken => {
-            op::close(ufd);
+            up.close();
             Forwarded::Close
         }
     }
@@ -723,7 +725,7 @@ async fn send_request(
 async fn read_response_head(
     w: &Worker,
     conn: &mut Conn,
-    ufd: RawFd,
+    up: &mut Upstream,
     url: &str,
     head: &RequestHead,
     deadline: Instant,
@@ -736,14 +738,17 @@ async fn read_response_head(
     };
     conn.watch.arm();
     loop {
-        let buf = std::mem::take(&mut conn.ubuf);
-        // Nothing is there yet: the request has only just been sent.
-        let recv = op::RecvOp::start(ufd, buf, Some(remaining(deadline)), true);
-        let (r, b) = match select(recv, conn.watch.gone()).await {
-            Either::Left(v) => v,
-            Either::Right(()) => return Err(UpstreamFailure::ClientGone),
+        let r = {
+            let recv = std::pin::pin!(op::recv_multi(
+                &mut up.recv,
+                &mut conn.ubuf,
+                Some(remaining(deadline))
+            ));
+            match select(recv, conn.watch.gone()).await {
+                Either::Left(r) => r,
+                Either::Right(()) => return Err(UpstreamFailure::ClientGone),
+            }
         };
-        conn.ubuf = b;
         match r {
             Ok(0) => return Err(UpstreamFailure::Closed),
             Ok(_) => {}
@@ -859,17 +864,14 @@ async fn flush_obuf(conn: &mut Conn) -> io::Result<()> {
 }
 
 /// Receive the next piece of the response body while watching for the client going away.
-async fn recv_upstream(conn: &mut Conn, ufd: RawFd) -> Result<usize, Relayed> {
+async fn recv_upstream(conn: &mut Conn, up: &mut Upstream) -> Result<usize, Relayed> {
     conn.ubuf.clear();
-    let recv = op::RecvOp::start(ufd, std::mem::take(&mut conn.ubuf), None, false);
+    let recv = std::pin::pin!(op::recv_multi(&mut up.recv, &mut conn.ubuf, None));
     match select(recv, conn.watch.gone()).await {
-        Either::Left((r, b)) => {
-            conn.ubuf = b;
-            match r {
-                Ok(0) | Err(_) => Err(Relayed::UpstreamBroken),
-                Ok(n) => Ok(n),
-            }
-        }
+        Either::Left(r) => match r {
+            Ok(0) | Err(_) => Err(Relayed::UpstreamBroken),
+            Ok(n) => Ok(n),
+        },
         Either::Right(_) => Err(Relayed::ClientGone),
     }
 }
@@ -877,7 +879,7 @@ async fn recv_upstream(conn: &mut Conn, ufd: RawFd) -> Result<usize, Relayed> {
 async fn relay_body(
     w: &Worker,
     conn: &mut Conn,
-    ufd: RawFd,
+    up: &mut Upstream,
     replica: usize,
     head: &RequestHead,
     rhead: &response::ResponseHead,
@@ -919,7 +921,7 @@ async fn relay_body(
             }
             let mut left = n - first as u64;
             while left > 0 {
-                let got = match recv_upstream(conn, ufd).await {
+                let got = match recv_upstream(conn, up).await {
                     Ok(g) => g,
                     Err(r) => return r,
                 };
@@ -978,7 +980,7 @@ async fn relay_body(
                 if dec.is_done() {
                     break;
                 }
-                match recv_upstream(conn, ufd).await {
+                match recv_upstream(conn, up).await {
                     Ok(got) => rc.bytes_from_replica.fetch_add(got as u64, Relaxed),
                     Err(r) => return r,
                 };
@@ -997,7 +999,7 @@ async fn relay_body(
                 return gone(e);
             }
             loop {
-                match recv_upstream(conn, ufd).await {
+                match recv_upstream(conn, up).await {
                     Ok(got) => {
                         in_flight.first_byte();
                         rc.bytes_from_replica.fetch_add(got as u64, Relaxed);

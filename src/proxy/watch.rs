@@ -1,17 +1,18 @@
-//! The client side of a connection while kvlb works on its request: one receive, armed when
-//! the request has been read, that is both the hang-up watch (0 bytes or an error: the client
-//! went away, so its replica request is cancelled) and, once the answer is out, the wait for
-//! the client's next request. One receive per request instead of a receive, a poll and the
-//! poll's cancellation.
+//! The client side of a connection: every receive from the client goes through one multishot
+//! receive, armed at the connection's first read and kept armed for its life. It is at once
+//! the reader of requests, the wait for the next request of a keep-alive client and, while
+//! kvlb waits on a replica, the hang-up watch (end of stream or an error: the client went
+//! away, so its replica request is cancelled). Per request that is no receive submission and
+//! no poll arming, where single-shot receives cost one of each.
 //!
-//! A client that pipelines (sends its next request before the answer) completes the receive
-//! with data; that data is kept for the next round and a poll for hang-up (`POLLRDHUP`) watches
-//! the rest of the current request, as before.
+//! A client that pipelines (sends its next request before the answer) has those bytes kept
+//! for the next round, up to [`PIPELINED_MAX`]; beyond that, and wherever the multishot receive
+//! cannot run (no provided buffers, or stopped), a `POLLRDHUP` poll watches for hang-up.
 //!
 //! Only this type receives from the client socket: two receives pending on one socket would
 //! split its bytes between them.
 
-use crate::rt::{self, op};
+use crate::rt::op::{self, MultiRecv, Received};
 use std::future::Future;
 use std::io;
 use std::os::fd::RawFd;
@@ -21,14 +22,19 @@ use std::time::Duration;
 
 const HUP_MASK: u32 = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
 
+/// Pipelined bytes kept while a request is served; past this the watch stops reading (the rest
+/// waits in the socket) and watches for hang-up by poll.
+const PIPELINED_MAX: usize = 64 * 1024;
+
 pub struct ClientWatch {
     fd: RawFd,
-    /// The receive in flight, into the next-request buffer.
-    recv: Option<op::RecvOp>,
-    /// Hang-up poll, used once the receive has completed with pipelined data.
+    /// The connection's multishot receive: armed at the first receive and kept armed, so the
+    /// wait for the next request and the hang-up watch cost no submission per request.
+    recv: MultiRecv,
+    /// Hang-up poll, used when the multishot receive cannot watch (stopped, or too many
+    /// pipelined bytes).
     hup: Option<op::PollOp>,
-    /// Bytes received ahead of the request being served, when `recv` is not in flight; its
-    /// allocation travels with the receive while one is.
+    /// Bytes received ahead of the request being served (allocated only if a client pipelines).
     next: Vec<u8>,
     /// The receive saw the end of the stream or an error.
     ended: Option<io::Result<usize>>,
@@ -37,12 +43,12 @@ pub struct ClientWatch {
 }
 
 impl ClientWatch {
-    pub fn new(fd: RawFd, buf: Vec<u8>) -> ClientWatch {
+    pub fn new(fd: RawFd) -> ClientWatch {
         ClientWatch {
             fd,
-            recv: None,
+            recv: MultiRecv::new(fd),
             hup: None,
-            next: buf,
+            next: Vec::new(),
             ended: None,
             blind: false,
         }
@@ -51,13 +57,10 @@ impl ClientWatch {
     /// Start watching the client (no-op if already watching). Call once the request has been
     /// read whole, before waiting on the replica.
     pub fn arm(&mut self) {
-        if self.recv.is_some() || self.hup.is_some() || self.ended.is_some() || self.blind {
+        if self.recv.armed() || self.hup.is_some() || self.ended.is_some() || self.blind {
             return;
         }
-        if self.next.is_empty() {
-            let buf = std::mem::take(&mut self.next);
-            self.recv = Some(op::RecvOp::start(self.fd, buf, None, true));
-        } else {
+        if self.next.len() >= PIPELINED_MAX || !self.recv.arm() {
             self.hup = Some(op::PollOp::start(self.fd, HUP_MASK));
         }
     }
@@ -71,38 +74,25 @@ impl ClientWatch {
     /// already holds come first. Ok(0) at end of stream.
     pub async fn recv_into(&mut self, buf: &mut Vec<u8>, timeout: Duration) -> io::Result<usize> {
         self.hup = None;
-        if let Some(mut r) = self.recv.take() {
-            rt::set_deadline(r.slot(), Some(timeout));
-            let (res, b) = (&mut r).await;
-            self.next = b;
-            if !matches!(res, Ok(n) if n > 0) {
-                return res;
+        if !self.next.is_empty() {
+            let n = self.next.len();
+            if buf.is_empty() {
+                std::mem::swap(buf, &mut self.next);
+            } else {
+                buf.extend_from_slice(&self.next);
+                self.next.clear();
             }
-        } else if let Some(res) = self.ended.take() {
-            return res;
-        } else if self.next.is_empty() {
-            if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(4096);
-            }
-            let (res, b) = op::recv(self.fd, std::mem::take(buf), Some(timeout)).await;
-            *buf = b;
+            return Ok(n);
+        }
+        if let Some(res) = self.ended.take() {
             return res;
         }
-        let n = self.next.len();
-        if buf.is_empty() {
-            std::mem::swap(buf, &mut self.next);
-        } else {
-            buf.extend_from_slice(&self.next);
-            self.next.clear();
-        }
-        Ok(n)
+        op::recv_multi(&mut self.recv, buf, Some(timeout)).await
     }
 
-    /// Hand back the next-request buffer when the connection ends (None while a receive still
-    /// holds it: it is freed when the kernel lets go).
+    /// Hand back the pipelined-bytes buffer when the connection ends, if it has one.
     pub fn finish(mut self) -> Option<Vec<u8>> {
         self.hup = None;
-        self.recv = None;
         let b = std::mem::take(&mut self.next);
         (b.capacity() > 0).then_some(b)
     }
@@ -117,23 +107,29 @@ impl Future for Gone<'_> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let w = &mut *self.watch;
-        if w.ended.is_some() {
-            return Poll::Ready(());
-        }
-        if let Some(r) = w.recv.as_mut() {
-            match Pin::new(r).poll(cx) {
+        while w.ended.is_none() && w.recv.armed() {
+            match w.recv.poll_recv(cx, &mut w.next) {
+                // The waker is registered for the next completion.
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready((res, b)) => {
-                    w.recv = None;
-                    w.next = b;
-                    if !matches!(res, Ok(n) if n > 0) {
-                        w.ended = Some(res);
-                        return Poll::Ready(());
+                Poll::Ready(Received::Data(_)) => {
+                    // Pipelined bytes: kept for the next request. Too many: stop reading
+                    // (dropping the receive cancels it) and watch by poll.
+                    if w.next.len() >= PIPELINED_MAX {
+                        w.recv = MultiRecv::new(w.fd);
                     }
-                    // Pipelined bytes: keep them, watch for hang-up by poll from now on.
+                    if !w.recv.armed() {
+                        w.hup = Some(op::PollOp::start(w.fd, HUP_MASK));
+                    }
+                }
+                Poll::Ready(Received::Eof) => w.ended = Some(Ok(0)),
+                Poll::Ready(Received::Failed(e)) => w.ended = Some(Err(e)),
+                Poll::Ready(Received::TimedOut | Received::Stopped) => {
                     w.hup = Some(op::PollOp::start(w.fd, HUP_MASK));
                 }
             }
+        }
+        if w.ended.is_some() {
+            return Poll::Ready(());
         }
         if let Some(h) = w.hup.as_mut() {
             match Pin::new(h).poll(cx) {

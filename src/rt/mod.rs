@@ -14,12 +14,13 @@
 //! timeouts: arming one is a few stores, and only one that expires costs a submission (an async
 //! cancel of its operation). The loop's `io_uring_enter` waits no longer than the next deadline.
 
+mod bufring;
 mod deadline;
 pub mod op;
 pub mod select;
 pub mod splice;
 
-use io_uring::{opcode, squeue, IoUring};
+use io_uring::{cqueue, opcode, squeue, IoUring};
 use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -91,6 +92,34 @@ struct Slot {
     flags: u32,
     keep: Option<Box<dyn Any>>,
     timespec: io_uring::types::Timespec,
+    /// A multishot operation: its completions queue here (`queue`) until its future takes
+    /// them; it holds the slot until a completion without `IORING_CQE_F_MORE`.
+    multishot: bool,
+    queue: VecDeque<(i32, u32)>,
+    /// The last completion (no `F_MORE`) is in `queue`.
+    ended: bool,
+    /// kvlb cancelled it because its future was not keeping up (see
+    /// [`MULTISHOT_QUEUE_MAX`]); its data waits in the socket.
+    throttled: bool,
+}
+
+/// Completions a multishot receive may have waiting for its task before kvlb cancels it: each
+/// holds a provided buffer, and a task that is not reading (its peer is slow to take what it
+/// sends) must leave the rest in the socket, where TCP flow control applies, instead of
+/// draining the shared buffer ring.
+pub const MULTISHOT_QUEUE_MAX: usize = 4;
+
+impl Slot {
+    /// Back to free after a multishot operation (the queue keeps its capacity).
+    fn reset(&mut self) {
+        self.state = SlotState::Free;
+        self.waker = None;
+        self.keep = None;
+        self.multishot = false;
+        self.queue.clear();
+        self.ended = false;
+        self.throttled = false;
+    }
 }
 
 type Task = Pin<Box<dyn Future<Output = ()>>>;
@@ -102,6 +131,14 @@ struct TaskEntry {
 
 pub(crate) struct Inner {
     ring: RefCell<IoUring>,
+    /// Provided buffers for multishot receives (None where the kernel has no buffer rings).
+    /// After `ring`: dropped once the ring, and the kernel's use of it, is gone.
+    bufs: Option<bufring::BufRing>,
+    /// Multishot slots to cancel, gathered while completions are reaped.
+    throttle: RefCell<Vec<u32>>,
+    /// Multishot receives throttled, and stopped for want of a provided buffer.
+    throttled: Cell<u64>,
+    buffer_shortages: Cell<u64>,
     /// Boxed one by one: a slot's address must not move while the kernel may read it.
     #[allow(clippy::vec_box)]
     slots: RefCell<Vec<Box<Slot>>>,
@@ -114,6 +151,10 @@ pub(crate) struct Inner {
     deadlines: RefCell<deadline::Wheel>,
     fired: RefCell<Vec<u32>>,
     epoch: std::time::Instant,
+    /// The loop's clock, read once before and once after each wait for completions: every
+    /// deadline and latency stamp of one turn shares it (as nginx's cached time does), so a
+    /// request costs no clock reads. Its error is at most one turn's work.
+    now: Cell<std::time::Instant>,
 }
 
 thread_local! {
@@ -147,9 +188,14 @@ impl Runtime {
             .build(entries)
             .or_else(|_| IoUring::builder().setup_submit_all().build(entries))
             .or_else(|_| IoUring::new(entries))?;
+        let bufs = bufring::BufRing::register(&ring).ok();
         Ok(Runtime {
             inner: Rc::new(Inner {
                 ring: RefCell::new(ring),
+                bufs,
+                throttle: RefCell::new(Vec::with_capacity(64)),
+                throttled: Cell::new(0),
+                buffer_shortages: Cell::new(0),
                 slots: RefCell::new(Vec::new()),
                 free_slots: RefCell::new(Vec::new()),
                 tasks: RefCell::new(Vec::new()),
@@ -159,6 +205,7 @@ impl Runtime {
                 deadlines: RefCell::new(deadline::Wheel::new(0)),
                 fired: RefCell::new(Vec::new()),
                 epoch: std::time::Instant::now(),
+                now: Cell::new(std::time::Instant::now()),
             }),
         })
     }
@@ -179,6 +226,7 @@ impl Runtime {
                 break;
             }
             self.inner.submit_and_wait();
+            self.inner.now.set(std::time::Instant::now());
             self.inner.reap();
             self.inner.expire_deadlines();
         }
@@ -194,6 +242,15 @@ impl Runtime {
         let _ = self.inner.ring.borrow_mut().submit();
         CURRENT.with(|c| *c.borrow_mut() = None);
     }
+}
+
+/// The worker loop's clock: the time its current turn began (read once per wait for
+/// completions, not per call). Off a worker thread, the real time.
+pub fn now() -> std::time::Instant {
+    CURRENT.with(|c| match c.borrow().as_ref() {
+        Some(inner) => inner.now.get(),
+        None => std::time::Instant::now(),
+    })
 }
 
 /// Spawn a task on the current worker.
@@ -270,11 +327,12 @@ impl Inner {
     }
 
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.now.get().duration_since(self.epoch).as_millis() as u64
     }
 
     /// Submit what is queued and wait for a completion, or for the next deadline.
     fn submit_and_wait(&self) {
+        self.now.set(std::time::Instant::now());
         let wait_ms = self.deadlines.borrow().next_wait_ms(self.now_ms());
         let ring = self.ring.borrow_mut();
         loop {
@@ -331,6 +389,39 @@ impl Inner {
                 continue;
             };
             self.deadlines.borrow_mut().disarm(ud as u32);
+            if slot.multishot {
+                let (res, flags) = (cqe.result(), cqe.flags());
+                let last = !cqueue::more(flags);
+                match slot.state {
+                    SlotState::Pending => {
+                        slot.queue.push_back((res, flags));
+                        if res == -libc::ENOBUFS {
+                            self.buffer_shortages.set(self.buffer_shortages.get() + 1);
+                        }
+                        if last {
+                            slot.ended = true;
+                        } else if slot.queue.len() >= MULTISHOT_QUEUE_MAX && !slot.throttled {
+                            slot.throttled = true;
+                            self.throttled.set(self.throttled.get() + 1);
+                            self.throttle.borrow_mut().push(ud as u32);
+                        }
+                        if let Some(w) = slot.waker.take() {
+                            w.wake();
+                        }
+                    }
+                    SlotState::Abandoned => {
+                        if let Some(bid) = cqueue::buffer_select(flags) {
+                            self.recycle(bid);
+                        }
+                        if last {
+                            slot.reset();
+                            self.free_slots.borrow_mut().push(ud as u32);
+                        }
+                    }
+                    SlotState::Free | SlotState::Done => {}
+                }
+                continue;
+            }
             match slot.state {
                 SlotState::Pending => {
                     slot.state = SlotState::Done;
@@ -349,6 +440,20 @@ impl Inner {
                 SlotState::Free | SlotState::Done => {}
             }
         }
+        drop(slots);
+        drop(ring);
+        let mut throttle = self.throttle.borrow_mut();
+        for slot in throttle.drain(..) {
+            self.push(&[opcode::AsyncCancel::new(slot as u64)
+                .build()
+                .user_data(IGNORED)]);
+        }
+    }
+
+    fn recycle(&self, bid: u16) {
+        if let Some(b) = &self.bufs {
+            b.recycle(bid);
+        }
     }
 
     fn alloc_slot(&self) -> u32 {
@@ -366,6 +471,10 @@ impl Inner {
             flags: 0,
             keep: None,
             timespec: io_uring::types::Timespec::new(),
+            multishot: false,
+            queue: VecDeque::new(),
+            ended: false,
+            throttled: false,
         }));
         (slots.len() - 1) as u32
     }
@@ -460,6 +569,88 @@ pub(crate) fn submit_timeout(after: std::time::Duration) -> u32 {
     })
 }
 
+/// One completion of a multishot operation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MultiCqe {
+    pub res: i32,
+    pub flags: u32,
+    /// No more completions follow: the slot is freed.
+    pub last: bool,
+    /// It ended because kvlb throttled it (see [`MULTISHOT_QUEUE_MAX`]), not by itself.
+    pub throttled: bool,
+}
+
+/// Submit a multishot receive-like operation selecting from the worker's provided buffers.
+/// None where the kernel has no buffer rings.
+pub(crate) fn submit_multishot(entry: squeue::Entry) -> Option<u32> {
+    with_current(|inner| {
+        inner.bufs.as_ref()?;
+        let slot = inner.alloc_slot();
+        inner.slots.borrow_mut()[slot as usize].multishot = true;
+        inner.push(&[entry
+            .flags(squeue::Flags::BUFFER_SELECT)
+            .user_data(slot as u64)]);
+        Some(slot)
+    })
+}
+
+/// Take the oldest completion of multishot `slot`, or register `cx`'s waker when there is none.
+pub(crate) fn multishot_next(slot: u32, cx: &mut Context<'_>) -> Option<MultiCqe> {
+    with_current(|inner| {
+        let mut slots = inner.slots.borrow_mut();
+        let s = &mut slots[slot as usize];
+        match s.queue.pop_front() {
+            Some((res, flags)) => {
+                let last = s.ended && s.queue.is_empty();
+                let throttled = s.throttled;
+                if last {
+                    s.reset();
+                    drop(slots);
+                    inner.free_slots.borrow_mut().push(slot);
+                }
+                Some(MultiCqe {
+                    res,
+                    flags,
+                    last,
+                    throttled,
+                })
+            }
+            None => {
+                match &s.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => s.waker = Some(cx.waker().clone()),
+                }
+                None
+            }
+        }
+    })
+}
+
+/// This worker's multishot receive counts: (throttled, stopped for want of a provided buffer).
+pub fn multishot_stats() -> (u64, u64) {
+    with_current(|inner| (inner.throttled.get(), inner.buffer_shortages.get()))
+}
+
+/// Whether multishot `slot` has no completion waiting.
+pub(crate) fn multishot_quiet(slot: u32) -> bool {
+    with_current(|inner| inner.slots.borrow()[slot as usize].queue.is_empty())
+}
+
+/// Append the first `len` bytes of provided buffer `bid` to `out` and give the buffer back.
+pub(crate) fn take_buffer(bid: u16, len: usize, out: &mut Vec<u8>) {
+    with_current(|inner| {
+        if let Some(b) = &inner.bufs {
+            out.extend_from_slice(b.bytes(bid, len));
+            b.recycle(bid);
+        }
+    })
+}
+
+/// Give provided buffer `bid` back unread.
+pub(crate) fn recycle_buffer(bid: u16) {
+    with_current(|inner| inner.recycle(bid))
+}
+
 /// Poll a slot: Ready(result) once completed (and frees the slot), else registers the waker.
 pub(crate) fn poll_slot(slot: u32, cx: &mut Context<'_>) -> Poll<(i32, u32)> {
     with_current(|inner| {
@@ -493,6 +684,48 @@ pub(crate) fn abandon_slot(slot: u32, keep: Option<Box<dyn Any>>) {
         let Some(inner) = c.as_ref() else { return };
         let mut slots = inner.slots.borrow_mut();
         let s = &mut slots[slot as usize];
+        if s.multishot && s.state == SlotState::Pending {
+            for (_, flags) in s.queue.drain(..) {
+                if let Some(bid) = cqueue::buffer_select(flags) {
+                    inner.recycle(bid);
+                }
+            }
+            inner.deadlines.borrow_mut().disarm(slot);
+            if s.ended {
+                s.reset();
+                drop(slots);
+                inner.free_slots.borrow_mut().push(slot);
+            } else {
+                s.state = SlotState::Abandoned;
+                s.waker = None;
+                drop(slots);
+                inner.push(&[opcode::AsyncCancel::new(slot as u64)
+                    .build()
+                    .user_data(IGNORED)]);
+            }
+            return;
+        }
+        if s.multishot && s.state == SlotState::Pending {
+            for (_, flags) in s.queue.drain(..) {
+                if let Some(bid) = cqueue::buffer_select(flags) {
+                    inner.recycle(bid);
+                }
+            }
+            inner.deadlines.borrow_mut().disarm(slot);
+            if s.ended {
+                s.reset();
+                drop(slots);
+                inner.free_slots.borrow_mut().push(slot);
+            } else {
+                s.state = SlotState::Abandoned;
+                s.waker = None;
+                drop(slots);
+                inner.push(&[opcode::AsyncCancel::new(slot as u64)
+                    .build()
+                    .user_data(IGNORED)]);
+            }
+            return;
+        }
         match s.state {
             SlotState::Done => {
                 s.state = SlotState::Free;
@@ -547,3 +780,6 @@ fn wake_raw(p: *const ()) {
 }
 
 fn drop_raw(_: *const ()) {}
+
+#[cfg(test)]
+mod tests;

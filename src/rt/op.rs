@@ -1,7 +1,10 @@
 //! io_uring operations as futures. Each owns the memory the kernel reads or writes (buffers,
 //! socket addresses) until its completion is reaped; see the module header of `rt`.
 
-use super::{abandon_slot, poll_slot, submit, submit_timeout, submit_with_timeout};
+use super::{
+    abandon_slot, multishot_next, poll_slot, recycle_buffer, set_deadline, submit,
+    submit_multishot, submit_timeout, submit_with_timeout, take_buffer,
+};
 use io_uring::{opcode, types::Fd};
 use std::any::Any;
 use std::future::Future;
@@ -125,6 +128,153 @@ impl Future for RecvOp {
             Poll::Pending => Poll::Pending,
         }
     }
+}
+
+/// A multishot receive on one socket: armed once, it stays armed across requests, so waiting
+/// for the next request or answer costs no submission and no poll arming (the io_uring
+/// counterpart of an edge-triggered epoll registration). Bytes arrive in the worker's provided
+/// buffers and are copied into the caller's buffer. When it stops (the kernel ran out of
+/// buffers, or kvlb throttled a reader that fell behind) the caller's next receive is a
+/// single-shot one and the one after re-arms it.
+pub struct MultiRecv {
+    fd: RawFd,
+    slot: Option<u32>,
+}
+
+/// What a multishot receive delivered.
+#[derive(Debug)]
+pub enum Received {
+    /// Bytes appended to the caller's buffer.
+    Data(usize),
+    /// End of stream.
+    Eof,
+    /// The deadline passed.
+    TimedOut,
+    /// An error from the socket.
+    Failed(io::Error),
+    /// The multishot receive stopped with nothing delivered; the socket may hold data: receive
+    /// once the ordinary way.
+    Stopped,
+}
+
+impl MultiRecv {
+    pub fn new(fd: RawFd) -> MultiRecv {
+        MultiRecv { fd, slot: None }
+    }
+
+    /// Arm it if it is not armed; false where the kernel has no provided buffer rings.
+    pub fn arm(&mut self) -> bool {
+        if self.slot.is_none() {
+            let entry = opcode::RecvMulti::new(Fd(self.fd), super::bufring::GROUP).build();
+            self.slot = submit_multishot(entry);
+        }
+        self.slot.is_some()
+    }
+
+    pub fn armed(&self) -> bool {
+        self.slot.is_some()
+    }
+
+    /// Nothing has arrived since the last receive (no data, no end, no error waiting).
+    pub fn quiet(&self) -> bool {
+        self.slot.is_none_or(super::multishot_quiet)
+    }
+
+    /// Move its deadline (None: none). No-op when not armed.
+    pub fn set_deadline(&self, after: Option<Duration>) {
+        if let Some(slot) = self.slot {
+            set_deadline(slot, after);
+        }
+    }
+
+    /// Deliver what has arrived (every waiting completion, appended to `buf`), or register the
+    /// task's waker. Pending when not armed.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>, buf: &mut Vec<u8>) -> Poll<Received> {
+        let mut got = 0usize;
+        while let Some(slot) = self.slot {
+            let Some(c) = multishot_next(slot, cx) else {
+                break;
+            };
+            if c.last {
+                self.slot = None;
+            }
+            let bid = io_uring::cqueue::buffer_select(c.flags);
+            if c.res > 0 {
+                if let Some(bid) = bid {
+                    take_buffer(bid, c.res as usize, buf);
+                    got += c.res as usize;
+                }
+                continue;
+            }
+            if let Some(bid) = bid {
+                recycle_buffer(bid);
+            }
+            if got > 0 {
+                // Deliver the bytes now. It is disarmed: the next receive re-arms it and meets
+                // the end or the error again on the socket itself.
+                return Poll::Ready(Received::Data(got));
+            }
+            return Poll::Ready(if c.res == 0 {
+                Received::Eof
+            } else if c.res == -libc::ECANCELED && !c.throttled {
+                Received::TimedOut
+            } else if c.res == -libc::ECANCELED || c.res == -libc::ENOBUFS {
+                Received::Stopped
+            } else {
+                Received::Failed(errno(c.res))
+            });
+        }
+        if got > 0 {
+            Poll::Ready(Received::Data(got))
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl Drop for MultiRecv {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            abandon_slot(slot, None);
+        }
+    }
+}
+
+/// Receive into `buf` through `m` (armed here if it is not), waiting at most `timeout`: the
+/// bytes received (0 at end of stream; `ErrorKind::TimedOut` past the deadline). Falls back to
+/// one ordinary receive when multishot receives are unavailable or stopped.
+pub async fn recv_multi(
+    m: &mut MultiRecv,
+    buf: &mut Vec<u8>,
+    timeout: Option<Duration>,
+) -> io::Result<usize> {
+    if m.arm() {
+        let mut waited = false;
+        let r = std::future::poll_fn(|cx| {
+            let r = m.poll_recv(cx, buf);
+            if r.is_pending() && !waited {
+                waited = true;
+                m.set_deadline(timeout);
+            }
+            r
+        })
+        .await;
+        match r {
+            Received::Data(n) => return Ok(n),
+            Received::Eof => return Ok(0),
+            Received::TimedOut => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out"))
+            }
+            Received::Failed(e) => return Err(e),
+            Received::Stopped => {}
+        }
+    }
+    if buf.capacity() - buf.len() < 4096 {
+        buf.reserve(4096);
+    }
+    let (r, b) = recv(m.fd, std::mem::take(buf), timeout).await;
+    *buf = b;
+    r
 }
 
 /// Receive into the spare capacity of `buf` (which must have some), extending its length.

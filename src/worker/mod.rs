@@ -12,7 +12,10 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool,
+    Ordering::{Acquire, Relaxed},
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,11 +80,16 @@ impl Shared {
     /// Put a new configuration in force (the fleet is changed separately).
     pub fn set_cfg(&self, cfg: ServeConfig) {
         self.config.store(Arc::new(cfg));
-        self.fleet.generation.fetch_add(1, Relaxed);
+        self.fleet
+            .generation
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
     }
 
+    /// Milliseconds since start, by the worker loop's clock on a worker (see [`crate::rt::now`]).
     pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        crate::rt::now()
+            .saturating_duration_since(self.epoch)
+            .as_millis() as u64
     }
 }
 
@@ -91,6 +99,30 @@ const MAX_IDLE_UPSTREAM: usize = 256;
 const BUF_CAPACITY: usize = 16 * 1024;
 const BUF_KEEP_MAX: usize = 256 * 1024;
 
+/// A keep-alive connection to a replica with its multishot receive, which stays armed while the
+/// connection is pooled: if the replica closes it (or sends stray bytes) while it is idle, that
+/// shows at the next checkout and the connection is not reused.
+pub struct Upstream {
+    pub fd: RawFd,
+    pub recv: op::MultiRecv,
+}
+
+impl Upstream {
+    pub fn new(fd: RawFd) -> Upstream {
+        Upstream {
+            fd,
+            recv: op::MultiRecv::new(fd),
+        }
+    }
+
+    /// Cancel the receive and close the socket.
+    pub fn close(self) {
+        let Upstream { fd, recv } = self;
+        drop(recv);
+        op::close(fd);
+    }
+}
+
 /// Per-worker state, owned by the worker's thread.
 pub struct Worker {
     pub id: usize,
@@ -99,9 +131,16 @@ pub struct Worker {
     pub rng: RefCell<Rng>,
     /// Idle keep-alive connections per replica slot, with the slot's epoch when they were
     /// opened (a slot given to another replica since then makes them stale).
-    idle_upstream: RefCell<Vec<Vec<(RawFd, u64)>>>,
+    idle_upstream: RefCell<Vec<Vec<(Upstream, u64)>>>,
     /// The fleet generation this worker's policy was built for.
     generation: Cell<u64>,
+    /// The configuration in force as of `config_generation`: a worker reads it several times a
+    /// request, and a plain pointer is cheaper than an `ArcSwap` load each time.
+    /// (An `Rc` around the `Arc` on purpose: cloning it touches only this thread's count, not
+    /// the `Arc`'s, which every worker shares.)
+    #[allow(clippy::redundant_allocation)]
+    config: RefCell<Rc<Arc<ServeConfig>>>,
+    config_generation: Cell<u64>,
     bufs: RefCell<Vec<Vec<u8>>>,
     pub candidates: RefCell<Vec<Candidate>>,
     pub spans: RefCell<Vec<(usize, usize)>>,
@@ -114,6 +153,18 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// The configuration in force (re-read after a reload or fleet change; otherwise a
+    /// reference count on this thread's own copy of the pointer).
+    #[allow(clippy::redundant_allocation)]
+    pub fn cfg(&self) -> Rc<Arc<ServeConfig>> {
+        let g = self.shared.fleet.generation.load(Acquire);
+        if g != self.config_generation.get() {
+            *self.config.borrow_mut() = Rc::new(self.shared.config.load_full());
+            self.config_generation.set(g);
+        }
+        self.config.borrow().clone()
+    }
+
     pub fn stats(&self) -> &WorkerStats {
         &self.shared.workers[self.id]
     }
@@ -136,26 +187,27 @@ impl Worker {
         }
     }
 
-    /// An idle keep-alive connection to replica slot `r` as of `epoch`, if any.
-    pub fn pooled_upstream(&self, r: usize, epoch: u64) -> Option<RawFd> {
+    /// An idle keep-alive connection to replica slot `r` as of `epoch`, if any. Connections the
+    /// replica closed (or sent unasked-for bytes on) while idle are closed and skipped.
+    pub fn pooled_upstream(&self, r: usize, epoch: u64) -> Option<Upstream> {
         let mut pool = self.idle_upstream.borrow_mut();
-        while let Some((fd, e)) = pool[r].pop() {
-            if e == epoch {
-                return Some(fd);
+        while let Some((up, e)) = pool[r].pop() {
+            // Otherwise opened to the slot's previous replica, or no longer idle-clean.
+            if e == epoch && up.recv.quiet() {
+                return Some(up);
             }
-            // Opened to the slot's previous replica.
-            op::close(fd);
+            up.close();
         }
         None
     }
 
-    pub fn return_upstream(&self, r: usize, fd: RawFd, epoch: u64) {
+    pub fn return_upstream(&self, r: usize, up: Upstream, epoch: u64) {
         let mut pool = self.idle_upstream.borrow_mut();
         let current = self.shared.fleet.slot(r).epoch.load(Relaxed);
         if self.draining.get() || pool[r].len() >= MAX_IDLE_UPSTREAM || epoch != current {
-            op::close(fd);
+            up.close();
         } else {
-            pool[r].push((fd, epoch));
+            pool[r].push((up, epoch));
         }
     }
 
@@ -168,7 +220,7 @@ impl Worker {
             return;
         }
         self.generation.set(g);
-        let cfg = self.shared.cfg();
+        let cfg = self.cfg();
         match build_policy(&self.shared, self.id, &cfg) {
             Ok(p) => *self.policy.borrow_mut() = p,
             Err(e) => eprintln!("kvlb: worker {}: keeping the previous policy: {e}", self.id),
@@ -177,12 +229,14 @@ impl Worker {
         let mut pool = self.idle_upstream.borrow_mut();
         for (r, conns) in pool.iter_mut().enumerate() {
             let epoch = self.shared.fleet.slot(r).epoch.load(Relaxed);
-            conns.retain(|&(fd, e)| {
-                if e != epoch {
-                    op::close(fd);
+            let mut i = 0;
+            while i < conns.len() {
+                if conns[i].1 != epoch {
+                    conns.swap_remove(i).0.close();
+                } else {
+                    i += 1;
                 }
-                e == epoch
-            });
+            }
         }
     }
 
@@ -215,7 +269,7 @@ impl Worker {
     /// replicas left out for being at their limit).
     pub fn fill_candidates(&self, tried: &[usize]) -> (usize, usize) {
         let now = self.shared.now_ms();
-        let cfg = self.shared.cfg();
+        let cfg = self.cfg();
         let slow_start_ms = cfg.health.slow_start.as_millis() as u64;
         let mut capped = 0;
         let at_cap = |i: usize, slot: &crate::fleet::ReplicaSlot| {
@@ -336,7 +390,9 @@ impl Worker {
             blocks,
             block_tokens,
             prompt_tokens,
-            now_us: self.shared.epoch.elapsed().as_micros() as u64,
+            now_us: crate::rt::now()
+                .saturating_duration_since(self.shared.epoch)
+                .as_micros() as u64,
         };
         let random = self.rng.borrow_mut().next_u64();
         let (replica, decision) = {
@@ -436,8 +492,10 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         rng: RefCell::new(Rng::new(
             0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
         )),
-        idle_upstream: RefCell::new(vec![Vec::new(); n_replicas]),
+        idle_upstream: RefCell::new((0..n_replicas).map(|_| Vec::new()).collect()),
         generation: Cell::new(generation),
+        config: RefCell::new(Rc::new(shared.config.load_full())),
+        config_generation: Cell::new(0),
         bufs: RefCell::new(Vec::new()),
         candidates: RefCell::new(Vec::with_capacity(n_replicas)),
         spans: RefCell::new(Vec::with_capacity(64)),
@@ -453,10 +511,10 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
     rt.block_on(async move {
         let listeners = fds;
         for (i, &l) in listeners.iter().enumerate() {
-            let l4 = w.shared.cfg().listener_mode(i) == crate::config::ListenerMode::L4;
+            let l4 = w.cfg().listener_mode(i) == crate::config::ListenerMode::L4;
             if l4 {
                 // Load the sockmap program (or say why not) before the first connection.
-                crate::l4::effective_forwarding(w.shared.cfg().l4_forwarding);
+                crate::l4::effective_forwarding(w.cfg().l4_forwarding);
             }
             rt::spawn(accept_loop(w.clone(), l, l4));
         }
@@ -474,7 +532,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
                 unsafe { libc::shutdown(fd, libc::SHUT_RD) };
             }
         }
-        let deadline = Instant::now() + w.shared.cfg().timeouts.drain;
+        let deadline = Instant::now() + w.cfg().timeouts.drain;
         while w.open.get() > 0 && Instant::now() < deadline {
             op::sleep(Duration::from_millis(20)).await;
             for &fd in w.idle_clients.borrow().iter() {
@@ -489,8 +547,8 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         op::close(l);
     }
     for pool in worker.idle_upstream.borrow_mut().drain(..) {
-        for (fd, _) in pool {
-            op::close(fd);
+        for (up, _) in pool {
+            up.close();
         }
     }
 }
@@ -508,7 +566,7 @@ async fn accept_loop(w: Rc<Worker>, listener: RawFd, l4: bool) {
                 }
                 let stats = w.stats();
                 stats.accepted.fetch_add(1, Relaxed);
-                if w.open.get() >= w.shared.cfg().limits.max_connections {
+                if w.open.get() >= w.cfg().limits.max_connections {
                     rt::spawn(proxy::refuse(w.clone(), fd));
                     continue;
                 }
