@@ -112,6 +112,10 @@ pub struct WorkerStats {
     pub queued: AtomicU64,
     /// Heap allocations made by the worker's thread (published after each request).
     pub allocations: AtomicU64,
+    /// Multishot receives throttled because their task fell behind, and stopped for want of a
+    /// provided buffer (published after each request, like `allocations`).
+    pub recv_throttled: AtomicU64,
+    pub recv_buffer_shortages: AtomicU64,
     /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
     pub local_errors: [AtomicU64; 9],
     pub ttfb: Histogram,
@@ -134,6 +138,8 @@ impl WorkerStats {
         WorkerStats {
             accepted: AtomicU64::new(0),
             open_connections: AtomicU64::new(0),
+            recv_throttled: AtomicU64::new(0),
+            recv_buffer_shortages: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             queued: AtomicU64::new(0),
@@ -393,6 +399,32 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
             out,
             "kvlb_worker_allocations_total{{worker=\"{i}\"}} {}",
             w.allocations.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_recv_throttled_total",
+        "counter",
+        "Client or replica receives paused because kvlb could not pass the bytes on as fast as they came (the rest waited in the socket).",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_recv_throttled_total{{worker=\"{i}\"}} {}",
+            w.recv_throttled.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_worker_recv_buffer_shortages_total",
+        "counter",
+        "Receives that found the worker's provided-buffer ring empty and fell back to a single-shot receive.",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_worker_recv_buffer_shortages_total{{worker=\"{i}\"}} {}",
+            w.recv_buffer_shortages.load(Relaxed)
         );
     }
     family(

@@ -322,6 +322,57 @@ fn eight_mib_chunked_response_via_curl() {
     curl_download(&kvlb, "/chunked?n=128&size=65536", EIGHT_MIB);
 }
 
+/// A client that reads an 8 MiB answer slowly: kvlb stops taking the replica's bytes while it
+/// cannot pass them on (its receive is throttled, and the rest waits in the replica's socket)
+/// and every byte still arrives, in order.
+#[test]
+fn slow_reader_of_a_large_answer_throttles_the_replica_side_and_loses_nothing() {
+    use std::io::{Read, Write};
+    let (_backend, kvlb) = proxied(&[]);
+    let mut s = std::net::TcpStream::connect(kvlb.listen).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        s,
+        "GET /bytes?n={EIGHT_MIB} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let n = s.read(&mut chunk).unwrap();
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&chunk[..n]);
+        // About 1 s for the whole answer: far slower than loopback.
+        std::thread::sleep(std::time::Duration::from_millis(8));
+    }
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head")
+        + 4;
+    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let sha = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-body-sha256: "))
+        .expect("x-body-sha256")
+        .trim()
+        .to_string();
+    let body = &raw[end..];
+    assert_eq!(body.len(), EIGHT_MIB);
+    assert_eq!(sha256_hex(body), sha, "the body arrived altered");
+    let throttled = kvlb
+        .metric("kvlb_worker_recv_throttled_total", &[])
+        .expect("kvlb_worker_recv_throttled_total");
+    assert!(
+        throttled > 0.0,
+        "the replica-side receive was never throttled"
+    );
+}
+
 #[test]
 fn sse_events_are_streamed_as_they_are_produced() {
     let (_backend, kvlb) = proxied(&[]);

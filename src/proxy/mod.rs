@@ -277,9 +277,13 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             Forwarded::Refused => continue,
             other => other,
         };
-        w.stats()
+        let stats = w.stats();
+        stats
             .allocations
             .store(crate::alloc::thread_allocations(), Relaxed);
+        let (throttled, short) = crate::rt::multishot_stats();
+        stats.recv_throttled.store(throttled, Relaxed);
+        stats.recv_buffer_shortages.store(short, Relaxed);
 
         consume_request(conn, req_end);
         match outcome {
