@@ -168,7 +168,8 @@ impl ResidencyWriter {
     }
 }
 
-/// Run `writer` on its own thread: every `period` it drains the routing logs and then calls
+/// Run `writer` on its own thread: every `period` (up to 4 periods while there is nothing to
+/// drain) it drains the routing logs and then calls
 /// `on_tick(&mut writer, now_us)` (where KV events get applied), until `stop` is set; the
 /// thread then returns the writer. `clock` gives the microseconds passed to the writer.
 pub fn spawn_writer_thread<C, T>(
@@ -185,13 +186,18 @@ where
     std::thread::Builder::new()
         .name("kvlb-residency".into())
         .spawn(move || {
+            // Ticks that found no routing guess in a row: the sleep doubles with them up to
+            // 4 periods, so a writer with nothing to do wakes a quarter as often (each wake is
+            // a context switch on a core the workers may be using).
+            let mut quiet_ticks = 0u32;
             while !stop.load(Ordering::Acquire) {
                 let now = clock();
                 // Routing guesses first, then what the replicas reported: an event (a removal,
                 // a clear) must override a guess made before it, however late the tick runs.
-                writer.drain(now);
+                let applied = writer.drain(now);
                 on_tick(&mut writer, now);
-                std::thread::sleep(period);
+                quiet_ticks = if applied == 0 { quiet_ticks + 1 } else { 0 };
+                std::thread::sleep(period * (1 << quiet_ticks.min(2)));
             }
             writer.drain(clock());
             writer
