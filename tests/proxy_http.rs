@@ -781,6 +781,46 @@ fn pipelined_requests_are_answered_in_order() {
     }
 }
 
+/// More pipelined bytes than kvlb keeps ahead of the request it serves (64 KiB): it stops
+/// reading, the rest waits in the socket, and every request is still answered, in order.
+#[test]
+fn a_long_pipeline_is_answered_in_order() {
+    let (_backend, kvlb) = proxied(&[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let n = 80;
+    let body_of = |i: usize| format!("{i:04}").repeat(500);
+    let mut raw = Vec::new();
+    for i in 0..n {
+        let body = body_of(i);
+        raw.extend_from_slice(
+            format!(
+                "POST /echo?i={i} HTTP/1.1\r\nHost: kvlb.test\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        );
+    }
+    assert!(raw.len() > 128 * 1024);
+    let writer = {
+        let mut w = conn.stream().try_clone().expect("clone the stream");
+        std::thread::spawn(move || {
+            use std::io::Write;
+            w.write_all(&raw).expect("send the pipeline");
+        })
+    };
+    for i in 0..n {
+        let resp = conn.read_response("POST").unwrap_or_else(|e| {
+            panic!(
+                "pipelined response {i}: {e}\nkvlb stderr:\n{}",
+                kvlb.stderr()
+            )
+        });
+        expect_ok(&resp, &kvlb, "pipelined POST");
+        assert_eq!(resp.body, body_of(i).as_bytes(), "response {i}");
+    }
+    writer.join().unwrap();
+}
+
 #[test]
 fn x_forwarded_for_over_several_lines_keeps_order() {
     let (_backend, kvlb) = proxied(&[]);

@@ -112,10 +112,10 @@ impl Future for Gone<'_> {
                 // The waker is registered for the next completion.
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Received::Data(_)) => {
-                    // Pipelined bytes: kept for the next request. Too many: stop reading
-                    // (dropping the receive cancels it) and watch by poll.
+                    // Pipelined bytes: kept for the next request. Too many: stop reading (the
+                    // bytes still in flight are kept too) and then watch by poll.
                     if w.next.len() >= PIPELINED_MAX {
-                        w.recv = MultiRecv::new(w.fd);
+                        w.recv.stop();
                     }
                     if !w.recv.armed() {
                         w.hup = Some(op::PollOp::start(w.fd, HUP_MASK));

@@ -631,6 +631,24 @@ pub fn multishot_stats() -> (u64, u64) {
     with_current(|inner| (inner.throttled.get(), inner.buffer_shortages.get()))
 }
 
+/// Ask multishot `slot` to stop without giving up what it has already received: it is
+/// cancelled, and its future keeps taking completions until the last (which reads as a
+/// throttled stop, not a timeout).
+pub(crate) fn stop_multishot(slot: u32) {
+    with_current(|inner| {
+        let mut slots = inner.slots.borrow_mut();
+        let s = &mut slots[slot as usize];
+        if s.state != SlotState::Pending || s.ended || s.throttled {
+            return;
+        }
+        s.throttled = true;
+        drop(slots);
+        inner.push(&[opcode::AsyncCancel::new(slot as u64)
+            .build()
+            .user_data(IGNORED)]);
+    })
+}
+
 /// Whether multishot `slot` has no completion waiting.
 pub(crate) fn multishot_quiet(slot: u32) -> bool {
     with_current(|inner| inner.slots.borrow()[slot as usize].queue.is_empty())

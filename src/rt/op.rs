@@ -175,6 +175,29 @@ impl MultiRecv {
         self.slot.is_some()
     }
 
+    /// Begin stopping it, keeping every byte: later `poll_recv` calls deliver what was received
+    /// before the kernel let go, then `Received::Stopped` (or the end, or an error) and it is
+    /// disarmed. Dropping it instead would discard bytes in flight.
+    pub fn stop(&mut self) {
+        if let Some(slot) = self.slot {
+            super::stop_multishot(slot);
+        }
+    }
+
+    /// Stop it and wait until it has (see `stop`), appending what it still delivers to `buf`.
+    /// Returns the end of stream or an error if that is what it met.
+    pub async fn stop_into(&mut self, buf: &mut Vec<u8>) -> Option<io::Result<usize>> {
+        self.stop();
+        while self.armed() {
+            match std::future::poll_fn(|cx| self.poll_recv(cx, buf)).await {
+                Received::Data(_) | Received::Stopped | Received::TimedOut => {}
+                Received::Eof => return Some(Ok(0)),
+                Received::Failed(e) => return Some(Err(e)),
+            }
+        }
+        None
+    }
+
     /// Nothing has arrived since the last receive (no data, no end, no error waiting).
     pub fn quiet(&self) -> bool {
         self.slot.is_none_or(super::multishot_quiet)
