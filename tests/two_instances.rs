@@ -116,7 +116,7 @@ fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
 fn completion(tokens: &[u32], max_tokens: u32) -> Vec<u8> {
     json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": max_tokens})
         .to_string()
-    .into_bytes()
+        .into_bytes()
 }
 
 fn post(addr: SocketAddr, body: &[u8]) -> support::Response {
