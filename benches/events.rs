@@ -143,7 +143,7 @@ fn main() {
     std::thread::sleep(Duration::from_millis(200));
 
     // Warm prompts: resident on replica 0 (events), and what the routed requests ask for.
-    let prefix_cfg = shared.prefix.clone();
+    let prefix_cfg = shared.prefix;
     let mut hashed = Vec::new();
     let mut warm_events = 0u64;
     for p in 0..PROMPTS {
@@ -220,7 +220,7 @@ fn main() {
                 for _ in 0..stores {
                     let h = next;
                     next += 1;
-                    if h % 64 == 0 {
+                    if h.is_multiple_of(64) {
                         parent = None;
                     }
                     let mut t = token_chunk.clone();
