@@ -149,6 +149,7 @@ fn routing(c: &mut Criterion) {
                 in_flight: (rng.next_u64() % 8) as u32,
                 queued_prefill_tokens: rng.next_u64() % 20_000,
                 decoding: (rng.next_u64() % 32) as u32,
+                ..Default::default()
             })
             .collect();
         let mut policy = CacheAware::new(idx.clone(), CacheAwareConfig::default())

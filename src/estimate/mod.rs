@@ -60,6 +60,13 @@
 //!
 //! `TtftModel::from_engine` derives all of them from an `EngineConfig`, so the simulator and
 //! the balancer agree by construction; real fleets override them from measurements.
+//!
+//! `reported` adds what the replicas say of themselves (scraped queue and KV usage) to the
+//! load kvlb counts, so several kvlb instances in front of one fleet see each other's work.
+
+pub mod reported;
+
+pub use reported::ReportedLoad;
 
 use crate::engine::EngineConfig;
 

@@ -47,6 +47,24 @@
 //! simulation (tests) weight 2 against 1 takes returns to the session's replica from 77% to
 //! 93% and p99 TTFT from 0.29 s to 0.22 s; `recompute_weight = 1` is the pure TTFT argmin.
 //!
+//! **Several kvlb instances, one fleet.** `Candidate` carries kvlb's own counts and, in
+//! `reported`, what the replica's /metrics last said of the requests this instance did not send
+//! and of its KV usage. While that figure is fresh (three scrape intervals),
+//! `estimate::reported::combined_load` adds the foreign requests to the load (foreign running
+//! ones as decoders, foreign waiting ones as `foreign_request_tokens` of queued prefill each),
+//! and `estimate::reported::hit_keep` scales the matched tokens of a replica above
+//! `kv_evict_from` KV usage down towards `kv_hit_keep_at_full` at 100%: it is evicting, its hit
+//! may be gone. The reasoning (why own-now plus foreign-at-scrape rather than a max or a sum,
+//! why usage discounts hits rather than adding a queue penalty) is in `estimate::reported`.
+//! Two instances thus agree: each counts its own requests at once, the other's from the
+//! replica's figures, and both read the same residency from the replica's KV events.
+//!
+//! | knob | default | meaning |
+//! |---|---|---|
+//! | `foreign_request_tokens` | 1024 | prefill tokens assumed per reported waiting request not ours |
+//! | `kv_evict_from` | 0.9 | KV usage above which a replica's hits count for less |
+//! | `kv_hit_keep_at_full` | 0.5 | share of a hit still counted at 100% KV usage |
+//!
 //! **Load input.** The policy is only as good as `Candidate::queued_prefill_tokens`. Counting
 //! the tokens a request will actually compute there (`prompt_tokens -
 //! Decision::matched_tokens`) rather than its whole prompt keeps a warm replica from looking
@@ -56,6 +74,7 @@
 //! when a routing log is attached, records the request's blocks for the residency writer.
 
 use super::{Candidate, Policy, RequestView};
+use crate::estimate::reported::{combined_load, hit_keep};
 use crate::estimate::{ReplicaLoad, TtftModel};
 use crate::residency::{ResidencyIndex, RoutingLog};
 use std::sync::Arc;
@@ -79,6 +98,13 @@ pub struct CacheAwareConfig {
     /// A hot prefix's holder is saturated when its queue wait exceeds the shortest candidate
     /// wait by more than this many seconds; its hit is then ignored.
     pub hot_spill_wait_s: f64,
+    /// Prefill tokens assumed for each request a replica reports waiting that this instance
+    /// did not send.
+    pub foreign_request_tokens: u32,
+    /// Reported KV usage (0..1) above which a replica's cache hits count for less.
+    pub kv_evict_from: f64,
+    /// The share of a hit still counted at 100% KV usage (0..=1).
+    pub kv_hit_keep_at_full: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -91,6 +117,9 @@ impl Default for CacheAwareConfig {
             hot_prefix_requests: 8,
             hot_window_s: 10.0,
             hot_spill_wait_s: 0.1,
+            foreign_request_tokens: 1024,
+            kv_evict_from: 0.9,
+            kv_hit_keep_at_full: 0.5,
         }
     }
 }
@@ -112,6 +141,14 @@ impl CacheAwareConfig {
         ] {
             if v.is_nan() || v < 0.0 {
                 return Err(format!("cache_aware {name} must be >= 0, got {v}"));
+            }
+        }
+        for (name, v) in [
+            ("kv_evict_from", self.kv_evict_from),
+            ("kv_hit_keep_at_full", self.kv_hit_keep_at_full),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("cache_aware {name} must be within 0..=1, got {v}"));
             }
         }
         if self.hot_window_s == 0.0 {
@@ -170,6 +207,8 @@ const LOGGED_SLOTS: usize = 4096;
 #[derive(Debug, Clone, Copy, Default)]
 struct Estimate {
     wait: f64,
+    /// Sequences decoding there, ours and reported (they slow the request's prefill steps).
+    decoding: u32,
     matched_tokens: u32,
     ttft: f64,
     /// What the argmin compares: `wait + recompute_weight * prefill`.
@@ -269,12 +308,14 @@ impl Policy for CacheAware {
         // Pass 1: waits and useful matches.
         self.estimates.clear();
         let (mut min_wait, mut longest) = (f64::INFINITY, 0u32);
+        let now_ms = req.now_us / 1000;
         for c in candidates {
-            let load = ReplicaLoad {
+            let own = ReplicaLoad {
                 queued_prefill_tokens: c.queued_prefill_tokens,
                 decoding: c.decoding,
                 in_flight: c.in_flight,
             };
+            let load = combined_load(own, &c.reported, now_ms, cfg.foreign_request_tokens);
             let blocks = match self.matched.get(c.replica) {
                 Some(&m) if with_prefix => m,
                 _ => 0,
@@ -284,12 +325,19 @@ impl Policy for CacheAware {
                 0
             } else {
                 longest = longest.max(blocks);
-                tokens
+                let keep = hit_keep(
+                    &c.reported,
+                    now_ms,
+                    cfg.kv_evict_from,
+                    cfg.kv_hit_keep_at_full,
+                );
+                (tokens as f64 * keep) as u32
             };
             let wait = cfg.model.queue_wait(&load);
             min_wait = min_wait.min(wait);
             self.estimates.push(Estimate {
                 wait,
+                decoding: load.decoding,
                 matched_tokens: tokens,
                 ttft: 0.0,
                 score: 0.0,
@@ -305,14 +353,14 @@ impl Policy for CacheAware {
                 if heat >= cfg.hot_prefix_requests {
                     let credited = cfg
                         .model
-                        .prefill_seconds(e.matched_tokens, prompt, c.decoding);
+                        .prefill_seconds(e.matched_tokens, prompt, e.decoding);
                     best_ignored = best_ignored.min(e.wait + cfg.recompute_weight * credited);
                     e.matched_tokens = 0;
                 }
             }
             let prefill = cfg
                 .model
-                .prefill_seconds(e.matched_tokens, prompt, c.decoding);
+                .prefill_seconds(e.matched_tokens, prompt, e.decoding);
             e.ttft = e.wait + prefill;
             e.score = e.wait + cfg.recompute_weight * prefill;
             if e.score < best {

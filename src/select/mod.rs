@@ -49,6 +49,9 @@ pub struct Candidate {
     pub queued_prefill_tokens: u64,
     /// Requests there past their first byte (decoding).
     pub decoding: u32,
+    /// What the replica last reported of its queue (less this instance's requests) and KV
+    /// usage; `cache_aware` adds it to the counts above while fresh (`estimate::reported`).
+    pub reported: crate::estimate::ReportedLoad,
 }
 
 pub trait Policy {

@@ -269,6 +269,7 @@ pub fn simulate(
                     in_flight: l.in_flight,
                     queued_prefill_tokens: l.queued_prefill_tokens,
                     decoding: l.decoding,
+                    ..Default::default()
                 }));
                 let pick = policy.select(&view, &candidates, rng.next_u64());
                 let r = candidates[pick.min(replicas - 1)].replica;
@@ -418,7 +419,8 @@ mod tests {
                 replica: 0,
                 in_flight: 1,
                 queued_prefill_tokens: 2000,
-                decoding: 0
+                decoding: 0,
+                ..Default::default()
             }
         );
         assert_eq!(

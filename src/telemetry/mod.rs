@@ -12,7 +12,11 @@
 //! * `scrape`: one thread per replica (those with `metrics` on, by default those with
 //!   `kv_events`) polls GET /metrics every `metrics_interval` and publishes
 //!   running / waiting requests and KV usage as atomics (`ReplicaTelemetry`) shown in /replicas
-//!   and /metrics. Feeding them into the cost model is a later step.
+//!   and /metrics. With each scrape it also publishes the replica's requests this instance did
+//!   not send, and its KV usage (`ReplicaTelemetry::reported`, a sequence lock of atomics, see
+//!   `reported`); workers copy that into `select::Candidate::reported` and `cache_aware` adds
+//!   it to kvlb's own counts (`estimate::reported`), so several kvlb instances in front of one
+//!   fleet see each other's load.
 //!
 //! `ResidencyFeed` runs inside the residency writer's tick (`spawn_writer_thread`'s
 //! `on_tick`): it drains the channel without ever blocking the writer, applies the operations,
@@ -33,6 +37,7 @@
 
 pub mod events;
 mod feed;
+pub mod reported;
 pub mod scrape;
 
 #[cfg(test)]
@@ -92,6 +97,8 @@ pub struct ReplicaTelemetry {
     pub restarts: AtomicU64,
     /// Connections to the event publisher made.
     pub connects: AtomicU64,
+    /// The last scrape net of this instance's requests, for the cost model (workers read it).
+    pub reported: reported::ReportedLoadCell,
 }
 
 impl Default for ReplicaTelemetry {
@@ -119,6 +126,7 @@ impl Default for ReplicaTelemetry {
             replays: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             connects: AtomicU64::new(0),
+            reported: reported::ReportedLoadCell::default(),
         }
     }
 }
@@ -154,6 +162,7 @@ impl ReplicaTelemetry {
             restarts,
             connects
         );
+        self.reported.clear();
     }
 
     pub fn stale(&self) -> bool {
@@ -183,6 +192,13 @@ impl ReplicaTelemetry {
             UNKNOWN => serde_json::Value::Null,
             v => (v as f64 / 1000.0).into(),
         };
+        let r = self.reported.load();
+        let reported = serde_json::json!({
+            "fresh": r.fresh(now_ms),
+            "foreign_waiting": r.foreign_waiting,
+            "foreign_running": r.foreign_running,
+            "kv_usage": r.kv_usage_milli as f64 / 1000.0,
+        });
         serde_json::json!({
             "running": gauge(&self.running),
             "waiting": gauge(&self.waiting),
@@ -205,6 +221,7 @@ impl ReplicaTelemetry {
             "replays": self.replays.load(Relaxed),
             "restarts": self.restarts.load(Relaxed),
             "connects": self.connects.load(Relaxed),
+            "reported": reported,
         })
     }
 }

@@ -7,7 +7,11 @@
 //! `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`. Labels are
 //! ignored; several samples (one per engine / data-parallel rank) are summed for the request
 //! counts and averaged for the usage.
+//!
+//! Each scrape also publishes `ReplicaTelemetry::reported` for the cost model: the replica's
+//! queue less this instance's requests there when it asked (`estimate::reported`).
 
+use crate::estimate::ReportedLoad;
 use crate::worker::Shared;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -168,6 +172,11 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
             continue;
         }
         next = now + interval;
+        // This instance's requests there as the replica renders its figures (sampled just
+        // before asking: those sent earlier have mostly arrived).
+        let own = &shared.loads[r];
+        let own_in_flight = own.in_flight.load(Relaxed) as u64;
+        let own_decoding = own.decoding.load(Relaxed) as u64;
         match fetch_metrics(replica.addr, &replica.authority, timeout) {
             Ok(text) => {
                 let m = parse_metrics(&text);
@@ -185,6 +194,16 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
                 store(&tel.waiting, m.waiting);
                 store(&tel.kv_usage_milli, m.kv_usage.map(|u| u * 1000.0));
                 let now_ms = shared.now_ms();
+                let count = |v: Option<f64>| v.map_or(0, |v| v.max(0.0).round() as u64);
+                tel.reported.publish(ReportedLoad::from_scrape(
+                    count(m.waiting),
+                    count(m.running),
+                    m.kv_usage,
+                    own_in_flight,
+                    own_decoding,
+                    now_ms,
+                    interval.as_millis() as u64,
+                ));
                 tel.last_metrics_ms.store(now_ms.max(1), Relaxed);
                 tel.touch(now_ms);
                 tel.scrapes.fetch_add(1, Relaxed);

@@ -288,6 +288,7 @@ impl Worker {
                 in_flight: load.in_flight.load(Relaxed),
                 queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
                 decoding: load.decoding.load(Relaxed),
+                reported: self.shared.telemetry[i].reported.load(),
             }
         };
         for (i, slot) in self.shared.fleet.slots() {

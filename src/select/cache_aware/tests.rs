@@ -42,6 +42,7 @@ fn queued(tokens: &[u64]) -> Vec<Candidate> {
             in_flight: (q > 0) as u32,
             queued_prefill_tokens: q,
             decoding: 0,
+            ..Default::default()
         })
         .collect()
 }
@@ -227,6 +228,7 @@ fn simulate(
                 in_flight: rep.pending.len() as u32,
                 queued_prefill_tokens: rep.pending.iter().map(|p| p.1).sum(),
                 decoding: 0,
+                ..Default::default()
             });
         }
         let prompt = r.blocks.len() as u32 * BT;
@@ -556,4 +558,124 @@ fn a_resident_prefix_is_relogged_once_a_second_not_per_request() {
     let longer = blocks(12);
     p.select(&req(&longer, 768, 1_200_001), &c, 0);
     assert_eq!(log.recorded(), 4);
+}
+
+/// A reported figure scraped at 1 s (fresh for 3 s) with `waiting` and `running` requests not
+/// ours and `kv_usage_milli` usage.
+fn reported(waiting: u32, running: u32, kv_usage_milli: u32) -> crate::estimate::ReportedLoad {
+    crate::estimate::ReportedLoad {
+        foreign_waiting: waiting,
+        foreign_running: running,
+        kv_usage_milli,
+        at_ms: 1_000,
+        max_age_ms: 3_000,
+    }
+}
+
+#[test]
+fn another_instances_requests_move_a_fresh_prompt_elsewhere() {
+    let (idx, _w) = fleet(2);
+    let prompt = blocks(32);
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    let m = CacheAwareConfig::default().model;
+    // Replica 0 runs 6 requests another kvlb instance sent; this one sent nothing anywhere.
+    let mut c = queued(&[0, 0]);
+    c[0].reported = reported(0, 6, 300);
+    for random in 0..8 {
+        assert_eq!(p.select(&req(&prompt, 2048, 1_500_000), &c, random), 1);
+    }
+    let d = p.last_decision();
+    assert_eq!(
+        (d.replica, d.matched_tokens, d.reason),
+        (1, 0, Reason::Load)
+    );
+    assert!(
+        close(d.ttft_s, m.prefill_seconds(0, 2048, 0)),
+        "{}",
+        d.ttft_s
+    );
+    // The runner-up prefills beside 6 decoders: 71.5 ms + 9.4 ms (one step, 8 ms + 6 x 30 us +
+    // 6 x 4096 x 50 ns).
+    assert!(
+        close(d.runner_up_ttft_s, m.prefill_seconds(0, 2048, 6)),
+        "{}",
+        d.runner_up_ttft_s
+    );
+    assert!(
+        close(d.runner_up_ttft_s, 0.080_947),
+        "{}",
+        d.runner_up_ttft_s
+    );
+    // Three scrape intervals later the figure no longer counts: the replicas tie again.
+    let stale = req(&prompt, 2048, 4_001_000);
+    assert_eq!(p.select(&stale, &c, 0), 0);
+    assert_eq!(p.select(&stale, &c, 1), 1);
+    assert!(close(
+        p.last_decision().runner_up_ttft_s,
+        m.prefill_seconds(0, 2048, 0)
+    ));
+}
+
+#[test]
+fn reported_waiting_requests_queue_before_a_cache_hit() {
+    let (idx, mut w) = fleet(2);
+    let prompt = blocks(32); // 2048 tokens
+    w.insert(0, &prompt[..24], 0).unwrap(); // 1536 resident on replica 0
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    let r = req(&prompt, 2048, 2_000_000);
+    // Two foreign waiting requests (2 x 1024 tokens, 71.8 ms of queue) plus 2 x 24.3 ms of
+    // prefill: 120.4 ms against 2 x 71.5 ms cold on replica 1. The hit wins.
+    let mut c = queued(&[0, 0]);
+    c[0].reported = reported(2, 0, 0);
+    assert_eq!(p.select(&r, &c, 0), 0);
+    let d = p.last_decision();
+    assert_eq!((d.matched_tokens, d.reason), (1536, Reason::Cache));
+    assert!(close(d.ttft_s, 0.071_830 + 0.024_279), "{}", d.ttft_s);
+    // A third: 107.7 ms of queue, the cold replica is cheaper.
+    c[0].reported = reported(3, 0, 0);
+    assert_eq!(p.select(&r, &c, 0), 1);
+    assert_eq!(p.last_decision().reason, Reason::Load);
+}
+
+#[test]
+fn a_nearly_full_replica_counts_less_of_its_hit() {
+    let (idx, mut w) = fleet(2);
+    let prompt = blocks(32);
+    w.insert(0, &prompt[..24], 0).unwrap();
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    let r = req(&prompt, 2048, 2_000_000);
+    // Replica 0 has 2048 tokens of our own queued (71.8 ms); replica 1 is idle and cold
+    // (score 2 x 71.5 ms = 143.1 ms).
+    let mut c = queued(&[2048, 0]);
+    let mut pick = |usage: u32| {
+        c[0].reported = reported(0, 0, usage);
+        let i = p.select(&r, &c, 0);
+        let d = p.last_decision();
+        (i, d.matched_tokens)
+    };
+    // Below 90%: the whole hit (score 71.8 + 2 x 24.3 = 120.4 ms).
+    assert_eq!(pick(500), (0, 1536));
+    assert_eq!(pick(900), (0, 1536));
+    // 92%: 90% of it (1382 tokens; 71.8 + 2 x 29.1 = 130.1 ms), still ahead.
+    assert_eq!(pick(920), (0, 1382));
+    // Full: half of it (768 tokens; 71.8 + 2 x 48.2 = 168.2 ms): the cold replica wins.
+    assert_eq!(pick(1000), (1, 0));
+    // A stale usage figure keeps the hit whole.
+    c[0].reported = reported(0, 0, 1000);
+    assert_eq!(p.select(&req(&prompt, 2048, 9_000_000), &c, 0), 0);
+    assert_eq!(p.last_decision().matched_tokens, 1536);
+}
+
+#[test]
+fn kv_knobs_are_validated() {
+    let bad = CacheAwareConfig {
+        kv_evict_from: 1.5,
+        ..Default::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("kv_evict_from"));
+    let bad = CacheAwareConfig {
+        kv_hit_keep_at_full: f64::NAN,
+        ..Default::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("kv_hit_keep_at_full"));
 }

@@ -1,0 +1,221 @@
+//! Two `kvlb serve` instances in front of one fleet of `kvlb replica` processes agree, from
+//! the replicas' own reports only (they share nothing with each other):
+//!
+//! (a) a long prompt sent through instance A lands on some replica r; once r's KV events
+//!     reached instance B, the same prompt sent through B lands on r too;
+//! (b) while r runs long generations sent through A, instance B (which sent nothing there)
+//!     sees r's queue in r's scraped /metrics and sends fresh prompts elsewhere.
+//!
+//! Prompts are token ids (completions with `prompt` as an array of ints): KV events describe
+//! token blocks, which kvlb matches for token-id prompts.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::Duration;
+use support::{wait_until, HttpConn, Kvlb};
+
+const T: Duration = Duration::from_secs(15);
+
+/// `kvlb replica --count n` with KV events, killed and reaped on drop (also on panic).
+struct Replicas {
+    child: Child,
+    http: Vec<SocketAddr>,
+    events: Vec<String>,
+}
+
+impl Drop for Replicas {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_replicas(n: usize) -> Replicas {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
+        .args([
+            "replica",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--count",
+            &n.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvlb replica");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, lines): (_, Receiver<String>) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut reps = Replicas {
+        child,
+        http: Vec::new(),
+        events: Vec::new(),
+    };
+    loop {
+        let line = lines
+            .recv_timeout(T)
+            .unwrap_or_else(|_| panic!("kvlb replica said nothing within {T:?}"));
+        if line.starts_with("kvlb replica: ready") {
+            break;
+        }
+        // kvlb replica: replica I on ADDR kv_events=tcp://ADDR
+        if let Some(rest) = line.strip_prefix("kvlb replica: replica ") {
+            let mut words = rest.split_whitespace().skip(2);
+            reps.http.push(words.next().unwrap().parse().unwrap());
+            let ev = words
+                .find_map(|w| w.strip_prefix("kv_events="))
+                .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
+            reps.events.push(ev.to_string());
+        }
+    }
+    assert_eq!(reps.http.len(), n);
+    reps
+}
+
+/// `kvlb serve` in front of every replica, subscribed to their events, scraping every 100 ms.
+fn start_instance(reps: &Replicas) -> Kvlb {
+    let args: Vec<String> = reps
+        .http
+        .iter()
+        .zip(&reps.events)
+        .flat_map(|(h, e)| ["--replica".to_string(), format!("http://{h},kv_events={e}")])
+        .collect();
+    let mut all = vec!["--explain", "--workers", "1", "--metrics-interval", "100ms"];
+    all.extend(args.iter().map(String::as_str));
+    Kvlb::serve(&all)
+}
+
+fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
+    let r = kvlb.admin_get("/replicas");
+    let v: Value = serde_json::from_str(&r.body_text()).expect("/replicas is JSON");
+    v["replicas"].as_array().unwrap().clone()
+}
+
+fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
+        .collect()
+}
+
+fn completion(tokens: &[u32], max_tokens: u32) -> Vec<u8> {
+    json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": max_tokens})
+        .to_string()
+        .into_bytes()
+}
+
+fn post(addr: SocketAddr, body: &[u8]) -> support::Response {
+    let mut c = HttpConn::connect(addr);
+    c.set_read_timeout(T);
+    c.request(
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        body,
+    )
+    .unwrap_or_else(|e| panic!("POST to {addr}: {e}"))
+}
+
+/// The replica (its index in `reps`) that served `r`, from `x-kvlb-replica`.
+fn served_by(reps: &Replicas, r: &support::Response) -> usize {
+    assert_eq!(r.status, 200, "{}", r.describe());
+    let url = r
+        .header("x-kvlb-replica")
+        .unwrap_or_else(|| panic!("no x-kvlb-replica: {}", r.describe()));
+    reps.http
+        .iter()
+        .position(|h| url == format!("http://{h}"))
+        .unwrap_or_else(|| panic!("unknown replica {url}"))
+}
+
+#[test]
+fn two_instances_agree_on_cache_and_load() {
+    let reps = start_replicas(3);
+    let a = start_instance(&reps);
+    let b = start_instance(&reps);
+    for k in [&a, &b] {
+        assert!(
+            wait_until(T, || replicas_json(k).iter().all(|r| {
+                let t = &r["telemetry"];
+                t["events_connected"] == true && t["reported"]["fresh"] == true
+            })),
+            "not subscribed and scraping: {:?}\n{}",
+            replicas_json(k),
+            k.stderr()
+        );
+    }
+    // The subscription lands on the publisher a little after the connection.
+    std::thread::sleep(Duration::from_millis(300));
+
+    // (a) A long prompt through A lands on r; r publishes its blocks; B follows them.
+    let prompt = token_prompt(2048, 1);
+    let r = served_by(&reps, &post(a.listen, &completion(&prompt, 1)));
+    assert!(
+        wait_until(T, || replicas_json(&b)[r]["resident_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 128),
+        "B did not learn replica {r}'s blocks from its events: {:?}",
+        replicas_json(&b)
+    );
+    let via_b = post(b.listen, &completion(&prompt, 1));
+    assert_eq!(served_by(&reps, &via_b), r, "{}", via_b.describe());
+    let decision = via_b.header("x-kvlb-decision").unwrap_or("").to_string();
+    assert!(decision.contains("reason=cache"), "{decision}");
+
+    // (b) Six long generations sharing the prompt go through A, to r for its cache.
+    let busy: Vec<_> = (0..6u32)
+        .map(|i| {
+            let mut p = prompt.clone();
+            p.extend(token_prompt(32, 100 + i));
+            let (listen, body) = (a.listen, completion(&p, 400));
+            std::thread::spawn(move || post(listen, &body))
+        })
+        .collect();
+    // B sent none of them, and sees them in r's reported queue.
+    assert!(
+        wait_until(T, || {
+            let rep = &replicas_json(&b)[r]["telemetry"]["reported"];
+            rep["fresh"] == true
+                && rep["foreign_running"].as_u64().unwrap_or(0)
+                    + rep["foreign_waiting"].as_u64().unwrap_or(0)
+                    >= 6
+        }),
+        "B does not see replica {r}'s queue: {:?}",
+        replicas_json(&b)
+    );
+    // A counts them as its own, not twice.
+    let rep_a = &replicas_json(&a)[r]["telemetry"]["reported"];
+    assert_eq!(rep_a["foreign_running"], 0, "{rep_a}");
+    // Fresh prompts through B avoid r while it is busy (by chance: (2/3)^10, 2%).
+    for salt in 0..10 {
+        let fresh = post(b.listen, &completion(&token_prompt(1024, 7 + salt), 1));
+        let to = served_by(&reps, &fresh);
+        assert_ne!(
+            to,
+            r,
+            "B sent a fresh prompt to busy replica {r}: {}\n{:?}",
+            fresh.describe(),
+            replicas_json(&b)[r]
+        );
+    }
+    for h in busy {
+        let resp = h.join().unwrap();
+        assert_eq!(served_by(&reps, &resp), r, "{}", resp.describe());
+    }
+}
