@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# L4 forwarding benchmark: kvlb L7 (bytes copied through user space), kvlb L4 with io_uring
+# L4 forwarding benchmark: kvlb L7 copying every byte through user space (kvlb-l7-copy), kvlb
+# L7 as configured by default (response bodies with 1 MiB or more to come spliced), kvlb L4 with io_uring
 # splice, kvlb L4 with the BPF sockmap, HAProxy mode tcp, and HAProxy mode tcp with its splice
 # options, side by side in one run, on the bulk shapes an LLM front door moves:
 #
@@ -16,7 +17,7 @@
 # The proxy process's own CPU per GiB (utime+stime) is printed next to it.
 #
 # Environment: DURATION (seconds per run, 4), SHAPES ("resp-1M resp-64M prompt-256K sse"),
-# PROXIES ("kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice"), PROXY_CORE (0),
+# PROXIES ("kvlb-l7-copy kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice"), PROXY_CORE (0),
 # LOAD_CORE (1), KVLB_BIN (default target/release/kvlb, built when missing).
 # Results: bench/results/l4-<date>.txt. About 2.5 minutes with the defaults.
 set -euo pipefail
@@ -27,7 +28,7 @@ source bench/lib/packages.sh
 
 DURATION=${DURATION:-4}
 SHAPES=${SHAPES:-resp-1M resp-64M prompt-256K sse}
-PROXIES=${PROXIES:-kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice}
+PROXIES=${PROXIES:-kvlb-l7-copy kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice}
 PROXY_CORE=${PROXY_CORE:-0}
 LOAD_CORE=${LOAD_CORE:-1}
 PYTHON=${PYTHON:-python3}
@@ -149,9 +150,13 @@ declare -A PORT_OF PID_OF
 start_proxy() {
     local name=$1 port=$2 backend=$3 admin
     case $name in
-    kvlb-l7 | kvlb-splice | kvlb-sockmap)
+    kvlb-l7-copy | kvlb-l7 | kvlb-splice | kvlb-sockmap)
         local mode=() fwd=${name#kvlb-}
-        [ "$name" = kvlb-l7 ] || mode=(--mode l4 --l4-forwarding "$fwd")
+        case $name in
+        kvlb-l7-copy) mode=(--splice-responses-from off) ;;
+        kvlb-l7) ;;
+        *) mode=(--mode l4 --l4-forwarding "$fwd") ;;
+        esac
         start "$PROXY_CORE" "$TMP/$name-$port.log" "$KVLB" serve --workers 1 --cores "$PROXY_CORE" \
             --listen "127.0.0.1:$port" --admin 127.0.0.1:0 --replica "http://127.0.0.1:$backend" \
             --max-body-bytes 8MiB "${mode[@]}"
@@ -167,7 +172,7 @@ start_proxy() {
 
 i=0
 for p in $PROXIES; do
-    case $p in kvlb-l7 | kvlb-splice | kvlb-sockmap | haproxy-tcp | haproxy-splice) ;;
+    case $p in kvlb-l7-copy | kvlb-l7 | kvlb-splice | kvlb-sockmap | haproxy-tcp | haproxy-splice) ;;
     *) echo "error: unknown proxy $p" >&2; exit 2 ;; esac
     read -r a b <<<"$(ports 2)"
     start_proxy "$p" "$a" "$NGINX_PORT"

@@ -302,6 +302,10 @@ pub struct ServeConfig {
     pub listen_modes: Vec<ListenerMode>,
     /// How L4 listeners forward once a connection is joined.
     pub l4_forwarding: L4Forwarding,
+    /// L7: a response body of known length with at least this many bytes still to come moves
+    /// replica -> client by io_uring splice through a pipe instead of through user space
+    /// (0: never).
+    pub splice_responses_from: usize,
     pub replicas: Vec<ReplicaConfig>,
     pub policy: PolicyName,
     pub workers: usize,
@@ -630,6 +634,7 @@ impl Default for ServeConfig {
             listen: Vec::new(),
             listen_modes: Vec::new(),
             l4_forwarding: L4Forwarding::Splice,
+            splice_responses_from: 1024 * 1024,
             replicas: Vec::new(),
             policy: PolicyName::CacheAware,
             workers: std::thread::available_parallelism()
@@ -672,6 +677,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --mode l7|l4             mode of the --listen addresses: l7 proxies each request (default);
                            l4 routes a connection's first request, then joins the sockets
   --l4-forwarding splice|sockmap   how l4 connections forward (default splice)
+  --splice-responses-from SIZE   l7: splice response bodies with at least SIZE left to send
+                           (default 1MiB; 0 = never)
   --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
   --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
   --replica URL,kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]
@@ -763,6 +770,7 @@ const FILE_KEYS: &[&str] = &[
     "queue_timeout",
     "listener",
     "l4_forwarding",
+    "splice_responses_from",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -917,6 +925,12 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
             cfg.admin_token = Some(v.to_string())
         }
         "l4_forwarding" => cfg.l4_forwarding = L4Forwarding::parse(key, v)?,
+        "splice_responses_from" => {
+            cfg.splice_responses_from = match v.trim() {
+                "0" | "off" => 0,
+                _ => parse_size(key, v)?,
+            }
+        }
         "explain" => {
             cfg.explain = match v {
                 "true" | "1" | "yes" | "on" => true,

@@ -116,6 +116,8 @@ pub struct WorkerStats {
     /// provided buffer (published after each request, like `allocations`).
     pub recv_throttled: AtomicU64,
     pub recv_buffer_shortages: AtomicU64,
+    /// L7 response body bytes moved by splice (`splice_responses_from`).
+    pub spliced_bytes: AtomicU64,
     /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
     pub local_errors: [AtomicU64; 9],
     pub ttfb: Histogram,
@@ -139,6 +141,7 @@ impl WorkerStats {
             accepted: AtomicU64::new(0),
             open_connections: AtomicU64::new(0),
             recv_throttled: AtomicU64::new(0),
+            spliced_bytes: AtomicU64::new(0),
             recv_buffer_shortages: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             requests: AtomicU64::new(0),
@@ -412,6 +415,19 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
             out,
             "kvlb_worker_recv_throttled_total{{worker=\"{i}\"}} {}",
             w.recv_throttled.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_spliced_response_bytes_total",
+        "counter",
+        "L7 response body bytes moved replica -> client by splice, never entering user space.",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_spliced_response_bytes_total{{worker=\"{i}\"}} {}",
+            w.spliced_bytes.load(Relaxed)
         );
     }
     family(

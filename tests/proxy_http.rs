@@ -312,8 +312,39 @@ fn curl_download(kvlb: &Kvlb, path: &str, expected_len: usize) {
 
 #[test]
 fn eight_mib_content_length_response_via_curl() {
+    // Spliced (the default from 1 MiB on): nearly all of it bypasses user space.
     let (_backend, kvlb) = proxied(&[]);
     curl_download(&kvlb, &format!("/bytes?n={EIGHT_MIB}"), EIGHT_MIB);
+    let spliced = kvlb
+        .metric("kvlb_spliced_response_bytes_total", &[])
+        .expect("kvlb_spliced_response_bytes_total");
+    assert!(
+        spliced >= (EIGHT_MIB - 1024 * 1024) as f64 && spliced <= EIGHT_MIB as f64,
+        "spliced {spliced} of {EIGHT_MIB} bytes"
+    );
+    // Twice on one connection: the replica connection is reused after a spliced body.
+    let mut conn = HttpConn::connect(kvlb.listen);
+    for _ in 0..2 {
+        let resp = conn
+            .request("GET", &format!("/bytes?n={}", 3 * 1024 * 1024), &[], b"")
+            .expect("a spliced answer on a kept-alive connection");
+        expect_ok(&resp, &kvlb, "spliced GET");
+        assert_eq!(resp.body.len(), 3 * 1024 * 1024);
+        assert_eq!(
+            Some(sha256_hex(&resp.body).as_str()),
+            resp.header("x-body-sha256")
+        );
+    }
+}
+
+#[test]
+fn eight_mib_content_length_response_through_user_space() {
+    let (_backend, kvlb) = proxied(&["--splice-responses-from", "off"]);
+    curl_download(&kvlb, &format!("/bytes?n={EIGHT_MIB}"), EIGHT_MIB);
+    assert_eq!(
+        kvlb.metric("kvlb_spliced_response_bytes_total", &[]),
+        Some(0.0)
+    );
 }
 
 #[test]
@@ -328,7 +359,8 @@ fn eight_mib_chunked_response_via_curl() {
 #[test]
 fn slow_reader_of_a_large_answer_throttles_the_replica_side_and_loses_nothing() {
     use std::io::{Read, Write};
-    let (_backend, kvlb) = proxied(&[]);
+    // Through user space (a spliced body never meets the receive being checked here).
+    let (_backend, kvlb) = proxied(&["--splice-responses-from", "0"]);
     let mut s = std::net::TcpStream::connect(kvlb.listen).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
         .unwrap();

@@ -66,7 +66,7 @@ thread_local! {
     static POOL: RefCell<Vec<Pipe>> = const { RefCell::new(Vec::new()) };
 }
 
-fn take_pipe() -> io::Result<Pipe> {
+pub(crate) fn take_pipe() -> io::Result<Pipe> {
     match POOL.with(|p| p.borrow_mut().pop()) {
         Some(p) => Ok(p),
         None => Pipe::new(),
@@ -74,7 +74,7 @@ fn take_pipe() -> io::Result<Pipe> {
 }
 
 /// Return a pipe; only an empty one (`clean`) is kept.
-fn give_pipe(p: Pipe, clean: bool) {
+pub(crate) fn give_pipe(p: Pipe, clean: bool) {
     if !clean {
         p.close();
         return;
@@ -91,7 +91,7 @@ fn give_pipe(p: Pipe, clean: bool) {
 
 /// Which socket of a pump failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
+pub(crate) enum Fault {
     /// Reading the source failed (reset, error).
     Source,
     /// Writing the destination failed.
@@ -173,6 +173,50 @@ async fn pump(
         hot = n == pipe.capacity;
         bulk = n >= COPY_BELOW;
     }
+}
+
+/// Move exactly `len` bytes from socket `from` to socket `to` through `pipe` by splice (the L7
+/// path's large response bodies); `moved` hears of every piece delivered. Waits for
+/// readability before each splice from `from` that may find nothing, so no kernel worker sits
+/// on an idle socket. Ok leaves the pipe empty; a source that ends early is `Fault::Source`.
+pub(crate) async fn splice_exact(
+    from: RawFd,
+    to: RawFd,
+    pipe: &Pipe,
+    mut len: u64,
+    mut moved: impl FnMut(usize),
+) -> Result<(), Fault> {
+    let mut hot = false;
+    while len > 0 {
+        if !hot && op::poll(from, READABLE).await.is_err() {
+            return Err(Fault::Source);
+        }
+        let want = len.min(pipe.capacity as u64) as u32;
+        let n = match splice(from, pipe.write, want).await {
+            Ok(0) => return Err(Fault::Source),
+            Ok(n) => n,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {
+                hot = false;
+                continue;
+            }
+            Err(_) => return Err(Fault::Source),
+        };
+        let mut left = n;
+        while left > 0 {
+            match splice(pipe.read, to, left as u32).await {
+                Ok(0) => return Err(Fault::Destination),
+                Ok(m) => {
+                    left -= m;
+                    moved(m);
+                }
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {}
+                Err(_) => return Err(Fault::Destination),
+            }
+        }
+        len -= n as u64;
+        hot = n as u32 == want;
+    }
+    Ok(())
 }
 
 /// Relay between client `cfd` and replica `rfd` until both directions ended or one failed.

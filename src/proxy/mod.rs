@@ -880,6 +880,62 @@ async fn recv_upstream(conn: &mut Conn, up: &mut Upstream) -> Result<usize, Rela
     }
 }
 
+/// Move the `left` bytes still to come of a response body from the replica to the client by
+/// splice through a pooled pipe (`splice_responses_from`): the multishot receive is stopped
+/// first (what it already holds is sent as is) and re-armed by the next receive.
+async fn splice_body(
+    w: &Worker,
+    conn: &mut Conn,
+    up: &mut Upstream,
+    mut left: u64,
+    replica: usize,
+    in_flight: &mut InFlight<'_>,
+) -> Result<(), Relayed> {
+    use crate::l4::relay::{give_pipe, splice_exact, take_pipe, Fault};
+    let rc = &w.stats().replicas[replica];
+    conn.ubuf.clear();
+    let ended = up.recv.stop_into(&mut conn.ubuf).await;
+    if !conn.ubuf.is_empty() {
+        let got = conn.ubuf.len();
+        rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
+        in_flight.first_byte();
+        if got as u64 > left {
+            return Err(Relayed::UpstreamBroken);
+        }
+        let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;
+        conn.ubuf = b;
+        if r.is_err() {
+            return Err(Relayed::ClientGone);
+        }
+        left -= got as u64;
+    }
+    if left == 0 {
+        return Ok(());
+    }
+    if ended.is_some() {
+        return Err(Relayed::UpstreamBroken);
+    }
+    let Ok(pipe) = take_pipe() else {
+        return Err(Relayed::UpstreamBroken);
+    };
+    let moved = std::cell::Cell::new(0u64);
+    let r = splice_exact(up.fd, conn.fd, &pipe, left, |m| {
+        moved.set(moved.get() + m as u64)
+    })
+    .await;
+    rc.bytes_from_replica.fetch_add(moved.get(), Relaxed);
+    w.stats().spliced_bytes.fetch_add(moved.get(), Relaxed);
+    if moved.get() > 0 {
+        in_flight.first_byte();
+    }
+    give_pipe(pipe, r.is_ok());
+    match r {
+        Ok(()) => Ok(()),
+        Err(Fault::Source) => Err(Relayed::UpstreamBroken),
+        Err(Fault::Destination) => Err(Relayed::ClientGone),
+    }
+}
+
 async fn relay_body(
     w: &Worker,
     conn: &mut Conn,
@@ -924,6 +980,13 @@ async fn relay_body(
                 return gone(e);
             }
             let mut left = n - first as u64;
+            let splice_from = w.cfg().splice_responses_from as u64;
+            if splice_from > 0 && left >= splice_from && reusable && w.shared.splice_ok {
+                match splice_body(w, conn, up, left, replica, in_flight).await {
+                    Ok(()) => left = 0,
+                    Err(r) => return r,
+                }
+            }
             while left > 0 {
                 let got = match recv_upstream(conn, up).await {
                     Ok(g) => g,

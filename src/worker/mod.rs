@@ -39,6 +39,8 @@ pub struct Shared {
     pub epoch: Instant,
     /// What each replica reports of itself (metrics, KV events); see `crate::telemetry`.
     pub telemetry: Vec<crate::telemetry::ReplicaTelemetry>,
+    /// This kernel's io_uring has splice (L7 response bodies may be spliced).
+    pub splice_ok: bool,
 }
 
 impl Shared {
@@ -68,6 +70,7 @@ impl Shared {
             telemetry: (0..n)
                 .map(|_| crate::telemetry::ReplicaTelemetry::default())
                 .collect(),
+            splice_ok: crate::rt::splice::supported(),
             config: arc_swap::ArcSwap::from_pointee(cfg),
         }
     }
