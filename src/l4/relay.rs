@@ -158,21 +158,31 @@ async fn pump(
             }
             Err(_) => return Err(Fault::Source),
         };
-        let mut left = n;
-        while left > 0 {
-            match splice(pipe.read, to, left as u32).await {
-                Ok(0) => return Err(Fault::Destination),
-                Ok(m) => {
-                    left -= m;
-                    moved.set(moved.get() + m as u64);
-                }
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {}
-                Err(_) => return Err(Fault::Destination),
-            }
-        }
+        drain_pipe(pipe, to, n, |m| moved.set(moved.get() + m as u64)).await?;
         hot = n == pipe.capacity;
         bulk = n >= COPY_BELOW;
     }
+}
+
+/// Splice the `n` bytes in `pipe` out to `to`; `moved` hears of every piece.
+async fn drain_pipe(
+    pipe: &Pipe,
+    to: RawFd,
+    mut n: usize,
+    mut moved: impl FnMut(usize),
+) -> Result<(), Fault> {
+    while n > 0 {
+        match splice(pipe.read, to, n as u32).await {
+            Ok(0) => return Err(Fault::Destination),
+            Ok(m) => {
+                n -= m;
+                moved(m);
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {}
+            Err(_) => return Err(Fault::Destination),
+        }
+    }
+    Ok(())
 }
 
 /// Move exactly `len` bytes from socket `from` to socket `to` through `pipe` by splice (the L7
@@ -201,18 +211,7 @@ pub(crate) async fn splice_exact(
             }
             Err(_) => return Err(Fault::Source),
         };
-        let mut left = n;
-        while left > 0 {
-            match splice(pipe.read, to, left as u32).await {
-                Ok(0) => return Err(Fault::Destination),
-                Ok(m) => {
-                    left -= m;
-                    moved(m);
-                }
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {}
-                Err(_) => return Err(Fault::Destination),
-            }
-        }
+        drain_pipe(pipe, to, n, &mut moved).await?;
         len -= n as u64;
         hot = n as u32 == want;
     }

@@ -723,27 +723,6 @@ pub(crate) fn abandon_slot(slot: u32, keep: Option<Box<dyn Any>>) {
             }
             return;
         }
-        if s.multishot && s.state == SlotState::Pending {
-            for (_, flags) in s.queue.drain(..) {
-                if let Some(bid) = cqueue::buffer_select(flags) {
-                    inner.recycle(bid);
-                }
-            }
-            inner.deadlines.borrow_mut().disarm(slot);
-            if s.ended {
-                s.reset();
-                drop(slots);
-                inner.free_slots.borrow_mut().push(slot);
-            } else {
-                s.state = SlotState::Abandoned;
-                s.waker = None;
-                drop(slots);
-                inner.push(&[opcode::AsyncCancel::new(slot as u64)
-                    .build()
-                    .user_data(IGNORED)]);
-            }
-            return;
-        }
         match s.state {
             SlotState::Done => {
                 s.state = SlotState::Free;
