@@ -196,6 +196,12 @@ pub struct CostModel {
     pub decode_per_ctx_token_s: f64,
     pub min_match_tokens: u32,
     pub recompute_weight: f64,
+    /// Prompt tokens a queued request this kvlb did not send stands for (scraped `waiting`).
+    pub foreign_request_tokens: u32,
+    /// KV usage from which a replica's cache hits count for less (it is evicting).
+    pub kv_evict_from: f64,
+    /// The share of a hit that still counts at 100% KV usage.
+    pub kv_hit_keep_at_full: f64,
 }
 
 impl Default for CostModel {
@@ -211,6 +217,9 @@ impl Default for CostModel {
             decode_per_ctx_token_s: e.decode_per_ctx_token_s,
             min_match_tokens: p.min_match_tokens,
             recompute_weight: p.recompute_weight,
+            foreign_request_tokens: p.foreign_request_tokens,
+            kv_evict_from: p.kv_evict_from,
+            kv_hit_keep_at_full: p.kv_hit_keep_at_full,
         }
     }
 }
@@ -231,6 +240,9 @@ impl CostModel {
             model: crate::estimate::TtftModel::from_engine(&e),
             min_match_tokens: self.min_match_tokens,
             recompute_weight: self.recompute_weight,
+            foreign_request_tokens: self.foreign_request_tokens,
+            kv_evict_from: self.kv_evict_from,
+            kv_hit_keep_at_full: self.kv_hit_keep_at_full,
             ..Default::default()
         }
     }
@@ -791,6 +803,9 @@ const COST_MODEL_KEYS: &[&str] = &[
     "decode_per_ctx_token_s",
     "min_match_tokens",
     "recompute_weight",
+    "foreign_request_tokens",
+    "kv_evict_from",
+    "kv_hit_keep_at_full",
 ];
 
 fn apply_cost(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
@@ -819,6 +834,23 @@ fn apply_cost(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigErr
                 .ok()
                 .filter(|x| x.is_finite() && *x > 0.0)
                 .ok_or_else(|| bad(key, v, "expected a number > 0 (1 = plain TTFT)"))?
+        }
+        "foreign_request_tokens" => {
+            m.foreign_request_tokens = v
+                .parse()
+                .map_err(|_| bad(key, v, "expected a number of tokens"))?
+        }
+        "kv_evict_from" | "kv_hit_keep_at_full" => {
+            let x = v
+                .parse::<f64>()
+                .ok()
+                .filter(|x| (0.0..=1.0).contains(x))
+                .ok_or_else(|| bad(key, v, "expected a fraction from 0 to 1"))?;
+            if key == "kv_evict_from" {
+                m.kv_evict_from = x
+            } else {
+                m.kv_hit_keep_at_full = x
+            }
         }
         _ => {
             return Err(ConfigError(format!(
@@ -1567,6 +1599,32 @@ mod tests {
         assert!(e.0.contains("replica[0].url"), "{e}");
         let e = apply_toml(&mut c, "bogus = 1").unwrap_err();
         assert!(e.0.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn replica_load_knobs_in_the_cost_model() {
+        let mut c = ServeConfig::default();
+        apply_toml(
+            &mut c,
+            "[cost_model]\nforeign_request_tokens = 2048\nkv_evict_from = 0.8\nkv_hit_keep_at_full = 0.25\n",
+        )
+        .unwrap();
+        let p = c.cost_model.policy_config();
+        assert_eq!(p.foreign_request_tokens, 2048);
+        assert_eq!(p.kv_evict_from, 0.8);
+        assert_eq!(p.kv_hit_keep_at_full, 0.25);
+        let e = apply_toml(&mut c, "[cost_model]\nkv_evict_from = 1.5\n").unwrap_err();
+        assert!(e.0.contains("kv_evict_from") && e.0.contains("1.5"), "{e}");
+        let base = "--listen 127.0.0.1:0 --replica http://127.0.0.1:9000";
+        let c = from_args(&args(&format!(
+            "{base} --kv-hit-keep-at-full 0.5 --splice-responses-from 4MiB"
+        )))
+        .unwrap();
+        assert_eq!(c.cost_model.kv_hit_keep_at_full, 0.5);
+        assert_eq!(c.splice_responses_from, 4 << 20);
+        let c = from_args(&args(&format!("{base} --splice-responses-from off"))).unwrap();
+        assert_eq!(c.splice_responses_from, 0);
+        assert!(from_args(&args(&format!("{base} --splice-responses-from lots"))).is_err());
     }
 }
 
