@@ -152,6 +152,14 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 return End::Close;
             }
             let slot = w.idle_client_enter(conn.fd);
+            // Idle: the buffers go back to the worker's pool until the client sends again.
+            w.give_buf(std::mem::take(&mut conn.cbuf));
+            w.give_buf(std::mem::take(&mut conn.obuf));
+            w.give_buf(std::mem::take(&mut conn.ubuf));
+            conn.watch.wait_ready(cfg.timeouts.idle).await;
+            conn.cbuf = w.take_buf();
+            conn.obuf = w.take_buf();
+            conn.ubuf = w.take_buf();
             let r = conn
                 .watch
                 .recv_into(&mut conn.cbuf, cfg.timeouts.idle)

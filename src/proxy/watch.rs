@@ -90,6 +90,26 @@ impl ClientWatch {
         op::recv_multi(&mut self.recv, buf, Some(timeout)).await
     }
 
+    /// Wait, holding no buffer, until the client has sent something (or left, or `timeout`
+    /// passed): what arrived is then taken by `recv_into`. An idle keep-alive connection
+    /// thus holds no buffer of its own.
+    pub async fn wait_ready(&mut self, timeout: Duration) {
+        self.hup = None;
+        if !self.next.is_empty() || self.ended.is_some() || !self.recv.arm() {
+            return;
+        }
+        let mut waited = false;
+        std::future::poll_fn(|cx| {
+            let r = self.recv.poll_ready(cx);
+            if r.is_pending() && !waited {
+                waited = true;
+                self.recv.set_deadline(Some(timeout));
+            }
+            r
+        })
+        .await
+    }
+
     /// Hand back the pipelined-bytes buffer when the connection ends, if it has one.
     pub fn finish(mut self) -> Option<Vec<u8>> {
         self.hup = None;

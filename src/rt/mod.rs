@@ -649,6 +649,22 @@ pub(crate) fn stop_multishot(slot: u32) {
     })
 }
 
+/// Whether multishot `slot` has a completion waiting; if not, `cx`'s waker is registered.
+pub(crate) fn multishot_ready(slot: u32, cx: &mut Context<'_>) -> bool {
+    with_current(|inner| {
+        let mut slots = inner.slots.borrow_mut();
+        let s = &mut slots[slot as usize];
+        if !s.queue.is_empty() {
+            return true;
+        }
+        match &s.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => s.waker = Some(cx.waker().clone()),
+        }
+        false
+    })
+}
+
 /// Whether multishot `slot` has no completion waiting.
 pub(crate) fn multishot_quiet(slot: u32) -> bool {
     with_current(|inner| inner.slots.borrow()[slot as usize].queue.is_empty())

@@ -198,6 +198,15 @@ impl MultiRecv {
         None
     }
 
+    /// Ready once something (bytes, the end, an error, its deadline) is waiting to be taken;
+    /// takes nothing. Ready at once when not armed.
+    pub fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match self.slot {
+            Some(slot) if !super::multishot_ready(slot, cx) => Poll::Pending,
+            _ => Poll::Ready(()),
+        }
+    }
+
     /// Nothing has arrived since the last receive (no data, no end, no error waiting).
     pub fn quiet(&self) -> bool {
         self.slot.is_none_or(super::multishot_quiet)

@@ -101,6 +101,9 @@ const MAX_IDLE_UPSTREAM: usize = 256;
 /// Buffers kept in the pool; larger ones are shrunk before reuse.
 const BUF_CAPACITY: usize = 16 * 1024;
 const BUF_KEEP_MAX: usize = 256 * 1024;
+/// Buffers a worker's pool keeps: three per connection busy at once (idle keep-alive
+/// connections hold none), 16 MiB at most.
+const BUF_POOL_MAX: usize = 1024;
 
 /// A keep-alive connection to a replica with its multishot receive, which stays armed while the
 /// connection is pooled: if the replica closes it (or sends stray bytes) while it is idle, that
@@ -180,12 +183,15 @@ impl Worker {
     }
 
     pub fn give_buf(&self, mut b: Vec<u8>) {
+        if b.capacity() == 0 {
+            return;
+        }
         b.clear();
         if b.capacity() > BUF_KEEP_MAX {
             b.shrink_to(BUF_CAPACITY);
         }
         let mut bufs = self.bufs.borrow_mut();
-        if bufs.len() < 4096 {
+        if bufs.len() < BUF_POOL_MAX {
             bufs.push(b);
         }
     }
