@@ -49,7 +49,7 @@ mod tests;
 use crate::prompt::{
     extract_prompt_with, Endpoint, Piece, PromptError, PromptForm, PromptScratch, PromptSink,
 };
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Canonical bytes per text-mode block (see the module header for the choice).
 pub const BLOCK_BYTES: usize = 256;
@@ -173,7 +173,7 @@ pub fn chain_hash(parent: u64, block: &[u8]) -> u64 {
         Ok(text_block) => block_hash::xxh3_64_block(text_block),
         Err(_) => xxh3_64(block),
     };
-    xxh3_64_with_seed(&digest.to_le_bytes(), parent)
+    block_hash::chain_step(parent, digest)
 }
 
 /// Appends to `out` the chained hashes of the full `block_size`-token blocks of `tokens`, from
@@ -351,12 +351,10 @@ impl BlockChain<'_> {
             bytes = rest;
         }
         // Whole blocks straight from the body, no copy.
-        while bytes.len() >= BLOCK_BYTES && !self.full() {
-            let (head, rest) = bytes.split_at(BLOCK_BYTES);
-            self.text_hash = chain_hash(self.text_hash, head);
-            self.hashes.push(self.text_hash);
-            bytes = rest;
-        }
+        let (hash, used) =
+            block_hash::chain_blocks(self.text_hash, bytes, self.hashes, self.max_blocks);
+        self.text_hash = hash;
+        bytes = &bytes[used..];
         if self.full() {
             self.fill = 0;
         } else {
