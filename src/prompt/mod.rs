@@ -37,13 +37,16 @@
 //! keyword order, `messages` before `model`; `tools` anywhere), yet is emitted last: so the
 //! first pass extracts it already and records its pieces (body ranges, decoded escapes and
 //! markers copied) in scratch space, and the second pass replays them after model, salt and
-//! tools, reading the prompt text once. Escape-dense messages (a piece every few bytes) and
-//! messages past the scratch space are only skimmed in the first pass and scanned again in the
-//! second, as before; any error in `messages` falls back to that path too, so results and
-//! errors are those of the plain two-pass reading (tested against it). A token-id prompt needs
-//! nothing else from the body and is emitted during the first pass. Strings are scanned 64
-//! bytes at a time with SSE2 bit masks (see `scan`); `benches/prefix.rs` measures the whole
-//! path.
+//! tools, reading the prompt text once. A message whose string `content` comes before its
+//! `role` (sorted keys, as Go and serde_json maps write them) is recorded as it is scanned and
+//! its entries are moved behind the role's, so it too is read once. Escape-dense messages (a
+//! piece every few bytes) and messages past the scratch space are only skimmed in the first
+//! pass and scanned again in the second, as before; any error in `messages` falls back to that
+//! path too, so results and errors are those of the plain two-pass reading (tested against
+//! it). A token-id prompt needs nothing else from the body and is emitted during the first
+//! pass. Strings are scanned 64 bytes at a time with SSE2 bit masks, long plain runs with AVX2
+//! (see `scan`). Cost: see `prefix`; `benches/prefix.rs` and `benches/routing.rs`
+//! (`full_path_part_hash_request_32k_chat`) measure the whole path.
 //!
 //! Anything that is not such a body (other path, invalid JSON, wrong types, missing fields,
 //! duplicate keys we read, nesting deeper than [`MAX_DEPTH`], a cut-short body) is a
