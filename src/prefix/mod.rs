@@ -351,11 +351,13 @@ impl BlockChain<'_> {
             self.fill = 0;
             bytes = rest;
         }
-        // Whole blocks straight from the body, no copy.
-        let (hash, used) =
-            block_hash::chain_blocks(self.text_hash, bytes, self.hashes, self.max_blocks);
-        self.text_hash = hash;
-        bytes = &bytes[used..];
+        // Whole blocks straight from the body, no copy (most pieces of escaped text hold none).
+        if bytes.len() >= BLOCK_BYTES {
+            let (hash, used) =
+                block_hash::chain_blocks(self.text_hash, bytes, self.hashes, self.max_blocks);
+            self.text_hash = hash;
+            bytes = &bytes[used..];
+        }
         if self.full() {
             self.fill = 0;
         } else {
