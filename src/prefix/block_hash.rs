@@ -11,8 +11,9 @@
 //! bytes are three stripes at secret offsets 0, 8, 16 plus the last 64 bytes at offset 121,
 //! then the accumulators are merged and avalanched.
 //!
-//! Cost (2-core AMD EPYC build machine, under load): about 6 ns per block with AVX-512 (the
-//! eight accumulators are one register), chain step included.
+//! Cost (`benches/prefix.rs` `hash_only_chat_32k_prose`, 2-core AMD EPYC build machine): about
+//! 8 ns per block in a run with AVX-512 (the eight accumulators are one register), chain step
+//! included; the chain step's dependency from parent to child (~18 cycles) is most of it.
 
 use super::BLOCK_BYTES;
 
@@ -56,15 +57,13 @@ fn read64(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(word)
 }
 
-/// `xxh3_64(block)` for a 256-byte block.
+/// `xxh3_64(block)` for a 256-byte block. One block alone takes the AVX2 version (measured
+/// faster than AVX-512 for a lone block, whose latency is not hidden behind a next one); runs
+/// of blocks go through [`chain_blocks`].
 #[inline]
 pub fn xxh3_64_block(block: &[u8; BLOCK_BYTES]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // Safety: the CPU supports AVX-512F, checked just above.
-            return unsafe { xxh3_64_block_avx512(block) };
-        }
         if std::arch::is_x86_feature_detected!("avx2") {
             // Safety: the CPU supports AVX2, checked just above.
             return unsafe { xxh3_64_block_avx2(block) };
