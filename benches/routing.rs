@@ -1,9 +1,14 @@
 //! Per-request routing cost: the residency lookup (`match_prefix`) and the whole
 //! `cache_aware` selection for a 128-block prompt (32 KiB of text at 256 bytes a block) over
 //! 16, 64 and 256 replicas, against an index holding about one million resident blocks.
-//! Block hashing is benchmarked separately (it comes before this).
+//! `full_path_32k_chat` is the whole routing step of one request (a 32 KiB chat body whose
+//! message keys are sorted, content before role, extracted and hashed, looked up, a replica
+//! selected); the `full_path_part_*` benches are its parts. Block hashing alone is in
+//! `benches/prefix.rs`.
 //!
-//! Run: `cargo bench --bench routing -- --warm-up-time 1 --measurement-time 3`
+//! Run: `cargo bench --bench routing -- --warm-up-time 1 --measurement-time 2 full_path`. On a
+//! shared machine compare the fastest samples (criterion's `sample.json`) of runs made in the
+//! same sitting.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvlb::http::request::Method;
@@ -218,6 +223,50 @@ fn routing(c: &mut Criterion) {
                 black_box(policy.select(&view, &candidates, rng.next_u64()))
             })
         });
+        // Its parts: extraction and hashing (the same at any replica count, so measured once),
+        // the residency lookup of its 128 hashes, and the selection given the hashes.
+        if replicas == 16 {
+            group.bench_function("full_path_part_hash_request_32k_chat", |b| {
+                b.iter(|| {
+                    hash_request(
+                        b"/v1/chat/completions",
+                        black_box(body.as_bytes()),
+                        &prefix_cfg,
+                        &mut hashes,
+                    )
+                    .unwrap();
+                    black_box(hashes.hashes.len())
+                })
+            });
+        }
+        group.bench_function(
+            BenchmarkId::new("full_path_part_match_prefix_32k_chat", replicas),
+            |b| {
+                b.iter(|| {
+                    idx.match_prefix(black_box(&hashes.hashes), &mut out);
+                    black_box(out[1])
+                })
+            },
+        );
+        group.bench_function(
+            BenchmarkId::new("full_path_part_select_32k_chat", replicas),
+            |b| {
+                let mut now_us = 0;
+                b.iter(|| {
+                    now_us += 1000;
+                    let view = RequestView {
+                        method: Method::Post,
+                        path: b"/v1/chat/completions",
+                        body: body.as_bytes(),
+                        blocks: black_box(&hashes.hashes),
+                        block_tokens: BLOCK_BYTES as u32 / 4,
+                        prompt_tokens: hashes.est_prompt_tokens,
+                        now_us,
+                    };
+                    black_box(policy.select(&view, &candidates, rng.next_u64()))
+                })
+            },
+        );
         group.bench_with_input(BenchmarkId::new("select", replicas), &probe, |b, p| {
             let mut now_us = 0;
             b.iter(|| {

@@ -35,12 +35,17 @@
 //! Token hashes cover tokens only: no model, no salt, since events carry neither.
 //!
 //! # Cost
-//! `benches/prefix.rs`, fastest of 3000 runs on the 2-core build machine under load: a 32 KiB
-//! chat body (8k tokens) of prose takes about 8 us end to end (one scan of the prompt text,
-//! recorded pieces replayed, 128 hashes), the same size of JSON-escaped code (an escape every
-//! 18 bytes) about 22 us; the hashing alone is about 2 us of that, mostly reading the blocks
-//! (256-byte XXH3 unrolled with AVX2 in `block_hash`). The counting allocator sees zero
-//! allocations over 1000 warm requests.
+//! `benches/routing.rs`, fastest samples (criterion's `sample.json`) on the 2-core build
+//! machine under load, AMD EPYC with AVX-512: a 32 KiB chat body (8k tokens of prose, 16
+//! messages, keys sorted) is extracted and cut into 128 block hashes in about 4.0 us
+//! (`full_path_part_hash_request_32k_chat`; 5.0 us before the chain step was written out, the
+//! AVX-512 block hash added and content-before-role messages read once). The hashing is about
+//! 1 us of that: each block costs its 256-byte XXH3 (AVX-512: the eight accumulators are one
+//! register; AVX2 otherwise) plus the chain step, whose ~18-cycle dependency from parent to
+//! child is the floor of a chained hash. Whole blocks are hashed straight from the body; only
+//! a block that straddles pieces is copied into the block buffer. `benches/prefix.rs` adds
+//! JSON-escaped code (an escape every 18 bytes), slower to decode. The counting allocator sees
+//! zero allocations over 1000 warm requests.
 
 mod block_hash;
 #[cfg(test)]
@@ -49,7 +54,7 @@ mod tests;
 use crate::prompt::{
     extract_prompt_with, Endpoint, Piece, PromptError, PromptForm, PromptScratch, PromptSink,
 };
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Canonical bytes per text-mode block (see the module header for the choice).
 pub const BLOCK_BYTES: usize = 256;
@@ -173,7 +178,7 @@ pub fn chain_hash(parent: u64, block: &[u8]) -> u64 {
         Ok(text_block) => block_hash::xxh3_64_block(text_block),
         Err(_) => xxh3_64(block),
     };
-    xxh3_64_with_seed(&digest.to_le_bytes(), parent)
+    block_hash::chain_step(parent, digest)
 }
 
 /// Appends to `out` the chained hashes of the full `block_size`-token blocks of `tokens`, from
@@ -203,11 +208,7 @@ pub fn token_block_hashes_from(parent: u64, tokens: &[u32], block_size: usize, o
 /// Appends to `out` the chained text-mode hashes of `canonical` (canonical prompt bytes, as
 /// `prompt::extract_prompt` emits them), full blocks only.
 pub fn text_block_hashes(canonical: &[u8], out: &mut Vec<u64>) {
-    let mut hash = TEXT_CHAIN_ROOT;
-    for block in canonical.chunks_exact(BLOCK_BYTES) {
-        hash = chain_hash(hash, block);
-        out.push(hash);
-    }
+    block_hash::chain_blocks(TEXT_CHAIN_ROOT, canonical, out, usize::MAX);
 }
 
 /// Extracts the canonical prefix of an OpenAI request and hashes it into `out`.
@@ -350,12 +351,12 @@ impl BlockChain<'_> {
             self.fill = 0;
             bytes = rest;
         }
-        // Whole blocks straight from the body, no copy.
-        while bytes.len() >= BLOCK_BYTES && !self.full() {
-            let (head, rest) = bytes.split_at(BLOCK_BYTES);
-            self.text_hash = chain_hash(self.text_hash, head);
-            self.hashes.push(self.text_hash);
-            bytes = rest;
+        // Whole blocks straight from the body, no copy (most pieces of escaped text hold none).
+        if bytes.len() >= BLOCK_BYTES {
+            let (hash, used) =
+                block_hash::chain_blocks(self.text_hash, bytes, self.hashes, self.max_blocks);
+            self.text_hash = hash;
+            bytes = &bytes[used..];
         }
         if self.full() {
             self.fill = 0;

@@ -4,6 +4,7 @@
 use super::*;
 use crate::prompt::extract_prompt;
 use crate::prompt::tests::conversation;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const CHAT: &[u8] = b"/v1/chat/completions";
 const COMPLETIONS: &[u8] = b"/v1/completions";

@@ -37,13 +37,16 @@
 //! keyword order, `messages` before `model`; `tools` anywhere), yet is emitted last: so the
 //! first pass extracts it already and records its pieces (body ranges, decoded escapes and
 //! markers copied) in scratch space, and the second pass replays them after model, salt and
-//! tools, reading the prompt text once. Escape-dense messages (a piece every few bytes) and
-//! messages past the scratch space are only skimmed in the first pass and scanned again in the
-//! second, as before; any error in `messages` falls back to that path too, so results and
-//! errors are those of the plain two-pass reading (tested against it). A token-id prompt needs
-//! nothing else from the body and is emitted during the first pass. Strings are scanned 64
-//! bytes at a time with SSE2 bit masks (see `scan`); `benches/prefix.rs` measures the whole
-//! path.
+//! tools, reading the prompt text once. A message whose string `content` comes before its
+//! `role` (sorted keys, as Go and serde_json maps write them) is recorded as it is scanned and
+//! its entries are moved behind the role's, so it too is read once. Escape-dense messages (a
+//! piece every few bytes) and messages past the scratch space are only skimmed in the first
+//! pass and scanned again in the second, as before; any error in `messages` falls back to that
+//! path too, so results and errors are those of the plain two-pass reading (tested against
+//! it). A token-id prompt needs nothing else from the body and is emitted during the first
+//! pass. Strings are scanned 64 bytes at a time with SSE2 bit masks, long plain runs with AVX2
+//! (see `scan`). Cost: see `prefix`; `benches/prefix.rs` and `benches/routing.rs`
+//! (`full_path_part_hash_request_32k_chat`) measure the whole path.
 //!
 //! Anything that is not such a body (other path, invalid JSON, wrong types, missing fields,
 //! duplicate keys we read, nesting deeper than [`MAX_DEPTH`], a cut-short body) is a
@@ -316,6 +319,9 @@ struct Recording<'s, 'b> {
     arena: &'s mut [u8],
     len: usize,
     arena_len: usize,
+    /// A new piece may merge into the last entry only when `len > barrier` (entries before
+    /// the barrier are about to be moved as a unit).
+    barrier: usize,
     overflowed: bool,
     /// The recorded pieces are those of all messages but the ones from this position on.
     complete: bool,
@@ -333,6 +339,7 @@ impl<'s, 'b> Recording<'s, 'b> {
             arena,
             len: 0,
             arena_len: 0,
+            barrier: 0,
             overflowed: false,
             complete: false,
             resume: None,
@@ -353,7 +360,7 @@ impl<'s, 'b> Recording<'s, 'b> {
         let at = piece.as_ptr() as usize;
         if at >= base && at + piece.len() <= base + self.body.len() {
             let start = (at - base) as u64;
-            if let Some(last) = self.len.checked_sub(1).map(|i| &mut self.entries[i]) {
+            if let Some(last) = self.mergeable_last() {
                 let (last_start, last_len) = (*last & 0xffff_ffff, *last >> 32 & LEN_MASK);
                 if *last & INLINE == 0 && last_start + last_len == start {
                     *last = last_start | (last_len + piece.len() as u64) << 32;
@@ -376,7 +383,7 @@ impl<'s, 'b> Recording<'s, 'b> {
         };
         scan::copy_short(dst, piece);
         self.arena_len += piece.len();
-        if let Some(last) = self.len.checked_sub(1).map(|i| &mut self.entries[i]) {
+        if let Some(last) = self.mergeable_last() {
             let (last_offset, last_len) = (*last & 0xffff_ffff, *last >> 32 & LEN_MASK);
             if *last & INLINE != 0 && last_offset + last_len == offset as u64 {
                 *last = INLINE | last_offset | (last_len + piece.len() as u64) << 32;
@@ -384,6 +391,30 @@ impl<'s, 'b> Recording<'s, 'b> {
             }
         }
         self.entry(INLINE | offset as u64 | (piece.len() as u64) << 32);
+    }
+
+    /// The last entry, when a new piece may merge into it.
+    #[inline(always)]
+    fn mergeable_last(&mut self) -> Option<&mut u64> {
+        if self.len > self.barrier {
+            self.entries.get_mut(self.len - 1)
+        } else {
+            None
+        }
+    }
+
+    /// Entries from here on are not merged into the ones before.
+    #[inline(always)]
+    fn seal(&mut self) -> usize {
+        self.barrier = self.len;
+        self.len
+    }
+
+    /// Moves `entries[first..mid]` behind `entries[mid..len]` (a content read before its role).
+    fn move_behind(&mut self, first: usize, mid: usize) {
+        if !self.overflowed && first <= mid && mid <= self.len {
+            self.entries[first..self.len].rotate_left(mid - first);
+        }
     }
 
     #[inline(always)]
@@ -439,7 +470,7 @@ fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result
                 let (at, len, arena_len) = (c.pos, record.len, record.arena_len);
                 // The last entry may grow by merging with this message's first piece.
                 let last = len.checked_sub(1).map(|i| record.entries[i]);
-                let result = message(c, &mut |piece: &[u8]| record.push(piece));
+                let result = message_recorded(c, record);
                 if record.overflowed {
                     // Out of space: keep the messages before this one.
                     record.len = len;
@@ -461,6 +492,7 @@ fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result
         }
         record.len = 0;
         record.arena_len = 0;
+        record.barrier = 0;
         record.resume = None;
         record.overflowed = false;
         c.pos = start;
@@ -663,6 +695,65 @@ fn message(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Promp
     }
     for (stage, pos) in stages.leftovers() {
         message_field(&mut Cursor::new(c.buf, pos), stage, text)?;
+    }
+    Ok(())
+}
+
+/// [`message`] for the first pass, into `record`. A string `content` that comes before `role`
+/// (bodies whose keys are sorted, as Go and serde_json maps write them) is recorded as it is
+/// scanned and its entries are moved behind the role's once the role is read, instead of
+/// being skipped and scanned again. The same pieces as [`message`] whenever it succeeds; on an
+/// error the caller falls back to the plain reading, which reports it.
+fn message_recorded(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result<(), PromptError> {
+    if c.peek_token()? != b'{' {
+        return Err(PromptError::WrongType("messages[]"));
+    }
+    let mut stages = Stages::<MESSAGE_FIELDS>::new();
+    // Entries `first..end` of `record` hold a content read before the role.
+    let mut early: Option<(usize, usize)> = None;
+    c.object(MESSAGE_DEPTH - 1, |c, key| {
+        c.skip_ws();
+        let (stage, name) = match key {
+            b"role" => (M_ROLE, "messages[].role"),
+            b"content" => (M_CONTENT, "messages[].content"),
+            b"tool_calls" => (M_TOOL_CALLS, "messages[].tool_calls"),
+            b"tool_call_id" => (M_TOOL_CALL_ID, "messages[].tool_call_id"),
+            b"name" => (M_NAME, "messages[].name"),
+            _ => return c.skip(MESSAGE_DEPTH),
+        };
+        if stage == M_CONTENT && early.is_some() {
+            return Err(PromptError::DuplicateKey(name));
+        }
+        if stage == M_CONTENT
+            && stages.next == M_ROLE
+            && stages.pending[M_CONTENT].is_none()
+            && c.peek()? == b'"'
+        {
+            let first = record.seal();
+            c.string(&mut |piece: &[u8]| record.push(piece))?;
+            early = Some((first, record.seal()));
+            return Ok(());
+        }
+        if stages.arrive(stage, c.pos, name)? {
+            message_field(c, stage, &mut |piece: &[u8]| record.push(piece))?;
+            if let (M_ROLE, Some((first, end))) = (stage, early) {
+                record.move_behind(first, end);
+                stages.next = M_TOOL_CALLS;
+            }
+            Ok(())
+        } else {
+            c.skip(MESSAGE_DEPTH)
+        }
+    })?;
+    if stages.next == M_ROLE && stages.pending[M_ROLE].is_none() {
+        return Err(PromptError::MissingField("messages[].role"));
+    }
+    for (stage, pos) in stages.leftovers() {
+        message_field(
+            &mut Cursor::new(c.buf, pos),
+            stage,
+            &mut |piece: &[u8]| record.push(piece),
+        )?;
     }
     Ok(())
 }

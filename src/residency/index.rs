@@ -1,7 +1,7 @@
 //! `ResidencyIndex` (the read side every worker shares) and `ResidencyWriter` (the one
 //! control-thread owner of the truth: per-replica counts, LRU order and capacity).
 
-use super::table::{BitTable, Mask, MAX_WORDS, MIN_SLOTS};
+use super::table::{BitTable, MAX_WORDS, MIN_SLOTS};
 use crate::lru::LruList;
 use arc_swap::ArcSwap;
 use std::collections::HashMap;
@@ -119,46 +119,12 @@ impl ResidencyIndex {
             return;
         }
         let table = self.table.load();
-        let words = table.words();
-        let mut alive: Mask = [0; MAX_WORDS];
-        for (w, a) in alive.iter_mut().enumerate().take(words) {
-            let bits = n.saturating_sub(w * 64).min(64);
-            *a = if bits == 64 { !0 } else { (1u64 << bits) - 1 };
-        }
-        const AHEAD: usize = 16;
-        for &h in blocks.iter().take(AHEAD) {
-            table.prefetch(h);
-        }
-        let mut mask: Mask = [0; MAX_WORDS];
-        for (i, &h) in blocks.iter().enumerate() {
-            if let Some(&next) = blocks.get(i + AHEAD) {
-                table.prefetch(next);
-            }
-            if !table.load_mask(h, &mut mask) {
-                mask = [0; MAX_WORDS]; // nobody holds block i: every match ends here
-            }
-            let mut any = 0;
-            for w in 0..words {
-                let kept = alive[w] & mask[w];
-                let mut dropped = alive[w] & !kept;
-                while dropped != 0 {
-                    out[w * 64 + dropped.trailing_zeros() as usize] = i as u32;
-                    dropped &= dropped - 1;
-                }
-                alive[w] = kept;
-                any |= kept;
-            }
-            if any == 0 {
-                return;
-            }
-        }
-        let full = blocks.len().min(u32::MAX as usize) as u32;
-        for (w, &a) in alive.iter().enumerate().take(words) {
-            let mut rest = a;
-            while rest != 0 {
-                out[w * 64 + rest.trailing_zeros() as usize] = full;
-                rest &= rest - 1;
-            }
+        // One loop per mask width, so the words are registers and the width a constant.
+        match table.words() {
+            1 => match_words::<1>(&table, blocks, n, out),
+            2 => match_words::<2>(&table, blocks, n, out),
+            3 => match_words::<3>(&table, blocks, n, out),
+            _ => match_words::<4>(&table, blocks, n, out),
         }
     }
 
@@ -187,6 +153,54 @@ impl ResidencyIndex {
     /// Times the shared table was rebuilt (grown, shrunk or cleaned of dead slots).
     pub fn rebuilds(&self) -> u64 {
         self.rebuilds.load(Ordering::Relaxed)
+    }
+}
+
+/// [`ResidencyIndex::match_prefix`] over a table whose masks are `W` words, for replicas
+/// `0..n` (`out` zeroed, `n <= out.len()`, `n <= 64 * W`).
+#[inline(always)]
+fn match_words<const W: usize>(table: &BitTable, blocks: &[u64], n: usize, out: &mut [u32]) {
+    let mut alive = [0u64; W];
+    for (w, a) in alive.iter_mut().enumerate() {
+        let bits = n.saturating_sub(w * 64).min(64);
+        *a = if bits == 64 { !0 } else { (1u64 << bits) - 1 };
+    }
+    const AHEAD: usize = 16;
+    for &h in blocks.iter().take(AHEAD) {
+        table.prefetch(h);
+    }
+    for (i, &h) in blocks.iter().enumerate() {
+        if let Some(&next) = blocks.get(i + AHEAD) {
+            table.prefetch(next);
+        }
+        // Nobody holding block i (an all-zero mask) ends every match here.
+        let mask = table.mask_words::<W>(h);
+        let mut any = 0;
+        for w in 0..W {
+            let kept = alive[w] & mask[w];
+            let mut dropped = alive[w] & !kept;
+            while dropped != 0 {
+                if let Some(o) = out.get_mut(w * 64 + dropped.trailing_zeros() as usize) {
+                    *o = i as u32;
+                }
+                dropped &= dropped - 1;
+            }
+            alive[w] = kept;
+            any |= kept;
+        }
+        if any == 0 {
+            return;
+        }
+    }
+    let full = blocks.len().min(u32::MAX as usize) as u32;
+    for (w, &a) in alive.iter().enumerate() {
+        let mut rest = a;
+        while rest != 0 {
+            if let Some(o) = out.get_mut(w * 64 + rest.trailing_zeros() as usize) {
+                *o = full;
+            }
+            rest &= rest - 1;
+        }
     }
 }
 

@@ -118,6 +118,40 @@ impl BitTable {
         }
     }
 
+    /// The replicas holding `key`, as the first `W` mask words (all zero when no replica
+    /// does); `W` must be `words()`. The reader's hot loop: no slice of cells is built.
+    #[inline(always)]
+    pub(crate) fn mask_words<const W: usize>(&self, key: u64) -> [u64; W] {
+        debug_assert_eq!(W, self.words);
+        let mut out = [0u64; W];
+        if key == EMPTY {
+            for (o, c) in out.iter_mut().zip(&self.zero) {
+                *o = c.load(Ordering::Relaxed);
+            }
+            return out;
+        }
+        let mut slot = self.home(key);
+        loop {
+            let base = slot * self.stride;
+            let Some(k) = self.cells.get(base) else {
+                return out;
+            };
+            let k = k.load(Ordering::Acquire);
+            if k == key {
+                if let Some(cells) = self.cells.get(base + 1..base + 1 + W) {
+                    for (o, c) in out.iter_mut().zip(cells) {
+                        *o = c.load(Ordering::Relaxed);
+                    }
+                }
+                return out;
+            }
+            if k == EMPTY {
+                return out;
+            }
+            slot = (slot + 1) & self.slot_mask;
+        }
+    }
+
     /// Hint the cache to fetch `key`'s home slot ahead of a lookup.
     #[inline]
     pub(crate) fn prefetch(&self, key: u64) {
