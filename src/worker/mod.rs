@@ -121,11 +121,15 @@ impl Upstream {
         }
     }
 
-    /// Cancel the receive and close the socket.
-    pub fn close(self) {
-        let Upstream { fd, recv } = self;
-        drop(recv);
-        op::close(fd);
+    /// Cancel the receive and close the socket (what dropping it does).
+    pub fn close(self) {}
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        // The receive is cancelled when the field drops next; the kernel keeps its own
+        // reference to the socket until then.
+        op::close(self.fd);
     }
 }
 
