@@ -113,6 +113,23 @@ impl fmt::Display for TokenizeError {
     }
 }
 
+/// A loaded tokenizer as the configuration holds it: equal only to itself (a reload loads
+/// the files again).
+#[derive(Clone)]
+pub struct SharedTokenizer(pub std::sync::Arc<ChatTokenizer>);
+
+impl PartialEq for SharedTokenizer {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl fmt::Debug for SharedTokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// A loaded tokenizer and chat template; shared read-only by every worker.
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
