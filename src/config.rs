@@ -1394,6 +1394,36 @@ mod tests {
     }
 
     #[test]
+    fn tokenizer_and_chat_template_load_from_flags_and_file() {
+        let dir =
+            std::env::temp_dir().join(format!("kvlb-config-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        crate::tokenize::fixture::write_chatml(&dir).unwrap();
+        let tok = dir.join("tokenizer.json").display().to_string();
+        let c = from_args(&args(&format!("--listen 127.0.0.1:0 --tokenizer {tok}"))).unwrap();
+        assert!(c.token_mode.as_ref().unwrap().0.has_chat_template());
+        let file = dir.join("kvlb.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "listen = [\"127.0.0.1:0\"]\ntokenizer = {tok:?}\nchat_template = {:?}\n",
+                dir.join("tokenizer_config.json").display().to_string()
+            ),
+        )
+        .unwrap();
+        let c = from_args(&args(&format!("--config {}", file.display()))).unwrap();
+        assert!(c.token_mode.is_some());
+        let e = from_args(&args("--listen 127.0.0.1:0 --chat-template x.json"))
+            .unwrap_err()
+            .unwrap();
+        assert!(
+            e.0.contains("chat_template") && e.0.contains("needs tokenizer"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn flags() {
         let c = from_args(&args("--listen 127.0.0.1:0 --replica http://127.0.0.1:8000 --replica http://127.0.0.1:8001/ --policy least_loaded --workers 2 --cores 0-1 --client-timeout 500ms --max-body-bytes 8MiB")).unwrap();
         assert_eq!(c.replicas.len(), 2);
