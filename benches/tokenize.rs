@@ -50,7 +50,11 @@ fn text(seed: u64, len: usize) -> String {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         s.push_str(WORDS[(i >> 33) as usize % WORDS.len()]);
-        s.push(if (i >> 20) % 17 == 0 { '\n' } else { ' ' });
+        s.push(if (i >> 20).is_multiple_of(17) {
+            '\n'
+        } else {
+            ' '
+        });
     }
     s
 }

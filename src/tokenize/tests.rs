@@ -53,7 +53,7 @@ fn random_body(rng: &mut Lcg) -> String {
         messages.push(serde_json::json!({"role": role, "content": rng.text(words)}));
     }
     let mut body = serde_json::json!({"model": "m", "messages": messages});
-    if rng.next() % 2 == 0 {
+    if rng.next().is_multiple_of(2) {
         body["tools"] = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "description": rng.text(5), "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
     }
     body.to_string()
