@@ -282,3 +282,94 @@ fn bad_tokenizer_files_exit_2_naming_the_key() {
         f.stderr
     );
 }
+
+/// $KVLB_PYTHON, else the venv tests/run.sh keeps, else python3.
+fn python() -> String {
+    std::env::var("KVLB_PYTHON").unwrap_or_else(|_| {
+        let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/python");
+        if std::path::Path::new(venv).exists() {
+            venv.to_string()
+        } else {
+            "python3".to_string()
+        }
+    })
+}
+
+#[test]
+fn token_ids_equal_transformers_rendering_and_python_tokenizers() {
+    let py = python();
+    let has_modules = Command::new(&py)
+        .args(["-c", "import tokenizers, jinja2"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_modules {
+        eprintln!(
+            "skipped: {py} lacks the tokenizers and jinja2 packages (tests/run.sh installs them)"
+        );
+        return;
+    }
+    let dir = TempDir::new("tokenizer-crosscheck");
+    fixture::write_chatml(&dir.path).unwrap();
+    let t = ChatTokenizer::load(&dir.file("tokenizer.json"), None).unwrap();
+    // Conversations with tools (key order kept), tool calls, unicode and special tokens in
+    // content, several turns.
+    let bodies: Vec<String> = (0..40)
+        .map(|i| {
+            let mut messages = vec![json!({"role": "system", "content": format!("You are assistant {i}. Ünïcödé 日本 <|im_end|> ok")})];
+            for turn in 0..(i % 5 + 1) {
+                messages.push(json!({"role": "user", "content": format!("question {turn}:\n  the weather in Paris? {}", "ab ".repeat(i))}));
+                if turn % 2 == 1 {
+                    messages.push(json!({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"zeta": 1, "city": "Paris", "alpha": [1.5, null, true]}}}]}));
+                    messages.push(json!({"role": "tool", "content": "{\"temp\": 21}"}));
+                }
+                messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+            }
+            messages.push(json!({"role": "user", "content": "and tomorrow?"}));
+            // Built as text so the tool schema's keys keep an order serde_json would sort.
+            let tools = if i % 2 == 0 {
+                r#", "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "description": "née"}}}}}]"#
+            } else {
+                ""
+            };
+            format!(r#"{{"messages": {}{tools}}}"#, Value::from(messages))
+        })
+        .collect();
+    let mut child = Command::new(&py)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/py/hf_chat_tokens.py"
+        ))
+        .arg(dir.file("tokenizer.json"))
+        .arg(dir.file("tokenizer_config.json"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn python");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        for b in &bodies {
+            writeln!(stdin, "{b}").unwrap();
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "hf_chat_tokens.py failed");
+    let lines: Vec<&str> = std::str::from_utf8(&out.stdout).unwrap().lines().collect();
+    assert_eq!(lines.len(), bodies.len());
+    let mut cache = kvlb::tokenize::SegmentCache::new(256, 1 << 16);
+    let mut ids = Vec::new();
+    for (body, line) in bodies.iter().zip(lines) {
+        let expected: Vec<u32> = serde_json::from_str(line).unwrap();
+        t.request_tokens(
+            b"/v1/chat/completions",
+            body.as_bytes(),
+            &mut cache,
+            &mut ids,
+        )
+        .unwrap();
+        assert_eq!(ids, expected, "{body}");
+        assert_eq!(t.chat_tokens_whole(body.as_bytes()).unwrap(), expected);
+    }
+}
