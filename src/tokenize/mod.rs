@@ -148,7 +148,12 @@ pub struct ChatTokenizer {
     completion_frame: Option<(Vec<u32>, Vec<u32>)>,
     /// Where it was loaded from, for messages.
     pub source: String,
+    /// Distinct for every load (a worker's cache belongs to one).
+    load_id: u64,
 }
+
+/// Numbers the loads of tokenizers (0 is "none").
+static LOADS: AtomicU64 = AtomicU64::new(1);
 
 impl fmt::Debug for ChatTokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -312,6 +317,7 @@ impl ChatTokenizer {
             segment_wise: false,
             completion_frame: None,
             source: String::new(),
+            load_id: LOADS.fetch_add(1, Relaxed),
         };
         t.segment_wise = !prepends_only_first(tokenizer_json) && t.probe_segments();
         t.completion_frame = t.probe_completion_frame();
@@ -921,8 +927,8 @@ pub struct SegmentCache {
     held_tokens: usize,
     max_tokens: usize,
     max_segments: usize,
-    /// The tokenizer the entries belong to (a reload that changes it empties the cache).
-    owner: usize,
+    /// The load of the tokenizer the entries belong to (a reload empties the cache).
+    owner: u64,
 }
 
 impl SegmentCache {
@@ -954,7 +960,7 @@ impl SegmentCache {
 
     /// Empties the cache when it was filled by another tokenizer.
     fn bind(&mut self, tokenizer: &ChatTokenizer) {
-        let id = tokenizer as *const ChatTokenizer as usize;
+        let id = tokenizer.load_id;
         if self.owner != id {
             self.index.clear();
             self.order.clear();
