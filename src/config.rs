@@ -349,6 +349,14 @@ pub struct ServeConfig {
     pub queue_size: u32,
     /// How long one may wait before 429.
     pub queue_timeout: Duration,
+    /// `tokenizer = PATH`: a Hugging Face tokenizer.json; chat and text completions requests
+    /// are then hashed in token mode (see `crate::tokenize`).
+    pub tokenizer: Option<String>,
+    /// `chat_template = PATH`: tokenizer_config.json (or a .jinja template); default: the one
+    /// beside the tokenizer.
+    pub chat_template: Option<String>,
+    /// Both, loaded (set when `tokenizer` is).
+    pub token_mode: Option<crate::tokenize::SharedTokenizer>,
 }
 
 /// Client API keys, compared without early exit.
@@ -678,6 +686,9 @@ impl Default for ServeConfig {
             max_in_flight: 0,
             queue_size: 1024,
             queue_timeout: Duration::from_secs(30),
+            tokenizer: None,
+            chat_template: None,
+            token_mode: None,
         }
     }
 }
@@ -738,6 +749,10 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --queue-size N           requests waiting while every replica is at its limit (default 1024);
                            beyond, 429 with Retry-After
   --queue-timeout DUR      longest wait in that queue before 429 (default 30s)
+  --tokenizer PATH         Hugging Face tokenizer.json: chat and text completions prompts are
+                           hashed as the engine's token ids (blocks match KV events)
+  --chat-template PATH     the model's tokenizer_config.json (chat_template, bos/eos) or a
+                           .jinja file (default: beside the tokenizer)
 
 SIGHUP (or POST /reload on the admin listener) rereads the configuration: replicas, policy,
 limits, timeouts and health settings change without dropping connections or requests.";
@@ -783,6 +798,8 @@ const FILE_KEYS: &[&str] = &[
     "listener",
     "l4_forwarding",
     "splice_responses_from",
+    "tokenizer",
+    "chat_template",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -970,6 +987,8 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
                 _ => return Err(bad(key, v, "expected true or false")),
             }
         }
+        "tokenizer" => cfg.tokenizer = Some(v.to_string()),
+        "chat_template" => cfg.chat_template = Some(v.to_string()),
         k if COST_MODEL_KEYS.contains(&k) => apply_cost(cfg, k, v)?,
         _ => return Err(ConfigError(format!("unknown key {key:?}"))),
     }
@@ -1357,6 +1376,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
             cfg.replicas.len()
         ))));
     }
+    load_token_mode(&mut cfg).map_err(Some)?;
     let mut urls: Vec<&str> = cfg
         .replicas
         .iter()
@@ -1372,12 +1392,81 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
     Ok(cfg)
 }
 
+/// Loads `tokenizer` and `chat_template` into `token_mode`; errors name the key and the file.
+fn load_token_mode(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
+    cfg.token_mode = None;
+    let Some(path) = cfg.tokenizer.clone() else {
+        if let Some(t) = &cfg.chat_template {
+            return Err(bad(
+                "chat_template",
+                t,
+                "needs tokenizer = PATH too (the tokenizer.json the template's text is encoded with)",
+            ));
+        }
+        return Ok(());
+    };
+    let template = cfg.chat_template.clone();
+    let loaded = crate::tokenize::ChatTokenizer::load(
+        std::path::Path::new(&path),
+        template.as_deref().map(std::path::Path::new),
+    )
+    .map_err(|e| match &template {
+        Some(t) if e.starts_with(&format!("{t}: ")) => bad("chat_template", t, &e[t.len() + 2..]),
+        _ => bad(
+            "tokenizer",
+            &path,
+            e.strip_prefix(&format!("{path}: ")).unwrap_or(&e),
+        ),
+    })?;
+    if !loaded.has_chat_template() {
+        return Err(bad(
+            "tokenizer",
+            &path,
+            "no chat template beside it (tokenizer_config.json with chat_template, or chat_template.jinja); give chat_template = PATH",
+        ));
+    }
+    cfg.token_mode = Some(crate::tokenize::SharedTokenizer(std::sync::Arc::new(
+        loaded,
+    )));
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn args(s: &str) -> Vec<String> {
         s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn tokenizer_and_chat_template_load_from_flags_and_file() {
+        let dir =
+            std::env::temp_dir().join(format!("kvlb-config-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        crate::tokenize::fixture::write_chatml(&dir).unwrap();
+        let tok = dir.join("tokenizer.json").display().to_string();
+        let c = from_args(&args(&format!("--listen 127.0.0.1:0 --tokenizer {tok}"))).unwrap();
+        assert!(c.token_mode.as_ref().unwrap().0.has_chat_template());
+        let file = dir.join("kvlb.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "listen = [\"127.0.0.1:0\"]\ntokenizer = {tok:?}\nchat_template = {:?}\n",
+                dir.join("tokenizer_config.json").display().to_string()
+            ),
+        )
+        .unwrap();
+        let c = from_args(&args(&format!("--config {}", file.display()))).unwrap();
+        assert!(c.token_mode.is_some());
+        let e = from_args(&args("--listen 127.0.0.1:0 --chat-template x.json"))
+            .unwrap_err()
+            .unwrap();
+        assert!(
+            e.0.contains("chat_template") && e.0.contains("needs tokenizer"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -30,5 +30,6 @@ pub mod select;
 pub mod serve;
 pub mod sim;
 pub mod telemetry;
+pub mod tokenize;
 pub mod worker;
 pub mod zmtp;

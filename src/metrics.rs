@@ -553,6 +553,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
         &total,
     );
     crate::l4::render_metrics(&mut out);
+    crate::tokenize::render_metrics(&mut out);
     process(&mut out);
     out
 }

@@ -22,6 +22,12 @@ pub struct ReplicaFlags {
     pub model: String,
     pub seed: u64,
     pub engine: EngineConfig,
+    /// `--tokenizer PATH`: a Hugging Face tokenizer.json for text prompts (default: the
+    /// simulated tokenizer).
+    pub tokenizer: Option<String>,
+    /// `--chat-template PATH`: tokenizer_config.json or a .jinja template (default: beside
+    /// the tokenizer).
+    pub chat_template: Option<String>,
 }
 
 /// The help text, with the engine's calibrated defaults.
@@ -53,6 +59,9 @@ options:
   --decode-base-s X             decode step seconds: base + per_seq*batch + per_ctx_token*context (default {:e})
   --decode-per-seq-s X          (default {:e})
   --decode-per-ctx-token-s X    (default {:e})
+  --tokenizer PATH              Hugging Face tokenizer.json: text prompts get its ids, chat prompts
+                                its chat template's (default: the simulated tokenizer)
+  --chat-template PATH          tokenizer_config.json or .jinja (default: beside the tokenizer)
   -h, --help                    this text
 
 On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
@@ -111,6 +120,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         model: "Qwen/Qwen3-8B".to_string(),
         seed: 0,
         engine: EngineConfig::default(),
+        tokenizer: None,
+        chat_template: None,
     };
     let mut i = 0;
     while i < args.len() {
@@ -165,6 +176,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 }
                 flags.model = value
             }
+            "--tokenizer" => flags.tokenizer = Some(value),
+            "--chat-template" => flags.chat_template = Some(value),
             "--seed" => flags.seed = int_in(name, &value, 0, u64::MAX)?,
             "--max-model-len" => e.max_model_len = int_in(name, &value, 1, u32::MAX as u64)? as u32,
             "--kv-capacity-tokens" => e.kv_capacity_tokens = int_in(name, &value, 1, u64::MAX)?,
@@ -183,6 +196,9 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         }
     }
     flags.listen = listen.ok_or_else(|| "missing --listen ADDR (see --help)".to_string())?;
+    if flags.chat_template.is_some() && flags.tokenizer.is_none() {
+        return Err("--chat-template needs --tokenizer".to_string());
+    }
     if kv_replay.is_some() && kv_events.is_none() {
         return Err("--kv-replay needs --kv-events".to_string());
     }

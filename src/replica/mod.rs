@@ -38,6 +38,18 @@ pub fn main(args: Vec<String>) -> i32 {
             return 2;
         }
     };
+    if let Some(path) = &flags.tokenizer {
+        let template = flags.chat_template.as_deref().map(std::path::Path::new);
+        match crate::tokenize::ChatTokenizer::load(std::path::Path::new(path), template) {
+            Ok(t) => {
+                let _ = openai::HF_TOKENIZER.set(t);
+            }
+            Err(e) => {
+                eprintln!("kvlb replica: --tokenizer {path}: {e}");
+                return 2;
+            }
+        }
+    }
     let mut started = Vec::with_capacity(flags.count as usize);
     for i in 0..flags.count {
         let addr = shifted(flags.listen, i);

@@ -13,6 +13,27 @@ use crate::engine::tokenizer::{self, ChatMessage};
 use crate::engine::FinishReason;
 use serde_json::{json, Map, Value};
 
+/// The Hugging Face tokenizer and chat template given by `kvlb replica --tokenizer`: when
+/// set, text prompts are tokenized as a real engine does (`crate::tokenize`, the whole rendered
+/// prompt at once) instead of by the simulated tokenizer. Set once at start.
+pub static HF_TOKENIZER: std::sync::OnceLock<crate::tokenize::ChatTokenizer> =
+    std::sync::OnceLock::new();
+
+/// A text prompt's ids: the configured tokenizer's (with special tokens, as vLLM encodes a
+/// completion prompt), else the simulated one's.
+fn encode_text(s: &str) -> Result<Vec<u32>, ApiError> {
+    let mut ids = Vec::new();
+    match HF_TOKENIZER.get() {
+        Some(t) => {
+            ids = t
+                .completion_tokens_whole(s)
+                .map_err(|e| ApiError::bad_request(format!("prompt: {e}")))?
+        }
+        None => tokenizer::encode(s, &mut ids),
+    }
+    Ok(ids)
+}
+
 /// An error answer: HTTP status plus vLLM's `{"error": {...}}` body.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -202,11 +223,7 @@ fn completion_prompts(m: &Map<String, Value>) -> Result<Vec<Vec<u32>>, ApiError>
     };
     match m.get("prompt") {
         None | Some(Value::Null) => Err(ApiError::bad_request("prompt: field required")),
-        Some(Value::String(s)) => {
-            let mut ids = Vec::new();
-            tokenizer::encode(s, &mut ids);
-            Ok(vec![ids])
-        }
+        Some(Value::String(s)) => Ok(vec![encode_text(s)?]),
         Some(Value::Array(items)) => {
             if items.is_empty() {
                 return Err(ApiError::bad_request("prompt: must not be an empty list"));
@@ -217,11 +234,7 @@ fn completion_prompts(m: &Map<String, Value>) -> Result<Vec<Vec<u32>>, ApiError>
             let mut prompts = Vec::with_capacity(items.len());
             for item in items {
                 match item {
-                    Value::String(s) => {
-                        let mut ids = Vec::new();
-                        tokenizer::encode(s, &mut ids);
-                        prompts.push(ids);
-                    }
+                    Value::String(s) => prompts.push(encode_text(s)?),
                     Value::Array(ids) if ids.iter().all(|v| v.is_number()) => {
                         prompts.push(token_ids(ids, "prompt")?)
                     }
@@ -350,6 +363,7 @@ fn chat_tools(m: &Map<String, Value>) -> Result<Option<String>, ApiError> {
 
 fn chat_prompt(m: &Map<String, Value>, add_generation_prompt: bool) -> Result<Vec<u32>, ApiError> {
     let messages = chat_messages(m)?;
+
     let tools = chat_tools(m)?;
     let mut ids = Vec::new();
     tokenizer::apply_chat_template(&messages, tools.as_deref(), add_generation_prompt, &mut ids);
@@ -366,7 +380,13 @@ pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
 /// POST /v1/chat/completions body.
 pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     let m = parse_object(body)?;
-    let prompt = chat_prompt(&m, true)?;
+    let prompt = match HF_TOKENIZER.get() {
+        // From the body as sent: the template's tojson keeps the request's key order.
+        Some(t) => t
+            .chat_tokens_whole(body)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?,
+        None => chat_prompt(&m, true)?,
+    };
     common(&m, Endpoint::Chat, vec![prompt])
 }
 
@@ -384,6 +404,11 @@ pub fn parse_tokenize(body: &[u8]) -> Result<Vec<u32>, ApiError> {
                 )))
             }
         };
+        if let Some(t) = HF_TOKENIZER.get() {
+            return t
+                .chat_tokens_whole(body)
+                .map_err(|e| ApiError::bad_request(e.to_string()));
+        }
         return chat_prompt(&m, add);
     }
     let mut prompts = completion_prompts(&m).map_err(|e| {

@@ -156,6 +156,8 @@ pub struct Worker {
     pub spans: RefCell<Vec<(usize, usize)>>,
     /// The prefix blocks of the request being routed (buffers reused across requests).
     pub prefix: RefCell<crate::prefix::PrefixHashes>,
+    /// Token mode's segment cache and id buffer (used when a tokenizer is configured).
+    pub tokens: RefCell<crate::tokenize::TokenScratch>,
     idle_clients: RefCell<Vec<RawFd>>,
     free_idle: RefCell<Vec<usize>>,
     pub open: Cell<usize>,
@@ -358,10 +360,30 @@ impl Choice {
 }
 
 impl Worker {
-    /// Hash the prompt's prefix blocks into the worker's buffers (no allocation). False when
-    /// the body is not a prompt; malformed prompts are counted by kind.
+    /// Hash the prompt's prefix blocks into the worker's buffers (no allocation in text mode).
+    /// False when the body is not a prompt; malformed prompts are counted by kind. With a
+    /// tokenizer configured, chat and text completions prompts are hashed as the engine's
+    /// token ids (`crate::tokenize`); a request it cannot tokenize is counted and hashed as text.
     pub fn hash_prompt(&self, path: &[u8], body: &[u8]) -> bool {
         let mut prefix = self.prefix.borrow_mut();
+        if let Some(tokenizer) = &self.shared.cfg().token_mode {
+            let mut scratch = self.tokens.borrow_mut();
+            let scratch = &mut *scratch;
+            match tokenizer
+                .0
+                .request_tokens(path, body, &mut scratch.cache, &mut scratch.ids)
+            {
+                Ok(true) => {
+                    crate::tokenize::fill_prefix(&scratch.ids, &self.shared.prefix, &mut prefix);
+                    crate::tokenize::TOKENIZED_REQUESTS.fetch_add(1, Relaxed);
+                    return true;
+                }
+                Ok(false) => {}
+                Err(_) => {
+                    crate::tokenize::TOKENIZE_ERRORS.fetch_add(1, Relaxed);
+                }
+            }
+        }
         match crate::prefix::hash_request(path, body, &self.shared.prefix, &mut prefix) {
             Ok(()) => true,
             Err(crate::prompt::PromptError::NotAPromptPath) => false,
@@ -514,6 +536,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         candidates: RefCell::new(Vec::with_capacity(n_replicas)),
         spans: RefCell::new(Vec::with_capacity(64)),
         prefix: RefCell::new(crate::prefix::PrefixHashes::new(&shared.prefix)),
+        tokens: RefCell::new(crate::tokenize::TokenScratch::default()),
         idle_clients: RefCell::new(Vec::new()),
         free_idle: RefCell::new(Vec::new()),
         open: Cell::new(0),
