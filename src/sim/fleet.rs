@@ -504,6 +504,43 @@ mod tests {
     }
 
     #[test]
+    fn queued_prompts_do_not_push_resident_ones_out_of_the_routers_belief() {
+        // Room for four 512-token trace blocks.
+        let engine = EngineConfig {
+            kv_capacity_tokens: 2048,
+            ..EngineConfig::default()
+        };
+        let mut policy = RoutingPolicy::build("cache_aware", 1, &engine).unwrap();
+        let candidates = [Candidate::default()];
+        let route = |policy: &mut RoutingPolicy, ids: &[u64], pending: u64| {
+            let blocks: Vec<u64> = ids.iter().map(|&id| trace::view_block(id)).collect();
+            let view = RequestView {
+                method: Method::Post,
+                path: b"/v1/completions",
+                body: b"",
+                blocks: &blocks,
+                block_tokens: TRACE_BLOCK_TOKENS,
+                prompt_tokens: 2048,
+                now_us: 0,
+            };
+            assert_eq!(policy.select(&view, &candidates, 0), 0);
+            policy.settle(0, engine.kv_capacity_tokens, pending, 0);
+        };
+        let holds = |policy: &RoutingPolicy, id: u64| {
+            let writer = policy.residency.as_ref().unwrap();
+            writer.holds(0, trace::view_block(id))
+        };
+        route(&mut policy, &[1, 2, 3, 4], 2048);
+        // The second prompt waits behind the first: both are believed resident.
+        route(&mut policy, &[5, 6, 7, 8], 4096);
+        assert!((1..=8).all(|id| holds(&policy, id)));
+        // Both computed: the cache holds 2048 tokens, the older prompt is gone.
+        policy.learn_pending(0, engine.kv_capacity_tokens, 0);
+        assert!((1..=4).all(|id| !holds(&policy, id)));
+        assert!((5..=8).all(|id| holds(&policy, id)));
+    }
+
+    #[test]
     fn every_policy_builds_and_unknown_names_are_refused() {
         for name in POLICY_NAMES {
             let p = RoutingPolicy::build(name, 4, &EngineConfig::default()).unwrap();
