@@ -50,6 +50,13 @@ const ROUTING_LOG_RECORDS: usize = 1024;
 /// `cache_aware` that is the residency index, its writer and a routing log, as `kvlb serve`
 /// wires them, except that the writer is driven synchronously: after every decision it drains
 /// the routing log at the decision's time (no writer thread, so runs are deterministic).
+///
+/// The writer learns residency from routing alone here (the engines' KV events are not fed
+/// back), bounded per replica by the KV capacity plus the prompt tokens routed there and not
+/// computed yet: a queued prompt holds no KV, so while a replica is backlogged its queue must
+/// not push out of the router's belief the blocks its cache still holds. Bounded by the KV
+/// capacity alone, a fleet at twice the conversation trace's rate (queues of minutes) forgot
+/// sessions its replicas still held and sent their next turns elsewhere.
 pub struct RoutingPolicy {
     policy: Box<dyn Policy>,
     residency: Option<ResidencyWriter>,
@@ -107,11 +114,25 @@ impl RoutingPolicy {
     }
 
     fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
-        let pick = self.policy.select(req, candidates, random);
+        self.policy.select(req, candidates, random)
+    }
+
+    /// After a decision: replica `r` has `pending_tokens` routed there still to compute. They
+    /// do not hold KV yet, so the residency the router learned from routing may keep that
+    /// many tokens beyond the KV capacity; then the routing log is drained at `now_us`.
+    fn settle(&mut self, r: usize, kv_capacity_tokens: u64, pending_tokens: u64, now_us: u64) {
+        self.learn_pending(r, kv_capacity_tokens, pending_tokens);
         if let Some(writer) = &mut self.residency {
-            writer.drain(req.now_us);
+            writer.drain(now_us);
         }
-        pick
+    }
+
+    /// Replica `r`'s pending tokens changed (a first token came).
+    fn learn_pending(&mut self, r: usize, kv_capacity_tokens: u64, pending_tokens: u64) {
+        if let Some(writer) = &mut self.residency {
+            // Only an unknown replica fails, and `r` is one of the fleet's.
+            let _ = writer.set_capacity_tokens(r, kv_capacity_tokens + pending_tokens);
+        }
     }
 }
 
@@ -229,6 +250,7 @@ pub fn simulate(
         match step {
             Some((i, s)) if arrival.is_none_or(|a| s <= a) => {
                 outputs.clear();
+                let pending = loads[i].queued_prefill_tokens;
                 engines[i].advance(s, &mut outputs);
                 if outputs.is_empty() && engines[i].next_event_time() == Some(s) {
                     stalled += 1;
@@ -245,6 +267,13 @@ pub fn simulate(
                         &mut records,
                         &mut loads,
                         &mut replica_prefill_tokens,
+                    );
+                }
+                if loads[i].queued_prefill_tokens != pending {
+                    policy.learn_pending(
+                        i,
+                        engine.kv_capacity_tokens,
+                        loads[i].queued_prefill_tokens,
                     );
                 }
             }
@@ -288,6 +317,12 @@ pub fn simulate(
                 rec.replica = r as u32;
                 if submitted.is_err() {
                     rec.rejected = true;
+                    policy.settle(
+                        r,
+                        engine.kv_capacity_tokens,
+                        loads[r].queued_prefill_tokens,
+                        view.now_us,
+                    );
                     continue;
                 }
                 let estimated = routed.matched_tokens(r, &req.block_ids, req.prompt_tokens);
@@ -296,6 +331,12 @@ pub fn simulate(
                 let l = &mut loads[r];
                 l.in_flight += 1;
                 l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
+                policy.settle(
+                    r,
+                    engine.kv_capacity_tokens,
+                    l.queued_prefill_tokens,
+                    view.now_us,
+                );
             }
         }
     }
@@ -460,6 +501,43 @@ mod tests {
         assert_eq!(run.prefix_queries_tokens, 5200);
         assert!(run.duplicate_samples.len() >= 10);
         assert!(run.makespan_s >= 100.0);
+    }
+
+    #[test]
+    fn queued_prompts_do_not_push_resident_ones_out_of_the_routers_belief() {
+        // Room for four 512-token trace blocks.
+        let engine = EngineConfig {
+            kv_capacity_tokens: 2048,
+            ..EngineConfig::default()
+        };
+        let mut policy = RoutingPolicy::build("cache_aware", 1, &engine).unwrap();
+        let candidates = [Candidate::default()];
+        let route = |policy: &mut RoutingPolicy, ids: &[u64], pending: u64| {
+            let blocks: Vec<u64> = ids.iter().map(|&id| trace::view_block(id)).collect();
+            let view = RequestView {
+                method: Method::Post,
+                path: b"/v1/completions",
+                body: b"",
+                blocks: &blocks,
+                block_tokens: TRACE_BLOCK_TOKENS,
+                prompt_tokens: 2048,
+                now_us: 0,
+            };
+            assert_eq!(policy.select(&view, &candidates, 0), 0);
+            policy.settle(0, engine.kv_capacity_tokens, pending, 0);
+        };
+        let holds = |policy: &RoutingPolicy, id: u64| {
+            let writer = policy.residency.as_ref().unwrap();
+            writer.holds(0, trace::view_block(id))
+        };
+        route(&mut policy, &[1, 2, 3, 4], 2048);
+        // The second prompt waits behind the first: both are believed resident.
+        route(&mut policy, &[5, 6, 7, 8], 4096);
+        assert!((1..=8).all(|id| holds(&policy, id)));
+        // Both computed: the cache holds 2048 tokens, the older prompt is gone.
+        policy.learn_pending(0, engine.kv_capacity_tokens, 0);
+        assert!((1..=4).all(|id| !holds(&policy, id)));
+        assert!((5..=8).all(|id| holds(&policy, id)));
     }
 
     #[test]

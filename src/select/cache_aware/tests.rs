@@ -157,6 +157,56 @@ fn bad_knobs_are_named() {
     };
     let err = CacheAware::new(idx, cfg).err().unwrap();
     assert!(err.contains("hot_spill_wait_s"), "{err}");
+    for bad in [-0.5, f64::INFINITY, f64::NAN] {
+        let (idx, _w) = fleet(1);
+        let cfg = CacheAwareConfig {
+            backlog_weight: bad,
+            ..CacheAwareConfig::default()
+        };
+        let err = CacheAware::new(idx, cfg).err().unwrap();
+        assert!(err.contains("backlog_weight"), "{err}");
+    }
+}
+
+#[test]
+fn a_backlogged_fleet_keeps_a_session_on_its_history() {
+    let (idx, mut w) = fleet(2);
+    let prompt = blocks(32);
+    w.insert(0, &prompt[..24], 0).unwrap(); // 1536 of 2048 tokens resident on r0
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    // r0 has 4000 tokens more queued than r1 (about 140 ms), more than weight 2 puts on the
+    // 47 ms its hit saves: with one request waiting on each, the cold replica wins.
+    let backlog = |waiting: u32| {
+        let mut c = queued(&[20_000, 16_000]);
+        for c in &mut c {
+            c.in_flight = waiting;
+        }
+        c
+    };
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &backlog(1), 0), 1);
+    assert_eq!(p.last_decision().reason, Reason::Load);
+    // 20 waiting on each: the weight is 2 + 0.1 * 19 = 3.9, and the hit is worth 184 ms.
+    let cfg = CacheAwareConfig::default();
+    assert!(close(prefill_weight(&cfg, 20.0), 3.9));
+    assert!(close(prefill_weight(&cfg, 0.5), 2.0));
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &backlog(20), 0), 0);
+    let d = p.last_decision();
+    assert_eq!((d.matched_tokens, d.reason), (1536, Reason::Cache));
+    // Decoders are not waiting: 20 in flight of which 19 decode is no backlog.
+    let mut c = backlog(20);
+    for c in &mut c {
+        c.decoding = 19;
+    }
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &c, 0), 1);
+    // backlog_weight 0 is the weight-2 policy whatever the backlog.
+    let (idx, mut w) = fleet(2);
+    w.insert(0, &prompt[..24], 0).unwrap();
+    let flat = CacheAwareConfig {
+        backlog_weight: 0.0,
+        ..CacheAwareConfig::default()
+    };
+    let mut p = CacheAware::new(idx, flat).unwrap();
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &backlog(20), 0), 1);
 }
 
 // ---------------------------------------------------------------------------------------
