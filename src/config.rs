@@ -196,6 +196,9 @@ pub struct CostModel {
     pub decode_per_ctx_token_s: f64,
     pub min_match_tokens: u32,
     pub recompute_weight: f64,
+    /// Extra weight of a request's own prefill per request waiting for its first token (fleet
+    /// average beyond one): a backlogged fleet values hits more.
+    pub backlog_weight: f64,
     /// Prompt tokens a queued request this kvlb did not send stands for (scraped `waiting`).
     pub foreign_request_tokens: u32,
     /// KV usage from which a replica's cache hits count for less (it is evicting).
@@ -217,6 +220,7 @@ impl Default for CostModel {
             decode_per_ctx_token_s: e.decode_per_ctx_token_s,
             min_match_tokens: p.min_match_tokens,
             recompute_weight: p.recompute_weight,
+            backlog_weight: p.backlog_weight,
             foreign_request_tokens: p.foreign_request_tokens,
             kv_evict_from: p.kv_evict_from,
             kv_hit_keep_at_full: p.kv_hit_keep_at_full,
@@ -240,6 +244,7 @@ impl CostModel {
             model: crate::estimate::TtftModel::from_engine(&e),
             min_match_tokens: self.min_match_tokens,
             recompute_weight: self.recompute_weight,
+            backlog_weight: self.backlog_weight,
             foreign_request_tokens: self.foreign_request_tokens,
             kv_evict_from: self.kv_evict_from,
             kv_hit_keep_at_full: self.kv_hit_keep_at_full,
@@ -820,6 +825,7 @@ const COST_MODEL_KEYS: &[&str] = &[
     "decode_per_ctx_token_s",
     "min_match_tokens",
     "recompute_weight",
+    "backlog_weight",
     "foreign_request_tokens",
     "kv_evict_from",
     "kv_hit_keep_at_full",
@@ -851,6 +857,13 @@ fn apply_cost(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigErr
                 .ok()
                 .filter(|x| x.is_finite() && *x > 0.0)
                 .ok_or_else(|| bad(key, v, "expected a number > 0 (1 = plain TTFT)"))?
+        }
+        "backlog_weight" => {
+            m.backlog_weight = v
+                .parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| bad(key, v, "expected a number >= 0 (0 = off)"))?
         }
         "foreign_request_tokens" => {
             m.foreign_request_tokens = v
@@ -1695,10 +1708,11 @@ mod tests {
         let mut c = ServeConfig::default();
         apply_toml(
             &mut c,
-            "[cost_model]\nforeign_request_tokens = 2048\nkv_evict_from = 0.8\nkv_hit_keep_at_full = 0.25\n",
+            "[cost_model]\nforeign_request_tokens = 2048\nkv_evict_from = 0.8\nkv_hit_keep_at_full = 0.25\nbacklog_weight = 0.3\n",
         )
         .unwrap();
         let p = c.cost_model.policy_config();
+        assert_eq!(p.backlog_weight, 0.3);
         assert_eq!(p.foreign_request_tokens, 2048);
         assert_eq!(p.kv_evict_from, 0.8);
         assert_eq!(p.kv_hit_keep_at_full, 0.25);
