@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# L4 forwarding benchmark: kvlb L7 copying every byte through user space (kvlb-l7-copy), kvlb
-# L7 as configured by default (response bodies with 1 MiB or more to come spliced), kvlb L4 with io_uring
+# L4 forwarding benchmark: kvlb L7 copying every byte through user space (kvlb-l7, the default),
+# kvlb L7 splicing response bodies with 1 MiB or more to come (kvlb-l7-splice), kvlb L4 with io_uring
 # splice, kvlb L4 with the BPF sockmap, HAProxy mode tcp, and HAProxy mode tcp with its splice
 # options, side by side in one run, on the bulk shapes an LLM front door moves:
 #
@@ -17,7 +17,7 @@
 # The proxy process's own CPU per GiB (utime+stime) is printed next to it.
 #
 # Environment: DURATION (seconds per run, 4), SHAPES ("resp-1M resp-64M prompt-256K sse"),
-# PROXIES ("kvlb-l7-copy kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice"), PROXY_CORE (0),
+# PROXIES ("kvlb-l7 kvlb-l7-splice kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice"), PROXY_CORE (0),
 # LOAD_CORE (1), KVLB_BIN (default target/release/kvlb, built when missing).
 # Results: bench/results/l4-<date>.txt. About 2.5 minutes with the defaults.
 set -euo pipefail
@@ -28,7 +28,7 @@ source bench/lib/packages.sh
 
 DURATION=${DURATION:-4}
 SHAPES=${SHAPES:-resp-1M resp-64M prompt-256K sse}
-PROXIES=${PROXIES:-kvlb-l7-copy kvlb-l7 kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice}
+PROXIES=${PROXIES:-kvlb-l7 kvlb-l7-splice kvlb-splice kvlb-sockmap haproxy-tcp haproxy-splice}
 PROXY_CORE=${PROXY_CORE:-0}
 LOAD_CORE=${LOAD_CORE:-1}
 PYTHON=${PYTHON:-python3}
@@ -150,11 +150,11 @@ declare -A PORT_OF PID_OF
 start_proxy() {
     local name=$1 port=$2 backend=$3 admin
     case $name in
-    kvlb-l7-copy | kvlb-l7 | kvlb-splice | kvlb-sockmap)
+    kvlb-l7 | kvlb-l7-splice | kvlb-splice | kvlb-sockmap)
         local mode=() fwd=${name#kvlb-}
         case $name in
-        kvlb-l7-copy) mode=(--splice-responses-from off) ;;
         kvlb-l7) ;;
+        kvlb-l7-splice) mode=(--splice-responses-from 1MiB) ;;
         *) mode=(--mode l4 --l4-forwarding "$fwd") ;;
         esac
         start "$PROXY_CORE" "$TMP/$name-$port.log" "$KVLB" serve --workers 1 --cores "$PROXY_CORE" \
@@ -172,7 +172,7 @@ start_proxy() {
 
 i=0
 for p in $PROXIES; do
-    case $p in kvlb-l7-copy | kvlb-l7 | kvlb-splice | kvlb-sockmap | haproxy-tcp | haproxy-splice) ;;
+    case $p in kvlb-l7 | kvlb-l7-splice | kvlb-splice | kvlb-sockmap | haproxy-tcp | haproxy-splice) ;;
     *) echo "error: unknown proxy $p" >&2; exit 2 ;; esac
     read -r a b <<<"$(ports 2)"
     start_proxy "$p" "$a" "$NGINX_PORT"

@@ -321,7 +321,7 @@ pub struct ServeConfig {
     pub l4_forwarding: L4Forwarding,
     /// L7: a response body of known length with at least this many bytes still to come moves
     /// replica -> client by io_uring splice through a pipe instead of through user space
-    /// (0: never).
+    /// (0, the default: never; see the README for the measurements behind that default).
     pub splice_responses_from: usize,
     pub replicas: Vec<ReplicaConfig>,
     pub policy: PolicyName,
@@ -659,7 +659,7 @@ impl Default for ServeConfig {
             listen: Vec::new(),
             listen_modes: Vec::new(),
             l4_forwarding: L4Forwarding::Splice,
-            splice_responses_from: 1024 * 1024,
+            splice_responses_from: 0,
             replicas: Vec::new(),
             policy: PolicyName::CacheAware,
             workers: std::thread::available_parallelism()
@@ -706,7 +706,7 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
                            l4 routes a connection's first request, then joins the sockets
   --l4-forwarding splice|sockmap   how l4 connections forward (default splice)
   --splice-responses-from SIZE   l7: splice response bodies with at least SIZE left to send
-                           (default 1MiB; 0 = never)
+                           (default off)
   --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
   --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
   --replica URL,kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]

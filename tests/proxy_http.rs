@@ -312,8 +312,8 @@ fn curl_download(kvlb: &Kvlb, path: &str, expected_len: usize) {
 
 #[test]
 fn eight_mib_content_length_response_via_curl() {
-    // Spliced (the default from 1 MiB on): nearly all of it bypasses user space.
-    let (_backend, kvlb) = proxied(&[]);
+    // Spliced from 1 MiB on: nearly all of it bypasses user space.
+    let (_backend, kvlb) = proxied(&["--splice-responses-from", "1MiB"]);
     curl_download(&kvlb, &format!("/bytes?n={EIGHT_MIB}"), EIGHT_MIB);
     let spliced = kvlb
         .metric("kvlb_spliced_response_bytes_total", &[])
@@ -339,7 +339,7 @@ fn eight_mib_content_length_response_via_curl() {
 
 #[test]
 fn eight_mib_content_length_response_through_user_space() {
-    let (_backend, kvlb) = proxied(&["--splice-responses-from", "off"]);
+    let (_backend, kvlb) = proxied(&[]);
     curl_download(&kvlb, &format!("/bytes?n={EIGHT_MIB}"), EIGHT_MIB);
     assert_eq!(
         kvlb.metric("kvlb_spliced_response_bytes_total", &[]),
@@ -359,8 +359,8 @@ fn eight_mib_chunked_response_via_curl() {
 #[test]
 fn slow_reader_of_a_large_answer_throttles_the_replica_side_and_loses_nothing() {
     use std::io::{Read, Write};
-    // Through user space (a spliced body never meets the receive being checked here).
-    let (_backend, kvlb) = proxied(&["--splice-responses-from", "0"]);
+    // Through user space (the default; a spliced body never meets the receive checked here).
+    let (_backend, kvlb) = proxied(&["--splice-responses-from", "off"]);
     let mut s = std::net::TcpStream::connect(kvlb.listen).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
         .unwrap();
