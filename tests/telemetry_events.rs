@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
+use support::fleet::{decision, replicas_json, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
@@ -78,59 +79,6 @@ impl ChildGuard {
     }
 }
 
-/// `kvlb replica --count n` with KV events: each replica's HTTP address and event endpoint.
-struct Replicas {
-    _proc: ChildGuard,
-    http: Vec<SocketAddr>,
-    events: Vec<String>,
-}
-
-fn start_replicas(n: usize) -> Replicas {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlb"));
-    cmd.args([
-        "replica",
-        "--listen",
-        "127.0.0.1:0",
-        "--kv-events",
-        "tcp://127.0.0.1:0",
-        "--count",
-        &n.to_string(),
-        "--time-scale",
-        "50",
-    ]);
-    let mut proc = ChildGuard::spawn(cmd, true);
-    let (mut http, mut events) = (Vec::new(), Vec::new());
-    loop {
-        let line = proc.next_line();
-        if line.starts_with("kvlb replica: ready") {
-            break;
-        }
-        // kvlb replica: replica I on ADDR kv_events=tcp://ADDR
-        if let Some(rest) = line.strip_prefix("kvlb replica: replica ") {
-            let mut words = rest.split_whitespace();
-            let _index = words.next();
-            assert_eq!(words.next(), Some("on"), "{line}");
-            http.push(words.next().unwrap().parse().unwrap());
-            let ev = words
-                .find_map(|w| w.strip_prefix("kv_events="))
-                .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
-            events.push(ev.to_string());
-        }
-    }
-    assert_eq!(http.len(), n);
-    Replicas {
-        _proc: proc,
-        http,
-        events,
-    }
-}
-
-fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
-    let r = kvlb.admin_get("/replicas");
-    let v: Value = serde_json::from_str(&r.body_text()).expect("/replicas is JSON");
-    v["replicas"].as_array().unwrap().clone()
-}
-
 fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
     (0..n)
         .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
@@ -149,28 +97,9 @@ fn post(addr: SocketAddr, path: &str, body: &[u8]) -> support::Response {
         .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
 }
 
-/// Decision fields of `x-kvlb-decision` (reason, matched_tokens).
-fn decision(r: &support::Response) -> (String, u64) {
-    let d = r
-        .header("x-kvlb-decision")
-        .unwrap_or_else(|| panic!("no x-kvlb-decision: {}", r.describe()))
-        .to_string();
-    let field = |k: &str| {
-        d.split(';')
-            .map(str::trim)
-            .find_map(|p| p.strip_prefix(&format!("{k}=")))
-            .unwrap_or("")
-            .to_string()
-    };
-    (
-        field("reason"),
-        field("matched_tokens").parse().unwrap_or(0),
-    )
-}
-
 #[test]
 fn replica_events_steer_token_prompts_and_clears_undo_them() {
-    let reps = start_replicas(2);
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
     let replica_arg = |i: usize| format!("http://{},kv_events={}", reps.http[i], reps.events[i]);
     let (r0, r1) = (replica_arg(0), replica_arg(1));
     let kvlb = Kvlb::serve(&[
@@ -356,7 +285,7 @@ fn telemetry_of(kvlb: &Kvlb, r: usize) -> Value {
 
 /// Replica 1's events come from the Python publisher (its HTTP side is a simulated replica).
 fn spec_publisher_scenario(format: &str, with_replay: bool) {
-    let reps = start_replicas(2);
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
     let mut publisher = PyPublisher::start(format, with_replay);
     let mut r1 = format!("http://{},kv_events={}", reps.http[1], publisher.endpoint);
     if let Some(replay) = &publisher.replay {
@@ -468,7 +397,7 @@ fn spec_publisher_array_encoding_gap_with_replay() {
 /// again: kvlb reconnects on its own and drops what the old engine had stored.
 #[test]
 fn reconnects_after_publisher_restart_and_forgets_the_old_engine() {
-    let reps = start_replicas(1);
+    let reps = ReplicaFleet::start(1, &["--time-scale", "50"]);
     let mut publisher = PyPublisher::start_on("map", false, 0, "kv@pod-0@Qwen/Qwen3-8B");
     let port: u16 = publisher
         .endpoint

@@ -9,114 +9,18 @@ mod support;
 
 use kvlb::tokenize::{fixture, ChatTokenizer};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::process::{Command, Stdio};
 use std::time::Duration;
+use support::fleet::{decision, replicas_json, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb, TempDir};
 
 const T: Duration = Duration::from_secs(20);
-
-/// `kvlb replica` killed and reaped on drop, also when a test panics.
-struct ReplicaProcess {
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Drop for ReplicaProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `n` simulated replicas with KV events, tokenizing with `tokenizer`: HTTP addresses and
-/// event endpoints.
-fn start_replicas(n: usize, tokenizer: &str) -> (ReplicaProcess, Vec<SocketAddr>, Vec<String>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
-        .args([
-            "replica",
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-events",
-            "tcp://127.0.0.1:0",
-            "--count",
-            &n.to_string(),
-            "--time-scale",
-            "50",
-            "--tokenizer",
-            tokenizer,
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvlb replica");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let proc = ReplicaProcess { child, lines };
-    let (mut http, mut events) = (Vec::new(), Vec::new());
-    loop {
-        let line = proc
-            .lines
-            .recv_timeout(T)
-            .expect("kvlb replica printed nothing");
-        if line.starts_with("kvlb replica: ready") {
-            break;
-        }
-        if let Some(rest) = line.strip_prefix("kvlb replica: replica ") {
-            let words: Vec<&str> = rest.split_whitespace().collect();
-            http.push(words[2].parse().unwrap());
-            let ev = words
-                .iter()
-                .find_map(|w| w.strip_prefix("kv_events="))
-                .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
-            events.push(ev.to_string());
-        } else if line.contains("tokenizer") {
-            panic!("kvlb replica refused the tokenizer: {line}");
-        }
-    }
-    assert_eq!(http.len(), n);
-    (proc, http, events)
-}
 
 fn post(addr: SocketAddr, path: &str, body: &[u8]) -> support::Response {
     let mut c = HttpConn::connect(addr);
     c.request("POST", path, &[("Content-Type", "application/json")], body)
         .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
-}
-
-fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
-    let v: Value = serde_json::from_str(&kvlb.admin_get("/replicas").body_text()).unwrap();
-    v["replicas"].as_array().unwrap().clone()
-}
-
-/// `reason` and `matched_tokens` of `x-kvlb-decision`.
-fn decision(r: &support::Response) -> (String, u64) {
-    let d = r
-        .header("x-kvlb-decision")
-        .unwrap_or_else(|| panic!("no x-kvlb-decision: {}", r.describe()))
-        .to_string();
-    let field = |k: &str| {
-        d.split(';')
-            .map(str::trim)
-            .find_map(|p| p.strip_prefix(&format!("{k}=")))
-            .unwrap_or("")
-            .to_string()
-    };
-    (
-        field("reason"),
-        field("matched_tokens").parse().unwrap_or(0),
-    )
 }
 
 fn chat(system: &str, user: &str) -> Vec<u8> {
@@ -139,7 +43,13 @@ fn a_shared_system_prompt_routes_to_the_replica_whose_events_hold_it() {
     fixture::write_chatml(&dir.path).unwrap();
     let tokenizer_path = dir.file("tokenizer.json");
     let tokenizer_arg = tokenizer_path.to_str().unwrap();
-    let (_reps, http, events) = start_replicas(2, tokenizer_arg);
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50", "--tokenizer", tokenizer_arg]);
+    assert!(
+        !reps.notes.iter().any(|l| l.contains("tokenizer")),
+        "kvlb replica refused the tokenizer: {:?}",
+        reps.notes
+    );
+    let (http, events) = (&reps.http, &reps.events);
     let r0 = format!("http://{},kv_events={}", http[0], events[0]);
     let r1 = format!("http://{},kv_events={}", http[1], events[1]);
     let kvlb = Kvlb::serve(&[

@@ -12,84 +12,16 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
+use serde_json::json;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
+use support::fleet::{replicas_json, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(15);
 
-/// `kvlb replica --count n` with KV events, killed and reaped on drop (also on panic).
-struct Replicas {
-    child: Child,
-    http: Vec<SocketAddr>,
-    events: Vec<String>,
-}
-
-impl Drop for Replicas {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_replicas(n: usize) -> Replicas {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
-        .args([
-            "replica",
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-events",
-            "tcp://127.0.0.1:0",
-            "--count",
-            &n.to_string(),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvlb replica");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, lines): (_, Receiver<String>) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let mut reps = Replicas {
-        child,
-        http: Vec::new(),
-        events: Vec::new(),
-    };
-    loop {
-        let line = lines
-            .recv_timeout(T)
-            .unwrap_or_else(|_| panic!("kvlb replica said nothing within {T:?}"));
-        if line.starts_with("kvlb replica: ready") {
-            break;
-        }
-        // kvlb replica: replica I on ADDR kv_events=tcp://ADDR
-        if let Some(rest) = line.strip_prefix("kvlb replica: replica ") {
-            let mut words = rest.split_whitespace().skip(2);
-            reps.http.push(words.next().unwrap().parse().unwrap());
-            let ev = words
-                .find_map(|w| w.strip_prefix("kv_events="))
-                .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
-            reps.events.push(ev.to_string());
-        }
-    }
-    assert_eq!(reps.http.len(), n);
-    reps
-}
-
 /// `kvlb serve` in front of every replica, subscribed to their events, scraping every 100 ms.
-fn start_instance(reps: &Replicas) -> Kvlb {
+fn start_instance(reps: &ReplicaFleet) -> Kvlb {
     let args: Vec<String> = reps
         .http
         .iter()
@@ -99,12 +31,6 @@ fn start_instance(reps: &Replicas) -> Kvlb {
     let mut all = vec!["--explain", "--workers", "1", "--metrics-interval", "100ms"];
     all.extend(args.iter().map(String::as_str));
     Kvlb::serve(&all)
-}
-
-fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
-    let r = kvlb.admin_get("/replicas");
-    let v: Value = serde_json::from_str(&r.body_text()).expect("/replicas is JSON");
-    v["replicas"].as_array().unwrap().clone()
 }
 
 fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
@@ -132,7 +58,7 @@ fn post(addr: SocketAddr, body: &[u8]) -> support::Response {
 }
 
 /// The replica (its index in `reps`) that served `r`, from `x-kvlb-replica`.
-fn served_by(reps: &Replicas, r: &support::Response) -> usize {
+fn served_by(reps: &ReplicaFleet, r: &support::Response) -> usize {
     assert_eq!(r.status, 200, "{}", r.describe());
     let url = r
         .header("x-kvlb-replica")
@@ -145,7 +71,7 @@ fn served_by(reps: &Replicas, r: &support::Response) -> usize {
 
 #[test]
 fn two_instances_agree_on_cache_and_load() {
-    let reps = start_replicas(3);
+    let reps = ReplicaFleet::start(3, &[]);
     let a = start_instance(&reps);
     let b = start_instance(&reps);
     for k in [&a, &b] {

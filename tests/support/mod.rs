@@ -6,7 +6,9 @@
 //! - [`client::HttpConn`]: a raw HTTP/1.1 client over `std::net::TcpStream` that sends exact
 //!   bytes and reads responses framed by content-length, chunked encoding or close;
 //! - [`curl`]: runs the `curl` command line client with a time limit;
-//! - [`digest`]: SHA-256 and deterministic payloads to check bodies end to end.
+//! - [`digest`]: SHA-256 and deterministic payloads to check bodies end to end;
+//! - [`fleet::ReplicaFleet`]: `kvlb replica --count n` with KV events, and `/replicas` and
+//!   `x-kvlb-decision` readers.
 //!
 //! Every wait is bounded, so a broken proxy fails a test instead of hanging the run.
 #![allow(dead_code, unused_imports)]
@@ -15,6 +17,7 @@ pub mod backend;
 pub mod client;
 pub mod curl;
 pub mod digest;
+pub mod fleet;
 pub mod proxy;
 
 use std::time::{Duration, Instant};

@@ -1,0 +1,125 @@
+//! A fleet of simulated replicas (`kvlb replica --count n` with KV events) for the telemetry
+//! and routing tests, killed and reaped on drop (also when a test panics), and the two
+//! questions those tests ask `kvlb serve` about it: `/replicas` and `x-kvlb-decision`.
+
+use super::{Kvlb, Response};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Longest wait for the replica process to report itself ready.
+const READY_WITHIN: Duration = Duration::from_secs(20);
+
+pub struct ReplicaFleet {
+    child: Child,
+    /// Each replica's HTTP address, by index.
+    pub http: Vec<SocketAddr>,
+    /// Each replica's KV event endpoint (`tcp://ADDR`), by index.
+    pub events: Vec<String>,
+    /// Everything else the process printed before it was ready.
+    pub notes: Vec<String>,
+}
+
+impl Drop for ReplicaFleet {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ReplicaFleet {
+    /// `kvlb replica --listen 127.0.0.1:0 --kv-events tcp://127.0.0.1:0 --count n` plus
+    /// `extra`, once it has said it is ready.
+    pub fn start(n: usize, extra: &[&str]) -> ReplicaFleet {
+        let count = n.to_string();
+        let mut args = vec![
+            "replica",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--count",
+            &count,
+        ];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvlb replica");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut fleet = ReplicaFleet {
+            child,
+            http: Vec::new(),
+            events: Vec::new(),
+            notes: Vec::new(),
+        };
+        loop {
+            let line = lines.recv_timeout(READY_WITHIN).unwrap_or_else(|_| {
+                panic!(
+                    "kvlb replica {args:?} not ready within {READY_WITHIN:?}; it said: {:?}",
+                    fleet.notes
+                )
+            });
+            if line.starts_with("kvlb replica: ready") {
+                break;
+            }
+            // kvlb replica: replica I on ADDR kv_events=tcp://ADDR
+            match line.strip_prefix("kvlb replica: replica ") {
+                Some(rest) => {
+                    let mut words = rest.split_whitespace();
+                    let _index = words.next();
+                    assert_eq!(words.next(), Some("on"), "{line}");
+                    fleet.http.push(words.next().unwrap().parse().unwrap());
+                    let ev = words
+                        .find_map(|w| w.strip_prefix("kv_events="))
+                        .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
+                    fleet.events.push(ev.to_string());
+                }
+                None => fleet.notes.push(line),
+            }
+        }
+        assert_eq!(fleet.http.len(), n);
+        fleet
+    }
+}
+
+/// The `replicas` array of kvlb's `/replicas`.
+pub fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
+    let r = kvlb.admin_get("/replicas");
+    let v: Value = serde_json::from_str(&r.body_text()).expect("/replicas is JSON");
+    v["replicas"].as_array().unwrap().clone()
+}
+
+/// `reason` and `matched_tokens` of a response's `x-kvlb-decision` (kvlb run with --explain).
+pub fn decision(r: &Response) -> (String, u64) {
+    let d = r
+        .header("x-kvlb-decision")
+        .unwrap_or_else(|| panic!("no x-kvlb-decision: {}", r.describe()))
+        .to_string();
+    let field = |k: &str| {
+        d.split(';')
+            .map(str::trim)
+            .find_map(|p| p.strip_prefix(&format!("{k}=")))
+            .unwrap_or("")
+            .to_string()
+    };
+    (
+        field("reason"),
+        field("matched_tokens").parse().unwrap_or(0),
+    )
+}
