@@ -669,6 +669,18 @@ fn messages_from(body: &[u8], at: usize, text: &mut impl FnMut(&[u8])) -> Result
     }
 }
 
+/// The stage and error name of a message key kvlb reads (None: skipped).
+fn message_key(key: &[u8]) -> Option<(usize, &'static str)> {
+    Some(match key {
+        b"role" => (M_ROLE, "messages[].role"),
+        b"content" => (M_CONTENT, "messages[].content"),
+        b"tool_calls" => (M_TOOL_CALLS, "messages[].tool_calls"),
+        b"tool_call_id" => (M_TOOL_CALL_ID, "messages[].tool_call_id"),
+        b"name" => (M_NAME, "messages[].name"),
+        _ => return None,
+    })
+}
+
 fn message(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
     if c.peek_token()? != b'{' {
         return Err(PromptError::WrongType("messages[]"));
@@ -676,13 +688,8 @@ fn message(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Promp
     let mut stages = Stages::<MESSAGE_FIELDS>::new();
     c.object(MESSAGE_DEPTH - 1, |c, key| {
         c.skip_ws();
-        let (stage, name) = match key {
-            b"role" => (M_ROLE, "messages[].role"),
-            b"content" => (M_CONTENT, "messages[].content"),
-            b"tool_calls" => (M_TOOL_CALLS, "messages[].tool_calls"),
-            b"tool_call_id" => (M_TOOL_CALL_ID, "messages[].tool_call_id"),
-            b"name" => (M_NAME, "messages[].name"),
-            _ => return c.skip(MESSAGE_DEPTH),
+        let Some((stage, name)) = message_key(key) else {
+            return c.skip(MESSAGE_DEPTH);
         };
         if stages.arrive(stage, c.pos, name)? {
             message_field(c, stage, text)
@@ -713,13 +720,8 @@ fn message_recorded(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Resul
     let mut early: Option<(usize, usize)> = None;
     c.object(MESSAGE_DEPTH - 1, |c, key| {
         c.skip_ws();
-        let (stage, name) = match key {
-            b"role" => (M_ROLE, "messages[].role"),
-            b"content" => (M_CONTENT, "messages[].content"),
-            b"tool_calls" => (M_TOOL_CALLS, "messages[].tool_calls"),
-            b"tool_call_id" => (M_TOOL_CALL_ID, "messages[].tool_call_id"),
-            b"name" => (M_NAME, "messages[].name"),
-            _ => return c.skip(MESSAGE_DEPTH),
+        let Some((stage, name)) = message_key(key) else {
+            return c.skip(MESSAGE_DEPTH);
         };
         if stage == M_CONTENT && early.is_some() {
             return Err(PromptError::DuplicateKey(name));
