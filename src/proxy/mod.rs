@@ -123,13 +123,8 @@ fn remaining(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-/// Receive more client bytes into cbuf before `deadline`.
-async fn recv_client(conn: &mut Conn, deadline: Instant, max: usize) -> io::Result<usize> {
-    let len = conn.cbuf.len();
-    if conn.cbuf.capacity() - len < 4096 {
-        let extra = len.max(4096).min(max.saturating_sub(len).max(4096));
-        conn.cbuf.reserve(extra);
-    }
+/// Receive more client bytes into cbuf before `deadline` (the receive grows it as needed).
+async fn recv_client(conn: &mut Conn, deadline: Instant) -> io::Result<usize> {
     conn.watch
         .recv_into(&mut conn.cbuf, remaining(deadline))
         .await
@@ -189,7 +184,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             if scanned > max_head {
                 return send_local_error(w, conn, HttpError::HeaderTooLarge).await;
             }
-            match recv_client(conn, deadline, max_head + 1).await {
+            match recv_client(conn, deadline).await {
                 Ok(0) => return End::Close,
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::TimedOut => {
@@ -451,7 +446,7 @@ async fn read_body(
             // The buffer grows with what arrives (doubling), not with what the client declared.
             let need = start + n;
             while conn.cbuf.len() < need {
-                match recv_client(conn, deadline, need).await {
+                match recv_client(conn, deadline).await {
                     Ok(0) => return Err(End::Close),
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::TimedOut => {
@@ -492,7 +487,7 @@ async fn read_body(
                 if dec.is_done() {
                     return Ok((write, read));
                 }
-                match recv_client(conn, deadline, max_body).await {
+                match recv_client(conn, deadline).await {
                     Ok(0) => return Err(End::Close),
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::TimedOut => {
@@ -797,9 +792,6 @@ async fn read_response_head(
                 Err(ResponseError::Partial) => break,
                 Err(_) => return Err(UpstreamFailure::Invalid),
             }
-        }
-        if conn.ubuf.capacity() - conn.ubuf.len() < 4096 {
-            conn.ubuf.reserve(8192);
         }
     }
 }
