@@ -101,6 +101,10 @@ pub struct ReplicaConfig {
     pub authority: String,
     /// KV cache capacity in tokens: bounds what kvlb assumes resident there.
     pub kv_capacity_tokens: u64,
+    /// Capacity of the replica's offloaded KV tier (CPU memory, disk, LMCache: blocks its KV
+    /// events store with a medium other than GPU), in tokens. None: 8x `kv_capacity_tokens`
+    /// (`offload_capacity_tokens`).
+    pub kv_offload_capacity_tokens: Option<u64>,
     /// The replica's KV event PUB endpoint (`tcp://HOST:PORT`): kvlb subscribes to it.
     pub kv_events: Option<String>,
     /// The replica's KV event replay ROUTER endpoint (`tcp://HOST:PORT`), used after a gap.
@@ -116,6 +120,15 @@ impl ReplicaConfig {
     /// Whether kvlb polls this replica's /metrics.
     pub fn scrape_metrics(&self) -> bool {
         self.metrics.unwrap_or(self.kv_events.is_some())
+    }
+
+    /// Tokens kvlb assumes the replica's offloaded tier holds at most: as configured, else
+    /// `DEFAULT_OFFLOAD_CAPACITY_FACTOR` times its GPU capacity.
+    pub fn offload_capacity_tokens(&self) -> u64 {
+        self.kv_offload_capacity_tokens.unwrap_or(
+            self.kv_capacity_tokens
+                .saturating_mul(DEFAULT_OFFLOAD_CAPACITY_FACTOR),
+        )
     }
 }
 
@@ -185,6 +198,11 @@ pub fn parse_zmq_endpoint(key: &str, v: &str) -> Result<String, ConfigError> {
 /// Default KV capacity of a replica: an 8B model on one 80 GB GPU (about 400k tokens).
 pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 400_000;
 
+/// Default capacity of a replica's offloaded KV tier, in multiples of its GPU capacity: large
+/// enough that kvlb never evicts what the engine still reports (host memory and disk tiers are
+/// usually several times the GPU's KV cache); the engine's own BlockRemoved events do the rest.
+pub const DEFAULT_OFFLOAD_CAPACITY_FACTOR: u64 = 8;
+
 /// The cost model of `cache_aware` (see `estimate` and `select::cache_aware`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostModel {
@@ -205,6 +223,9 @@ pub struct CostModel {
     pub kv_evict_from: f64,
     /// The share of a hit that still counts at 100% KV usage.
     pub kv_hit_keep_at_full: f64,
+    /// Loading a prefix back from an offloaded tier (CPU, disk) costs this fraction of
+    /// recomputing it (0..=1).
+    pub offload_load_cost: f64,
 }
 
 impl Default for CostModel {
@@ -224,6 +245,7 @@ impl Default for CostModel {
             foreign_request_tokens: p.foreign_request_tokens,
             kv_evict_from: p.kv_evict_from,
             kv_hit_keep_at_full: p.kv_hit_keep_at_full,
+            offload_load_cost: p.offload_load_cost,
         }
     }
 }
@@ -248,6 +270,7 @@ impl CostModel {
             foreign_request_tokens: self.foreign_request_tokens,
             kv_evict_from: self.kv_evict_from,
             kv_hit_keep_at_full: self.kv_hit_keep_at_full,
+            offload_load_cost: self.offload_load_cost,
             ..Default::default()
         }
     }
@@ -487,6 +510,7 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         addr,
         authority: authority.to_string(),
         kv_capacity_tokens: DEFAULT_KV_CAPACITY_TOKENS,
+        kv_offload_capacity_tokens: None,
         kv_events: None,
         kv_replay: None,
         metrics: None,
@@ -514,6 +538,16 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
                         )
                     })?
             }
+            "kv_offload_capacity_tokens" => {
+                r.kv_offload_capacity_tokens =
+                    Some(val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                        bad(
+                            &format!("{key} kv_offload_capacity_tokens"),
+                            val,
+                            "expected a positive number of tokens",
+                        )
+                    })?)
+            }
             "kv_events" => r.kv_events = Some(parse_zmq_endpoint(&format!("{key} kv_events"), val)?),
             "kv_replay" => r.kv_replay = Some(parse_zmq_endpoint(&format!("{key} kv_replay"), val)?),
             "metrics" => r.metrics = Some(parse_switch(&format!("{key} metrics"), val)?),
@@ -525,7 +559,7 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
                     key,
                     v,
                     &format!(
-                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_events, kv_replay, metrics, max_in_flight)"
+                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_offload_capacity_tokens, kv_events, kv_replay, metrics, max_in_flight)"
                     ),
                 ))
             }
@@ -709,6 +743,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
                            (default off)
   --replica URL            replica base URL, repeatable (e.g. http://10.0.0.5:8000)
   --replica URL,kv_capacity_tokens=N   the same, with the replica's KV capacity (default 400000)
+  --replica URL,kv_offload_capacity_tokens=N   capacity of its offloaded KV tier (CPU, disk)
+                           in tokens (default 8x kv_capacity_tokens)
   --replica URL,kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]
                            the same, subscribing to the replica's KV cache events (and replay)
   --replica URL,metrics=on|off   poll the replica's /metrics (default: on when kv_events is set)
@@ -720,6 +756,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --explain                add x-kvlb-decision to responses (matched tokens, estimates, reason)
   --min-match-tokens N     cache_aware: shorter prefix matches count as none (default 256)
   --recompute-weight X     cache_aware: weight of prefill against queueing (default 2; 1 = plain TTFT)
+  --offload-load-cost X    cache_aware: loading a prefix back from an offloaded tier (CPU, disk)
+                           costs this fraction of recomputing it, 0..=1 (default 0.25)
   --prefill-a-s, --prefill-b-s, --prefill-c-s, --decode-base-s, --decode-per-seq-s,
   --decode-per-ctx-token-s SECONDS   cache_aware's cost model (default: 8B model on one H100)
   --workers N              worker threads (default: one per core)
@@ -810,6 +848,7 @@ const FILE_KEYS: &[&str] = &[
 const REPLICA_KEYS: &[&str] = &[
     "url",
     "kv_capacity_tokens",
+    "kv_offload_capacity_tokens",
     "kv_events",
     "kv_replay",
     "metrics",
@@ -829,6 +868,7 @@ const COST_MODEL_KEYS: &[&str] = &[
     "foreign_request_tokens",
     "kv_evict_from",
     "kv_hit_keep_at_full",
+    "offload_load_cost",
 ];
 
 fn apply_cost(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
@@ -870,16 +910,16 @@ fn apply_cost(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigErr
                 .parse()
                 .map_err(|_| bad(key, v, "expected a number of tokens"))?
         }
-        "kv_evict_from" | "kv_hit_keep_at_full" => {
+        "kv_evict_from" | "kv_hit_keep_at_full" | "offload_load_cost" => {
             let x = v
                 .parse::<f64>()
                 .ok()
                 .filter(|x| (0.0..=1.0).contains(x))
                 .ok_or_else(|| bad(key, v, "expected a fraction from 0 to 1"))?;
-            if key == "kv_evict_from" {
-                m.kv_evict_from = x
-            } else {
-                m.kv_hit_keep_at_full = x
+            match key {
+                "kv_evict_from" => m.kv_evict_from = x,
+                "offload_load_cost" => m.offload_load_cost = x,
+                _ => m.kv_hit_keep_at_full = x,
             }
         }
         _ => {
@@ -1152,6 +1192,13 @@ pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> 
                             v.as_integer().filter(|n| *n > 0).ok_or_else(|| {
                                 bad(&key, &v.to_string(), "expected a positive number of tokens")
                             })? as u64;
+                    }
+                    if let Some(v) = t.get("kv_offload_capacity_tokens") {
+                        let key = format!("replica[{i}].kv_offload_capacity_tokens");
+                        replica.kv_offload_capacity_tokens =
+                            Some(v.as_integer().filter(|n| *n > 0).ok_or_else(|| {
+                                bad(&key, &v.to_string(), "expected a positive number of tokens")
+                            })? as u64);
                     }
                     for (name, slot) in [
                         ("kv_events", &mut replica.kv_events),
@@ -1728,6 +1775,48 @@ mod tests {
         let c = from_args(&args(&format!("{base} --splice-responses-from off"))).unwrap();
         assert_eq!(c.splice_responses_from, 0);
         assert!(from_args(&args(&format!("{base} --splice-responses-from lots"))).is_err());
+    }
+
+    #[test]
+    fn offload_tier_keys() {
+        let mut c = ServeConfig::default();
+        assert_eq!(c.cost_model.offload_load_cost, 0.25);
+        apply_toml(
+            &mut c,
+            "[cost_model]\noffload_load_cost = 0.5\n[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_capacity_tokens = 1000\n[[replica]]\nurl = \"http://127.0.0.1:9001\"\nkv_capacity_tokens = 1000\nkv_offload_capacity_tokens = 3000\n",
+        )
+        .unwrap();
+        assert_eq!(c.cost_model.policy_config().offload_load_cost, 0.5);
+        assert_eq!(c.replicas[0].kv_offload_capacity_tokens, None);
+        assert_eq!(c.replicas[0].offload_capacity_tokens(), 8000);
+        assert_eq!(c.replicas[1].offload_capacity_tokens(), 3000);
+        for bad in ["1.5", "-0.1", "\"cheap\""] {
+            let e = apply_toml(
+                &mut c,
+                &format!("[cost_model]\noffload_load_cost = {bad}\n"),
+            )
+            .unwrap_err();
+            assert!(e.0.contains("cost_model.offload_load_cost"), "{e}");
+        }
+        let e = apply_toml(
+            &mut c,
+            "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_offload_capacity_tokens = 0\n",
+        )
+        .unwrap_err();
+        assert!(e.0.contains("replica[0].kv_offload_capacity_tokens"), "{e}");
+        let base =
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:9000,kv_offload_capacity_tokens=";
+        let c = from_args(&args(&format!("{base}4096 --offload-load-cost 1"))).unwrap();
+        assert_eq!(c.replicas[0].offload_capacity_tokens(), 4096);
+        assert_eq!(c.cost_model.offload_load_cost, 1.0);
+        let e = from_args(&args(&format!("{base}lots")))
+            .unwrap_err()
+            .unwrap();
+        assert!(e.0.contains("kv_offload_capacity_tokens"), "{e}");
+        let e = from_args(&args(&format!("{base}1 --offload-load-cost 2")))
+            .unwrap_err()
+            .unwrap();
+        assert!(e.0.contains("--offload-load-cost"), "{e}");
     }
 }
 

@@ -109,13 +109,27 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
             .set_capacity_tokens(i, r.kv_capacity_tokens)
             .map_err(|e| format!("replica {}: {e}", r.url))?;
     }
+    // The offloaded tier: blocks the replicas' KV events report on CPU, disk, ... (loaded back
+    // at `offload_load_cost`), written by the telemetry feed on the same writer thread.
+    let (offload, mut offload_writer) = ResidencyIndex::new(ResidencyConfig {
+        kv_capacity_tokens: crate::config::DEFAULT_KV_CAPACITY_TOKENS
+            * crate::config::DEFAULT_OFFLOAD_CAPACITY_FACTOR,
+        ..writer.config().clone()
+    })
+    .map_err(|e| format!("offloaded residency index: {e}"))?;
+    for (i, r) in cfg.replicas.iter().enumerate() {
+        offload_writer
+            .set_capacity_tokens(i, r.offload_capacity_tokens())
+            .map_err(|e| format!("replica {}: {e}", r.url))?;
+    }
     let logs = (0..n_workers).map(|_| writer.routing_log(4096)).collect();
-    let shared = Arc::new(Shared::new(cfg, residency, logs));
+    let shared = Arc::new(Shared::new(cfg, residency, logs).with_offload_tier(offload));
     let writer_stop = Arc::new(AtomicBool::new(false));
     let epoch = shared.epoch;
     // Replica telemetry (KV events, /metrics): its threads feed the writer's tick.
-    let (mut feed, telemetry) = crate::telemetry::start(shared.clone())
+    let (feed, telemetry) = crate::telemetry::start(shared.clone())
         .map_err(|e| format!("cannot start the telemetry threads: {e}"))?;
+    let mut feed = feed.with_offload_tier(offload_writer);
     let control = Arc::new(crate::control::Control::new(
         shared.clone(),
         args,

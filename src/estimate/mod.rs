@@ -225,6 +225,28 @@ impl TtftModel {
             + p.b * n
             + p.c * n * (matched as f64 + (n + 1.0) / 2.0)
     }
+
+    /// Seconds to prefill a `prompt_tokens` prompt whose first `gpu_tokens` are resident in
+    /// GPU memory and whose first `held_tokens` (at least `gpu_tokens`) are held in GPU or an
+    /// offloaded tier (CPU memory, disk): the prefill of the tokens held nowhere, plus
+    /// `load_cost` times what recomputing the offloaded-only part would add to it. `load_cost`
+    /// 0 prices the offloaded part as a GPU hit, 1 as no hit.
+    pub fn prefill_seconds_tiered(
+        &self,
+        gpu_tokens: u32,
+        held_tokens: u32,
+        prompt_tokens: u32,
+        decoding: u32,
+        load_cost: f64,
+    ) -> f64 {
+        let held = held_tokens.max(gpu_tokens);
+        let rest = self.prefill_seconds(held, prompt_tokens, decoding);
+        if held == gpu_tokens {
+            return rest;
+        }
+        let recompute = self.prefill_seconds(gpu_tokens, prompt_tokens, decoding) - rest;
+        rest + load_cost.clamp(0.0, 1.0) * recompute.max(0.0)
+    }
 }
 
 /// Estimated seconds to the first token of a `prompt_tokens` prompt, `matched_tokens` of which
@@ -364,6 +386,28 @@ mod tests {
             estimate_ttft(&idle(), 3999, 4000, &m)
         );
         assert!(estimate_ttft(&idle(), 0, 0, &m).is_finite());
+    }
+
+    #[test]
+    fn an_offloaded_prefix_costs_its_share_of_the_recompute() {
+        let m = TtftModel::default();
+        let (prompt, d) = (4096, 2);
+        let gpu = m.prefill_seconds(2048, prompt, d);
+        let cold = m.prefill_seconds(0, prompt, d);
+        // Nothing offloaded beyond the GPU match: the plain prefill, whatever the cost.
+        assert_eq!(m.prefill_seconds_tiered(2048, 2048, prompt, d, 0.7), gpu);
+        assert_eq!(m.prefill_seconds_tiered(2048, 0, prompt, d, 0.7), gpu);
+        // All 2048 offloaded: free at cost 0, a miss at cost 1, in between otherwise.
+        assert_eq!(m.prefill_seconds_tiered(0, 2048, prompt, d, 0.0), gpu);
+        assert!((m.prefill_seconds_tiered(0, 2048, prompt, d, 1.0) - cold).abs() < 1e-12);
+        let quarter = m.prefill_seconds_tiered(0, 2048, prompt, d, 0.25);
+        assert!((quarter - (gpu + 0.25 * (cold - gpu))).abs() < 1e-12);
+        assert!(gpu < quarter && quarter < cold);
+        // Part in GPU, more offloaded: between the GPU-only and the all-GPU prices.
+        let mixed = m.prefill_seconds_tiered(1024, 2048, prompt, d, 0.25);
+        assert!(gpu < mixed && mixed < m.prefill_seconds(1024, prompt, d));
+        // A cost outside 0..=1 is clamped.
+        assert_eq!(m.prefill_seconds_tiered(0, 2048, prompt, d, -3.0), gpu);
     }
 
     #[test]

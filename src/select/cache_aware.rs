@@ -80,6 +80,36 @@
 //! | `kv_evict_from` | 0.9 | KV usage above which a replica's hits count for less |
 //! | `kv_hit_keep_at_full` | 0.5 | share of a hit still counted at 100% KV usage |
 //!
+//! **Offloaded KV blocks.** Engines that offload KV blocks out of GPU memory (vLLM's CPU
+//! offloading, LMCache, SGLang's hierarchical cache) report them in KV events with a `medium`
+//! other than GPU; the telemetry thread keeps them in a second residency index, the offloaded
+//! tier (`with_offload_tier`). Such a block must be loaded back before the request can use it:
+//! cheaper than recomputing it, not free. Per replica the policy takes
+//!
+//! ```text
+//! gpu(r)  = match_prefix(blocks)[r] over the GPU tier            (as above)
+//! held(r) = max(gpu(r), match_prefix(blocks)[r] over the offloaded tier)
+//! prefill = prefill(the tokens past held) + offload_load_cost * prefill(the tokens in held, not in gpu)
+//! ```
+//!
+//! (`TtftModel::prefill_seconds_tiered`; `min_match_tokens` and the KV-usage discount apply to
+//! `held`). `held` is the larger of the two leading matches, not the offloaded match extended
+//! from where the GPU match ends: both come out of one pass each over the request's blocks
+//! with no per-replica restart, and they agree in the usual case, where the offloaded tier
+//! holds what the GPU evicted and the prefix before it (vLLM writes every computed block to
+//! CPU). When the offloaded tier holds only a tail beyond the GPU match, `max` counts the
+//! longer of the two runs alone and underestimates the hit; it never overestimates one.
+//! While no replica holds any offloaded block (one atomic load, `distinct_blocks`), the second
+//! lookup is skipped; when it runs it fills a buffer allocated with the policy.
+//! `Decision::offloaded_blocks` says how many of the chosen replica's matched blocks came from
+//! the offloaded tier, and `Decision::matched_tokens` counts them at `1 - offload_load_cost` of
+//! their size (the work the replica is spared, which the worker subtracts from its queued
+//! prefill).
+//!
+//! | knob | default | meaning |
+//! |---|---|---|
+//! | `offload_load_cost` | 0.25 | loading an offloaded block back, as a fraction of recomputing it |
+//!
 //! **Load input.** The policy is only as good as `Candidate::queued_prefill_tokens`. Counting
 //! the tokens a request will actually compute there (`prompt_tokens -
 //! Decision::matched_tokens`) rather than its whole prompt keeps a warm replica from looking
@@ -124,6 +154,9 @@ pub struct CacheAwareConfig {
     pub kv_evict_from: f64,
     /// The share of a hit still counted at 100% KV usage (0..=1).
     pub kv_hit_keep_at_full: f64,
+    /// Loading a block back from an offloaded tier (CPU memory, disk) costs this fraction of
+    /// recomputing it (0..=1; 0 prices it as a GPU hit, 1 as no hit at all).
+    pub offload_load_cost: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -140,6 +173,7 @@ impl Default for CacheAwareConfig {
             foreign_request_tokens: 1024,
             kv_evict_from: 0.9,
             kv_hit_keep_at_full: 0.5,
+            offload_load_cost: 0.25,
         }
     }
 }
@@ -172,6 +206,7 @@ impl CacheAwareConfig {
         for (name, v) in [
             ("kv_evict_from", self.kv_evict_from),
             ("kv_hit_keep_at_full", self.kv_hit_keep_at_full),
+            ("offload_load_cost", self.offload_load_cost),
         ] {
             if !(0.0..=1.0).contains(&v) {
                 return Err(format!("cache_aware {name} must be within 0..=1, got {v}"));
@@ -187,7 +222,8 @@ impl CacheAwareConfig {
 /// Why a replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Reason {
-    /// It holds a useful part of the prompt and that made it the best estimate.
+    /// It holds a useful part of the prompt (in GPU memory or, loaded back at a cost, in an
+    /// offloaded tier) and that made it the best estimate.
     Cache,
     /// No useful match counted: chosen for its load.
     Load,
@@ -211,8 +247,12 @@ impl Reason {
 pub struct Decision {
     /// The chosen replica (fleet index, `Candidate::replica`).
     pub replica: usize,
-    /// Prompt tokens counted as resident on it.
+    /// Prompt tokens counted as resident on it: its GPU match, plus its offloaded-only match
+    /// at `1 - offload_load_cost` of its size (both after the KV-usage discount).
     pub matched_tokens: u32,
+    /// Leading blocks of the prompt the chosen replica holds only in its offloaded tier (CPU,
+    /// disk), counted in `matched_tokens` at a discount; 0 when none counted.
+    pub offloaded_blocks: u32,
     /// Estimated seconds to first token there.
     pub ttft_s: f64,
     /// The best estimate among the other candidates (infinite with a single candidate).
@@ -235,7 +275,13 @@ struct Estimate {
     wait: f64,
     /// Sequences decoding there, ours and reported (they slow the request's prefill steps).
     decoding: u32,
+    /// Leading prompt tokens held in GPU or offloaded memory (after `min_match_tokens` and
+    /// the KV-usage discount), and the GPU part of them.
     matched_tokens: u32,
+    gpu_tokens: u32,
+    /// Leading blocks held in GPU or offloaded memory, and the GPU part of them.
+    held_blocks: u32,
+    gpu_blocks: u32,
     ttft: f64,
     /// What the argmin compares: `wait + weight * prefill` (see `prefill_weight`).
     score: f64,
@@ -246,6 +292,10 @@ pub struct CacheAware {
     cfg: CacheAwareConfig,
     log: Option<Arc<RoutingLog>>,
     matched: Vec<u32>,
+    /// The offloaded tier (blocks the replicas reported on CPU, disk, ...) and the buffer its
+    /// matches go into, allocated with the policy.
+    offload: Option<Arc<ResidencyIndex>>,
+    offload_matched: Vec<u32>,
     estimates: Vec<Estimate>,
     hot: Box<[u32; HOT_SLOTS]>,
     hot_window_start_us: u64,
@@ -271,6 +321,8 @@ impl CacheAware {
         let replicas = index.max_replicas();
         Ok(CacheAware {
             matched: vec![0; replicas],
+            offload: None,
+            offload_matched: Vec::new(),
             estimates: Vec::with_capacity(replicas),
             index,
             cfg,
@@ -285,6 +337,13 @@ impl CacheAware {
     /// Record every routed request's blocks in `log` (this worker's routing log).
     pub fn with_routing_log(mut self, log: Arc<RoutingLog>) -> CacheAware {
         self.log = Some(log);
+        self
+    }
+
+    /// Price prefixes `offload` holds (the replicas' offloaded KV tier) at `offload_load_cost`.
+    pub fn with_offload_tier(mut self, offload: Arc<ResidencyIndex>) -> CacheAware {
+        self.offload_matched = vec![0; offload.max_replicas()];
+        self.offload = Some(offload);
         self
     }
 
@@ -337,6 +396,14 @@ impl Policy for CacheAware {
             self.index.match_prefix(req.blocks, &mut self.matched);
             self.age_heat(req.now_us);
         }
+        // The offloaded tier only while some replica holds an offloaded block.
+        let offloaded = match &self.offload {
+            Some(o) if with_prefix && o.distinct_blocks() > 0 => {
+                o.match_prefix(req.blocks, &mut self.offload_matched);
+                true
+            }
+            _ => false,
+        };
         // Pass 1: waits and useful matches.
         self.estimates.clear();
         let (mut min_wait, mut longest) = (f64::INFINITY, 0u32);
@@ -349,22 +416,27 @@ impl Policy for CacheAware {
                 in_flight: c.in_flight,
             };
             let load = combined_load(own, &c.reported, now_ms, cfg.foreign_request_tokens);
-            let blocks = match self.matched.get(c.replica) {
+            let gpu_blocks = match self.matched.get(c.replica) {
                 Some(&m) if with_prefix => m,
                 _ => 0,
             };
-            let tokens = (blocks as u64 * req.block_tokens as u64).min(prompt as u64) as u32;
-            let tokens = if tokens < cfg.min_match_tokens.max(1) {
-                0
+            let held_blocks = match self.offload_matched.get(c.replica) {
+                Some(&m) if offloaded => m.max(gpu_blocks),
+                _ => gpu_blocks,
+            };
+            let as_tokens = |b: u32| (b as u64 * req.block_tokens as u64).min(prompt as u64) as u32;
+            let (held, gpu) = (as_tokens(held_blocks), as_tokens(gpu_blocks));
+            let (tokens, gpu_tokens) = if held < cfg.min_match_tokens.max(1) {
+                (0, 0)
             } else {
-                longest = longest.max(blocks);
+                longest = longest.max(held_blocks);
                 let keep = hit_keep(
                     &c.reported,
                     now_ms,
                     cfg.kv_evict_from,
                     cfg.kv_hit_keep_at_full,
                 );
-                (tokens as f64 * keep) as u32
+                ((held as f64 * keep) as u32, (gpu as f64 * keep) as u32)
             };
             let wait = cfg.model.queue_wait(&load);
             min_wait = min_wait.min(wait);
@@ -373,6 +445,9 @@ impl Policy for CacheAware {
                 wait,
                 decoding: load.decoding,
                 matched_tokens: tokens,
+                gpu_tokens,
+                held_blocks,
+                gpu_blocks,
                 ttft: 0.0,
                 score: 0.0,
             });
@@ -381,21 +456,30 @@ impl Policy for CacheAware {
         // Pass 2: anti-herding, then the estimates.
         let mut best_ignored = f64::INFINITY;
         let mut best = f64::INFINITY;
-        for (c, e) in candidates.iter().zip(self.estimates.iter_mut()) {
+        for e in self.estimates.iter_mut() {
             if e.matched_tokens > 0 && e.wait - min_wait > cfg.hot_spill_wait_s {
-                let end = self.matched[c.replica] as usize;
+                let end = e.held_blocks as usize;
                 let heat = self.hot[hot_slot(req.blocks[end - 1])];
                 if heat >= cfg.hot_prefix_requests {
-                    let credited = cfg
-                        .model
-                        .prefill_seconds(e.matched_tokens, prompt, e.decoding);
+                    let credited = cfg.model.prefill_seconds_tiered(
+                        e.gpu_tokens,
+                        e.matched_tokens,
+                        prompt,
+                        e.decoding,
+                        cfg.offload_load_cost,
+                    );
                     best_ignored = best_ignored.min(e.wait + weight * credited);
                     e.matched_tokens = 0;
+                    e.gpu_tokens = 0;
                 }
             }
-            let prefill = cfg
-                .model
-                .prefill_seconds(e.matched_tokens, prompt, e.decoding);
+            let prefill = cfg.model.prefill_seconds_tiered(
+                e.gpu_tokens,
+                e.matched_tokens,
+                prompt,
+                e.decoding,
+                cfg.offload_load_cost,
+            );
             e.ttft = e.wait + prefill;
             e.score = e.wait + weight * prefill;
             if e.score < best {
@@ -458,14 +542,23 @@ impl Policy for CacheAware {
                 log.record(replica, req.blocks);
             }
         }
+        // What the replica is spared: the GPU match, and the offloaded-only part at the share
+        // loading it back does not cost.
+        let offloaded_only = e.matched_tokens.saturating_sub(e.gpu_tokens);
+        let spared = e.gpu_tokens as f64 + offloaded_only as f64 * (1.0 - cfg.offload_load_cost);
         self.last = Decision {
             replica,
-            matched_tokens: e.matched_tokens,
+            matched_tokens: spared.round() as u32,
+            offloaded_blocks: if e.matched_tokens > 0 {
+                e.held_blocks - e.gpu_blocks
+            } else {
+                0
+            },
             ttft_s: e.ttft,
             runner_up_ttft_s: runner_up,
             reason: if !with_prefix {
                 Reason::Fallback
-            } else if e.matched_tokens > 0 {
+            } else if spared >= 0.5 {
                 Reason::Cache
             } else {
                 Reason::Load

@@ -68,10 +68,11 @@ pub trait Policy {
     }
 }
 
-/// What `cache_aware` needs beyond its name: the residency index it reads, the worker's
-/// routing log it records into, and its knobs.
+/// What `cache_aware` needs beyond its name: the residency index it reads (and the offloaded
+/// tier's, if tracked), the worker's routing log it records into, and its knobs.
 pub struct CacheAwareParts {
     pub index: std::sync::Arc<crate::residency::ResidencyIndex>,
+    pub offload: Option<std::sync::Arc<crate::residency::ResidencyIndex>>,
     pub log: std::sync::Arc<crate::residency::RoutingLog>,
     pub config: CacheAwareConfig,
 }
@@ -84,7 +85,11 @@ pub fn build(
     Ok(match name {
         PolicyName::CacheAware => {
             let parts = cache_aware.ok_or("cache_aware needs a residency index")?;
-            Box::new(CacheAware::new(parts.index, parts.config)?.with_routing_log(parts.log))
+            let policy = CacheAware::new(parts.index, parts.config)?.with_routing_log(parts.log);
+            Box::new(match parts.offload {
+                Some(offload) => policy.with_offload_tier(offload),
+                None => policy,
+            })
         }
         PolicyName::RoundRobin => Box::new(RoundRobin::new(worker)),
         PolicyName::LeastLoaded => Box::new(LeastLoaded::new(worker)),

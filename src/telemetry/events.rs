@@ -6,9 +6,13 @@
 //! connects, the engine's PUB binds), subscribe to every topic, read `[topic, seq, payload]`
 //! messages, fill gaps by replay, reconnect with backoff when the publisher goes away.
 //!
+//! Each operation carries the `Tier` of its event's `medium`. The engine-hash map is shared by
+//! the tiers: a hash stored on GPU and CPU counts two copies, so it keeps resolving parents and
+//! removals while any medium holds it.
+//!
 //! See the parent module for why only token-mode requests match the hashes produced here.
 
-use super::{ReplicaTelemetry, ResidencyOp};
+use super::{ReplicaTelemetry, ResidencyOp, Tier};
 use crate::kv_events::{decode_batch, KvEvent, KvEventBatch, Medium};
 use crate::prefix::{token_block_hashes_from, TOKEN_CHAIN_ROOT};
 use crate::worker::Shared;
@@ -125,7 +129,10 @@ impl EventState {
                     tel,
                     ops,
                 ),
-                KvEvent::BlockRemoved { block_hashes, .. } => {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
                     let mut blocks = Vec::with_capacity(block_hashes.len());
                     for h in block_hashes {
                         if let Some(e) = self.chain.get_mut(h) {
@@ -139,6 +146,7 @@ impl EventState {
                     if !blocks.is_empty() {
                         ops.push(ResidencyOp::Remove {
                             replica: self.replica,
+                            tier: Tier::of(*medium),
                             blocks,
                         });
                     }
@@ -196,12 +204,14 @@ impl EventState {
             e.kvlb = kvlb;
             e.copies = e.copies.saturating_add(1);
         }
-        if !matches!(medium, None | Some(Medium::Gpu)) {
+        let tier = Tier::of(medium);
+        if tier == Tier::Offloaded {
             tel.offloaded_blocks
                 .fetch_add(block_hashes.len() as u64, Relaxed);
         }
         ops.push(ResidencyOp::Insert {
             replica: self.replica,
+            tier,
             blocks: self.hashes.clone(),
         });
     }

@@ -12,8 +12,13 @@
 //!   some) stale and drops their residency; while stale, routing guesses there expire after
 //!   `routed_guess_ttl` too. Replicas that never produced telemetry keep routing guesses as
 //!   before.
+//!
+//! The feed also owns the offloaded tier's writer (`with_offload_tier`): operations on
+//! `Tier::Offloaded` go there, clears and silence clear it with the GPU tier, and after each
+//! change the replica's `offload_resident_blocks` gauge is refreshed. It holds event-reported
+//! blocks only, so the sweep has nothing to expire there.
 
-use super::ResidencyOp;
+use super::{ResidencyOp, Tier};
 use crate::residency::ResidencyWriter;
 use crate::worker::Shared;
 use crossbeam::channel::Receiver;
@@ -33,6 +38,8 @@ pub struct ResidencyFeed {
     confirmed: Vec<HashMap<u64, u32>>,
     last_sweep_us: u64,
     refresh: Vec<u64>,
+    /// The offloaded tier's writer (None: offloaded operations are dropped).
+    offload: Option<ResidencyWriter>,
 }
 
 impl ResidencyFeed {
@@ -44,7 +51,21 @@ impl ResidencyFeed {
             confirmed: vec![HashMap::new(); n],
             last_sweep_us: 0,
             refresh: Vec::new(),
+            offload: None,
         }
+    }
+
+    /// Keep the replicas' offloaded blocks in `writer` (the second tier's only writer; its
+    /// index is what `cache_aware` reads as the offloaded tier). Capacities already set on it
+    /// stand; later `Capacity` operations set it from the replica's configuration.
+    pub fn with_offload_tier(mut self, writer: ResidencyWriter) -> ResidencyFeed {
+        self.offload = Some(writer);
+        self
+    }
+
+    /// The offloaded tier's writer, if attached.
+    pub fn offload_tier(&self) -> Option<&ResidencyWriter> {
+        self.offload.as_ref()
     }
 
     /// Blocks events confirmed on replica `r`.
@@ -66,7 +87,11 @@ impl ResidencyFeed {
 
     fn apply(&mut self, writer: &mut ResidencyWriter, op: ResidencyOp, now_us: u64) {
         match op {
-            ResidencyOp::Insert { replica, blocks } => {
+            ResidencyOp::Insert {
+                replica,
+                tier: Tier::Gpu,
+                blocks,
+            } => {
                 if writer.insert(replica, &blocks, now_us).is_ok() {
                     let c = &mut self.confirmed[replica];
                     for h in blocks {
@@ -74,7 +99,33 @@ impl ResidencyFeed {
                     }
                 }
             }
-            ResidencyOp::Remove { replica, blocks } => {
+            ResidencyOp::Insert {
+                replica,
+                tier: Tier::Offloaded,
+                blocks,
+            } => {
+                if let Some(o) = &mut self.offload {
+                    let _ = o.insert(replica, &blocks, now_us);
+                    self.publish_offloaded(replica);
+                }
+            }
+            ResidencyOp::Remove {
+                replica,
+                tier: Tier::Offloaded,
+                blocks,
+            } => {
+                if let Some(o) = &mut self.offload {
+                    for h in blocks {
+                        let _ = o.remove(replica, h);
+                    }
+                    self.publish_offloaded(replica);
+                }
+            }
+            ResidencyOp::Remove {
+                replica,
+                tier: Tier::Gpu,
+                blocks,
+            } => {
                 let Some(c) = self.confirmed.get_mut(replica) else {
                     return;
                 };
@@ -92,12 +143,41 @@ impl ResidencyFeed {
                 if writer.clear(replica).is_ok() {
                     self.confirmed[replica] = HashMap::new();
                 }
+                self.clear_offloaded(replica);
             }
             ResidencyOp::Capacity { replica, tokens } => {
                 if let Err(e) = writer.set_capacity_tokens(replica, tokens) {
                     eprintln!("kvlb: replica slot {replica}: {e}");
                 }
+                if let Some(o) = &mut self.offload {
+                    let offload_tokens = match self.shared.fleet.slot(replica).spec() {
+                        Some(spec) => spec.offload_capacity_tokens(),
+                        None => {
+                            tokens.saturating_mul(crate::config::DEFAULT_OFFLOAD_CAPACITY_FACTOR)
+                        }
+                    };
+                    if o.set_capacity_tokens(replica, offload_tokens).is_ok() {
+                        self.publish_offloaded(replica);
+                    }
+                }
             }
+        }
+    }
+
+    /// Drop replica `r`'s offloaded blocks.
+    fn clear_offloaded(&mut self, r: usize) {
+        if let Some(o) = &mut self.offload {
+            if o.clear(r).is_ok() {
+                self.publish_offloaded(r);
+            }
+        }
+    }
+
+    /// Show replica `r`'s offloaded blocks in its telemetry.
+    fn publish_offloaded(&self, r: usize) {
+        if let (Some(o), Some(tel)) = (&self.offload, self.shared.telemetry.get(r)) {
+            tel.offload_resident_blocks
+                .store(o.index().replica_blocks(r) as u64, Relaxed);
         }
     }
 
@@ -119,6 +199,10 @@ impl ResidencyFeed {
                 );
                 let _ = writer.clear(r);
                 self.confirmed[r] = HashMap::new();
+                if let Some(o) = &mut self.offload {
+                    let _ = o.clear(r);
+                    tel.offload_resident_blocks.store(0, Relaxed);
+                }
                 tel.stale_silent.store(true, Relaxed);
             } else if !silent && tel.stale_silent.load(Relaxed) {
                 tel.stale_silent.store(false, Relaxed);

@@ -26,6 +26,20 @@
 //! publishes no events, so on a replica whose metrics are not polled an open event connection
 //! counts as a sign of life.
 //!
+//! # Two tiers: GPU and offloaded
+//! Engines that offload KV blocks out of GPU memory (vLLM CPU offloading, LMCache, SGLang's
+//! hierarchical cache) say so in the events' `medium` (`CPU`, `DISK`, ...; absent means GPU).
+//! A block held only there must be loaded back before use: cheaper than recomputing it, not
+//! free, so it must not be counted as a GPU hit. Each operation carries its `Tier`: GPU
+//! operations go to the main residency writer as before, offloaded ones to a second
+//! `ResidencyIndex` / `ResidencyWriter` pair owned by the same writer thread (inside
+//! `ResidencyFeed`, attached with `ResidencyFeed::with_offload_tier`), which `cache_aware`
+//! reads only while it holds a block. A BlockRemoved drops the copy on its own medium only;
+//! AllBlocksCleared, restarts, unfillable gaps, removals and silence clear both tiers. Routing
+//! guesses go to the GPU tier only (a request routed to a replica leaves its prefix in GPU
+//! memory), so the offloaded tier holds nothing the events did not report and needs no
+//! expiry.
+//!
 //! # Only token-mode requests match event-derived blocks (for now)
 //! Engines report 16-token blocks keyed by token ids; kvlb hashes those token ids with its own
 //! chained scheme (`prefix::token_block_hashes_from`; engine hashes cannot be recomputed and are
@@ -45,6 +59,7 @@ mod tests;
 
 pub use feed::ResidencyFeed;
 
+use crate::kv_events::Medium;
 use crate::worker::Shared;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -82,8 +97,10 @@ pub struct ReplicaTelemetry {
     pub stale_gap: AtomicBool,
     /// Residency dropped because neither events nor metrics came for `telemetry_stale_after`.
     pub stale_silent: AtomicBool,
-    /// Blocks stored on a tier other than GPU (counted resident all the same).
+    /// Blocks stored on a tier other than GPU (BlockStored with a non-GPU medium, counted).
     pub offloaded_blocks: AtomicU64,
+    /// Blocks the offloaded tier holds for the replica now (set by the residency writer).
+    pub offload_resident_blocks: AtomicU64,
     /// BlockStored skipped: parent unknown, malformed (token count), or a block size other
     /// than kvlb's token block.
     pub skipped_unknown_parent: AtomicU64,
@@ -118,6 +135,7 @@ impl Default for ReplicaTelemetry {
             stale_gap: AtomicBool::new(false),
             stale_silent: AtomicBool::new(false),
             offloaded_blocks: AtomicU64::new(0),
+            offload_resident_blocks: AtomicU64::new(0),
             skipped_unknown_parent: AtomicU64::new(0),
             skipped_malformed: AtomicU64::new(0),
             skipped_block_size: AtomicU64::new(0),
@@ -132,7 +150,8 @@ impl Default for ReplicaTelemetry {
 }
 
 impl ReplicaTelemetry {
-    /// Forget everything (the slot got a new replica).
+    /// Forget everything (the slot got a new replica) but `offload_resident_blocks`, which
+    /// mirrors the residency writer's state and is cleared with it.
     pub fn reset(&self) {
         let d = ReplicaTelemetry::default();
         macro_rules! copy {
@@ -213,6 +232,7 @@ impl ReplicaTelemetry {
             "events_seen": self.events_seen.load(Relaxed),
             "batches_seen": self.batches_seen.load(Relaxed),
             "offloaded_blocks": self.offloaded_blocks.load(Relaxed),
+            "offload_resident_blocks": self.offload_resident_blocks.load(Relaxed),
             "skipped_unknown_parent": self.skipped_unknown_parent.load(Relaxed),
             "skipped_malformed": self.skipped_malformed.load(Relaxed),
             "skipped_block_size": self.skipped_block_size.load(Relaxed),
@@ -226,16 +246,46 @@ impl ReplicaTelemetry {
     }
 }
 
+/// Where a replica holds a KV block: GPU memory (free to use) or an offloaded tier (CPU
+/// memory, disk, an external cache: loaded back before use).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Gpu,
+    Offloaded,
+}
+
+impl Tier {
+    /// The tier of an event's `medium` (absent means GPU; any other medium, known or not, is
+    /// an offloaded tier).
+    pub fn of(medium: Option<Medium>) -> Tier {
+        match medium {
+            None | Some(Medium::Gpu) => Tier::Gpu,
+            Some(_) => Tier::Offloaded,
+        }
+    }
+}
+
 /// One change to a replica's residency, in kvlb's own block hashes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ResidencyOp {
-    /// One more copy of each block (BlockStored).
-    Insert { replica: usize, blocks: Vec<u64> },
-    /// One copy fewer of each block (BlockRemoved).
-    Remove { replica: usize, blocks: Vec<u64> },
-    /// The replica holds nothing (AllBlocksCleared, restart, unfillable gap, removal).
+    /// One more copy of each block on `tier` (BlockStored).
+    Insert {
+        replica: usize,
+        tier: Tier,
+        blocks: Vec<u64>,
+    },
+    /// One copy fewer of each block on `tier` (BlockRemoved).
+    Remove {
+        replica: usize,
+        tier: Tier,
+        blocks: Vec<u64>,
+    },
+    /// The replica holds nothing on any tier (AllBlocksCleared, restart, unfillable gap,
+    /// removal).
     Clear { replica: usize },
-    /// The replica (newly in this slot) holds at most this many tokens.
+    /// The replica (newly in this slot) holds at most this many tokens in GPU memory; its
+    /// offloaded tier's capacity comes from its configuration
+    /// (`ReplicaConfig::offload_capacity_tokens`).
     Capacity { replica: usize, tokens: u64 },
 }
 
@@ -248,6 +298,10 @@ pub struct Telemetry {
 
 /// Create the residency feed (run by the writer's tick) and start the telemetry threads of
 /// every replica in the fleet.
+///
+/// The feed applies offloaded-tier operations only once given that tier's writer
+/// (`ResidencyFeed::with_offload_tier`); until then it drops them (an offloaded block is never
+/// counted as a GPU one).
 pub fn start(shared: Arc<Shared>) -> std::io::Result<(ResidencyFeed, Telemetry)> {
     let (tx, rx) = crossbeam::channel::bounded(OP_QUEUE);
     let t = Telemetry { tx };
@@ -321,7 +375,7 @@ type Series = (
 /// Append the per-replica telemetry gauges to a Prometheus text exposition.
 pub fn render_metrics(shared: &Shared, out: &mut String) {
     let now = shared.now_ms();
-    let series: [Series; 9] = [
+    let series: [Series; 10] = [
         (
             "kvlb_replica_running",
             "gauge",
@@ -375,6 +429,12 @@ pub fn render_metrics(shared: &Shared, out: &mut String) {
             "counter",
             "Blocks the replica stored on a tier other than GPU.",
             |t, _| Some(t.offloaded_blocks.load(Relaxed) as f64),
+        ),
+        (
+            "kvlb_replica_kv_offload_resident_blocks",
+            "gauge",
+            "Blocks kvlb believes the replica holds in an offloaded tier (CPU, disk) now.",
+            |t, _| Some(t.offload_resident_blocks.load(Relaxed) as f64),
         ),
     ];
     for (name, kind, help, value) in series {

@@ -3,7 +3,7 @@
 
 use super::events::{EventState, SeqCheck};
 use super::scrape::{parse_metrics, MetricsSample};
-use super::{ReplicaTelemetry, ResidencyFeed, ResidencyOp};
+use super::{ReplicaTelemetry, ResidencyFeed, ResidencyOp, Tier};
 use crate::kv_events::{KvEvent, KvEventBatch, Medium};
 use crate::prefix::token_block_hashes;
 use crate::residency::{ResidencyConfig, ResidencyIndex};
@@ -87,10 +87,12 @@ fn stored_chains_from_parent_and_removed_counts_copies() {
         vec![
             ResidencyOp::Insert {
                 replica: 3,
+                tier: Tier::Gpu,
                 blocks: whole[..2].to_vec()
             },
             ResidencyOp::Insert {
                 replica: 3,
+                tier: Tier::Gpu,
                 blocks: whole[2..].to_vec()
             },
         ]
@@ -137,10 +139,11 @@ fn stored_chains_from_parent_and_removed_counts_copies() {
         ops,
         vec![ResidencyOp::Remove {
             replica: 3,
+            tier: Tier::Gpu,
             blocks: vec![whole[2], whole[2]]
         }]
     );
-    // Offloaded tiers count as resident but are noted.
+    // Offloaded tiers go to their own tier, and are counted.
     ops.clear();
     let cpu = KvEvent::BlockStored {
         block_hashes: vec![30],
@@ -157,7 +160,14 @@ fn stored_chains_from_parent_and_removed_counts_copies() {
         &mut ops,
     )
     .unwrap();
-    assert_eq!(ops.len(), 1);
+    assert_eq!(
+        ops,
+        vec![ResidencyOp::Insert {
+            replica: 3,
+            tier: Tier::Offloaded,
+            blocks: kvlb_hashes(100..116)
+        }]
+    );
     assert_eq!(tel.offloaded_blocks.load(Relaxed), 1);
     // Another block size cannot match requests.
     ops.clear();
@@ -218,10 +228,12 @@ fn gaps_replay_or_clear_and_restarts_clear() {
         vec![
             ResidencyOp::Insert {
                 replica: 0,
+                tier: Tier::Gpu,
                 blocks: vec![whole[1]]
             },
             ResidencyOp::Insert {
                 replica: 0,
+                tier: Tier::Gpu,
                 blocks: vec![whole[2]]
             },
         ]
@@ -250,6 +262,7 @@ fn gaps_replay_or_clear_and_restarts_clear() {
             ResidencyOp::Clear { replica: 0 },
             ResidencyOp::Insert {
                 replica: 0,
+                tier: Tier::Gpu,
                 blocks: vec![whole[0]]
             }
         ]
@@ -376,6 +389,7 @@ fn feed_applies_ops_and_expires_only_guesses() {
     writer.insert_routed(1, &[100], 0).unwrap();
     tx.send(ResidencyOp::Insert {
         replica: 0,
+        tier: Tier::Gpu,
         blocks: vec![200, 201],
     })
     .unwrap();
@@ -391,6 +405,7 @@ fn feed_applies_ops_and_expires_only_guesses() {
     assert!(writer.holds(1, 100));
     tx.send(ResidencyOp::Remove {
         replica: 0,
+        tier: Tier::Gpu,
         blocks: vec![200],
     })
     .unwrap();
@@ -426,4 +441,199 @@ fn silent_replicas_go_stale_and_lose_residency() {
     shared.telemetry[0].touch(31_600);
     feed.on_tick(&mut writer, 32_000_000);
     assert!(!shared.telemetry[0].stale());
+}
+
+#[test]
+fn each_medium_maps_to_its_tier() {
+    assert_eq!(Tier::of(None), Tier::Gpu);
+    assert_eq!(Tier::of(Some(Medium::Gpu)), Tier::Gpu);
+    for m in [
+        "CPU",
+        "CPU_PINNED",
+        "DISK",
+        "STORAGE",
+        "EXTERNAL",
+        "LMCACHE",
+    ] {
+        assert_eq!(Tier::of(Some(Medium::parse(m))), Tier::Offloaded, "{m}");
+    }
+}
+
+#[test]
+fn stores_and_removals_go_to_the_tier_of_their_medium() {
+    let mut s = EventState::new(1, 16);
+    let tel = ReplicaTelemetry::default();
+    let mut ops = Vec::new();
+    let whole = kvlb_hashes(0..32);
+    let on = |medium: &str, hashes: &[u64], parent, tokens| match stored(hashes, parent, tokens) {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            ..
+        } => KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium: Some(Medium::parse(medium)),
+        },
+        other => other,
+    };
+    // The prefix on GPU, then offloaded to CPU (same engine hashes), then a CPU block chained
+    // on a GPU parent: the chain is shared by the tiers.
+    let b = batch(vec![
+        on("GPU", &[1], None, 0..16),
+        on("CPU", &[1], None, 0..16),
+        on("CPU", &[2], Some(1), 16..32),
+    ]);
+    s.receive(&frames(0, &b), &tel, &mut no_replay(), &mut ops)
+        .unwrap();
+    let insert = |tier, blocks: &[u64]| ResidencyOp::Insert {
+        replica: 1,
+        tier,
+        blocks: blocks.to_vec(),
+    };
+    assert_eq!(
+        ops,
+        vec![
+            insert(Tier::Gpu, &whole[..1]),
+            insert(Tier::Offloaded, &whole[..1]),
+            insert(Tier::Offloaded, &whole[1..]),
+        ]
+    );
+    assert_eq!(tel.offloaded_blocks.load(Relaxed), 2);
+    // The GPU copy evicted (no medium means GPU), then the CPU one: each on its own tier, and
+    // the engine hash stays known until the last copy goes.
+    ops.clear();
+    let removed = |medium: Option<Medium>| KvEvent::BlockRemoved {
+        block_hashes: vec![1],
+        medium,
+    };
+    s.receive(
+        &frames(1, &batch(vec![removed(None)])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert_eq!(s.known_blocks(), 2);
+    s.receive(
+        &frames(2, &batch(vec![removed(Some(Medium::Cpu))])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    let remove = |tier| ResidencyOp::Remove {
+        replica: 1,
+        tier,
+        blocks: vec![whole[0]],
+    };
+    assert_eq!(ops, vec![remove(Tier::Gpu), remove(Tier::Offloaded)]);
+    assert_eq!(s.known_blocks(), 1);
+}
+
+#[test]
+fn the_feed_keeps_offloaded_blocks_apart_and_clears_both_tiers() {
+    let shared = shared_with(2);
+    let tier = |kv_capacity_tokens| {
+        ResidencyIndex::new(ResidencyConfig {
+            max_replicas: 2,
+            block_tokens: 16,
+            kv_capacity_tokens,
+        })
+        .unwrap()
+    };
+    let (gpu_index, mut writer) = tier(1 << 20);
+    let (offload_index, offload_writer) = tier(1 << 20);
+    let (tx, rx) = crossbeam::channel::bounded(16);
+    let mut feed = ResidencyFeed::new(shared.clone(), rx).with_offload_tier(offload_writer);
+    let op = |tier, replica, blocks: &[u64], insert: bool| {
+        let blocks = blocks.to_vec();
+        if insert {
+            ResidencyOp::Insert {
+                replica,
+                tier,
+                blocks,
+            }
+        } else {
+            ResidencyOp::Remove {
+                replica,
+                tier,
+                blocks,
+            }
+        }
+    };
+    // Replica 0: blocks 1, 2 on GPU and CPU. Replica 1: 1, 2 on CPU only.
+    tx.send(op(Tier::Gpu, 0, &[1, 2], true)).unwrap();
+    tx.send(op(Tier::Offloaded, 0, &[1, 2], true)).unwrap();
+    tx.send(op(Tier::Offloaded, 1, &[1, 2], true)).unwrap();
+    feed.on_tick(&mut writer, 1_000);
+    let offload = |feed: &ResidencyFeed, r, h| feed.offload_tier().unwrap().holds(r, h);
+    assert!(writer.holds(0, 1) && !writer.holds(1, 1));
+    assert!(offload(&feed, 0, 1) && offload(&feed, 1, 2));
+    assert_eq!(
+        (gpu_index.replica_blocks(1), offload_index.replica_blocks(1)),
+        (0, 2)
+    );
+    assert_eq!(shared.telemetry[1].offload_resident_blocks.load(Relaxed), 2);
+    assert_eq!(feed.confirmed_blocks(0), 2);
+    // A CPU removal leaves the GPU copy; a GPU removal leaves the CPU copy.
+    tx.send(op(Tier::Offloaded, 0, &[1], false)).unwrap();
+    tx.send(op(Tier::Gpu, 0, &[2], false)).unwrap();
+    feed.on_tick(&mut writer, 2_000);
+    assert!(writer.holds(0, 1) && !offload(&feed, 0, 1));
+    assert!(!writer.holds(0, 2) && offload(&feed, 0, 2));
+    assert_eq!(shared.telemetry[0].offload_resident_blocks.load(Relaxed), 1);
+    // A clear (AllBlocksCleared, restart, gap) drops both tiers.
+    tx.send(ResidencyOp::Clear { replica: 0 }).unwrap();
+    feed.on_tick(&mut writer, 3_000);
+    assert!(!writer.holds(0, 1) && !offload(&feed, 0, 2));
+    assert_eq!(shared.telemetry[0].offload_resident_blocks.load(Relaxed), 0);
+    assert!(offload(&feed, 1, 1));
+    // A new replica in slot 1: the offloaded capacity comes from its configuration.
+    tx.send(ResidencyOp::Capacity {
+        replica: 1,
+        tokens: 160,
+    })
+    .unwrap();
+    feed.on_tick(&mut writer, 4_000);
+    assert_eq!(writer.capacity_blocks(1), 10);
+    assert_eq!(
+        feed.offload_tier().unwrap().capacity_blocks(1) as u64,
+        crate::config::DEFAULT_KV_CAPACITY_TOKENS * crate::config::DEFAULT_OFFLOAD_CAPACITY_FACTOR
+            / 16
+    );
+    // Silence drops the offloaded tier with the GPU one.
+    shared.telemetry[1].touch(5);
+    feed.on_tick(&mut writer, 60_000_000);
+    assert!(shared.telemetry[1].stale());
+    assert!(!offload(&feed, 1, 1) && !offload(&feed, 1, 2));
+    assert_eq!(shared.telemetry[1].offload_resident_blocks.load(Relaxed), 0);
+}
+
+#[test]
+fn without_an_offloaded_tier_offloaded_blocks_are_not_counted_on_gpu() {
+    let shared = shared_with(1);
+    let (_index, mut writer) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: 1,
+        block_tokens: 16,
+        kv_capacity_tokens: 1 << 20,
+    })
+    .unwrap();
+    let (tx, rx) = crossbeam::channel::bounded(16);
+    let mut feed = ResidencyFeed::new(shared, rx);
+    tx.send(ResidencyOp::Insert {
+        replica: 0,
+        tier: Tier::Offloaded,
+        blocks: vec![7],
+    })
+    .unwrap();
+    feed.on_tick(&mut writer, 1_000);
+    assert!(!writer.holds(0, 7));
+    assert_eq!(feed.confirmed_blocks(0), 0);
 }

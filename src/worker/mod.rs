@@ -27,6 +27,9 @@ pub struct Shared {
     pub fleet: crate::fleet::Fleet,
     /// Which prefix blocks kvlb believes each replica holds (read by cache_aware).
     pub residency: Arc<crate::residency::ResidencyIndex>,
+    /// Which prefix blocks the replicas reported in an offloaded tier (CPU memory, disk):
+    /// loaded back at a cost (read by cache_aware; see `crate::telemetry`). None: not tracked.
+    pub offload_residency: Option<Arc<crate::residency::ResidencyIndex>>,
     /// Blocks the residency writer could not take because a routing log was full.
     pub routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
     /// How prompts are cut into prefix blocks.
@@ -60,6 +63,7 @@ impl Shared {
         Shared {
             fleet,
             residency,
+            offload_residency: None,
             routing_logs,
             prefix: crate::prefix::PrefixConfig::default(),
             loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
@@ -73,6 +77,13 @@ impl Shared {
             splice_ok: crate::rt::splice::supported(),
             config: arc_swap::ArcSwap::from_pointee(cfg),
         }
+    }
+
+    /// Let cache_aware read `offload` as the replicas' offloaded KV tier (its writer belongs
+    /// to the telemetry feed, `ResidencyFeed::with_offload_tier`).
+    pub fn with_offload_tier(mut self, offload: Arc<crate::residency::ResidencyIndex>) -> Shared {
+        self.offload_residency = Some(offload);
+        self
     }
 
     /// The configuration in force now (a lock-free load; cheap, allocation-free).
@@ -463,6 +474,7 @@ impl Worker {
 fn build_policy(shared: &Shared, id: usize, cfg: &ServeConfig) -> Result<Box<dyn Policy>, String> {
     let parts = select::CacheAwareParts {
         index: shared.residency.clone(),
+        offload: shared.offload_residency.clone(),
         log: shared.routing_logs[id].clone(),
         config: cfg.cost_model.policy_config(),
     };

@@ -729,3 +729,123 @@ fn kv_knobs_are_validated() {
     };
     assert!(bad.validate().unwrap_err().contains("kv_hit_keep_at_full"));
 }
+
+/// A GPU tier and an offloaded tier (CPU, disk) of `replicas` replicas, and a policy reading
+/// both with `offload_load_cost` = `cost`.
+fn tiered(replicas: usize, cost: f64) -> (CacheAware, ResidencyWriter, ResidencyWriter) {
+    let (gpu, gpu_w) = fleet(replicas);
+    let (offload, offload_w) = fleet(replicas);
+    let cfg = CacheAwareConfig {
+        offload_load_cost: cost,
+        ..CacheAwareConfig::default()
+    };
+    let p = CacheAware::new(gpu, cfg)
+        .unwrap()
+        .with_offload_tier(offload);
+    (p, gpu_w, offload_w)
+}
+
+#[test]
+fn gpu_hit_beats_offload_hit_beats_cold() {
+    let (mut p, mut gpu, mut offload) = tiered(3, 0.25);
+    let prompt = blocks(32); // 2048 tokens
+    gpu.insert(0, &prompt, 0).unwrap();
+    offload.insert(1, &prompt, 0).unwrap();
+    let idle = queued(&[0, 0, 0]);
+    // Whatever the tie-break number, the GPU holder wins.
+    for random in 0..3 {
+        assert_eq!(p.select(&req(&prompt, 2048, 0), &idle, random), 0);
+    }
+    let d = p.last_decision();
+    assert_eq!(
+        (d.reason, d.matched_tokens, d.offloaded_blocks),
+        (Reason::Cache, 2048, 0)
+    );
+    // Without the GPU holder, the offloaded copy beats the cold replica, at a price.
+    let m = CacheAwareConfig::default().model;
+    for random in 0..3 {
+        assert_eq!(p.select(&req(&prompt, 2048, 0), &idle[1..], random), 0);
+    }
+    let d = p.last_decision();
+    assert_eq!(d.replica, 1);
+    assert_eq!((d.reason, d.offloaded_blocks), (Reason::Cache, 32));
+    assert_eq!(
+        d.matched_tokens, 1536,
+        "three quarters of the hit are spared"
+    );
+    let gpu_hit = m.prefill_seconds(2048, 2048, 0);
+    let cold = m.prefill_seconds(0, 2048, 0);
+    assert!(
+        close(d.ttft_s, gpu_hit + 0.25 * (cold - gpu_hit)),
+        "{}",
+        d.ttft_s
+    );
+    assert!(close(d.runner_up_ttft_s, cold), "{}", d.runner_up_ttft_s);
+    // Part in GPU, the rest offloaded on replica 2: it beats replica 1 (all offloaded), and
+    // only the offloaded part is priced so.
+    gpu.insert(2, &prompt[..8], 0).unwrap();
+    offload.insert(2, &prompt, 0).unwrap();
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &idle[1..], 0), 1);
+    let d = p.last_decision();
+    assert_eq!((d.replica, d.offloaded_blocks), (2, 24));
+    assert_eq!(d.matched_tokens, 512 + 1152);
+}
+
+#[test]
+fn an_offload_hit_at_full_recompute_cost_loses_to_a_cold_idle_replica() {
+    let prompt = blocks(32);
+    // Replica 0 holds the prompt offloaded and has 1000 tokens queued (35.1 ms); replica 1 is
+    // cold and idle (71.5 ms of prefill).
+    let c = queued(&[1000, 0]);
+    let (mut p, _gpu, mut offload) = tiered(2, 1.0);
+    offload.insert(0, &prompt, 0).unwrap();
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &c, 0), 1);
+    let d = p.last_decision();
+    assert_eq!(
+        (d.reason, d.matched_tokens, d.offloaded_blocks),
+        (Reason::Load, 0, 0)
+    );
+    // Loading it back at a quarter of the recompute pays for the queue.
+    let (mut p, _gpu, mut offload) = tiered(2, 0.25);
+    offload.insert(0, &prompt, 0).unwrap();
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &c, 0), 0);
+    assert_eq!(p.last_decision().offloaded_blocks, 32);
+    // Priced as free (0), the offloaded copy is a GPU hit: the same estimate.
+    let (mut free, _gpu, mut offload) = tiered(2, 0.0);
+    offload.insert(0, &prompt, 0).unwrap();
+    let (gpu_idx, mut gpu_w) = fleet(2);
+    gpu_w.insert(0, &prompt, 0).unwrap();
+    let mut plain = CacheAware::new(gpu_idx, CacheAwareConfig::default()).unwrap();
+    assert_eq!(free.select(&req(&prompt, 2048, 0), &c, 0), 0);
+    assert_eq!(plain.select(&req(&prompt, 2048, 0), &c, 0), 0);
+    assert!(close(
+        free.last_decision().ttft_s,
+        plain.last_decision().ttft_s
+    ));
+}
+
+#[test]
+fn an_empty_offloaded_tier_changes_nothing() {
+    let prompt = blocks(32);
+    let (mut p, mut gpu, _offload) = tiered(3, 0.25);
+    let (idx, mut w) = fleet(3);
+    let mut plain = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    for r in [&mut gpu, &mut w] {
+        r.insert(1, &prompt[..20], 0).unwrap();
+        r.insert(2, &prompt[..4], 0).unwrap();
+    }
+    let c = queued(&[0, 700, 0]);
+    for random in 0..4 {
+        let a = p.select(&req(&prompt, 2048, 0), &c, random);
+        let b = plain.select(&req(&prompt, 2048, 0), &c, random);
+        assert_eq!(a, b);
+        assert_eq!(p.last_decision(), plain.last_decision());
+    }
+    assert_eq!(p.config().offload_load_cost, 0.25);
+    let bad = CacheAwareConfig {
+        offload_load_cost: 1.5,
+        ..CacheAwareConfig::default()
+    };
+    let e = CacheAware::new(fleet(1).0, bad).err().unwrap();
+    assert!(e.contains("offload_load_cost"), "{e}");
+}
