@@ -186,4 +186,40 @@ fn gpu_beats_offloaded_beats_cold_and_media_are_removed_apart() {
         metrics.contains("kvlb_replica_kv_offload_resident_blocks{"),
         "{metrics}"
     );
+
+    // With an offloaded tier in use (C holds another prompt on disk), every request runs the
+    // second lookup; a warm worker still allocates nothing per request.
+    let other: Vec<u32> = (0..PROMPT).map(|i| 2000 + (i * 11) % 30_000).collect();
+    pubs[2].publish(&batch(vec![stored(&other, "DISK")]));
+    assert!(
+        wait_until(T, || tiers(&kvlb, 2) == (0, BLOCKS)),
+        "C's offloaded blocks not applied: {:?}",
+        tiers(&kvlb, 2)
+    );
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let mut send = |n: usize| {
+        for _ in 0..n {
+            let r = conn
+                .request(
+                    "POST",
+                    "/v1/completions",
+                    &[("Content-Type", "application/json")],
+                    &body,
+                )
+                .expect("keep-alive request");
+            assert_eq!(r.status, 200, "{}", r.describe());
+        }
+    };
+    send(50);
+    let allocations = || {
+        kvlb.metric("kvlb_worker_allocations_total", &["worker=\"0\""])
+            .expect("kvlb_worker_allocations_total in /metrics")
+    };
+    let before = allocations();
+    send(200);
+    let grown = allocations() - before;
+    assert!(
+        grown <= 2.0,
+        "{grown} allocations for 200 warm requests with an offloaded tier"
+    );
 }
