@@ -96,8 +96,8 @@
 //! `held`). `held` is the larger of the two leading matches, not the offloaded match extended
 //! from where the GPU match ends: both come out of one pass each over the request's blocks
 //! with no per-replica restart, and they agree in the usual case, where the offloaded tier
-//! holds what the GPU evicted and the prefix before it (vLLM writes every computed block to
-//! CPU). When the offloaded tier holds only a tail beyond the GPU match, `max` counts the
+//! holds what the GPU evicted and the prefix before it (offloading engines typically copy
+//! blocks out as they are computed, prefix first). When the offloaded tier holds only a tail beyond the GPU match, `max` counts the
 //! longer of the two runs alone and underestimates the hit; it never overestimates one.
 //! While no replica holds any offloaded block (one atomic load, `distinct_blocks`), the second
 //! lookup is skipped; when it runs it fills a buffer allocated with the policy.
