@@ -155,6 +155,12 @@ fn gpu_beats_offloaded_beats_cold_and_media_are_removed_apart() {
     assert_eq!(reason, "cache", "{}", via.describe());
     // Counted at 1 - offload_load_cost (0.25) of its size: it is not a free GPU hit.
     assert_eq!(matched, PROMPT as u64 * 3 / 4, "{}", via.describe());
+    let explained = via.header("x-kvlb-decision").unwrap_or_default();
+    assert!(
+        explained.contains(&format!("offloaded_blocks={BLOCKS};")),
+        "{}",
+        via.describe()
+    );
 
     // B computes it into GPU memory, then drops the CPU copy: the GPU copy stays.
     b.publish(&batch(vec![stored(&tokens, "GPU"), removed(Some("CPU"))]));

@@ -100,9 +100,10 @@ fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usiz
     };
     let ok = write!(
         cur,
-        "x-kvlb-decision: reason={}; matched_tokens={}; prompt_tokens={}; ttft_ms={:.1}; runner_up_ttft_ms={:.1}; spilled={}\r\n",
+        "x-kvlb-decision: reason={}; matched_tokens={}; offloaded_blocks={}; prompt_tokens={}; ttft_ms={:.1}; runner_up_ttft_ms={:.1}; spilled={}\r\n",
         d.reason.as_str(),
         d.matched_tokens,
+        d.offloaded_blocks,
         prompt_tokens,
         d.ttft_s * 1e3,
         runner_up_ms,
