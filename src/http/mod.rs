@@ -285,6 +285,74 @@ pub fn write_error(
     let _ = write!(out, "\",\"type\":\"{kind}\",\"code\":{status}}}}}");
 }
 
+/// The header fields kvlb acts on, named once per field by `field` so the framing rules and
+/// the rewrite of the head do not compare every name against every known one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    ContentLength,
+    TransferEncoding,
+    Host,
+    Authorization,
+    Connection,
+    Expect,
+    KeepAlive,
+    ProxyConnection,
+    Upgrade,
+    Te,
+    Trailer,
+    XForwardedFor,
+    ProxyAuthorization,
+    ProxyAuthenticate,
+    Other,
+}
+
+impl Field {
+    /// Hop-by-hop fields (RFC 9110 section 7.6.1) and the proxy-only ones: never forwarded.
+    pub fn hop_by_hop(self) -> bool {
+        matches!(
+            self,
+            Field::Connection
+                | Field::KeepAlive
+                | Field::ProxyConnection
+                | Field::Te
+                | Field::Upgrade
+                | Field::Trailer
+                | Field::ProxyAuthorization
+                | Field::ProxyAuthenticate
+        )
+    }
+}
+
+/// Which known field `name` is (case-insensitive): one length switch and at most two
+/// comparisons, whatever the name.
+pub fn field(name: &str) -> Field {
+    let n = name.as_bytes();
+    let is = |known: &str| n.eq_ignore_ascii_case(known.as_bytes());
+    match n.len() {
+        2 if is("te") => Field::Te,
+        4 if is("host") => Field::Host,
+        6 if is("expect") => Field::Expect,
+        7 if is("upgrade") => Field::Upgrade,
+        7 if is("trailer") => Field::Trailer,
+        10 if is("connection") => Field::Connection,
+        10 if is("keep-alive") => Field::KeepAlive,
+        13 if is("authorization") => Field::Authorization,
+        14 if is("content-length") => Field::ContentLength,
+        15 if is("x-forwarded-for") => Field::XForwardedFor,
+        16 if is("proxy-connection") => Field::ProxyConnection,
+        17 if is("transfer-encoding") => Field::TransferEncoding,
+        18 if is("proxy-authenticate") => Field::ProxyAuthenticate,
+        19 if is("proxy-authorization") => Field::ProxyAuthorization,
+        _ => Field::Other,
+    }
+}
+
+/// Where the first byte `needle` of `hay` is (SIMD, for heads and chunk lines).
+#[inline]
+pub fn find_byte(needle: u8, hay: &[u8]) -> Option<usize> {
+    memchr::memchr(needle, hay)
+}
+
 /// Append `n` in decimal (what `write!(out, "{n}")` does, without the formatting machinery:
 /// this runs for every forwarded request head).
 pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
@@ -350,6 +418,53 @@ fn json_escape_into(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn field_names_every_known_field_in_any_case_and_nothing_else() {
+        let known = [
+            ("content-length", Field::ContentLength),
+            ("transfer-encoding", Field::TransferEncoding),
+            ("host", Field::Host),
+            ("authorization", Field::Authorization),
+            ("connection", Field::Connection),
+            ("expect", Field::Expect),
+            ("keep-alive", Field::KeepAlive),
+            ("proxy-connection", Field::ProxyConnection),
+            ("upgrade", Field::Upgrade),
+            ("te", Field::Te),
+            ("trailer", Field::Trailer),
+            ("x-forwarded-for", Field::XForwardedFor),
+            ("proxy-authorization", Field::ProxyAuthorization),
+            ("proxy-authenticate", Field::ProxyAuthenticate),
+        ];
+        for (name, f) in known {
+            assert_eq!(field(name), f, "{name}");
+            assert_eq!(field(&name.to_ascii_uppercase()), f, "{name}");
+            // One byte off, or a byte more or less, is another field.
+            let mut off = name.as_bytes().to_vec();
+            off[0] ^= 1;
+            assert_eq!(field(std::str::from_utf8(&off).unwrap()), Field::Other);
+            assert_eq!(field(&name[1..]), Field::Other, "{name}");
+            assert_eq!(field(&format!("{name}s")), Field::Other, "{name}");
+        }
+        for other in ["", "content-type", "accept", "x-request-id", "tes", "hosts"] {
+            assert_eq!(field(other), Field::Other, "{other}");
+        }
+        let hop: Vec<_> = known.iter().filter(|(_, f)| f.hop_by_hop()).map(|(n, _)| *n).collect();
+        assert_eq!(
+            hop,
+            [
+                "connection",
+                "keep-alive",
+                "proxy-connection",
+                "upgrade",
+                "te",
+                "trailer",
+                "proxy-authorization",
+                "proxy-authenticate"
+            ]
+        );
+    }
 
     #[test]
     fn decimal_and_ip_match_display() {

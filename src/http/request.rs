@@ -4,7 +4,8 @@
 //! Requests are always re-framed upstream with a Content-Length (chunked bodies are decoded
 //! by kvlb), so a replica never has to agree with kvlb on how a body was delimited.
 
-use super::HttpError;
+use super::{field, find_byte, Field, HttpError};
+use std::mem::MaybeUninit;
 use std::net::IpAddr;
 
 /// Most header fields accepted in a request (more is a 431).
@@ -66,21 +67,8 @@ fn method_of(m: &str) -> Method {
 
 /// Header fields never forwarded (RFC 9110 section 7.6.1), plus the framing fields kvlb
 /// rewrites itself and `Expect` (kvlb answers 100-continue itself and sends whole bodies).
-fn is_hop_by_hop(name: &str) -> bool {
-    const HOP: &[&str] = &[
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "transfer-encoding",
-        "upgrade",
-        "trailer",
-        "content-length",
-        "expect",
-        "proxy-authorization",
-        "proxy-authenticate",
-    ];
-    HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+fn not_forwarded(f: Field) -> bool {
+    f.hop_by_hop() || matches!(f, Field::TransferEncoding | Field::ContentLength | Field::Expect)
 }
 
 /// Trim optional whitespace (SP / HTAB) at both ends.
@@ -117,14 +105,14 @@ pub fn has_token(value: &[u8], token: &str) -> bool {
 
 /// Does the head in `buf` fold a header line (a line starting with SP or HTAB)?
 fn has_obs_fold(head: &[u8]) -> bool {
-    head.windows(2)
-        .any(|w| w[0] == b'\n' && (w[1] == b' ' || w[1] == b'\t'))
+    memchr::memchr_iter(b'\n', head)
+        .any(|nl| matches!(head.get(nl + 1), Some(b' ' | b'\t')))
 }
 
 /// Where the head ends (index after the empty line), if it is complete.
 pub fn find_head_end(buf: &[u8]) -> Option<usize> {
     let mut i = 0;
-    while let Some(p) = memchr(b'\n', &buf[i..]) {
+    while let Some(p) = find_byte(b'\n', &buf[i..]) {
         let nl = i + p;
         // "\n\n" or "\n\r\n"
         if nl + 1 < buf.len() && buf[nl + 1] == b'\n' {
@@ -138,10 +126,6 @@ pub fn find_head_end(buf: &[u8]) -> Option<usize> {
     None
 }
 
-fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
-    hay.iter().position(|b| *b == needle)
-}
-
 /// Parse a complete request head (`buf[..head_end]`, as found by `find_head_end`) and write the
 /// upstream head into `out` without its final CRLF: the caller appends Content-Length (if a body
 /// goes upstream) and the empty line with `finish_upstream_head`.
@@ -152,13 +136,14 @@ pub fn parse_request(
     out: &mut Vec<u8>,
 ) -> Result<RequestHead, HttpError> {
     let head_bytes = &buf[..head_end];
-    if has_obs_fold(head_bytes) {
-        return Err(HttpError::ObsFold);
-    }
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut headers);
-    let status = match req.parse(head_bytes) {
+    // Not initialised: httparse writes the fields it parses (100 of them would be 3 KiB to
+    // clear on every request).
+    let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let status = match req.parse_with_uninit_headers(head_bytes, &mut headers) {
         Ok(s) => s,
+        // httparse rejects a folded line (it cannot start a field name): say which rule it broke.
+        Err(_) if has_obs_fold(head_bytes) => return Err(HttpError::ObsFold),
         Err(httparse::Error::TooManyHeaders) => return Err(HttpError::HeaderTooLarge),
         Err(httparse::Error::Version) => return Err(HttpError::BadVersion),
         Err(httparse::Error::HeaderName) | Err(httparse::Error::HeaderValue) => {
@@ -195,14 +180,16 @@ pub fn parse_request(
     let mut conn_named: [&[u8]; 16] = [&[]; 16];
     let mut n_named = 0;
 
-    for h in req.headers.iter() {
-        let name = h.name;
-        if name.eq_ignore_ascii_case("content-length") {
+    // Each field named once, for both passes.
+    let mut kinds = [Field::Other; MAX_HEADERS];
+    for (h, kind) in req.headers.iter().zip(kinds.iter_mut()) {
+        *kind = field(h.name);
+        if *kind == Field::ContentLength {
             if content_length.is_some() {
                 return Err(HttpError::DuplicateContentLength);
             }
             content_length = Some(parse_content_length(h.value)?);
-        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+        } else if *kind == Field::TransferEncoding {
             if te_seen {
                 return Err(HttpError::UnsupportedTransferEncoding);
             }
@@ -212,14 +199,14 @@ pub fn parse_request(
             } else {
                 return Err(HttpError::UnsupportedTransferEncoding);
             }
-        } else if name.eq_ignore_ascii_case("host") {
+        } else if *kind == Field::Host {
             host_count += 1;
-        } else if name.eq_ignore_ascii_case("authorization") {
+        } else if *kind == Field::Authorization {
             let v = trim_ows(h.value);
             if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
                 bearer = trim_ows(&v[7..]);
             }
-        } else if name.eq_ignore_ascii_case("connection") {
+        } else if *kind == Field::Connection {
             for t in h.value.split(|b| *b == b',') {
                 let t = trim_ows(t);
                 if t.eq_ignore_ascii_case(b"close") {
@@ -236,7 +223,7 @@ pub fn parse_request(
                     n_named += 1;
                 }
             }
-        } else if name.eq_ignore_ascii_case("expect") {
+        } else if *kind == Field::Expect {
             if trim_ows(h.value).eq_ignore_ascii_case(b"100-continue") {
                 expect_continue = true;
             } else {
@@ -277,16 +264,16 @@ pub fn parse_request(
     out.extend_from_slice(path.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     let mut xff_written = false;
-    for h in req.headers.iter() {
+    for (h, &kind) in req.headers.iter().zip(kinds.iter()) {
         let name = h.name;
-        if is_hop_by_hop(name)
+        if not_forwarded(kind)
             || conn_named[..n_named]
                 .iter()
                 .any(|n| n.eq_ignore_ascii_case(name.as_bytes()))
         {
             continue;
         }
-        if name.eq_ignore_ascii_case("x-forwarded-for") {
+        if kind == Field::XForwardedFor {
             if xff_written {
                 continue;
             }
@@ -294,18 +281,21 @@ pub fn parse_request(
             xff_written = true;
             out.extend_from_slice(b"x-forwarded-for: ");
             let mut first = true;
-            for x in req.headers.iter() {
-                if x.name.eq_ignore_ascii_case("x-forwarded-for") {
-                    let v = trim_ows(x.value);
-                    if v.is_empty() {
-                        continue;
-                    }
-                    if !first {
-                        out.extend_from_slice(b", ");
-                    }
-                    out.extend_from_slice(v);
-                    first = false;
+            for (x, _) in req
+                .headers
+                .iter()
+                .zip(kinds.iter())
+                .filter(|(_, k)| **k == Field::XForwardedFor)
+            {
+                let v = trim_ows(x.value);
+                if v.is_empty() {
+                    continue;
                 }
+                if !first {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(v);
+                first = false;
             }
             if let Some(ip) = client_ip {
                 if !first {

@@ -3,6 +3,8 @@
 //! added).
 
 use super::request::has_token;
+use super::{field, Field};
+use std::mem::MaybeUninit;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResponseBody {
@@ -52,9 +54,14 @@ pub fn parse_response(
     client: &ClientFraming,
     out: &mut Vec<u8>,
 ) -> Result<ResponseHead, ResponseError> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut headers);
-    let head_len = match resp.parse(buf) {
+    // Not initialised: httparse writes the fields it parses.
+    let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let head_len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut headers,
+    ) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => {
             return Err(if buf.len() > max_head {
@@ -70,8 +77,13 @@ pub fn parse_response(
     let mut content_length: Option<u64> = None;
     let mut chunked = false;
     let mut conn_close = minor == 0;
-    for h in resp.headers.iter() {
-        if h.name.eq_ignore_ascii_case("content-length") {
+    // Each field named once, for both passes; Connection-named fields are hop-by-hop too.
+    let mut kinds = [Field::Other; MAX_HEADERS];
+    let mut named: [&[u8]; 16] = [&[]; 16];
+    let mut n_named = 0;
+    for (h, kind) in resp.headers.iter().zip(kinds.iter_mut()) {
+        *kind = field(h.name);
+        if *kind == Field::ContentLength {
             let v = std::str::from_utf8(h.value)
                 .ok()
                 .and_then(|s| s.trim().parse::<u64>().ok())
@@ -80,15 +92,22 @@ pub fn parse_response(
                 return Err(ResponseError::Invalid);
             }
             content_length = Some(v);
-        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+        } else if *kind == Field::TransferEncoding {
             if has_token(h.value, "chunked") {
                 chunked = true;
             }
-        } else if h.name.eq_ignore_ascii_case("connection") {
+        } else if *kind == Field::Connection {
             if has_token(h.value, "close") {
                 conn_close = true;
             } else if minor == 0 && has_token(h.value, "keep-alive") {
                 conn_close = false;
+            }
+            for t in h.value.split(|b| *b == b',') {
+                let t = t.trim_ascii();
+                if !t.is_empty() && n_named < named.len() {
+                    named[n_named] = t;
+                    n_named += 1;
+                }
             }
         }
     }
@@ -114,32 +133,20 @@ pub fn parse_response(
     out.push(b' ');
     out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    // Connection-named fields are hop-by-hop too.
-    let mut named: [&[u8]; 16] = [&[]; 16];
-    let mut n_named = 0;
-    for h in resp.headers.iter() {
-        if h.name.eq_ignore_ascii_case("connection") {
-            for t in h.value.split(|b| *b == b',') {
-                let t = t.trim_ascii();
-                if !t.is_empty() && n_named < named.len() {
-                    named[n_named] = t;
-                    n_named += 1;
-                }
-            }
-        }
-    }
     // A body kvlb must re-delimit for an HTTP/1.0 client is sent until close.
     let dechunk = client.http10 && body == ResponseBody::Chunked;
-    for h in resp.headers.iter() {
+    for (h, &kind) in resp.headers.iter().zip(kinds.iter()) {
         let n = h.name;
-        let hop = n.eq_ignore_ascii_case("connection")
-            || n.eq_ignore_ascii_case("keep-alive")
-            || n.eq_ignore_ascii_case("proxy-connection")
-            || n.eq_ignore_ascii_case("upgrade")
-            || n.eq_ignore_ascii_case("te")
-            || n.eq_ignore_ascii_case("trailer")
-            || (n.eq_ignore_ascii_case("transfer-encoding") && (dechunk || !chunked))
-            || (n.eq_ignore_ascii_case("content-length") && chunked)
+        let hop = matches!(
+            kind,
+            Field::Connection
+                | Field::KeepAlive
+                | Field::ProxyConnection
+                | Field::Upgrade
+                | Field::Te
+                | Field::Trailer
+        ) || (kind == Field::TransferEncoding && (dechunk || !chunked))
+            || (kind == Field::ContentLength && chunked)
             || named[..n_named]
                 .iter()
                 .any(|x| x.eq_ignore_ascii_case(n.as_bytes()));
