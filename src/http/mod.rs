@@ -450,7 +450,11 @@ mod tests {
         for other in ["", "content-type", "accept", "x-request-id", "tes", "hosts"] {
             assert_eq!(field(other), Field::Other, "{other}");
         }
-        let hop: Vec<_> = known.iter().filter(|(_, f)| f.hop_by_hop()).map(|(n, _)| *n).collect();
+        let hop: Vec<_> = known
+            .iter()
+            .filter(|(_, f)| f.hop_by_hop())
+            .map(|(n, _)| *n)
+            .collect();
         assert_eq!(
             hop,
             [

@@ -68,7 +68,11 @@ fn method_of(m: &str) -> Method {
 /// Header fields never forwarded (RFC 9110 section 7.6.1), plus the framing fields kvlb
 /// rewrites itself and `Expect` (kvlb answers 100-continue itself and sends whole bodies).
 fn not_forwarded(f: Field) -> bool {
-    f.hop_by_hop() || matches!(f, Field::TransferEncoding | Field::ContentLength | Field::Expect)
+    f.hop_by_hop()
+        || matches!(
+            f,
+            Field::TransferEncoding | Field::ContentLength | Field::Expect
+        )
 }
 
 /// Trim optional whitespace (SP / HTAB) at both ends.
@@ -105,8 +109,7 @@ pub fn has_token(value: &[u8], token: &str) -> bool {
 
 /// Does the head in `buf` fold a header line (a line starting with SP or HTAB)?
 fn has_obs_fold(head: &[u8]) -> bool {
-    memchr::memchr_iter(b'\n', head)
-        .any(|nl| matches!(head.get(nl + 1), Some(b' ' | b'\t')))
+    memchr::memchr_iter(b'\n', head).any(|nl| matches!(head.get(nl + 1), Some(b' ' | b'\t')))
 }
 
 /// Where the head ends (index after the empty line), if it is complete.

@@ -85,6 +85,46 @@ fn is_plain(chunk: &[u8; 64]) -> bool {
     m.quote | m.backslash | m.control == 0
 }
 
+/// Where the first quote, backslash or control byte of `bytes` is (short strings: object keys).
+#[inline(always)]
+fn first_special(bytes: &[u8]) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        let mut at = 0;
+        while at + 16 <= bytes.len() {
+            // Safety: SSE2 is in the x86_64 baseline; the load reads bytes at..at + 16, inside
+            // `bytes`.
+            let mask = unsafe {
+                let v = _mm_loadu_si128(bytes.as_ptr().add(at) as *const __m128i);
+                let control_max = _mm_set1_epi8(0x1f);
+                let special = _mm_or_si128(
+                    _mm_or_si128(
+                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
+                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
+                    ),
+                    _mm_cmpeq_epi8(_mm_max_epu8(v, control_max), control_max),
+                );
+                _mm_movemask_epi8(special) as u32
+            };
+            if mask != 0 {
+                return Some(at + mask.trailing_zeros() as usize);
+            }
+            at += 16;
+        }
+        bytes[at..]
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+            .map(|p| at + p)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        bytes
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+    }
+}
+
 /// Moves `pos` over whole 64-byte chunks of plain string bytes (with AVX2 where the CPU has
 /// it: long prompts are mostly such chunks).
 #[inline(always)]
@@ -697,10 +737,7 @@ impl<'a> Cursor<'a> {
                 .buf
                 .get(start..self.buf.len().min(start + key.len() + 1))
                 .unwrap_or(&[]);
-            if let Some(end) = window
-                .iter()
-                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-            {
+            if let Some(end) = first_special(window) {
                 if window[end] == b'"' {
                     copy_short(&mut key[..end], &window[..end]);
                     self.pos = start + end + 1;
@@ -1032,6 +1069,34 @@ mod tests {
             }
         }
         assert!(compared > 2000, "{compared} valid strings compared");
+    }
+
+    #[test]
+    fn first_special_agrees_with_a_byte_by_byte_search() {
+        let alphabet: &[u8] = b"ab\\\"\x01\x1f \x7f\xff";
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = (x % 70) as usize;
+            let mut y = x;
+            let bytes: Vec<u8> = (0..len)
+                .map(|i| {
+                    y = y.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    // Mostly plain, so the special byte lands anywhere, or nowhere.
+                    if (y >> 60) < 14 && i + 1 != len {
+                        b'k'
+                    } else {
+                        alphabet[(y >> 33) as usize % alphabet.len()]
+                    }
+                })
+                .collect();
+            let want = bytes
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20);
+            assert_eq!(first_special(&bytes), want, "{bytes:?}");
+        }
     }
 
     #[test]
