@@ -2,6 +2,12 @@
 //! (relaxed atomics on its own cache lines: no locks, no sharing between writers); the admin
 //! thread sums them when /metrics is scraped. Replica in-flight counts are the one figure
 //! shared by all workers, since `least_loaded` and `power_of_two` read them.
+//!
+//! A counter with one writer needs no read-modify-write instruction: `add` is a relaxed load
+//! and a relaxed store (plain moves on x86), where `fetch_add` is a locked instruction that
+//! also orders the core's memory traffic. A request updates about twenty of them; only the
+//! figures several workers write (replica in-flight, queued prefill, decoding, queue slots)
+//! keep `fetch_add`.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -11,6 +17,24 @@ pub const BUCKETS: [f64; 16] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0,
 ];
+/// The same bounds in microseconds, for `observe_us`.
+const BUCKETS_US: [u64; 16] = [
+    500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000,
+    2_500_000, 5_000_000, 10_000_000, 30_000_000, 60_000_000,
+];
+
+/// Add `n` to a counter only the calling thread writes (a worker's own statistics): a relaxed
+/// load and store, no locked instruction. Readers see every update, possibly late.
+#[inline(always)]
+pub fn add(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+}
+
+/// Take `n` from a counter only the calling thread writes (see `add`).
+#[inline(always)]
+pub fn sub(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Relaxed).wrapping_sub(n), Relaxed);
+}
 
 #[derive(Default)]
 pub struct Histogram {
@@ -47,9 +71,8 @@ impl ValueHistogram {
             .iter()
             .position(|b| v <= *b)
             .unwrap_or(self.bounds.len());
-        self.counts[i].fetch_add(1, Relaxed);
-        self.sum_milli
-            .fetch_add((v.max(0.0) * 1000.0) as u64, Relaxed);
+        add(&self.counts[i], 1);
+        add(&self.sum_milli, (v.max(0.0) * 1000.0) as u64);
     }
 }
 
@@ -69,14 +92,14 @@ pub const PROMPT_ERRORS: [&str; 8] = [
 ];
 
 impl Histogram {
+    /// Record `us` microseconds (single writer: the worker that owns the histogram).
     pub fn observe_us(&self, us: u64) {
-        let s = us as f64 / 1e6;
-        let i = BUCKETS
+        let i = BUCKETS_US
             .iter()
-            .position(|b| s <= *b)
-            .unwrap_or(BUCKETS.len());
-        self.counts[i].fetch_add(1, Relaxed);
-        self.sum_us.fetch_add(us, Relaxed);
+            .position(|b| us <= *b)
+            .unwrap_or(BUCKETS_US.len());
+        add(&self.counts[i], 1);
+        add(&self.sum_us, us);
     }
 }
 
@@ -166,7 +189,7 @@ impl WorkerStats {
             .iter()
             .position(|c| *c == status)
             .unwrap_or(LOCAL_ERROR_CODES.len() - 1);
-        self.local_errors[i].fetch_add(1, Relaxed);
+        add(&self.local_errors[i], 1);
     }
 }
 

@@ -34,7 +34,7 @@ impl<'a> InFlight<'a> {
         }
         load.queued_prefill_tokens
             .fetch_add(prefill_tokens, Relaxed);
-        w.stats().in_flight.fetch_add(1, Relaxed);
+        crate::metrics::add(&w.stats().in_flight, 1);
         InFlight {
             w,
             replica,
@@ -80,6 +80,6 @@ impl Drop for InFlight<'_> {
                 .fetch_sub(self.prefill_tokens, Relaxed);
         }
         load.in_flight.fetch_sub(1, Relaxed);
-        self.w.stats().in_flight.fetch_sub(1, Relaxed);
+        crate::metrics::sub(&self.w.stats().in_flight, 1);
     }
 }

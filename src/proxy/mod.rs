@@ -11,6 +11,7 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
 use crate::http::{write_error, HttpError};
+use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
 use crate::select::Decision;
@@ -56,7 +57,7 @@ pub async fn refuse(w: Rc<Worker>, fd: RawFd) {
 
 pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>) {
     w.open.set(w.open.get() + 1);
-    w.stats().open_connections.fetch_add(1, Relaxed);
+    metrics::add(&w.stats().open_connections, 1);
     let mut conn = Conn {
         fd,
         explain: [0; 256],
@@ -79,7 +80,7 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
     w.give_buf(std::mem::take(&mut conn.obuf));
     w.give_buf(std::mem::take(&mut conn.ubuf));
     w.open.set(w.open.get() - 1);
-    w.stats().open_connections.fetch_sub(1, Relaxed);
+    metrics::sub(&w.stats().open_connections, 1);
 }
 
 /// Why a connection ends.
@@ -206,7 +207,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             Err(end) => return end,
         };
         let body_len = body_end - head.head_len;
-        w.stats().requests.fetch_add(1, Relaxed);
+        metrics::add(&w.stats().requests, 1);
 
         // Client API keys, when configured.
         if !cfg.api_keys.is_empty()
@@ -268,7 +269,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             let may_retry = attempts < max_attempts && !w.draining.get();
             match forward(w, conn, routed, &head, body_end, received_at, may_retry).await {
                 Forwarded::Failed(r, f, true) if may_retry => {
-                    w.stats().replicas[r].retries.fetch_add(1, Relaxed);
+                    metrics::add(&w.stats().replicas[r].retries, 1);
                     last_failure = Some((r, f));
                     continue;
                 }
@@ -334,7 +335,7 @@ async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(), HttpError>
         queued.fetch_sub(1, Relaxed);
         return Err(HttpError::QueueFull);
     }
-    w.stats().queued.fetch_add(1, Relaxed);
+    metrics::add(&w.stats().queued, 1);
     let deadline = crate::rt::now() + cfg.queue_timeout;
     let mut pause = Duration::from_millis(1);
     let result = loop {
@@ -600,7 +601,7 @@ async fn forward(
                 "kvlb: replica {url}: {} failures in a row; ejected for {:?}",
                 cfg.health.max_fails, cfg.health.fail_timeout
             );
-            rc.ejections.fetch_add(1, Relaxed);
+            metrics::add(&rc.ejections, 1);
         }
         Forwarded::Failed(replica, f, retryable)
     };
@@ -613,7 +614,7 @@ async fn forward(
         attempt += 1;
         let (mut up, reused) = match w.pooled_upstream(replica, routed.epoch) {
             Some(up) if attempt == 1 => {
-                rc.reuses.fetch_add(1, Relaxed);
+                metrics::add(&rc.reuses, 1);
                 (up, true)
             }
             pooled => {
@@ -622,7 +623,7 @@ async fn forward(
                 }
                 match connect_upstream(w, routed.spec.addr).await {
                     Ok(fd) => {
-                        rc.connects.fetch_add(1, Relaxed);
+                        metrics::add(&rc.connects, 1);
                         (Upstream::new(fd), false)
                     }
                     Err(e) => {
@@ -644,8 +645,7 @@ async fn forward(
                 return failed(UpstreamFailure::Closed, false);
             }
         }
-        rc.bytes_to_replica
-            .fetch_add((head_len_up + body_len) as u64, Relaxed);
+        metrics::add(&rc.bytes_to_replica, (head_len_up + body_len) as u64);
         match read_response_head(w, conn, &mut up, url, head, upstream_deadline).await {
             Ok(h) if h.status == 503 && may_retry => {
                 // Overloaded or going away, and nothing sent yet: another replica may do.
@@ -674,7 +674,7 @@ async fn forward(
         .ttfb
         .observe_us(first_byte.duration_since(received_at).as_micros() as u64);
     let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
-    rc.responses[class].fetch_add(1, Relaxed);
+    metrics::add(&rc.responses[class], 1);
 
     let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight).await;
     stats.total.observe_us(
@@ -699,7 +699,7 @@ async fn forward(
             }
         }
         Relayed::ClientGone => {
-            rc.client_aborts.fetch_add(1, Relaxed);
+            metrics::add(&rc.client_aborts, 1);
             up.close();
             Forwarded::Close
         }
@@ -804,7 +804,7 @@ async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -
     let url: &str = spec.as_ref().map_or("(removed)", |s| s.url.as_str());
     let (status, reason, kind, msg) = match f {
         UpstreamFailure::ClientGone => {
-            rc.client_aborts.fetch_add(1, Relaxed);
+            metrics::add(&rc.client_aborts, 1);
             return Forwarded::Close;
         }
         UpstreamFailure::Timeout => (
@@ -839,9 +839,9 @@ async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -
         ),
     };
     match status {
-        504 => rc.gateway_timeout.fetch_add(1, Relaxed),
-        503 => rc.unavailable.fetch_add(1, Relaxed),
-        _ => rc.bad_gateway.fetch_add(1, Relaxed),
+        504 => metrics::add(&rc.gateway_timeout, 1),
+        503 => metrics::add(&rc.unavailable, 1),
+        _ => metrics::add(&rc.bad_gateway, 1),
     };
     conn.obuf.clear();
     write_error(&mut conn.obuf, status, reason, kind, &msg, Some(url), true);
@@ -898,7 +898,7 @@ async fn splice_body(
     let ended = up.recv.stop_into(&mut conn.ubuf).await;
     if !conn.ubuf.is_empty() {
         let got = conn.ubuf.len();
-        rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
+        metrics::add(&rc.bytes_from_replica, got as u64);
         in_flight.first_byte();
         if got as u64 > left {
             return Err(Relayed::UpstreamBroken);
@@ -924,8 +924,8 @@ async fn splice_body(
         moved.set(moved.get() + m as u64)
     })
     .await;
-    rc.bytes_from_replica.fetch_add(moved.get(), Relaxed);
-    w.stats().spliced_bytes.fetch_add(moved.get(), Relaxed);
+    metrics::add(&rc.bytes_from_replica, moved.get());
+    metrics::add(&w.stats().spliced_bytes, moved.get());
     if moved.get() > 0 {
         in_flight.first_byte();
     }
@@ -953,7 +953,7 @@ async fn relay_body(
         || (head.minor_version == 0 && rhead.body == ResponseBody::Chunked);
     let avail_start = rhead.head_len;
     let avail_end = conn.ubuf.len();
-    rc.bytes_from_replica.fetch_add(avail_end as u64, Relaxed);
+    metrics::add(&rc.bytes_from_replica, avail_end as u64);
     let gone = |e: io::Error| {
         let _ = e;
         Relayed::ClientGone
@@ -994,7 +994,7 @@ async fn relay_body(
                     Err(r) => return r,
                 };
                 in_flight.first_byte();
-                rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
+                metrics::add(&rc.bytes_from_replica, got as u64);
                 let take = (got as u64).min(left) as usize;
                 if take < got {
                     reusable = false;
@@ -1049,7 +1049,7 @@ async fn relay_body(
                     break;
                 }
                 match recv_upstream(conn, up).await {
-                    Ok(got) => rc.bytes_from_replica.fetch_add(got as u64, Relaxed),
+                    Ok(got) => metrics::add(&rc.bytes_from_replica, got as u64),
                     Err(r) => return r,
                 };
                 in_flight.first_byte();
@@ -1070,7 +1070,7 @@ async fn relay_body(
                 match recv_upstream(conn, up).await {
                     Ok(got) => {
                         in_flight.first_byte();
-                        rc.bytes_from_replica.fetch_add(got as u64, Relaxed);
+                        metrics::add(&rc.bytes_from_replica, got as u64);
                         let (r, b) =
                             op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;
                         conn.ubuf = b;

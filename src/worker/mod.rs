@@ -401,7 +401,7 @@ impl Worker {
             Err(e) => {
                 let labels = crate::metrics::PROMPT_ERRORS;
                 if let Some(i) = labels.iter().position(|l| *l == e.label()) {
-                    self.stats().prompt_errors[i].fetch_add(1, Relaxed);
+                    crate::metrics::add(&self.stats().prompt_errors[i], 1);
                 }
                 false
             }
@@ -455,9 +455,9 @@ impl Worker {
                 select::Reason::Load => 1,
                 select::Reason::Fallback => 2,
             };
-            stats.decisions[reason].fetch_add(1, Relaxed);
+            crate::metrics::add(&stats.decisions[reason], 1);
             if d.spilled {
-                stats.spills.fetch_add(1, Relaxed);
+                crate::metrics::add(&stats.spills, 1);
             }
             stats.matched_tokens.observe(d.matched_tokens as f64);
             stats.estimated_ttft.observe_us((d.ttft_s * 1e6) as u64);
@@ -614,7 +614,7 @@ async fn accept_loop(w: Rc<Worker>, listener: RawFd, l4: bool) {
                     return;
                 }
                 let stats = w.stats();
-                stats.accepted.fetch_add(1, Relaxed);
+                crate::metrics::add(&stats.accepted, 1);
                 if w.open.get() >= w.cfg().limits.max_connections {
                     rt::spawn(proxy::refuse(w.clone(), fd));
                     continue;
