@@ -181,8 +181,7 @@ impl ResidencyWriter {
                     break;
                 };
                 let blocks = &rec.blocks[..rec.len as usize];
-                if self.route(rec.replica as usize, blocks, now_us).is_ok()
-                {
+                if self.route(rec.replica as usize, blocks, now_us).is_ok() {
                     applied += 1;
                 }
             }
