@@ -589,8 +589,11 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
+    /// What a policy was shown: prompt tokens, time, candidates.
+    type Shown = Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>;
+
     /// Always replica 0; remembers what it was shown.
-    struct Recorder(Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>);
+    struct Recorder(Shown);
 
     impl Policy for Recorder {
         fn name(&self) -> &'static str {

@@ -9,6 +9,10 @@
 //! * `routed`: what was routed where (estimated uncached tokens, duplicate KV);
 //! * `report`: percentiles, table, JSON; `plot`: the SVG.
 //!
+//! `--residency` says what `cache_aware` learns residency from: its own routing (the default),
+//! or routing and the engines' KV events fed back, with or without pending routed blocks
+//! (`fleet::ResidencySource`).
+//!
 //! Deterministic: the same input gives the same output, byte for byte (wall time goes to
 //! stderr only).
 
