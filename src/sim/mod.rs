@@ -242,3 +242,31 @@ pub fn main(args: Vec<String>) -> i32 {
     );
     0
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn residency_source_is_parsed_and_checked() {
+        let o = parse_args(&args(&["--trace", "gen:agent-sessions"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.residency, fleet::ResidencySource::Routing);
+        for name in fleet::ResidencySource::NAMES {
+            let o = parse_args(&args(&["--trace", "x", "--residency", name]))
+                .unwrap()
+                .unwrap();
+            assert_eq!(o.residency.name(), *name);
+        }
+        let e = parse_args(&args(&["--trace", "x", "--residency", "oracle"])).unwrap_err();
+        assert!(
+            e.contains("--residency \"oracle\": expected one of routing, events, events-pending"),
+            "{e}"
+        );
+    }
+}
