@@ -80,6 +80,12 @@ fn post(addr: SocketAddr, body: &[u8]) -> support::Response {
     r
 }
 
+/// Give the residency writer time to apply the routing record of the request just answered
+/// (it drains the workers' logs every 1-4 ms; nothing reports that it did).
+fn let_the_writer_learn_the_routing() {
+    std::thread::sleep(Duration::from_millis(100));
+}
+
 fn resident(kvlb: &Kvlb, r: usize) -> u64 {
     replicas_json(kvlb)[r]["resident_blocks"]
         .as_u64()
@@ -170,6 +176,7 @@ fn a_removal_while_a_routed_request_waits_keeps_the_prefix_on_its_replica() {
         via.describe()
     );
 
+    let_the_writer_learn_the_routing();
     // A evicts P before storing any of it again: P stays believed on A (the request routed
     // there computes it again), so the next request with P goes to A for the cache.
     publish_then_mark(vec![removed(0xe000)], guessed + BLOCKS);
@@ -187,6 +194,7 @@ fn a_removal_while_a_routed_request_waits_keeps_the_prefix_on_its_replica() {
         next.describe()
     );
 
+    let_the_writer_learn_the_routing();
     // A stores P again (the routed requests ran): confirmed, no longer pending, so the
     // removal that follows is believed and the next request with P goes by load.
     publish_then_mark(vec![stored(&p, 0xe000), removed(0xe000)], guessed);
