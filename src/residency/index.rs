@@ -660,7 +660,8 @@ impl ResidencyWriter {
         self.index.table_bytes.store(table, Ordering::Relaxed);
         let fixed = std::mem::size_of::<ResidencyIndex>()
             + std::mem::size_of::<ResidencyWriter>()
-            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>();
+            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>()
+            + self.scratch.capacity() * std::mem::size_of::<u64>();
         self.index
             .bytes
             .store(table + self.writer_bytes + fixed, Ordering::Relaxed);
