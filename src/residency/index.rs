@@ -1,5 +1,6 @@
 //! `ResidencyIndex` (the read side every worker shares) and `ResidencyWriter` (the one
-//! control-thread owner of the truth: per-replica counts, LRU order and capacity).
+//! control-thread owner of the truth: per-replica counts, LRU order, capacity and pending
+//! marks).
 
 use super::table::{BitTable, MAX_WORDS, MIN_SLOTS};
 use crate::lru::LruList;
@@ -8,9 +9,15 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Most replicas one index tracks (four 64-bit mask words).
 pub const MAX_REPLICAS: usize = 64 * MAX_WORDS;
+
+/// How long a routed block may stay pending (see `ResidencyWriter::route`) unless
+/// `set_pending_ttl` says otherwise: the default `routed_guess_ttl`, the age at which the
+/// guesses routing alone made expire on replicas with KV events.
+pub const DEFAULT_PENDING_TTL: Duration = Duration::from_secs(120);
 
 /// Sizing of a residency index.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,6 +107,9 @@ impl ResidencyIndex {
             replica_bytes: vec![0; cfg_replicas],
             writer_bytes: 0,
             logs: Vec::new(),
+            pending_ttl_us: DEFAULT_PENDING_TTL.as_micros() as u64,
+            clock_us: 0,
+            scratch: Vec::new(),
         };
         writer.publish_bytes();
         Ok((index, writer))
@@ -210,7 +220,34 @@ struct Node {
     hash: u64,
     /// Copies the replica reported (KV events); 0 when only routing says it is there.
     count: u32,
+    /// 0, or the block is pending: a request for it was routed here after its last
+    /// BlockStored, when the replica's store counter read `mark >> 1` (31 bits, wrapping; the
+    /// low bit is set so that a mark is never 0). Lives in what was padding: no memory added.
+    pending: u32,
     last_used_us: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<Node>() == 24);
+
+/// The pending mark of a replica whose store counter reads `stored`.
+fn pending_mark(stored: u32) -> u32 {
+    (stored << 1) | 1
+}
+
+/// Blocks stored on a replica (counter now `stored`) since `mark` was taken, modulo 2^31.
+fn stored_since(stored: u32, mark: u32) -> u32 {
+    pending_mark(stored).wrapping_sub(mark) >> 1
+}
+
+/// What an `apply` learns about its blocks.
+#[derive(Clone, Copy, PartialEq)]
+enum Learned {
+    /// BlockStored: one more copy each, confirmed (no longer pending).
+    Stored,
+    /// A guess: refreshed or added without a copy, pending marks left as they are.
+    Guessed,
+    /// A request was routed there: a guess, and pending until the next BlockStored.
+    Routed,
 }
 
 /// Block hashes are uniform already; mix once more so that sequential ids (traces, tests)
@@ -240,6 +277,8 @@ struct ReplicaBlocks {
     capacity: usize,
     map: BlockMap,
     lru: LruList<Node>,
+    /// Blocks the replica reported stored (every copy), wrapping: the clock of pending marks.
+    stored: u32,
 }
 
 impl ReplicaBlocks {
@@ -248,6 +287,7 @@ impl ReplicaBlocks {
             capacity,
             map: BlockMap::default(),
             lru: LruList::new(),
+            stored: 0,
         }
     }
 
@@ -266,10 +306,11 @@ impl ReplicaBlocks {
     }
 
     /// Add `hash` (not present) as the most recent; returns its node.
-    fn add(&mut self, hash: u64, count: u32, now_us: u64) -> u32 {
+    fn add(&mut self, hash: u64, count: u32, pending: u32, now_us: u64) -> u32 {
         let i = self.lru.push_newest(Node {
             hash,
             count,
+            pending,
             last_used_us: now_us,
         });
         self.map.insert(hash, i);
@@ -285,6 +326,7 @@ impl ReplicaBlocks {
     fn clear(&mut self) {
         self.map = BlockMap::default();
         self.lru.clear();
+        self.stored = 0;
     }
 }
 
@@ -303,6 +345,12 @@ pub struct ResidencyWriter {
     replica_bytes: Vec<usize>,
     writer_bytes: usize,
     pub(super) logs: Vec<Arc<super::RoutingLog>>,
+    /// Longest a block stays pending after it was last touched (0: the rule is off).
+    pending_ttl_us: u64,
+    /// The latest time any call gave the writer (`remove` runs at it).
+    clock_us: u64,
+    /// Hashes `expire_guesses` drops (kept to reuse its memory).
+    scratch: Vec<u64>,
 }
 
 impl ResidencyWriter {
@@ -329,33 +377,84 @@ impl ResidencyWriter {
         Ok(())
     }
 
+    /// How long a routed block may stay pending after kvlb last touched it; zero turns the
+    /// pending rule off (a BlockRemoved then always drops a block at 0 copies).
+    pub fn set_pending_ttl(&mut self, ttl: Duration) {
+        self.pending_ttl_us = ttl.as_micros().min(u64::MAX as u128) as u64;
+    }
+
+    pub fn pending_ttl(&self) -> Duration {
+        Duration::from_micros(self.pending_ttl_us)
+    }
+
     /// Replica `r` stored `blocks` (one more copy of each; KV events' BlockStored). Blocks are
     /// touched last to first, so the prefix ends up most recently used and leaves are evicted
-    /// first, as vLLM does.
+    /// first, as vLLM does. A stored block is confirmed: no longer pending.
     pub fn insert(&mut self, r: usize, blocks: &[u64], now_us: u64) -> Result<(), String> {
-        self.apply(r, blocks, now_us, true)
+        self.apply(r, blocks, now_us, Learned::Stored)
     }
 
-    /// A request for `blocks` was sent to replica `r`, so they will be resident there:
-    /// present blocks are refreshed, missing ones added without a copy count (a later
-    /// BlockStored gives them their real count; a BlockRemoved drops them).
+    /// Blocks believed resident on replica `r` without a report: present blocks are
+    /// refreshed, missing ones added without a copy count (a later BlockStored gives them
+    /// their real count; a BlockRemoved drops them). Pending marks are left as they are, so
+    /// this is also how confirmed blocks are kept from ageing. A request actually sent to `r`
+    /// goes through `route`.
     pub fn insert_routed(&mut self, r: usize, blocks: &[u64], now_us: u64) -> Result<(), String> {
-        self.apply(r, blocks, now_us, false)
+        self.apply(r, blocks, now_us, Learned::Guessed)
     }
 
-    fn apply(&mut self, r: usize, blocks: &[u64], now_us: u64, stored: bool) -> Result<(), String> {
+    /// A request for `blocks` was sent to replica `r`: as `insert_routed`, and every block
+    /// is *pending* there until `r` reports it stored. The request may wait in `r`'s queue
+    /// while `r` evicts those blocks; it will compute them again when it runs, so a
+    /// BlockRemoved that leaves a pending block at 0 copies keeps it (as a guess) instead of
+    /// dropping it. The mark lapses once `r` has stored as many blocks as it holds since the
+    /// routing (the request has run by then, or `r`'s queue is longer than its cache), or
+    /// once the block was last touched `pending_ttl` ago; a kept block then ages like any
+    /// other guess (`expire`, `expire_guesses`).
+    pub fn route(&mut self, r: usize, blocks: &[u64], now_us: u64) -> Result<(), String> {
+        let learned = if self.pending_ttl_us == 0 {
+            Learned::Guessed
+        } else {
+            Learned::Routed
+        };
+        self.apply(r, blocks, now_us, learned)
+    }
+
+    fn apply(
+        &mut self,
+        r: usize,
+        blocks: &[u64],
+        now_us: u64,
+        learned: Learned,
+    ) -> Result<(), String> {
         self.check_replica(r)?;
+        self.clock_us = self.clock_us.max(now_us);
+        let rb = &mut self.replicas[r];
+        if learned == Learned::Stored {
+            rb.stored = rb.stored.wrapping_add(blocks.len() as u32);
+        }
+        let mark = match learned {
+            Learned::Routed => pending_mark(rb.stored),
+            _ => 0,
+        };
         for &hash in blocks.iter().rev() {
             let rb = &mut self.replicas[r];
             match rb.map.get(&hash) {
                 Some(&i) => {
-                    if stored {
-                        rb.lru.get_mut(i).count += 1;
+                    let node = rb.lru.get_mut(i);
+                    match learned {
+                        Learned::Stored => {
+                            node.count += 1;
+                            node.pending = 0;
+                        }
+                        Learned::Routed => node.pending = mark,
+                        Learned::Guessed => {}
                     }
                     rb.touch(i, now_us);
                 }
                 None => {
-                    rb.add(hash, stored as u32, now_us);
+                    let stored = (learned == Learned::Stored) as u32;
+                    rb.add(hash, stored, mark, now_us);
                     self.set_bit(hash, r);
                 }
             }
@@ -366,16 +465,32 @@ impl ResidencyWriter {
     }
 
     /// Replica `r` dropped one copy of `hash` (BlockRemoved); the block stops being resident
-    /// when no copy is left. Unknown hashes are ignored.
+    /// when no copy is left, unless it is pending (`route`). Unknown hashes are ignored. Runs
+    /// at the latest time the writer was given (`remove_at` names it).
     pub fn remove(&mut self, r: usize, hash: u64) -> Result<(), String> {
+        self.remove_at(r, hash, self.clock_us)
+    }
+
+    /// `remove` at `now_us`.
+    pub fn remove_at(&mut self, r: usize, hash: u64, now_us: u64) -> Result<(), String> {
         self.check_replica(r)?;
+        self.clock_us = self.clock_us.max(now_us);
+        let ttl = self.pending_ttl_us;
         let rb = &mut self.replicas[r];
         if let Some(&i) = rb.map.get(&hash) {
+            let (stored, capacity) = (rb.stored, rb.capacity);
             let node = rb.lru.get_mut(i);
             node.count = node.count.saturating_sub(1);
             if node.count == 0 {
-                rb.drop_node(i);
-                self.clear_bit(hash, r);
+                let pending = node.pending != 0
+                    && now_us.saturating_sub(node.last_used_us) < ttl
+                    && (stored_since(stored, node.pending) as usize) < capacity;
+                if pending {
+                    // Kept as a guess; the request routed here will store it again.
+                } else {
+                    rb.drop_node(i);
+                    self.clear_bit(hash, r);
+                }
             }
         }
         self.finish(r);
@@ -399,6 +514,7 @@ impl ResidencyWriter {
     /// ages out when no KV events correct it).
     pub fn expire(&mut self, r: usize, before_us: u64) -> Result<usize, String> {
         self.check_replica(r)?;
+        self.clock_us = self.clock_us.max(before_us);
         let mut dropped = 0;
         loop {
             let rb = &mut self.replicas[r];
@@ -414,6 +530,42 @@ impl ResidencyWriter {
         Ok(dropped)
     }
 
+    /// Drop the guesses of replica `r` (blocks without a reported copy, pending or not) not
+    /// used since `before_us`; blocks events reported stay whatever their age. One pass over
+    /// the replica's blocks. Returns how many were dropped.
+    pub fn expire_guesses(&mut self, r: usize, before_us: u64) -> Result<usize, String> {
+        self.check_replica(r)?;
+        self.clock_us = self.clock_us.max(before_us);
+        let mut old = std::mem::take(&mut self.scratch);
+        old.clear();
+        old.extend(
+            self.replicas[r]
+                .lru
+                .iter()
+                .filter(|n| n.count == 0 && n.last_used_us < before_us)
+                .map(|n| n.hash),
+        );
+        for &hash in &old {
+            let rb = &mut self.replicas[r];
+            if let Some(&i) = rb.map.get(&hash) {
+                rb.drop_node(i);
+                self.clear_bit(hash, r);
+            }
+        }
+        let dropped = old.len();
+        self.scratch = old;
+        self.finish(r);
+        Ok(dropped)
+    }
+
+    /// Whether `hash` is pending on replica `r` (routed there since its last BlockStored).
+    pub fn is_pending(&self, r: usize, hash: u64) -> bool {
+        self.replicas
+            .get(r)
+            .and_then(|b| b.map.get(&hash).map(|&i| b.lru.get(i).pending != 0))
+            .unwrap_or(false)
+    }
+
     /// Whether the writer's truth says `r` holds `hash` (tests and debugging).
     pub fn holds(&self, r: usize, hash: u64) -> bool {
         self.replicas
@@ -427,6 +579,11 @@ impl ResidencyWriter {
             .get(r)
             .and_then(|b| b.map.get(&hash).map(|&i| b.lru.get(i).count))
             .unwrap_or(0)
+    }
+
+    /// The writer's time is at least `now_us` (what `remove` runs at).
+    pub(super) fn advance_clock(&mut self, now_us: u64) {
+        self.clock_us = self.clock_us.max(now_us);
     }
 
     fn check_replica(&self, r: usize) -> Result<(), String> {
@@ -503,7 +660,8 @@ impl ResidencyWriter {
         self.index.table_bytes.store(table, Ordering::Relaxed);
         let fixed = std::mem::size_of::<ResidencyIndex>()
             + std::mem::size_of::<ResidencyWriter>()
-            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>();
+            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>()
+            + self.scratch.capacity() * std::mem::size_of::<u64>();
         self.index
             .bytes
             .store(table + self.writer_bytes + fixed, Ordering::Relaxed);

@@ -18,7 +18,20 @@
 //!   must not write the index, so each pushes a fixed-size record per routed request into its
 //!   own bounded lock-free queue (`RoutingLog`, no allocation; a full queue drops the record
 //!   and counts it), and the writer drains them (`ResidencyWriter::drain`) every millisecond
-//!   (`spawn_writer_thread`) into `insert_routed`.
+//!   (`spawn_writer_thread`) into `route`.
+//!
+//! The two meet in one race, which the writer settles with *pending* blocks: replica r holds
+//! prefix P (stored, one copy); kvlb routes the next turn of that conversation to r; while that
+//! request waits in r's queue, r evicts P (BlockRemoved, 0 copies). The queued request will
+//! compute P again and store it, so the next turns should still go to r. A block routed to r
+//! after its last BlockStored there is pending; a BlockRemoved that leaves a pending block at
+//! 0 copies keeps it as a guess, a BlockStored confirms it (no longer pending), a clear drops
+//! everything (a restart empties the queue too). A request whose blocks were all cached stores
+//! nothing, so its blocks stay pending after it ran: the mark lapses once r has stored as many
+//! blocks as it holds since the routing (by then the request has run and its prefix is the
+//! freshest part of r's cache, or r's queue is longer than its cache) or `pending_ttl`
+//! (default 120 s, the default `routed_guess_ttl`) after kvlb last touched the block; a kept
+//! block then ages like every routing guess.
 //!
 //! Cost (`benches/routing.rs`, `full_path_part_match_prefix_32k_chat`, fastest samples on the
 //! 2-core build machine under load): the 128 hashes of a 32 KiB prompt resident in full on one
@@ -40,7 +53,9 @@
 //! occupied slots (dead ones included) pass 1/2, or when live ones fall under 1/8, so the load
 //! factor stays <= 0.5, a probe always ends, and the table is at most
 //! `next_power_of_two(3 * sum of capacities)` slots. The writer holds about 65 bytes per
-//! (replica, block). Measured (`benches/routing.rs`, one million resident blocks): 94 MiB in
+//! (replica, block): a 24-byte node (hash, copies, pending mark, last use) in a 32-byte LRU
+//! slot, and a hash-map entry of 17 bytes per bucket at up to 7/8 load; the pending mark took
+//! the node's padding, so it costs nothing. Measured (`benches/routing.rs`, one million resident blocks): 94 MiB in
 //! all with 16 or 64 replicas (shared table 32 MiB), 144 MiB with 256 (table 80 MiB).
 //! `ResidencyIndex::bytes` and `table_bytes` report it for metrics.
 
@@ -152,9 +167,11 @@ impl ResidencyWriter {
         log
     }
 
-    /// Apply every record waiting in the routing logs as `insert_routed` at `now_us`.
-    /// Returns the records applied. Records naming a replica outside the index are skipped.
+    /// Apply every record waiting in the routing logs as `route` at `now_us` (which also
+    /// becomes the time of later `remove`s). Returns the records applied. Records naming a
+    /// replica outside the index are skipped.
     pub fn drain(&mut self, now_us: u64) -> usize {
+        self.advance_clock(now_us);
         let mut applied = 0;
         for k in 0..self.logs.len() {
             // Bounded by what is there now, so a busy worker cannot keep the writer here.
@@ -164,10 +181,7 @@ impl ResidencyWriter {
                     break;
                 };
                 let blocks = &rec.blocks[..rec.len as usize];
-                if self
-                    .insert_routed(rec.replica as usize, blocks, now_us)
-                    .is_ok()
-                {
+                if self.route(rec.replica as usize, blocks, now_us).is_ok() {
                     applied += 1;
                 }
             }

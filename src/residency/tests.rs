@@ -42,41 +42,99 @@ fn prompt(rng: &mut TestRng, max_len: u64) -> Vec<u64> {
     blocks
 }
 
-/// The writer's semantics, the slow obvious way: per replica, (hash, copies) in MRU order.
+/// One block in the model: hash, copies, last use, and the replica's store count when it
+/// became pending (None: not pending).
+#[derive(Clone, Copy)]
+struct Entry {
+    hash: u64,
+    count: u32,
+    last_used: u64,
+    pending: Option<u64>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    Stored,
+    Guessed,
+    Routed,
+}
+
+/// The writer's semantics, the slow obvious way: per replica, its entries in MRU order and
+/// the blocks it reported stored.
 struct Model {
     capacity: Vec<usize>,
-    lru: Vec<Vec<(u64, u32)>>,
+    lru: Vec<Vec<Entry>>,
+    stored: Vec<u64>,
+    clock: u64,
+    pending_ttl: u64,
 }
 
 impl Model {
-    fn new(replicas: usize, capacity: usize) -> Model {
+    fn new(replicas: usize, capacity: usize, pending_ttl: u64) -> Model {
         Model {
             capacity: vec![capacity; replicas],
             lru: vec![Vec::new(); replicas],
+            stored: vec![0; replicas],
+            clock: 0,
+            pending_ttl,
         }
     }
 
-    fn apply(&mut self, r: usize, blocks: &[u64], stored: bool) {
+    fn apply(&mut self, r: usize, blocks: &[u64], now: u64, op: Op) {
+        self.clock = self.clock.max(now);
+        if op == Op::Stored {
+            self.stored[r] += blocks.len() as u64;
+        }
+        let op = if op == Op::Routed && self.pending_ttl == 0 {
+            Op::Guessed
+        } else {
+            op
+        };
         for &h in blocks.iter().rev() {
             let list = &mut self.lru[r];
-            let count = match list.iter().position(|e| e.0 == h) {
-                Some(p) => list.remove(p).1 + stored as u32,
-                None => stored as u32,
+            let mut e = match list.iter().position(|e| e.hash == h) {
+                Some(p) => list.remove(p),
+                None => Entry {
+                    hash: h,
+                    count: 0,
+                    last_used: now,
+                    pending: None,
+                },
             };
-            list.insert(0, (h, count));
+            e.last_used = now;
+            match op {
+                Op::Stored => {
+                    e.count += 1;
+                    e.pending = None;
+                }
+                Op::Routed => e.pending = Some(self.stored[r]),
+                Op::Guessed => {}
+            }
+            list.insert(0, e);
         }
         let cap = self.capacity[r];
         self.lru[r].truncate(cap);
     }
 
-    fn remove(&mut self, r: usize, h: u64) {
+    fn remove(&mut self, r: usize, h: u64, now: u64) {
+        self.clock = self.clock.max(now);
+        let (stored, capacity, ttl) = (self.stored[r], self.capacity[r], self.pending_ttl);
         let list = &mut self.lru[r];
-        if let Some(p) = list.iter().position(|e| e.0 == h) {
-            list[p].1 = list[p].1.saturating_sub(1);
-            if list[p].1 == 0 {
+        if let Some(p) = list.iter().position(|e| e.hash == h) {
+            let e = &mut list[p];
+            e.count = e.count.saturating_sub(1);
+            let keep = e.pending.is_some_and(|mark| {
+                now.saturating_sub(e.last_used) < ttl && ((stored - mark) as usize) < capacity
+            });
+            if e.count == 0 && !keep {
                 list.remove(p);
             }
         }
+    }
+
+    fn clear(&mut self, r: usize) {
+        self.lru[r].clear();
+        self.stored[r] = 0;
     }
 
     fn matched(&self, blocks: &[u64]) -> Vec<u32> {
@@ -85,7 +143,7 @@ impl Model {
             .map(|list| {
                 blocks
                     .iter()
-                    .take_while(|h| list.iter().any(|e| e.0 == **h))
+                    .take_while(|h| list.iter().any(|e| e.hash == **h))
                     .count() as u32
             })
             .collect()
@@ -103,38 +161,56 @@ fn index(replicas: usize, capacity_blocks: u64) -> (Arc<ResidencyIndex>, Residen
 
 #[test]
 fn matches_the_model_through_inserts_removals_evictions_and_clears() {
-    for (replicas, capacity, seed) in [(3, 40, 1), (70, 25, 2), (256, 60, 3)] {
+    for (replicas, capacity, seed, ttl) in [
+        (3, 40, 1, 0),
+        (3, 40, 4, 30),
+        (70, 25, 2, 60),
+        (256, 60, 3, 200),
+    ] {
         let (idx, mut w) = index(replicas, capacity as u64);
-        let mut model = Model::new(replicas, capacity);
+        w.set_pending_ttl(Duration::from_micros(ttl));
+        let mut model = Model::new(replicas, capacity, ttl);
         let mut rng = TestRng(seed);
         let mut out = vec![0u32; replicas + 2];
-        let (mut queries, mut mismatches) = (0u64, 0u64);
+        let (mut queries, mut mismatches, mut kept) = (0u64, 0u64, 0u64);
         for step in 0..4000u64 {
             let r = rng.below(replicas as u64) as usize;
             let blocks = prompt(&mut rng, 16);
-            match rng.below(20) {
-                0..=8 => {
+            match rng.below(22) {
+                0..=7 => {
                     w.insert(r, &blocks, step).unwrap();
-                    model.apply(r, &blocks, true);
+                    model.apply(r, &blocks, step, Op::Stored);
                 }
-                9..=13 => {
+                8..=10 => {
                     w.insert_routed(r, &blocks, step).unwrap();
-                    model.apply(r, &blocks, false);
+                    model.apply(r, &blocks, step, Op::Guessed);
                 }
-                14..=17 => {
+                11..=13 => {
+                    w.route(r, &blocks, step).unwrap();
+                    model.apply(r, &blocks, step, Op::Routed);
+                }
+                14..=18 => {
                     let h = blocks[rng.below(blocks.len() as u64) as usize];
-                    w.remove(r, h).unwrap();
-                    model.remove(r, h);
+                    let was_pending = w.is_pending(r, h) && w.copies(r, h) <= 1;
+                    // Half at the writer's own clock, half at a time of their own.
+                    if step % 2 == 0 {
+                        w.remove(r, h).unwrap();
+                        model.remove(r, h, model.clock);
+                    } else {
+                        w.remove_at(r, h, step).unwrap();
+                        model.remove(r, h, step);
+                    }
+                    kept += (was_pending && w.holds(r, h)) as u64;
                 }
-                18 => {
+                19 => {
                     let cap = 1 + rng.below(2 * capacity as u64) as usize;
                     w.set_capacity_tokens(r, cap as u64 * 16).unwrap();
                     model.capacity[r] = cap;
-                    model.apply(r, &[], false);
+                    model.apply(r, &[], 0, Op::Guessed);
                 }
                 _ => {
                     w.clear(r).unwrap();
-                    model.lru[r].clear();
+                    model.clear(r);
                 }
             }
             for _ in 0..3 {
@@ -151,15 +227,17 @@ fn matches_the_model_through_inserts_removals_evictions_and_clears() {
                 assert_eq!(idx.replica_blocks(r), list.len(), "replica {r}");
                 assert!(list.len() <= model.capacity[r]);
             }
-            let probe = model.lru[r].first().copied();
-            if let Some((h, count)) = probe {
-                assert!(w.holds(r, h));
-                assert_eq!(w.copies(r, h), count);
+            for e in model.lru[r].iter().take(4) {
+                assert!(w.holds(r, e.hash));
+                assert_eq!(w.copies(r, e.hash), e.count);
+                assert_eq!(w.is_pending(r, e.hash), e.pending.is_some());
             }
         }
         // No false positives and no false negatives: measured over every query.
         assert_eq!(mismatches, 0, "{mismatches} of {queries}");
         assert!(idx.rebuilds() > 0 || replicas < 10);
+        // The pending rule was exercised where it is on, and never fires where it is off.
+        assert_eq!(kept == 0, ttl == 0, "{kept} removals kept a pending block");
     }
 }
 
@@ -396,4 +474,76 @@ fn match_prefix_edges() {
     let mut short = [0u32; 4];
     idx.match_prefix(&[0, 1], &mut short);
     assert_eq!(short, [0, 0, 0, 1]);
+}
+
+#[test]
+fn a_block_routed_since_its_last_store_survives_its_removal() {
+    const S: u64 = 1_000_000;
+    let (idx, mut w) = index(2, 100);
+    let mut out = [0u32; 2];
+    let p = [7, 8, 9];
+    // Replica 0 holds P; the next turn is routed there; it evicts P while the turn is queued.
+    w.insert(0, &p, 0).unwrap();
+    assert!(!w.is_pending(0, 8));
+    w.route(0, &p, S).unwrap();
+    assert!(w.is_pending(0, 8) && w.copies(0, 8) == 1);
+    for h in p {
+        w.remove(0, h).unwrap();
+    }
+    idx.match_prefix(&p, &mut out);
+    assert_eq!(out, [3, 0], "the queued request will store P again");
+    assert_eq!((w.copies(0, 8), w.is_pending(0, 8)), (0, true));
+    // It runs and stores P: confirmed, no longer pending; the next removal is believed.
+    w.insert(0, &p, 2 * S).unwrap();
+    assert!(!w.is_pending(0, 8) && w.copies(0, 8) == 1);
+    w.remove(0, 9).unwrap();
+    idx.match_prefix(&p, &mut out);
+    assert_eq!(out, [2, 0]);
+
+    // Without a routed request in between, a removal drops the block.
+    w.insert(1, &p, 3 * S).unwrap();
+    w.remove(1, 7).unwrap();
+    assert!(!w.holds(1, 7));
+
+    // A clear drops pending blocks too (a restart empties the queue).
+    w.route(1, &p, 3 * S).unwrap();
+    w.clear(1).unwrap();
+    assert!(!w.holds(1, 8));
+
+    // Bounded in time: past pending_ttl since kvlb last touched it, a removal drops it.
+    let (_idx, mut w) = index(1, 100);
+    w.set_pending_ttl(Duration::from_secs(10));
+    w.insert(0, &p, 0).unwrap();
+    w.route(0, &p, S).unwrap();
+    w.remove_at(0, 7, 10 * S).unwrap();
+    assert!(w.holds(0, 7));
+    w.remove_at(0, 8, 11 * S).unwrap();
+    assert!(!w.holds(0, 8));
+    // A kept guess ages like any guess; stored blocks do not.
+    w.insert(0, &[50], 12 * S).unwrap();
+    assert_eq!(w.expire_guesses(0, 12 * S).unwrap(), 1); // block 7 (kept at 0 copies)
+    assert!(!w.holds(0, 7) && w.holds(0, 9) && w.holds(0, 50));
+
+    // Bounded in work: once the replica stored as many blocks as it holds since the routing,
+    // the request has run (or will find nothing of P anyway): the removal is believed.
+    let (_idx, mut w) = index(1, 10);
+    w.insert(0, &p, 0).unwrap();
+    w.route(0, &p, 0).unwrap();
+    let others: Vec<u64> = (100..107).collect();
+    w.insert(0, &others, 0).unwrap(); // 7 stored since: 3 + 7 = 10 held, capacity 10
+    w.remove(0, 7).unwrap();
+    assert!(w.holds(0, 7), "7 stores since the routing, capacity 10");
+    w.insert(0, &others[..3], 0).unwrap(); // second copies: 10 stored since, still 10 held
+    assert!(w.holds(0, 8));
+    w.remove(0, 8).unwrap();
+    assert!(!w.holds(0, 8));
+
+    // pending_ttl zero turns the rule off: route is insert_routed.
+    let (_idx, mut w) = index(1, 100);
+    w.set_pending_ttl(Duration::ZERO);
+    w.insert(0, &p, 0).unwrap();
+    w.route(0, &p, 0).unwrap();
+    assert!(!w.is_pending(0, 7));
+    w.remove(0, 7).unwrap();
+    assert!(!w.holds(0, 7));
 }

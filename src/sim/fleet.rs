@@ -15,6 +15,14 @@
 //! `SAMPLE_PERIOD_S` of simulated time, come from `RoutedBlocks` (what was routed where,
 //! bounded by each replica's KV capacity); the engines themselves are not opened up.
 //!
+//! `cache_aware`'s residency writer learns from its routing, and, when asked
+//! (`ResidencySource`), from the engines' KV events too, as `kvlb serve` does from replicas
+//! that publish them. The engines hash 16-token blocks, the trace 512-token ones: a trace
+//! block counts as stored (removed) on a replica when the engine stores (removes) the last
+//! full engine block inside it, the block an engine frees first and the one whose presence
+//! says the engine computed the whole trace block. Guesses age as the telemetry sweep ages
+//! them (`routed_guess_ttl`, checked every `SWEEP_PERIOD_S`).
+//!
 //! Everything is deterministic: time is simulated, and `random` comes from a seeded `Rng`.
 
 use super::routed::RoutedBlocks;
@@ -22,14 +30,55 @@ use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
 use crate::estimate::TtftModel;
 use crate::http::request::Method;
+use crate::kv_events::KvEvent;
 use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use crate::select::{
     CacheAware, CacheAwareConfig, Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo,
     Random, RequestView, Rng, RoundRobin, SglangCacheAware,
 };
+use std::collections::HashMap;
+use std::time::Duration;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Seconds of simulated time between duplicate-KV samples.
 pub const SAMPLE_PERIOD_S: f64 = 10.0;
+
+/// Seconds of simulated time between sweeps of aged routing guesses (with KV events), as the
+/// telemetry feed's `SWEEP_PERIOD_US`.
+pub const SWEEP_PERIOD_S: f64 = 0.5;
+
+/// What `cache_aware`'s residency writer learns from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResidencySource {
+    /// Its own routing alone; the engines' KV events are not fed back.
+    Routing,
+    /// Routing and the engines' KV events; a BlockRemoved drops a block at 0 copies.
+    Events,
+    /// Routing and KV events; a block routed to a replica since its last BlockStored there
+    /// stays through its removal (`ResidencyWriter::route`).
+    EventsPending,
+}
+
+impl ResidencySource {
+    pub const NAMES: &'static [&'static str] = &["routing", "events", "events-pending"];
+
+    pub fn parse(name: &str) -> Option<ResidencySource> {
+        match name {
+            "routing" => Some(ResidencySource::Routing),
+            "events" => Some(ResidencySource::Events),
+            "events-pending" => Some(ResidencySource::EventsPending),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ResidencySource::Routing => "routing",
+            ResidencySource::Events => "events",
+            ResidencySource::EventsPending => "events-pending",
+        }
+    }
+}
 
 /// Every policy the simulator knows, in report order.
 pub const POLICY_NAMES: &[&str] = &[
@@ -51,15 +100,24 @@ const ROUTING_LOG_RECORDS: usize = 1024;
 /// wires them, except that the writer is driven synchronously: after every decision it drains
 /// the routing log at the decision's time (no writer thread, so runs are deterministic).
 ///
-/// The writer learns residency from routing alone here (the engines' KV events are not fed
-/// back), bounded per replica by the KV capacity plus the prompt tokens routed there and not
-/// computed yet: a queued prompt holds no KV, so while a replica is backlogged its queue must
+/// With `ResidencySource::Routing` the writer learns residency from routing alone (the
+/// engines' KV events are not fed back), bounded per replica by the KV capacity plus the
+/// prompt tokens routed there and not computed yet (with events too): a queued prompt holds no KV, so while a replica is backlogged its queue must
 /// not push out of the router's belief the blocks its cache still holds. Bounded by the KV
 /// capacity alone, a fleet at twice the conversation trace's rate (queues of minutes) forgot
 /// sessions its replicas still held and sent their next turns elsewhere.
 pub struct RoutingPolicy {
     policy: Box<dyn Policy>,
     residency: Option<ResidencyWriter>,
+    source: ResidencySource,
+    /// With events: the engine hash of the last full engine block of a trace block -> that
+    /// trace block's hash (`trace::view_block`), for every prompt submitted.
+    engine_blocks: HashMap<u64, u64>,
+    /// Scratch for events and the engine hashes of a prompt.
+    events: Vec<KvEvent>,
+    hashes: Vec<u64>,
+    views: Vec<u64>,
+    guess_ttl_us: u64,
 }
 
 impl RoutingPolicy {
@@ -98,14 +156,109 @@ impl RoutingPolicy {
                 ))
             }
         };
-        Ok(RoutingPolicy { policy, residency })
+        Ok(RoutingPolicy::with_parts(policy, residency))
     }
 
     /// Any other policy, run as it is.
     pub fn from_policy(policy: Box<dyn Policy>) -> RoutingPolicy {
+        RoutingPolicy::with_parts(policy, None)
+    }
+
+    fn with_parts(policy: Box<dyn Policy>, residency: Option<ResidencyWriter>) -> RoutingPolicy {
         RoutingPolicy {
             policy,
-            residency: None,
+            residency,
+            source: ResidencySource::Routing,
+            engine_blocks: HashMap::new(),
+            events: Vec::new(),
+            hashes: Vec::new(),
+            views: Vec::new(),
+            guess_ttl_us: crate::config::TelemetryConfig::default()
+                .routed_guess_ttl
+                .as_micros() as u64,
+        }
+    }
+
+    /// Learn residency from `source` (policies without a residency index ignore it).
+    pub fn learn_from(mut self, source: ResidencySource) -> RoutingPolicy {
+        self.source = source;
+        if let Some(w) = &mut self.residency {
+            if source == ResidencySource::Events {
+                w.set_pending_ttl(Duration::ZERO);
+            }
+        }
+        self
+    }
+
+    /// Whether the engines' KV events are fed back.
+    pub fn learns_from_events(&self) -> bool {
+        self.residency.is_some() && self.source != ResidencySource::Routing
+    }
+
+    /// A prompt goes to an engine: remember which engine blocks stand for its trace blocks.
+    fn learn_prompt(&mut self, prompt: &[u32], block_ids: &[u64], engine: &EngineConfig) {
+        if !self.learns_from_events() {
+            return;
+        }
+        engine_block_hashes(prompt, engine, &mut self.hashes);
+        let per_trace = (TRACE_BLOCK_TOKENS / engine.block_size.max(1)) as usize;
+        let full = self.hashes.len();
+        for (k, &id) in block_ids.iter().enumerate() {
+            // The last full engine block inside trace block k.
+            let end = ((k + 1) * per_trace).min(full);
+            if end > k * per_trace {
+                self.engine_blocks
+                    .insert(self.hashes[end - 1], trace::view_block(id));
+            }
+        }
+    }
+
+    /// Apply what engine `r` reported since the last call, at `now_us`.
+    fn learn_events(&mut self, r: usize, engine: &mut Engine, now_us: u64) {
+        let Some(writer) = &mut self.residency else {
+            return;
+        };
+        if self.source == ResidencySource::Routing {
+            return;
+        }
+        self.events.clear();
+        engine.take_kv_events(&mut self.events);
+        for event in &self.events {
+            match event {
+                KvEvent::BlockStored { block_hashes, .. } => {
+                    self.views.clear();
+                    self.views.extend(
+                        block_hashes
+                            .iter()
+                            .filter_map(|h| self.engine_blocks.get(h).copied()),
+                    );
+                    if !self.views.is_empty() {
+                        let _ = writer.insert(r, &self.views, now_us);
+                    }
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    for h in block_hashes {
+                        if let Some(&view) = self.engine_blocks.get(h) {
+                            let _ = writer.remove_at(r, view, now_us);
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => {
+                    let _ = writer.clear(r);
+                }
+            }
+        }
+    }
+
+    /// With events: drop the routing guesses not touched for `routed_guess_ttl`.
+    fn sweep(&mut self, replicas: usize, now_us: u64) {
+        if !self.learns_from_events() {
+            return;
+        }
+        if let Some(writer) = &mut self.residency {
+            for r in 0..replicas {
+                let _ = writer.expire_guesses(r, now_us.saturating_sub(self.guess_ttl_us));
+            }
         }
     }
 
@@ -190,13 +343,15 @@ pub fn simulate(
     if replicas == 0 {
         return Err("a fleet needs at least one replica".into());
     }
+    let events = policy.learns_from_events();
     let mut engines: Vec<Engine> = (0..replicas)
         .map(|_| {
             let mut e = Engine::new(engine.clone());
-            e.set_kv_events_enabled(false);
+            e.set_kv_events_enabled(events);
             e
         })
         .collect();
+    let mut next_sweep = 0.0f64;
     let mut loads = vec![Load::default(); replicas];
     let mut routed = RoutedBlocks::new(
         replicas,
@@ -246,6 +401,12 @@ pub fn simulate(
             duplicate_samples.push(routed.duplicate_engine_blocks());
             next_sample += SAMPLE_PERIOD_S;
         }
+        if events && next_sweep <= t {
+            policy.sweep(replicas, (t * 1e6) as u64);
+            while next_sweep <= t {
+                next_sweep += SWEEP_PERIOD_S;
+            }
+        }
         now = now.max(t);
         match step {
             Some((i, s)) if arrival.is_none_or(|a| s <= a) => {
@@ -268,6 +429,9 @@ pub fn simulate(
                         &mut loads,
                         &mut replica_prefill_tokens,
                     );
+                }
+                if events {
+                    policy.learn_events(i, &mut engines[i], (s * 1e6) as u64);
                 }
                 if loads[i].queued_prefill_tokens != pending {
                     policy.learn_pending(
@@ -304,6 +468,7 @@ pub fn simulate(
                 let r = candidates[pick.min(replicas - 1)].replica;
                 let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
                 trace::prompt_tokens(req, &mut prompt);
+                policy.learn_prompt(&prompt, &req.block_ids, engine);
                 let submitted = engines[r].submit(
                     t,
                     EngineRequest {
@@ -358,6 +523,22 @@ pub fn simulate(
     })
 }
 
+/// The engine's own hashes of the full blocks of `prompt` (no cache salt), as
+/// `crate::engine` computes them: chained xxh3 from a root that mixes in the engine's seed.
+fn engine_block_hashes(prompt: &[u32], engine: &EngineConfig, out: &mut Vec<u64>) {
+    out.clear();
+    let mut parent = xxh3_64_with_seed(b"kvlb-root", engine.hash_seed);
+    let mut bytes = Vec::with_capacity(4 * engine.block_size as usize);
+    for block in prompt.chunks_exact(engine.block_size.max(1) as usize) {
+        bytes.clear();
+        for t in block {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        parent = xxh3_64_with_seed(&bytes, parent);
+        out.push(parent);
+    }
+}
+
 fn on_output(
     out: &EngineOutput,
     replica: usize,
@@ -408,8 +589,11 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
+    /// What a policy was shown: prompt tokens, time, candidates.
+    type Shown = Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>;
+
     /// Always replica 0; remembers what it was shown.
-    struct Recorder(Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>);
+    struct Recorder(Shown);
 
     impl Policy for Recorder {
         fn name(&self) -> &'static str {
@@ -538,6 +722,72 @@ mod tests {
         policy.learn_pending(0, engine.kv_capacity_tokens, 0);
         assert!((1..=4).all(|id| !holds(&policy, id)));
         assert!((5..=8).all(|id| holds(&policy, id)));
+    }
+
+    #[test]
+    fn engine_events_reach_the_writer_as_trace_blocks() {
+        // The hashes the simulator computes are the engine's own.
+        let engine = EngineConfig::default();
+        let req = request(0.0, &[11, 12, 13], 1300, 1);
+        let mut prompt = Vec::new();
+        trace::prompt_tokens(&req, &mut prompt);
+        let mut mine = Vec::new();
+        engine_block_hashes(&prompt, &engine, &mut mine);
+        let mut e = Engine::new(engine.clone());
+        e.submit(
+            0.0,
+            EngineRequest {
+                id: 0,
+                prompt_tokens: prompt.clone(),
+                max_tokens: 1,
+                cache_salt: None,
+            },
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        while let Some(t) = e.next_event_time() {
+            e.advance(t, &mut out);
+        }
+        let mut events = Vec::new();
+        e.take_kv_events(&mut events);
+        let stored: Vec<u64> = events
+            .iter()
+            .flat_map(|ev| match ev {
+                KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(mine.len(), 1300 / 16);
+        assert_eq!(stored[..mine.len()], mine[..]);
+
+        // With events, a trace block is stored when its last full engine block is, and a
+        // whole fleet run confirms what it routed.
+        for source in [ResidencySource::Events, ResidencySource::EventsPending] {
+            let mut policy = RoutingPolicy::build("cache_aware", 1, &engine)
+                .unwrap()
+                .learn_from(source);
+            assert!(policy.learns_from_events());
+            let trace = Trace {
+                name: "t".into(),
+                requests: vec![req.clone(), request(50.0, &[11, 12, 14], 1100, 1)],
+            };
+            simulate(&trace, 1, &engine, &mut policy, 1).unwrap();
+            let w = policy.residency.as_ref().unwrap();
+            for id in [11, 12, 13, 14] {
+                let h = trace::view_block(id);
+                assert_eq!(w.copies(0, h), 1, "{id}");
+                // The second request found 11 and 12 cached: nothing stored them again, so
+                // they stay pending (until the replica's turnover or pending_ttl).
+                let pending = source == ResidencySource::EventsPending && id < 13;
+                assert_eq!(w.is_pending(0, h), pending, "{id}");
+            }
+        }
+        let routing = RoutingPolicy::build("cache_aware", 1, &engine).unwrap();
+        assert!(!routing.learns_from_events());
+        assert!(!RoutingPolicy::build("round_robin", 1, &engine)
+            .unwrap()
+            .learn_from(ResidencySource::Events)
+            .learns_from_events());
     }
 
     #[test]

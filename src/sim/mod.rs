@@ -9,6 +9,10 @@
 //! * `routed`: what was routed where (estimated uncached tokens, duplicate KV);
 //! * `report`: percentiles, table, JSON; `plot`: the SVG.
 //!
+//! `--residency` says what `cache_aware` learns residency from: its own routing (the default),
+//! or routing and the engines' KV events fed back, with or without pending routed blocks
+//! (`fleet::ResidencySource`).
+//!
 //! Deterministic: the same input gives the same output, byte for byte (wall time goes to
 //! stderr only).
 
@@ -33,6 +37,12 @@ const HELP: &str = "usage: kvlb simulate --trace FILE|gen:NAME [options]
   --policies LIST     comma-separated policies (default: all of them)
   --limit N           only the first N requests of the trace
   --seed N            seed for generators and policy random numbers (default 1)
+  --residency SOURCE  what cache_aware learns residency from (default routing):
+                      routing         its own routing decisions alone
+                      events          routing and the engines' KV events
+                      events-pending  as events, and a block routed to a replica since
+                                      its last BlockStored there survives a BlockRemoved
+                                      (the request waiting there will store it again)
   --json              print a JSON array, one object per policy, instead of a table
   --plot FILE.svg     write the TTFT CDF and per-replica prefill work as an SVG
 
@@ -60,6 +70,7 @@ pub struct Options {
     pub seed: u64,
     pub json: bool,
     pub plot: Option<String>,
+    pub residency: fleet::ResidencySource,
 }
 
 /// Parse the command line; `Ok(None)` for `--help`.
@@ -73,6 +84,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
         seed: 1,
         json: false,
         plot: None,
+        residency: fleet::ResidencySource::Routing,
     };
     let mut i = 0;
     while i < args.len() {
@@ -133,6 +145,12 @@ pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
                     .map_err(|_| format!("--seed {v:?}: expected a whole number"))?
             }
             "--plot" => o.plot = Some(v.clone()),
+            "--residency" => {
+                o.residency = fleet::ResidencySource::parse(v).ok_or(format!(
+                    "--residency {v:?}: expected one of {}",
+                    fleet::ResidencySource::NAMES.join(", ")
+                ))?
+            }
             other => {
                 return Err(format!(
                     "unknown option {other:?} (see kvlb simulate --help)"
@@ -161,7 +179,8 @@ pub fn run(o: &Options) -> Result<(Vec<report::Summary>, Vec<Vec<f64>>), String>
     let mut ttfts = Vec::new();
     for name in &o.policies {
         let started = Instant::now();
-        let mut policy = fleet::RoutingPolicy::build(name, o.replicas, &engine)?;
+        let mut policy =
+            fleet::RoutingPolicy::build(name, o.replicas, &engine)?.learn_from(o.residency);
         let run = fleet::simulate(&t, o.replicas, &engine, &mut policy, o.seed)?;
         eprintln!(
             "kvlb simulate: {name}: {} requests in {:.2} s wall",
@@ -222,4 +241,32 @@ pub fn main(args: Vec<String>) -> i32 {
         started.elapsed().as_secs_f64()
     );
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn residency_source_is_parsed_and_checked() {
+        let o = parse_args(&args(&["--trace", "gen:agent-sessions"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.residency, fleet::ResidencySource::Routing);
+        for name in fleet::ResidencySource::NAMES {
+            let o = parse_args(&args(&["--trace", "x", "--residency", name]))
+                .unwrap()
+                .unwrap();
+            assert_eq!(o.residency.name(), *name);
+        }
+        let e = parse_args(&args(&["--trace", "x", "--residency", "oracle"])).unwrap_err();
+        assert!(
+            e.contains("--residency \"oracle\": expected one of routing, events, events-pending"),
+            "{e}"
+        );
+    }
 }
