@@ -153,6 +153,11 @@ pub struct TelemetryConfig {
     /// only (chat and text prompts are hashed over their text until a tokenizer is
     /// configured), so the default is long enough for a conversation's next turns.
     pub routed_guess_ttl: Duration,
+    /// Blocks of a request routed to a replica stay believed there through a BlockRemoved
+    /// until the replica stores them again (the queued request recomputes them), for at most
+    /// this long after kvlb last touched them. Zero (the default) turns the rule off: a
+    /// removal always overrides what routing assumed.
+    pub routed_pending_ttl: Duration,
 }
 
 impl Default for TelemetryConfig {
@@ -161,6 +166,7 @@ impl Default for TelemetryConfig {
             metrics_interval: Duration::from_secs(1),
             stale_after: Duration::from_secs(30),
             routed_guess_ttl: Duration::from_secs(120),
+            routed_pending_ttl: Duration::ZERO,
         }
     }
 }
@@ -751,6 +757,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --metrics-interval DUR   how often each replica's /metrics is polled (default 1s)
   --telemetry-stale-after DUR  no events nor metrics this long: drop the replica's residency (default 30s)
   --routed-guess-ttl DUR   with KV events, routing guesses not confirmed this long are dropped (default 120s)
+  --routed-pending-ttl DUR with KV events, a routed request's blocks outlive a BlockRemoved until
+                           the replica stores them again, at most this long (default off)
   --policy NAME            cache_aware | round_robin | least_loaded | power_of_two |
                            consistent_hash | random (default cache_aware)
   --explain                add x-kvlb-decision to responses (matched tokens, estimates, reason)
@@ -820,6 +828,7 @@ const FILE_KEYS: &[&str] = &[
     "metrics_interval",
     "telemetry_stale_after",
     "routed_guess_ttl",
+    "routed_pending_ttl",
     "health_path",
     "health_interval",
     "health_timeout",
@@ -970,6 +979,7 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "metrics_interval" => cfg.telemetry.metrics_interval = parse_duration(key, v)?,
         "telemetry_stale_after" => cfg.telemetry.stale_after = parse_duration(key, v)?,
         "routed_guess_ttl" => cfg.telemetry.routed_guess_ttl = parse_duration(key, v)?,
+        "routed_pending_ttl" => cfg.telemetry.routed_pending_ttl = parse_duration_or_off(key, v)?,
         "health_path" => {
             if !v.starts_with('/') || v.bytes().any(|b| b <= b' ' || b == 0x7f) {
                 return Err(bad(key, v, "expected an absolute path such as /health"));

@@ -104,6 +104,7 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
         kv_capacity_tokens: crate::config::DEFAULT_KV_CAPACITY_TOKENS,
     })
     .map_err(|e| format!("residency index: {e}"))?;
+    writer.set_pending_ttl(cfg.telemetry.routed_pending_ttl);
     for (i, r) in cfg.replicas.iter().enumerate() {
         writer
             .set_capacity_tokens(i, r.kv_capacity_tokens)

@@ -7,6 +7,7 @@
 //! before storing anything of it again. The request routed there will compute P again, so
 //! the next request with P still goes to A for the cache. Without a routed request between
 //! the store and the removal, the removal is believed and the next request goes by load.
+//! The rule is opt-in (`routed_pending_ttl`, off by default); this test turns it on.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -105,6 +106,8 @@ fn a_removal_while_a_routed_request_waits_keeps_the_prefix_on_its_replica() {
         .collect();
     let kvlb = Kvlb::serve(&[
         "--explain",
+        "--routed-pending-ttl",
+        "120s",
         "--workers",
         "1",
         "--replica",

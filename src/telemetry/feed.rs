@@ -183,6 +183,8 @@ impl ResidencyFeed {
 
     fn sweep(&mut self, writer: &mut ResidencyWriter, now_us: u64) {
         let cfg = &self.shared.cfg().telemetry;
+        // A reload may turn the pending rule on or off.
+        writer.set_pending_ttl(cfg.routed_pending_ttl);
         let ttl_us = cfg.routed_guess_ttl.as_micros() as u64;
         let stale_ms = cfg.stale_after.as_millis() as u64;
         let now_ms = now_us / 1000;
