@@ -91,7 +91,11 @@ fn chat_body(target: usize) -> String {
             .collect::<Vec<_>>()
             .join(" ");
         size += text.len() + 40;
-        let role = if k.is_multiple_of(2) { "user" } else { "assistant" };
+        let role = if k.is_multiple_of(2) {
+            "user"
+        } else {
+            "assistant"
+        };
         messages.push(serde_json::json!({"role": role, "content": text}));
         k += 1;
     }

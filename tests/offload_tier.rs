@@ -8,29 +8,17 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use kvlb::kv_events::{KvEvent, KvEventBatch, KvEventPublisher, Medium};
+use kvlb::kv_events::{KvEvent, Medium};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{decision, replicas_json, ReplicaFleet};
+use support::fleet::{batch, decision, replicas_json, serve_with_publishers, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
 /// Prompt tokens (128 blocks of 16).
 const PROMPT: u32 = 2048;
 const BLOCKS: u64 = PROMPT as u64 / 16;
-
-fn publisher(format: kvlb::kv_events::EventFormat) -> KvEventPublisher {
-    KvEventPublisher::bind("tcp://127.0.0.1:0", None, "", format).expect("bind a KV publisher")
-}
-
-fn batch(events: Vec<KvEvent>) -> KvEventBatch {
-    KvEventBatch {
-        ts: 0.0,
-        events,
-        dp_rank: None,
-    }
-}
 
 /// The engine's block ids of the prompt (opaque to kvlb, which hashes the token ids).
 fn engine_ids() -> Vec<u64> {
@@ -81,27 +69,8 @@ fn tiers(kvlb: &Kvlb, r: usize) -> (u64, u64) {
 fn gpu_beats_offloaded_beats_cold_and_media_are_removed_apart() {
     let reps = ReplicaFleet::start(3, &["--time-scale", "50"]);
     use kvlb::kv_events::EventFormat::{Array, Map};
-    let pubs = [publisher(Map), publisher(Array), publisher(Map)];
+    let (kvlb, pubs) = serve_with_publishers(&reps, &[Map, Array, Map], &[]);
     let url = |i: usize| format!("http://{}", reps.http[i]);
-    let args: Vec<String> = (0..3)
-        .map(|i| format!("{},kv_events=tcp://{}", url(i), pubs[i].local_addrs().0))
-        .collect();
-    let kvlb = Kvlb::serve(&[
-        "--explain",
-        "--workers",
-        "1",
-        "--replica",
-        &args[0],
-        "--replica",
-        &args[1],
-        "--replica",
-        &args[2],
-    ]);
-    assert!(
-        wait_until(T, || pubs.iter().all(|p| p.subscribed_peers() > 0)),
-        "kvlb did not subscribe to the three publishers:\n{}",
-        kvlb.stderr()
-    );
 
     let tokens: Vec<u32> = (0..PROMPT).map(|i| 1000 + (i * 7) % 30_000).collect();
     let body = json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})

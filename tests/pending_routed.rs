@@ -12,25 +12,17 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use kvlb::kv_events::{EventFormat, KvEvent, KvEventBatch, KvEventPublisher, Medium};
+use kvlb::kv_events::{EventFormat, KvEvent, Medium};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{decision, replicas_json, ReplicaFleet};
+use support::fleet::{batch, decision, replicas_json, serve_with_publishers, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
 /// Prompt tokens (64 blocks of 16).
 const PROMPT: u32 = 1024;
 const BLOCKS: u64 = PROMPT as u64 / 16;
-
-fn batch(events: Vec<KvEvent>) -> KvEventBatch {
-    KvEventBatch {
-        ts: 0.0,
-        events,
-        dp_rank: None,
-    }
-}
 
 /// The engine's block ids of a prompt (opaque to kvlb, which hashes the token ids).
 fn engine_ids(base: u64) -> Vec<u64> {
@@ -96,30 +88,12 @@ fn resident(kvlb: &Kvlb, r: usize) -> u64 {
 #[test]
 fn a_removal_while_a_routed_request_waits_keeps_the_prefix_on_its_replica() {
     let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
-    let pubs = [0, 1].map(|_| {
-        KvEventPublisher::bind("tcp://127.0.0.1:0", None, "", EventFormat::Map)
-            .expect("bind a KV publisher")
-    });
-    let url = |i: usize| format!("http://{}", reps.http[i]);
-    let args: Vec<String> = (0..2)
-        .map(|i| format!("{},kv_events=tcp://{}", url(i), pubs[i].local_addrs().0))
-        .collect();
-    let kvlb = Kvlb::serve(&[
-        "--explain",
-        "--routed-pending-ttl",
-        "120s",
-        "--workers",
-        "1",
-        "--replica",
-        &args[0],
-        "--replica",
-        &args[1],
-    ]);
-    assert!(
-        wait_until(T, || pubs.iter().all(|p| p.subscribed_peers() > 0)),
-        "kvlb did not subscribe to the publishers:\n{}",
-        kvlb.stderr()
+    let (kvlb, pubs) = serve_with_publishers(
+        &reps,
+        &[EventFormat::Map, EventFormat::Map],
+        &["--routed-pending-ttl", "120s"],
     );
+    let url = |i: usize| format!("http://{}", reps.http[i]);
     let a = &pubs[0];
     // Events are applied in order: once a marker prompt's blocks show up on A, everything
     // published before it was applied too. Marker k has k blocks, so the count A reaches

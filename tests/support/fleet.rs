@@ -2,7 +2,8 @@
 //! and routing tests, killed and reaped on drop (also when a test panics), and the two
 //! questions those tests ask `kvlb serve` about it: `/replicas` and `x-kvlb-decision`.
 
-use super::{Kvlb, Response};
+use super::{wait_until, Kvlb, Response};
+use kvlb::kv_events::{EventFormat, KvEvent, KvEventBatch, KvEventPublisher};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -122,4 +123,54 @@ pub fn decision(r: &Response) -> (String, u64) {
         field("reason"),
         field("matched_tokens").parse().unwrap_or(0),
     )
+}
+
+/// `kvlb serve --explain --workers 1` plus `extra` in front of `reps`, replica i subscribed to
+/// its own in-process KV event publisher (the wire of replica-interfaces.md section 1) in
+/// `formats[i]`, once kvlb has subscribed to every publisher.
+pub fn serve_with_publishers(
+    reps: &ReplicaFleet,
+    formats: &[EventFormat],
+    extra: &[&str],
+) -> (Kvlb, Vec<KvEventPublisher>) {
+    let pubs: Vec<KvEventPublisher> = formats
+        .iter()
+        .map(|&f| {
+            KvEventPublisher::bind("tcp://127.0.0.1:0", None, "", f).expect("bind a KV publisher")
+        })
+        .collect();
+    let replicas: Vec<String> = pubs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!(
+                "http://{},kv_events=tcp://{}",
+                reps.http[i],
+                p.local_addrs().0
+            )
+        })
+        .collect();
+    let mut args = vec!["--explain", "--workers", "1"];
+    args.extend_from_slice(extra);
+    for r in &replicas {
+        args.extend_from_slice(&["--replica", r]);
+    }
+    let kvlb = Kvlb::serve(&args);
+    assert!(
+        wait_until(READY_WITHIN, || pubs
+            .iter()
+            .all(|p| p.subscribed_peers() > 0)),
+        "kvlb did not subscribe to the publishers:\n{}",
+        kvlb.stderr()
+    );
+    (kvlb, pubs)
+}
+
+/// One batch of KV events, as an engine publishes it.
+pub fn batch(events: Vec<KvEvent>) -> KvEventBatch {
+    KvEventBatch {
+        ts: 0.0,
+        events,
+        dp_rank: None,
+    }
 }
