@@ -13,9 +13,17 @@
 //!   same hash: both are registered and both are announced (vLLM does the same, which is why
 //!   consumers count removals rather than clear a bit).
 //!
+//! With a host tier (`host_tier.rs`, capacity > 0) the cache also writes every block it
+//! registers through to host memory, as vLLM's CPU offloading, LMCache and SGLang HiCache (in
+//! their default write-through mode) copy blocks out as they are computed: new host copies
+//! are announced in a BlockStored with medium CPU (same parent and tokens as the GPU one),
+//! host LRU evictions in a BlockRemoved with medium CPU. A GPU eviction then leaves the host
+//! copy, which a later request loads back (`host_contains`). `clear` empties both tiers.
+//!
 //! Everything is index based (block ids are `u32` into one `Vec`): no allocation per
 //! operation beyond the events themselves.
 
+use super::host_tier::HostTier;
 use crate::kv_events::{KvEvent, Medium};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -92,12 +100,18 @@ pub(crate) struct KvCache {
     num_free: u32,
     /// hash -> first block registered under it (others chained through `next_same`).
     table: BlockTable,
+    /// Copies in host memory (disabled at capacity 0).
+    host: HostTier,
+    /// Scratch for host evictions, kept to avoid an allocation per store.
+    host_evicted: Vec<u64>,
     events: Vec<KvEvent>,
     events_enabled: bool,
 }
 
 impl KvCache {
-    pub(crate) fn new(num_blocks: u32, block_size: u32) -> KvCache {
+    /// `num_blocks` GPU blocks of `block_size` tokens, and a host tier of `host_blocks`
+    /// blocks (0: none).
+    pub(crate) fn new(num_blocks: u32, block_size: u32, host_blocks: u32) -> KvCache {
         let blocks = (0..num_blocks)
             .map(|i| Block {
                 hash: 0,
@@ -115,6 +129,8 @@ impl KvCache {
             free_tail: if num_blocks == 0 { NIL } else { num_blocks - 1 },
             num_free: num_blocks,
             table: BlockTable::with_capacity_and_hasher(num_blocks as usize, Default::default()),
+            host: HostTier::new(host_blocks as usize),
+            host_evicted: Vec::new(),
             events: Vec::new(),
             events_enabled: true,
         }
@@ -143,6 +159,29 @@ impl KvCache {
     /// A cached block holding `hash`, if any.
     pub(crate) fn lookup(&self, hash: u64) -> Option<u32> {
         self.table.get(&hash).copied()
+    }
+
+    /// Whether the host tier holds a copy of `hash`.
+    pub(crate) fn host_contains(&self, hash: u64) -> bool {
+        self.host.contains(hash)
+    }
+
+    /// Mark the host copy of `hash` (if any) most recently used: a request's prefix uses it.
+    pub(crate) fn host_touch(&mut self, hash: u64) {
+        self.host.touch(hash);
+    }
+
+    pub(crate) fn host_enabled(&self) -> bool {
+        self.host.is_enabled()
+    }
+
+    /// Blocks held in the host tier.
+    pub(crate) fn host_len(&self) -> usize {
+        self.host.len()
+    }
+
+    pub(crate) fn host_capacity_blocks(&self) -> usize {
+        self.host.capacity_blocks()
     }
 
     pub(crate) fn is_free(&self, block: u32) -> bool {
@@ -224,9 +263,60 @@ impl KvCache {
                 medium: Some(Medium::Gpu),
             });
         }
+        self.write_through(hashes, parent, tokens);
     }
 
-    /// Forget every cached block (none may be held). Emits AllBlocksCleared.
+    /// Copy newly registered blocks to the host tier: blocks it lacks are announced (one
+    /// BlockStored with medium CPU per consecutive run of them), blocks it holds are
+    /// refreshed, last to first so that the head of a prompt is the most recent part (as a
+    /// request frees its tail first on the GPU); then least recently used host blocks beyond
+    /// its capacity are dropped (one BlockRemoved with medium CPU).
+    fn write_through(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
+        if !self.host.is_enabled() {
+            return;
+        }
+        if self.events_enabled {
+            let bs = self.block_size as usize;
+            let mut run_start = None;
+            for i in 0..=hashes.len() {
+                let new = i < hashes.len() && !self.host.contains(hashes[i]);
+                match (new, run_start) {
+                    (true, None) => run_start = Some(i),
+                    (false, Some(start)) => {
+                        run_start = None;
+                        self.events.push(KvEvent::BlockStored {
+                            block_hashes: hashes[start..i].to_vec(),
+                            parent_block_hash: if start == 0 {
+                                parent
+                            } else {
+                                Some(hashes[start - 1])
+                            },
+                            token_ids: tokens[start * bs..i * bs].to_vec(),
+                            block_size: self.block_size,
+                            lora_id: None,
+                            medium: Some(Medium::Cpu),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for &hash in hashes.iter().rev() {
+            self.host.insert(hash);
+        }
+        self.host.evict_over_capacity(&mut self.host_evicted);
+        if !self.host_evicted.is_empty() {
+            if self.events_enabled {
+                self.events.push(KvEvent::BlockRemoved {
+                    block_hashes: self.host_evicted.clone(),
+                    medium: Some(Medium::Cpu),
+                });
+            }
+            self.host_evicted.clear();
+        }
+    }
+
+    /// Forget every cached block (none may be held), in both tiers. Emits AllBlocksCleared.
     pub(crate) fn clear(&mut self) {
         for b in &mut self.blocks {
             debug_assert_eq!(b.ref_count, 0);
@@ -234,6 +324,7 @@ impl KvCache {
             b.next_same = NIL;
         }
         self.table.clear();
+        self.host.clear();
         if self.events_enabled {
             self.events.push(KvEvent::AllBlocksCleared);
         }
@@ -322,7 +413,7 @@ mod tests {
 
     #[test]
     fn free_queue_is_lru_and_eviction_announces_removal() {
-        let mut kv = KvCache::new(3, 2);
+        let mut kv = KvCache::new(3, 2, 0);
         let a = kv.allocate().unwrap();
         let b = kv.allocate().unwrap();
         kv.store(&[a, b], &[10, 11], None, &[1, 2, 3, 4]);
@@ -355,7 +446,7 @@ mod tests {
 
     #[test]
     fn duplicate_hashes_are_counted_per_block() {
-        let mut kv = KvCache::new(2, 1);
+        let mut kv = KvCache::new(2, 1, 0);
         let a = kv.allocate().unwrap();
         let b = kv.allocate().unwrap();
         kv.store(&[a], &[5], None, &[1]);

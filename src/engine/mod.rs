@@ -24,22 +24,42 @@
 //!   (they stay cached), goes back to the front of the queue with its generated tokens, and
 //!   recomputes them on re-admission, where its own cached blocks usually hit. A request
 //!   finishing or cancelled releases its blocks; they stay cached until evicted.
+//! * **Host tier** (`host_tier.rs`; off unless `host_kv_capacity_tokens` > 0). Like vLLM's
+//!   CPU offloading (OffloadingConnector), LMCache's CPU backend and SGLang HiCache with their
+//!   default write-through policy, every block registered on the GPU is also copied to host
+//!   memory (the copy runs beside compute and costs no step time), which keeps the
+//!   `host_kv_capacity_tokens` most recently used blocks. Admission matches the longest GPU
+//!   prefix, then continues the match in the host tier (still at most all but the last prompt
+//!   token); host-hit blocks get fresh GPU blocks, are registered and announced on the GPU
+//!   like computed ones, and the step that admits the request pays `host_load_s_per_token`
+//!   per loaded token for the copy back over PCIe (vLLM loads asynchronously while other
+//!   requests run; charging the admitting step is the simpler, slightly pessimistic model).
+//!   A request's prefix refreshes the host copies it uses, from either tier, last block first
+//!   so that the head of a prefix is evicted last.
 //! * **KV events.** Blocks are registered and announced (BlockStored) when the step that
 //!   fills them is scheduled, as vLLM does; one event covers the consecutive blocks one
 //!   request fills in one step. Reused blocks announce nothing; every eviction is one
-//!   BlockRemoved; `reset_prefix_cache` emits AllBlocksCleared.
+//!   BlockRemoved; `reset_prefix_cache` emits AllBlocksCleared. With a host tier, blocks new
+//!   to it follow their GPU BlockStored in a BlockStored with medium CPU, and host LRU
+//!   evictions are a BlockRemoved with medium CPU; AllBlocksCleared clears both tiers.
 //! * **Outputs.** The step that computes a request's last prompt token emits FirstToken;
 //!   each later step one Token; the step producing token `max_tokens` also emits Finished
 //!   with reason Length (the simulated model never stops early). Generated ids are a hash of
 //!   the request id and position: deterministic, text ids only.
 //! * **Counters** as vLLM's /metrics: prefix-cache queries and hits count each request's
 //!   first admission only (vLLM counts re-admissions after preemption apart); prompt tokens
-//!   count at the first token; finished requests include aborts.
+//!   count at the first token; finished requests include aborts. As in vLLM with a KV
+//!   connector (CPU offloading, LMCache), `prefix_cache_*` are the GPU cache's own lookups and
+//!   the host tier has its own pair (`vllm:external_prefix_cache_queries_total` / `_hits_`):
+//!   queried are the prompt tokens past the GPU hit, hit the tokens loaded from host. A
+//!   request's `cached_tokens` (the OpenAI usage `prompt_tokens_details.cached_tokens`) is
+//!   the GPU hit plus the host hit, as vLLM's `num_cached_tokens` counts both.
 //!
 //! Cost per step is O(running requests) plus the blocks that change hands; admission costs
 //! O(prompt blocks) once per request. Nothing allocates per token except the KV events
 //! themselves (turn them off with `set_kv_events_enabled(false)` when nobody listens).
 
+mod host_tier;
 mod kv_cache;
 mod timing;
 pub mod tokenizer;
@@ -75,6 +95,11 @@ pub struct EngineConfig {
     /// Seed mixed into the engine's own block hashes (published ids), like vLLM's per-process
     /// hash seed: the balancer must not depend on them.
     pub hash_seed: u64,
+    /// Host-memory KV tier capacity in tokens (rounded down to whole blocks); 0 = no host tier.
+    pub host_kv_capacity_tokens: u64,
+    /// Seconds per token to copy KV back from the host tier to the GPU, added to the step that
+    /// admits a request with a host hit.
+    pub host_load_s_per_token: f64,
 }
 
 /// A request handed to the engine.
@@ -157,6 +182,11 @@ pub struct EngineStats {
     pub prefix_cache_queries_tokens: u64,
     /// of those, tokens found (vllm:prefix_cache_hits_total)
     pub prefix_cache_hits_tokens: u64,
+    /// prompt tokens past the GPU hit looked up in the host tier
+    /// (vllm:external_prefix_cache_queries_total); 0 without a host tier
+    pub external_prefix_cache_queries_tokens: u64,
+    /// of those, tokens loaded from the host tier (vllm:external_prefix_cache_hits_total)
+    pub external_prefix_cache_hits_tokens: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     pub requests_finished_total: u64,
@@ -309,6 +339,8 @@ impl Engine {
         let num_blocks =
             (cfg.kv_capacity_tokens / block_size as u64).clamp(1, u32::MAX as u64 / 2) as u32;
         let capacity = (num_blocks as u64 * block_size as u64).min(u32::MAX as u64) as u32;
+        let host_blocks =
+            (cfg.host_kv_capacity_tokens / block_size as u64).min(u32::MAX as u64 / 2) as u32;
         let cfg = EngineConfig {
             block_size,
             max_model_len: cfg.max_model_len.max(1),
@@ -318,7 +350,7 @@ impl Engine {
         };
         Engine {
             context_limit: cfg.max_model_len.min(capacity),
-            kv: KvCache::new(num_blocks, block_size),
+            kv: KvCache::new(num_blocks, block_size, host_blocks),
             cfg,
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -524,6 +556,35 @@ impl Engine {
         (hits * bs) as u32
     }
 
+    /// Tokens of `prompt` past its GPU hit (`cached_prefix_tokens`) that a request submitted
+    /// now would load from the host tier.
+    pub fn host_prefix_tokens(&self, prompt: &[u32], cache_salt: Option<u64>) -> u32 {
+        if prompt.is_empty() || !self.kv.host_enabled() {
+            return 0;
+        }
+        let bs = self.cfg.block_size as usize;
+        let max_hit = (prompt.len() - 1) / bs;
+        let mut parent = kv_cache::root_hash(self.cfg.hash_seed, cache_salt);
+        let (mut gpu, mut host) = (true, 0);
+        for block in prompt.chunks_exact(bs).take(max_hit) {
+            parent = kv_cache::block_hash(parent, block);
+            if gpu && self.kv.lookup(parent).is_some() {
+                continue;
+            }
+            gpu = false;
+            if !self.kv.host_contains(parent) {
+                break;
+            }
+            host += 1;
+        }
+        (host * bs) as u32
+    }
+
+    /// Blocks held in the host tier, and its capacity in blocks (0 without one).
+    pub fn host_kv_blocks(&self) -> (usize, usize) {
+        (self.kv.host_len(), self.kv.host_capacity_blocks())
+    }
+
     /// A time that is a number: NaN and infinities become the engine's current time.
     fn sane_time(&self, now: f64) -> f64 {
         if now.is_finite() {
@@ -630,9 +691,10 @@ impl Engine {
             if self.request(slot).arrival > start {
                 break;
             }
-            let Some(computed) = self.admit(slot) else {
+            let Some((computed, loaded)) = self.admit(slot) else {
                 break;
             };
+            work.add_host_load(loaded);
             self.waiting.pop_front();
             self.running.push(slot);
             let generation = self.slots[slot as usize].generation;
@@ -667,10 +729,11 @@ impl Engine {
     }
 
     /// Give the waiting request in `slot` its blocks: the cached prefix (a prefix hit, at most
-    /// all but the last token, in whole blocks) plus fresh blocks for the rest of its tokens.
-    /// Returns the tokens already computed, or None (nothing changed) when the blocks do not
-    /// fit.
-    fn admit(&mut self, slot: u32) -> Option<u32> {
+    /// all but the last token, in whole blocks: the GPU run, then its continuation in the host
+    /// tier) plus fresh blocks for the rest of its tokens, host hits included. Returns the
+    /// tokens already computed (GPU and host hits) and those of them loaded from host, or None
+    /// (nothing changed) when the blocks do not fit.
+    fn admit(&mut self, slot: u32) -> Option<(u32, u32)> {
         let bs = self.cfg.block_size;
         let Engine {
             kv,
@@ -693,6 +756,10 @@ impl Engine {
             r.blocks.push(block);
         }
         let hits = r.blocks.len() as u32;
+        let host_hits = r.block_hashes[hits as usize..max_hit]
+            .iter()
+            .take_while(|&&hash| kv.host_contains(hash))
+            .count() as u32;
         let missing = seq_len.div_ceil(bs) - hits;
         if missing > kv.num_free() - evictable_hits {
             r.blocks.clear();
@@ -704,18 +771,29 @@ impl Engine {
         for _ in 0..missing {
             r.blocks.push(kv.allocate().expect("free block counted"));
         }
+        if kv.host_enabled() {
+            // Last to first: the head of the prefix stays the most recent part.
+            for &hash in r.block_hashes[..(hits + host_hits) as usize].iter().rev() {
+                kv.host_touch(hash);
+            }
+        }
+        // Host hits are registered on the GPU with the blocks the first step computes.
         r.num_stored = hits;
-        r.computed = hits * bs;
+        r.computed = (hits + host_hits) * bs;
         r.phase = Phase::Running;
         if !r.admitted {
             // vLLM counts a request's lookup once; re-admissions after preemption are
-            // counted apart (not in these two counters).
+            // counted apart (not in these counters).
             r.admitted = true;
-            r.cached_tokens = hits * bs;
+            r.cached_tokens = (hits + host_hits) * bs;
             counters.prefix_cache_queries_tokens += r.prompt_len as u64;
             counters.prefix_cache_hits_tokens += (hits * bs) as u64;
+            if kv.host_enabled() {
+                counters.external_prefix_cache_queries_tokens += (r.prompt_len - hits * bs) as u64;
+                counters.external_prefix_cache_hits_tokens += (host_hits * bs) as u64;
+            }
         }
-        Some(r.computed)
+        Some((r.computed, host_hits * bs))
     }
 
     /// Send a running request (already out of `running`) back to the front of the queue; it
@@ -809,6 +887,8 @@ mod tests {
             decode_per_seq_s: 0.0,
             decode_per_ctx_token_s: 0.0,
             hash_seed: 0,
+            host_kv_capacity_tokens: 0,
+            host_load_s_per_token: 0.0,
         }
     }
 
@@ -1489,6 +1569,169 @@ mod tests {
         let s = e.stats();
         assert_eq!(s.generation_tokens_total, 100_000);
         assert!(s.prefix_cache_hits_tokens > 900 * 992);
+    }
+
+    fn with_host(gpu_tokens: u64, host_tokens: u64) -> EngineConfig {
+        EngineConfig {
+            host_kv_capacity_tokens: host_tokens,
+            host_load_s_per_token: 0.0002,
+            ..small(gpu_tokens)
+        }
+    }
+
+    type Stored = (Vec<u64>, Option<u64>, Vec<u32>);
+
+    /// BlockStored events on `medium`: (hashes, parent, tokens).
+    fn stored_on(ev: &[KvEvent], on: Medium) -> Vec<Stored> {
+        ev.iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    medium,
+                    ..
+                } if *medium == Some(on) => {
+                    Some((block_hashes.clone(), *parent_block_hash, token_ids.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn removed_on(ev: &[KvEvent], on: Medium) -> Vec<u64> {
+        ev.iter()
+            .flat_map(|e| match e {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } if *medium == Some(on) => block_hashes.clone(),
+                _ => vec![],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn host_tier_keeps_gpu_evictions_and_loads_them_back() {
+        // 10 GPU blocks of 4 tokens, 100 host blocks.
+        let prompt = tokens(0, 18); // 4 full blocks + 2 tokens
+        let mut e = Engine::new(with_host(40, 400));
+        e.submit(0.0, request(1, &prompt, 1)).unwrap();
+        let cold = first_token(&run(&mut e), 1).0;
+        let ev = events(&mut e);
+        let gpu = stored_on(&ev, Medium::Gpu);
+        assert_eq!(gpu.len(), 1);
+        assert_eq!(gpu[0].0.len(), 4);
+        assert_eq!(
+            stored_on(&ev, Medium::Cpu),
+            gpu,
+            "written through: same blocks, parent and tokens"
+        );
+        let h = gpu[0].0.clone();
+        // A prompt of 25 tokens takes 7 blocks: the 5 never used, the partial block and
+        // block 3 of the first prompt (a request frees its tail first).
+        e.submit(1.0, request(2, &tokens(500, 25), 1)).unwrap();
+        run(&mut e);
+        let ev = events(&mut e);
+        assert_eq!(removed_on(&ev, Medium::Gpu), vec![h[3]]);
+        assert!(removed_on(&ev, Medium::Cpu).is_empty());
+        assert_eq!(e.cached_prefix_tokens(&prompt, None), 12);
+        assert_eq!(e.host_prefix_tokens(&prompt, None), 4, "block 3 is in host");
+        // The GPU prefix continues into the host tier: 16 tokens cached, 4 of them loaded.
+        e.submit(10.0, request(3, &prompt, 1)).unwrap();
+        let (t, cached) = first_token(&run(&mut e), 3);
+        assert_eq!(cached, 16);
+        let prefill_2 = 0.010 + 0.002;
+        assert!((t - 10.0 - (prefill_2 + 4.0 * 0.0002)).abs() < 1e-12, "{t}");
+        assert!(t - 10.0 < cold);
+        // The loaded block is registered on the GPU again (medium GPU, parent block 2); host
+        // already holds it, so nothing new is stored there.
+        let ev = events(&mut e);
+        assert_eq!(
+            stored_on(&ev, Medium::Gpu),
+            vec![(vec![h[3]], Some(h[2]), tokens(12, 4))]
+        );
+        assert!(stored_on(&ev, Medium::Cpu).is_empty());
+        assert_eq!(e.cached_prefix_tokens(&prompt, None), 16);
+        // Push the whole prompt out of the GPU: 37 tokens need all 10 blocks.
+        e.submit(20.0, request(4, &tokens(900, 37), 1)).unwrap();
+        run(&mut e);
+        events(&mut e);
+        assert_eq!(e.cached_prefix_tokens(&prompt, None), 0);
+        assert_eq!(e.host_prefix_tokens(&prompt, None), 16);
+        e.submit(30.0, request(5, &prompt, 1)).unwrap();
+        let out = run(&mut e);
+        let (t, cached) = first_token(&out, 5);
+        assert_eq!(cached, 16);
+        assert_eq!(finished(&out, 5).2, 16);
+        let warm = t - 30.0;
+        assert!((warm - (prefill_2 + 16.0 * 0.0002)).abs() < 1e-12, "{warm}");
+        assert!(
+            warm < cold / 1.5,
+            "loading is cheaper than recompute: {warm} vs {cold}"
+        );
+        let ev = events(&mut e);
+        assert_eq!(stored_on(&ev, Medium::Gpu)[0].0, h);
+        // Counters: the GPU pair sees GPU hits only, the external pair the host tier's.
+        let s = e.stats();
+        assert_eq!(s.prefix_cache_queries_tokens, 18 + 25 + 18 + 37 + 18);
+        assert_eq!(s.prefix_cache_hits_tokens, 12);
+        assert_eq!(
+            s.external_prefix_cache_queries_tokens,
+            18 + 25 + (18 - 12) + 37 + 18
+        );
+        assert_eq!(s.external_prefix_cache_hits_tokens, 4 + 16);
+        // Without a host tier the same sequence recomputes.
+        let mut plain = Engine::new(small(40));
+        for (id, at, p) in [
+            (1, 0.0, &prompt),
+            (4, 20.0, &tokens(900, 37)),
+            (5, 30.0, &prompt),
+        ] {
+            plain.submit(at, request(id, p, 1)).unwrap();
+            let out = run(&mut plain);
+            if id == 5 {
+                assert_eq!(first_token(&out, 5), (30.0 + cold, 0));
+            }
+        }
+        assert!(stored_on(&events(&mut plain), Medium::Cpu).is_empty());
+        assert_eq!(plain.stats().external_prefix_cache_queries_tokens, 0);
+    }
+
+    #[test]
+    fn host_tier_is_bounded_lru_and_cleared_with_the_gpu() {
+        // 2 host blocks: a prompt of 4 full blocks keeps its head there.
+        let mut e = Engine::new(with_host(1000, 8));
+        assert_eq!(e.host_kv_blocks(), (0, 2));
+        e.submit(0.0, request(1, &tokens(0, 18), 1)).unwrap();
+        run(&mut e);
+        let ev = events(&mut e);
+        let h = stored_on(&ev, Medium::Cpu)[0].0.clone();
+        assert_eq!(h.len(), 4);
+        assert_eq!(removed_on(&ev, Medium::Cpu), vec![h[3], h[2]]);
+        assert_eq!(e.host_kv_blocks(), (2, 2));
+        // Another prompt takes the host tier over; its removals name the first one's blocks.
+        e.submit(1.0, request(2, &tokens(100, 9), 1)).unwrap();
+        run(&mut e);
+        let ev = events(&mut e);
+        assert_eq!(stored_on(&ev, Medium::Cpu).len(), 1);
+        assert_eq!(removed_on(&ev, Medium::Cpu), vec![h[1], h[0]]);
+        assert_eq!(e.host_kv_blocks(), (2, 2));
+        // reset clears both tiers with one AllBlocksCleared.
+        assert!(e.reset_prefix_cache());
+        assert_eq!(events(&mut e), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(e.host_kv_blocks(), (0, 2));
+        assert_eq!(e.host_prefix_tokens(&tokens(100, 9), None), 0);
+        // A host load is charged to the step that admits the request, on top of its prefill.
+        let cfg = EngineConfig {
+            host_load_s_per_token: 0.5,
+            ..with_host(1000, 8)
+        };
+        let mut work = StepWork::default();
+        work.add_prefill(16, 2);
+        let plain = cfg.step_seconds(&work);
+        work.add_host_load(16);
+        assert!((cfg.step_seconds(&work) - plain - 8.0).abs() < 1e-12);
     }
 
     /// The scale the simulator needs: an hour of traffic for four replicas, 12k requests of

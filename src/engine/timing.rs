@@ -9,6 +9,9 @@
 //! decode  = decode_base + decode_per_seq * batch + decode_per_ctx_token * total_context
 //! ```
 //!
+//! A step that admits requests with prefix blocks in the host tier also copies them back:
+//! `host_load_s_per_token * loaded_tokens` more (PCIe time, not overlapped in this model).
+//!
 //! `context_i` is the mean number of keys a token of chunk i attends to: the tokens already in
 //! the KV cache plus half the chunk (`computed + (new + 1) / 2`), so that the attention term of
 //! a prompt is the same whether it is prefilled in one chunk or several. `total_context` is
@@ -24,6 +27,8 @@ pub(crate) struct StepWork {
     pub prefill_attention: f64,
     pub decode_seqs: u64,
     pub decode_context: u64,
+    /// Tokens of KV copied back from the host tier for requests this step admits.
+    pub host_load_tokens: u64,
 }
 
 impl StepWork {
@@ -31,6 +36,11 @@ impl StepWork {
     pub(crate) fn add_prefill(&mut self, computed: u32, new: u32) {
         self.prefill_tokens += new as u64;
         self.prefill_attention += new as f64 * (computed as f64 + (new as f64 + 1.0) / 2.0);
+    }
+
+    /// Account `tokens` of KV loaded back from the host tier.
+    pub(crate) fn add_host_load(&mut self, tokens: u32) {
+        self.host_load_tokens += tokens as u64;
     }
 
     /// Account one decode token of a sequence whose KV holds `context` tokens after the step.
@@ -54,7 +64,7 @@ impl EngineConfig {
                 + self.decode_per_seq_s * work.decode_seqs as f64
                 + self.decode_per_ctx_token_s * work.decode_context as f64;
         }
-        t
+        t + self.host_load_s_per_token * work.host_load_tokens as f64
     }
 
     /// Seconds an otherwise idle engine needs to prefill `new_tokens` after `cached_tokens`
@@ -116,6 +126,12 @@ impl EngineConfig {
                 self.kv_capacity_tokens
             ));
         }
+        if self.host_kv_capacity_tokens / self.block_size as u64 >= u32::MAX as u64 / 2 {
+            return Err(format!(
+                "engine host_kv_capacity_tokens is too large: {}",
+                self.host_kv_capacity_tokens
+            ));
+        }
         let seconds = [
             ("prefill_a_s", self.prefill_a_s),
             ("prefill_b_s", self.prefill_b_s),
@@ -123,6 +139,7 @@ impl EngineConfig {
             ("decode_base_s", self.decode_base_s),
             ("decode_per_seq_s", self.decode_per_seq_s),
             ("decode_per_ctx_token_s", self.decode_per_ctx_token_s),
+            ("host_load_s_per_token", self.host_load_s_per_token),
         ];
         for (name, v) in seconds {
             if !(v.is_finite() && v >= 0.0) {
@@ -168,6 +185,15 @@ impl EngineConfig {
 ///   at 2k context in 42 ms: small batches are bound by the weight read, large ones by
 ///   compute and KV reads.
 /// * `hash_seed` 0: replicas that want vLLM's per-process randomness set their own.
+/// * `host_kv_capacity_tokens` 0: no host tier, as vLLM without CPU offloading. A host with
+///   1 TiB of RAM per 8 GPUs gives each a few hundred GB: 3,200,000 tokens (8x the GPU's
+///   KV) is 420 GB.
+/// * `host_load_s_per_token` 4.0e-6: copying 128 KiB of KV per token host -> GPU over PCIe
+///   Gen5 x16 (64 GB/s raw, about 50 GB/s for large pinned copies, 25-35 GB/s as offloading
+///   connectors achieve with paged blocks of 16 tokens = 2 MiB) at about 33 GB/s:
+///   131072 / 33e9 = 4.0 us per token, 250k tokens/s. Recomputing costs 30 us per token
+///   plus attention, so a load is about 8x cheaper than recompute for short contexts and
+///   more for long ones.
 impl Default for EngineConfig {
     fn default() -> EngineConfig {
         EngineConfig {
@@ -183,6 +209,8 @@ impl Default for EngineConfig {
             decode_per_seq_s: 3.0e-5,
             decode_per_ctx_token_s: 5.0e-8,
             hash_seed: 0,
+            host_kv_capacity_tokens: 0,
+            host_load_s_per_token: 4.0e-6,
         }
     }
 }

@@ -220,6 +220,7 @@ impl Replica {
             let st = self.lock();
             let mut counters = st.counters.clone();
             counters.preemptions_total = st.engine.preemptions_total();
+            counters.host_kv_tier = st.engine.config().host_kv_capacity_tokens > 0;
             (st.engine.stats(), counters)
         };
         metrics::render(&self.model, &stats, &counters)

@@ -59,6 +59,8 @@ options:
   --decode-base-s X             decode step seconds: base + per_seq*batch + per_ctx_token*context (default {:e})
   --decode-per-seq-s X          (default {:e})
   --decode-per-ctx-token-s X    (default {:e})
+  --host-kv-capacity-tokens N   host-memory KV tier (CPU offloading) in tokens; 0 = none (default {})
+  --host-load-s-per-token X     seconds per token to load KV back from the host tier (default {:e})
   --tokenizer PATH              Hugging Face tokenizer.json: text prompts get its ids, chat prompts
                                 its chat template's (default: the simulated tokenizer)
   --chat-template PATH          tokenizer_config.json or .jinja (default: beside the tokenizer)
@@ -67,6 +69,8 @@ options:
 On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
 (plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled), then `kvlb replica: ready`.
 Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
+With a host KV tier every computed block is also kept in host memory (KV events with medium
+CPU) and a prefix the GPU evicted is loaded back instead of recomputed.
 /metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).",
         d.max_model_len,
         d.kv_capacity_tokens,
@@ -78,12 +82,16 @@ Replica i listens on port + i (likewise the event ports); port 0 gives each its 
         d.prefill_c_s,
         d.decode_base_s,
         d.decode_per_seq_s,
-        d.decode_per_ctx_token_s
+        d.decode_per_ctx_token_s,
+        d.host_kv_capacity_tokens,
+        d.host_load_s_per_token
     )
 }
 
 /// Engine fields and the flags that set them, to name the flag in validation errors.
-const ENGINE_FLAGS: [(&str, &str); 11] = [
+const ENGINE_FLAGS: [(&str, &str); 13] = [
+    ("host_kv_capacity_tokens", "--host-kv-capacity-tokens"),
+    ("host_load_s_per_token", "--host-load-s-per-token"),
     ("max_num_batched_tokens", "--max-num-batched-tokens"),
     ("kv_capacity_tokens", "--kv-capacity-tokens"),
     ("max_model_len", "--max-model-len"),
@@ -192,6 +200,10 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "--decode-base-s" => e.decode_base_s = nonneg_f64(name, &value)?,
             "--decode-per-seq-s" => e.decode_per_seq_s = nonneg_f64(name, &value)?,
             "--decode-per-ctx-token-s" => e.decode_per_ctx_token_s = nonneg_f64(name, &value)?,
+            "--host-kv-capacity-tokens" => {
+                e.host_kv_capacity_tokens = int_in(name, &value, 0, u64::MAX)?
+            }
+            "--host-load-s-per-token" => e.host_load_s_per_token = nonneg_f64(name, &value)?,
             _ => return Err(format!("unknown flag {name} (see --help)")),
         }
     }
@@ -208,10 +220,17 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             flags.engine.kv_capacity_tokens, flags.engine.block_size
         ));
     }
+    let host = flags.engine.host_kv_capacity_tokens;
+    if host > 0 && host < flags.engine.block_size as u64 {
+        return Err(format!(
+            "bad value for --host-kv-capacity-tokens: {host} (less than one block of {} tokens; 0 turns the host tier off)",
+            flags.engine.block_size
+        ));
+    }
     if let Err(e) = flags.engine.validate() {
         let named: Vec<&str> = ENGINE_FLAGS
             .iter()
-            .filter(|(f, _)| e.contains(f))
+            .filter(|(f, _)| names_field(&e, f))
             .map(|(_, flag)| *flag)
             .collect();
         return Err(format!("invalid engine flags ({}): {e}", named.join(", ")));
@@ -257,6 +276,15 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         }
     }
     Ok(Parsed::Run(Box::new(flags)))
+}
+
+/// Whether `message` names `field` as a whole word (kv_capacity_tokens is not named by
+/// host_kv_capacity_tokens).
+fn names_field(message: &str, field: &str) -> bool {
+    message.match_indices(field).any(|(at, _)| {
+        let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        !message[..at].ends_with(word) && !message[at + field.len()..].starts_with(word)
+    })
 }
 
 fn socket_addr(name: &str, value: &str) -> Result<SocketAddr, String> {
@@ -355,6 +383,20 @@ mod tests {
         assert_eq!(f.time_scale, 100.0);
         assert_eq!(f.engine.block_size, 32);
         assert_eq!(f.engine.prefill_b_s, 1e-5);
+        assert_eq!(
+            f.engine.host_kv_capacity_tokens, 0,
+            "no host tier by default"
+        );
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--host-kv-capacity-tokens",
+            "3200000",
+            "--host-load-s-per-token=2e-6",
+        ])
+        .unwrap();
+        assert_eq!(f.engine.host_kv_capacity_tokens, 3_200_000);
+        assert_eq!(f.engine.host_load_s_per_token, 2e-6);
         let f = run(&["--listen", "127.0.0.1:0", "--kv-events", "tcp://*:7000"]).unwrap();
         assert_eq!(f.kv_events.unwrap().to_string(), "0.0.0.0:7000");
     }
@@ -392,6 +434,23 @@ mod tests {
             "{e}"
         );
         assert!(help().contains("--decode-per-ctx-token-s"));
+        assert!(help().contains("--host-kv-capacity-tokens"));
+        let e = run(&["--listen", "127.0.0.1:0", "--host-kv-capacity-tokens", "8"]).unwrap_err();
+        assert!(
+            e.contains("--host-kv-capacity-tokens") && e.contains('8'),
+            "{e}"
+        );
+        let e = run(&["--listen", "127.0.0.1:0", "--host-load-s-per-token", "-1"]).unwrap_err();
+        assert!(e.contains("--host-load-s-per-token"), "{e}");
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--host-kv-capacity-tokens",
+            "999999999999999",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--host-kv-capacity-tokens"), "{e}");
+        assert!(!e.contains(" --kv-capacity-tokens"), "{e}");
         let e = run(&[
             "--listen",
             "127.0.0.1:8000",

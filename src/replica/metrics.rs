@@ -1,5 +1,7 @@
 //! GET /metrics of one simulated replica, in the exact text form vLLM 0.33 exposes (see
-//! replica-interfaces.md section 2): the gauges and counters of `EngineStats`, request
+//! replica-interfaces.md section 2): the gauges and counters of `EngineStats` (with a host KV
+//! tier also vllm:external_prefix_cache_queries_total / _hits_total, the pair vLLM reports
+//! for a KV connector such as CPU offloading or LMCache), request
 //! successes by finish reason and the time-to-first-token histogram. Pure rendering; the
 //! driver feeds the counters.
 //!
@@ -51,6 +53,8 @@ pub struct ReplicaCounters {
     pub finished_abort: u64,
     /// Copied from the engine when rendering.
     pub preemptions_total: u64,
+    /// The engine has a host KV tier: render the external prefix-cache counters.
+    pub host_kv_tier: bool,
 }
 
 impl ReplicaCounters {
@@ -131,6 +135,22 @@ pub fn render(model: &str, stats: &EngineStats, counters: &ReplicaCounters) -> S
         "Prefix cache hits, in terms of number of cached tokens.",
         stats.prefix_cache_hits_tokens as f64,
     );
+    if counters.host_kv_tier {
+        family(
+            &mut out,
+            "vllm:external_prefix_cache_queries_total",
+            "counter",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            stats.external_prefix_cache_queries_tokens as f64,
+        );
+        family(
+            &mut out,
+            "vllm:external_prefix_cache_hits_total",
+            "counter",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            stats.external_prefix_cache_hits_tokens as f64,
+        );
+    }
     family(
         &mut out,
         "vllm:prompt_tokens_total",
@@ -206,6 +226,8 @@ mod tests {
             kv_cache_usage: 0.41,
             prefix_cache_queries_tokens: 81920,
             prefix_cache_hits_tokens: 4096,
+            external_prefix_cache_queries_tokens: 77824,
+            external_prefix_cache_hits_tokens: 1024,
             prompt_tokens_total: 100,
             generation_tokens_total: 7,
             requests_finished_total: 2,
@@ -232,5 +254,14 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         assert_eq!(c.ttft.count(), 3);
+        assert!(!text.contains("external_prefix_cache"), "no host tier");
+        c.host_kv_tier = true;
+        let text = render("Qwen/Qwen3-8B", &stats, &c);
+        for line in [
+            "vllm:external_prefix_cache_queries_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 77824.0",
+            "vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1024.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
     }
 }

@@ -23,6 +23,15 @@
 //! says the engine computed the whole trace block. Guesses age as the telemetry sweep ages
 //! them (`routed_guess_ttl`, checked every `SWEEP_PERIOD_S`).
 //!
+//! With a host KV tier (`EngineConfig::host_kv_capacity_tokens` > 0) `cache_aware` gets an
+//! offloaded tier as `kvlb serve` wires it (`CacheAware::with_offload_tier`): with KV events,
+//! the engines' CPU-medium BlockStored / BlockRemoved go there (GPU ones to the GPU tier, as
+//! the telemetry feed splits them); learning from routing alone, every prompt routed to a
+//! replica is believed in its host tier too (the engine writes every computed block through),
+//! LRU-bounded by the host capacity. The data plane's estimate of a request's uncached tokens
+//! then also counts what routing put in the replica's host tier (a load costs a few percent
+//! of a recompute).
+//!
 //! Everything is deterministic: time is simulated, and `random` comes from a seeded `Rng`.
 
 use super::routed::RoutedBlocks;
@@ -30,7 +39,7 @@ use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
 use crate::estimate::TtftModel;
 use crate::http::request::Method;
-use crate::kv_events::KvEvent;
+use crate::kv_events::{KvEvent, Medium};
 use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use crate::select::{
     CacheAware, CacheAwareConfig, Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo,
@@ -109,6 +118,8 @@ const ROUTING_LOG_RECORDS: usize = 1024;
 pub struct RoutingPolicy {
     policy: Box<dyn Policy>,
     residency: Option<ResidencyWriter>,
+    /// The offloaded tier's writer (cache_aware on engines with a host KV tier).
+    offload: Option<ResidencyWriter>,
     source: ResidencySource,
     /// With events: the engine hash of the last full engine block of a trace block -> that
     /// trace block's hash (`trace::view_block`), for every prompt submitted.
@@ -128,6 +139,7 @@ impl RoutingPolicy {
         engine: &EngineConfig,
     ) -> Result<RoutingPolicy, String> {
         let mut residency = None;
+        let mut offload = None;
         let policy: Box<dyn Policy> = match name {
             "round_robin" => Box::new(RoundRobin::new(0)),
             "random" => Box::new(Random),
@@ -147,7 +159,17 @@ impl RoutingPolicy {
                     ..CacheAwareConfig::default()
                 };
                 residency = Some(writer);
-                Box::new(CacheAware::new(index, cfg)?.with_routing_log(log))
+                let mut policy = CacheAware::new(index, cfg)?.with_routing_log(log);
+                if engine.host_kv_capacity_tokens > 0 {
+                    let (index, writer) = ResidencyIndex::new(ResidencyConfig {
+                        max_replicas: replicas,
+                        block_tokens: TRACE_BLOCK_TOKENS,
+                        kv_capacity_tokens: engine.host_kv_capacity_tokens,
+                    })?;
+                    offload = Some(writer);
+                    policy = policy.with_offload_tier(index.clone());
+                }
+                Box::new(policy)
             }
             other => {
                 return Err(format!(
@@ -156,7 +178,9 @@ impl RoutingPolicy {
                 ))
             }
         };
-        Ok(RoutingPolicy::with_parts(policy, residency))
+        let mut built = RoutingPolicy::with_parts(policy, residency);
+        built.offload = offload;
+        Ok(built)
     }
 
     /// Any other policy, run as it is.
@@ -168,6 +192,7 @@ impl RoutingPolicy {
         RoutingPolicy {
             policy,
             residency,
+            offload: None,
             source: ResidencySource::Routing,
             engine_blocks: HashMap::new(),
             events: Vec::new(),
@@ -223,28 +248,49 @@ impl RoutingPolicy {
         }
         self.events.clear();
         engine.take_kv_events(&mut self.events);
+        // GPU (or no medium) to the GPU tier, any other medium to the offloaded tier.
+        let on_gpu = |medium: &Option<Medium>| medium.is_none_or(|m| m == Medium::Gpu);
         for event in &self.events {
             match event {
-                KvEvent::BlockStored { block_hashes, .. } => {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } => {
                     self.views.clear();
                     self.views.extend(
                         block_hashes
                             .iter()
                             .filter_map(|h| self.engine_blocks.get(h).copied()),
                     );
-                    if !self.views.is_empty() {
+                    if self.views.is_empty() {
+                        continue;
+                    }
+                    if on_gpu(medium) {
                         let _ = writer.insert(r, &self.views, now_us);
+                    } else if let Some(offload) = &mut self.offload {
+                        let _ = offload.insert(r, &self.views, now_us);
                     }
                 }
-                KvEvent::BlockRemoved { block_hashes, .. } => {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
                     for h in block_hashes {
                         if let Some(&view) = self.engine_blocks.get(h) {
-                            let _ = writer.remove_at(r, view, now_us);
+                            if on_gpu(medium) {
+                                let _ = writer.remove_at(r, view, now_us);
+                            } else if let Some(offload) = &mut self.offload {
+                                let _ = offload.remove(r, view);
+                            }
                         }
                     }
                 }
                 KvEvent::AllBlocksCleared => {
                     let _ = writer.clear(r);
+                    if let Some(offload) = &mut self.offload {
+                        let _ = offload.clear(r);
+                    }
                 }
             }
         }
@@ -268,6 +314,19 @@ impl RoutingPolicy {
 
     fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
         self.policy.select(req, candidates, random)
+    }
+
+    /// A request for `blocks` went to replica `r` at `now_us`. Learning from routing alone,
+    /// the offloaded tier believes them there too: the engine writes every block it computes
+    /// through to host memory (bounded by the host capacity, least recently used out first).
+    /// With KV events the offloaded tier learns from CPU-medium events only, as `kvlb serve`'s.
+    fn route_offloaded(&mut self, r: usize, blocks: &[u64], now_us: u64) {
+        if self.source != ResidencySource::Routing {
+            return;
+        }
+        if let Some(offload) = &mut self.offload {
+            let _ = offload.insert_routed(r, blocks, now_us);
+        }
     }
 
     /// After a decision: replica `r` has `pending_tokens` routed there still to compute. They
@@ -317,6 +376,9 @@ pub struct Run {
     /// Summed over the engines: prefix-cache lookups and hits, in tokens.
     pub prefix_queries_tokens: u64,
     pub prefix_hits_tokens: u64,
+    /// Of the hits, tokens loaded from the engines' host tiers (0 without one); the rest were
+    /// found in GPU memory.
+    pub host_hits_tokens: u64,
     pub preemptions: u64,
     /// Duplicate engine blocks at each sample time.
     pub duplicate_samples: Vec<u64>,
@@ -353,6 +415,16 @@ pub fn simulate(
         .collect();
     let mut next_sweep = 0.0f64;
     let mut loads = vec![Load::default(); replicas];
+    // What routing put in each replica's host tier (write-through: everything it computed,
+    // up to the host capacity), for the estimate of uncached tokens.
+    let mut routed_host = (engine.host_kv_capacity_tokens > 0).then(|| {
+        RoutedBlocks::new(
+            replicas,
+            engine.host_kv_capacity_tokens,
+            TRACE_BLOCK_TOKENS,
+            engine.block_size,
+        )
+    });
     let mut routed = RoutedBlocks::new(
         replicas,
         engine.kv_capacity_tokens,
@@ -490,9 +562,15 @@ pub fn simulate(
                     );
                     continue;
                 }
-                let estimated = routed.matched_tokens(r, &req.block_ids, req.prompt_tokens);
+                let mut estimated = routed.matched_tokens(r, &req.block_ids, req.prompt_tokens);
+                if let Some(host) = &mut routed_host {
+                    estimated =
+                        estimated.max(host.matched_tokens(r, &req.block_ids, req.prompt_tokens));
+                    host.route(r, &req.block_ids, req.prompt_tokens);
+                }
                 rec.estimated_cached_tokens = estimated;
                 routed.route(r, &req.block_ids, req.prompt_tokens);
+                policy.route_offloaded(r, &view_blocks, view.now_us);
                 let l = &mut loads[r];
                 l.in_flight += 1;
                 l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
@@ -505,11 +583,13 @@ pub fn simulate(
             }
         }
     }
-    let (mut queries, mut hits) = (0, 0);
+    let (mut queries, mut hits, mut host_hits) = (0, 0, 0);
     for e in &engines {
         let s = e.stats();
         queries += s.prefix_cache_queries_tokens;
-        hits += s.prefix_cache_hits_tokens;
+        // The GPU hits plus the host tier's (its lookups continue the GPU's).
+        hits += s.prefix_cache_hits_tokens + s.external_prefix_cache_hits_tokens;
+        host_hits += s.external_prefix_cache_hits_tokens;
     }
     Ok(Run {
         policy: policy.name().to_string(),
@@ -517,6 +597,7 @@ pub fn simulate(
         replica_prefill_tokens,
         prefix_queries_tokens: queries,
         prefix_hits_tokens: hits,
+        host_hits_tokens: host_hits,
         preemptions: engines.iter().map(|e| e.preemptions_total()).sum(),
         duplicate_samples,
         makespan_s: now,
@@ -788,6 +869,55 @@ mod tests {
             .unwrap()
             .learn_from(ResidencySource::Events)
             .learns_from_events());
+    }
+
+    #[test]
+    fn a_host_tier_feeds_cache_aware_an_offloaded_tier() {
+        // GPU room for 4 trace blocks, host memory for 40.
+        let engine = EngineConfig {
+            kv_capacity_tokens: 2048,
+            host_kv_capacity_tokens: 20_480,
+            ..EngineConfig::default()
+        };
+        let trace = Trace {
+            name: "t".into(),
+            requests: vec![
+                request(0.0, &[1, 2, 3], 1536, 1),
+                // Pushes the first prompt out of the GPU, not out of host memory.
+                request(50.0, &[4, 5, 6, 7], 1900, 1),
+                request(100.0, &[1, 2, 3], 1536, 1),
+            ],
+        };
+        for source in [
+            ResidencySource::Routing,
+            ResidencySource::Events,
+            ResidencySource::EventsPending,
+        ] {
+            let mut policy = RoutingPolicy::build("cache_aware", 1, &engine)
+                .unwrap()
+                .learn_from(source);
+            let run = simulate(&trace, 1, &engine, &mut policy, 1).unwrap();
+            // The third request finds all but its last engine block: the second request's
+            // 119 engine blocks left the first one's head (9 blocks, freed last) on the GPU,
+            // the other 86 are loaded back from host memory.
+            assert_eq!(run.records[2].cached_tokens, 1520, "{source:?}");
+            assert_eq!(run.host_hits_tokens, 1520 - 9 * 16, "{source:?}");
+            assert_eq!(run.prefix_hits_tokens, 1520, "hits include host hits");
+            let offload = policy.offload.as_ref().expect("an offloaded tier");
+            let gpu = policy.residency.as_ref().unwrap();
+            for id in 1..=7 {
+                let view = trace::view_block(id);
+                assert!(offload.holds(0, view), "{source:?} {id}");
+                if source != ResidencySource::Routing {
+                    // CPU-medium events count in the offloaded tier only.
+                    assert_eq!(offload.copies(0, view), 1, "{source:?} {id}");
+                    assert!(gpu.copies(0, view) <= 1, "{source:?} {id}");
+                }
+            }
+        }
+        // Without a host tier there is no offloaded tier.
+        let plain = RoutingPolicy::build("cache_aware", 1, &EngineConfig::default()).unwrap();
+        assert!(plain.offload.is_none());
     }
 
     #[test]

@@ -43,6 +43,11 @@ const HELP: &str = "usage: kvlb simulate --trace FILE|gen:NAME [options]
                       events-pending  as events, and a block routed to a replica since
                                       its last BlockStored there survives a BlockRemoved
                                       (the request waiting there will store it again)
+  --host-kv-tokens N  per replica, a host-memory KV tier of N tokens (CPU offloading;
+                      default 0 = none): computed blocks are kept in host memory and a
+                      prefix the GPU evicted is loaded back instead of recomputed
+  --host-load-s-per-token X
+                      seconds per token to load KV back from the host tier (default 4e-6)
   --json              print a JSON array, one object per policy, instead of a table
   --plot FILE.svg     write the TTFT CDF and per-replica prefill work as an SVG
 
@@ -52,7 +57,9 @@ policies: round_robin, random, least_loaded, power_of_two, consistent_hash,
 Each replica is the simulated engine of `kvlb replica` (default configuration: 8B model on
 one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Per policy:
   ttft_p50/p90/p99_s, e2e_p50/p99_s  time to first token / to the last token (s)
-  hit_rate             prompt tokens found in the engines' prefix caches / prompt tokens
+  hit_rate             prompt tokens found in the engines' prefix caches (GPU, or loaded
+                       from the host tier) / prompt tokens
+  host_hit_rate        of those, the part loaded from the host tier
   prefill_tokens       prompt tokens computed (prompt minus cached)
   duplicate_kv_blocks  mean, over samples every 10 s, of 16-token KV blocks held by more
                        than one replica; estimated from the prompts routed to each replica
@@ -71,6 +78,9 @@ pub struct Options {
     pub json: bool,
     pub plot: Option<String>,
     pub residency: fleet::ResidencySource,
+    /// Per replica: host KV tier tokens (0 = none).
+    pub host_kv_tokens: u64,
+    pub host_load_s_per_token: f64,
 }
 
 /// Parse the command line; `Ok(None)` for `--help`.
@@ -85,6 +95,8 @@ pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
         json: false,
         plot: None,
         residency: fleet::ResidencySource::Routing,
+        host_kv_tokens: 0,
+        host_load_s_per_token: EngineConfig::default().host_load_s_per_token,
     };
     let mut i = 0;
     while i < args.len() {
@@ -145,6 +157,24 @@ pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
                     .map_err(|_| format!("--seed {v:?}: expected a whole number"))?
             }
             "--plot" => o.plot = Some(v.clone()),
+            "--host-kv-tokens" => {
+                o.host_kv_tokens = v
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|&n| n == 0 || (16..=1 << 40).contains(&n))
+                    .ok_or(format!(
+                        "--host-kv-tokens {v:?}: expected 0 (none) or a whole number of tokens from 16 to 2^40"
+                    ))?
+            }
+            "--host-load-s-per-token" => {
+                o.host_load_s_per_token = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or(format!(
+                        "--host-load-s-per-token {v:?}: expected a number of seconds >= 0"
+                    ))?
+            }
             "--residency" => {
                 o.residency = fleet::ResidencySource::parse(v).ok_or(format!(
                     "--residency {v:?}: expected one of {}",
@@ -165,8 +195,17 @@ pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
     Ok(Some(o))
 }
 
-/// Run every policy of `o` and return the summaries with each one's sorted TTFTs.
-pub fn run(o: &Options) -> Result<(Vec<report::Summary>, Vec<Vec<f64>>), String> {
+/// Every policy's results, in the order of `Options::policies`.
+pub struct Runs {
+    pub summaries: Vec<report::Summary>,
+    /// Each policy's sorted TTFTs.
+    pub ttfts: Vec<Vec<f64>>,
+    /// With a host tier, the host tier's share of each policy's hits (else empty).
+    pub host_hit_rates: Vec<f64>,
+}
+
+/// Run every policy of `o`.
+pub fn run(o: &Options) -> Result<Runs, String> {
     let mut t = trace::load(&o.trace, o.limit, o.seed)?;
     if t.requests.is_empty() {
         return Err(format!("--trace {:?}: no requests", o.trace));
@@ -174,9 +213,15 @@ pub fn run(o: &Options) -> Result<(Vec<report::Summary>, Vec<Vec<f64>>), String>
     for r in &mut t.requests {
         r.arrival_s /= o.speedup;
     }
-    let engine = EngineConfig::default();
+    let engine = EngineConfig {
+        host_kv_capacity_tokens: o.host_kv_tokens,
+        host_load_s_per_token: o.host_load_s_per_token,
+        ..EngineConfig::default()
+    };
+    engine.validate()?;
     let mut summaries = Vec::new();
     let mut ttfts = Vec::new();
+    let mut host_hit_rates = Vec::new();
     for name in &o.policies {
         let started = Instant::now();
         let mut policy =
@@ -187,10 +232,17 @@ pub fn run(o: &Options) -> Result<(Vec<report::Summary>, Vec<Vec<f64>>), String>
             run.records.len(),
             started.elapsed().as_secs_f64()
         );
+        if o.host_kv_tokens > 0 {
+            host_hit_rates.push(report::host_hit_rate(&run));
+        }
         summaries.push(report::summarize(&run));
         ttfts.push(report::sorted_ttfts(&run));
     }
-    Ok((summaries, ttfts))
+    Ok(Runs {
+        summaries,
+        ttfts,
+        host_hit_rates,
+    })
 }
 
 pub fn main(args: Vec<String>) -> i32 {
@@ -206,7 +258,11 @@ pub fn main(args: Vec<String>) -> i32 {
         }
     };
     let started = Instant::now();
-    let (summaries, ttfts) = match run(&o) {
+    let Runs {
+        summaries,
+        ttfts,
+        host_hit_rates,
+    } = match run(&o) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvlb simulate: {e}");
@@ -214,13 +270,23 @@ pub fn main(args: Vec<String>) -> i32 {
         }
     };
     if o.json {
-        println!("{}", report::to_json(&summaries));
+        if o.host_kv_tokens > 0 {
+            println!("{}", report::to_json_with_host(&summaries, &host_hit_rates));
+        } else {
+            println!("{}", report::to_json(&summaries));
+        }
     } else {
+        let host = if o.host_kv_tokens > 0 {
+            format!(", host KV tier {} tokens per replica", o.host_kv_tokens)
+        } else {
+            String::new()
+        };
         println!(
-            "{} ({} requests, {} replicas, speedup {})",
+            "{} ({} requests, {} replicas, speedup {}{host})",
             o.trace, summaries[0].requests, o.replicas, o.speedup
         );
-        print!("{}", report::to_table(&summaries));
+        let host = (o.host_kv_tokens > 0).then_some(host_hit_rates.as_slice());
+        print!("{}", report::to_table_with_host(&summaries, host));
     }
     if let Some(path) = &o.plot {
         let title = format!(
@@ -262,6 +328,28 @@ mod tests {
                 .unwrap()
                 .unwrap();
             assert_eq!(o.residency.name(), *name);
+        }
+        let o = parse_args(&args(&[
+            "--trace",
+            "x",
+            "--host-kv-tokens",
+            "3200000",
+            "--host-load-s-per-token",
+            "1e-6",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (o.host_kv_tokens, o.host_load_s_per_token),
+            (3_200_000, 1e-6)
+        );
+        for bad in [
+            ["--host-kv-tokens", "8"],
+            ["--host-kv-tokens", "-1"],
+            ["--host-load-s-per-token", "nan"],
+        ] {
+            let e = parse_args(&args(&["--trace", "x", bad[0], bad[1]])).unwrap_err();
+            assert!(e.contains(bad[0]) && e.contains(bad[1]), "{e}");
         }
         let e = parse_args(&args(&["--trace", "x", "--residency", "oracle"])).unwrap_err();
         assert!(

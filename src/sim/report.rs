@@ -3,7 +3,9 @@
 //!
 //! * `ttft_*`, `e2e_*`: percentiles (nearest rank) over requests that finished.
 //! * `hit_rate`: prompt tokens the engines found cached / prompt tokens looked up (the
-//!   engines' own prefix-cache counters, first admission of each request).
+//!   engines' own prefix-cache counters, first admission of each request), in GPU memory or
+//!   loaded from a host KV tier; `host_hit_rate` (with a host tier: an extra JSON key and
+//!   table column) is the host tier's part of it.
 //! * `prefill_tokens`: prompt tokens actually computed (prompt minus cached, per request;
 //!   recomputation after a preemption is not included, `preemptions` counts those).
 //! * `duplicate_kv_blocks`: mean over samples every 10 s of simulated time of the engine blocks
@@ -115,6 +117,28 @@ pub fn to_json(summaries: &[Summary]) -> String {
     serde_json::to_string_pretty(summaries).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }
 
+/// The host tier's share of prompt tokens (tokens loaded from it / prompt tokens looked up).
+pub fn host_hit_rate(run: &Run) -> f64 {
+    if run.prefix_queries_tokens == 0 {
+        0.0
+    } else {
+        run.host_hits_tokens as f64 / run.prefix_queries_tokens as f64
+    }
+}
+
+/// As `to_json`, each object with a `host_hit_rate` from `host_hit_rates` (same order).
+pub fn to_json_with_host(summaries: &[Summary], host_hit_rates: &[f64]) -> String {
+    let mut v = serde_json::to_value(summaries).unwrap_or_default();
+    if let Some(list) = v.as_array_mut() {
+        for (o, &rate) in list.iter_mut().zip(host_hit_rates) {
+            if let Some(o) = o.as_object_mut() {
+                o.insert("host_hit_rate".into(), serde_json::json!(rate));
+            }
+        }
+    }
+    serde_json::to_string_pretty(&v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
 fn secs(v: f64) -> String {
     if !v.is_finite() {
         "-".into()
@@ -137,6 +161,12 @@ fn tokens(v: u64) -> String {
 
 /// An aligned table, one row per policy.
 pub fn to_table(summaries: &[Summary]) -> String {
+    to_table_with_host(summaries, None)
+}
+
+/// As `to_table`, with a `host_hit` column after `hit_rate` when `host_hit_rates` are given
+/// (same order as `summaries`).
+pub fn to_table_with_host(summaries: &[Summary], host_hit_rates: Option<&[f64]>) -> String {
     let head = [
         "policy",
         "requests",
@@ -145,13 +175,14 @@ pub fn to_table(summaries: &[Summary]) -> String {
         "ttft_p99",
         "e2e_p99",
         "hit_rate",
+        "host_hit",
         "prefill_tok",
         "dup_kv_blk",
         "max/mean",
         "preempt",
     ];
     let mut rows: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
-    for s in summaries {
+    for (k, s) in summaries.iter().enumerate() {
         let requests = if s.rejected > 0 {
             format!("{} ({} rej)", s.requests, s.rejected)
         } else {
@@ -165,13 +196,21 @@ pub fn to_table(summaries: &[Summary]) -> String {
             secs(s.ttft_p99_s),
             secs(s.e2e_p99_s),
             format!("{:.3}", s.hit_rate),
+            host_hit_rates.map_or(String::new(), |h| format!("{:.3}", h[k])),
             tokens(s.prefill_tokens),
             format!("{:.0}", s.duplicate_kv_blocks),
             format!("{:.2}", s.max_mean_load),
             s.preemptions.to_string(),
         ]);
     }
-    let widths: Vec<usize> = (0..head.len())
+    if host_hit_rates.is_none() {
+        let column = head.iter().position(|&h| h == "host_hit").unwrap_or(0);
+        for row in &mut rows {
+            row.remove(column);
+        }
+    }
+    let columns = rows[0].len();
+    let widths: Vec<usize> = (0..columns)
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
