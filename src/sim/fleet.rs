@@ -156,6 +156,15 @@ impl RoutingPolicy {
                 let log = writer.routing_log(ROUTING_LOG_RECORDS);
                 let cfg = CacheAwareConfig {
                     model: TtftModel::from_engine(engine),
+                    // Calibrated from the engine like the rest of the model: loading a token
+                    // back from the host tier against computing it (its per-token prefill).
+                    offload_load_cost: if engine.host_kv_capacity_tokens > 0
+                        && engine.prefill_b_s > 0.0
+                    {
+                        (engine.host_load_s_per_token / engine.prefill_b_s).clamp(0.0, 1.0)
+                    } else {
+                        CacheAwareConfig::default().offload_load_cost
+                    },
                     ..CacheAwareConfig::default()
                 };
                 residency = Some(writer);
