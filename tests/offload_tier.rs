@@ -12,8 +12,8 @@ use kvlb::kv_events::{KvEvent, Medium};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{batch, decision, replicas_json, serve_with_publishers, ReplicaFleet};
-use support::{wait_until, HttpConn, Kvlb};
+use support::fleet::{batch, decision, serve_with_publishers, tiers, ReplicaFleet};
+use support::{wait_until, HttpConn};
 
 const T: Duration = Duration::from_secs(20);
 /// Prompt tokens (128 blocks of 16).
@@ -52,17 +52,6 @@ fn post(addr: SocketAddr, body: &[u8]) -> support::Response {
         body,
     )
     .unwrap_or_else(|e| panic!("POST /v1/completions to {addr}: {e}"))
-}
-
-/// (GPU blocks, offloaded blocks) kvlb believes replica `r` holds.
-fn tiers(kvlb: &Kvlb, r: usize) -> (u64, u64) {
-    let all = replicas_json(kvlb);
-    (
-        all[r]["resident_blocks"].as_u64().unwrap_or(u64::MAX),
-        all[r]["telemetry"]["offload_resident_blocks"]
-            .as_u64()
-            .unwrap_or(u64::MAX),
-    )
 }
 
 #[test]

@@ -10,7 +10,7 @@ mod support;
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{decision, replicas_json, ReplicaFleet};
+use support::fleet::{decision, tiers, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
@@ -29,17 +29,6 @@ fn completion(tokens: &[u32]) -> Vec<u8> {
 
 fn prompt(first: u32, n: u32) -> Vec<u32> {
     (first..first + n).collect()
-}
-
-/// (GPU blocks, offloaded blocks) kvlb believes replica `r` holds.
-fn tiers(kvlb: &Kvlb, r: usize) -> (u64, u64) {
-    let all = replicas_json(kvlb);
-    (
-        all[r]["resident_blocks"].as_u64().unwrap_or(u64::MAX),
-        all[r]["telemetry"]["offload_resident_blocks"]
-            .as_u64()
-            .unwrap_or(u64::MAX),
-    )
 }
 
 fn metric(addr: SocketAddr, name: &str) -> f64 {

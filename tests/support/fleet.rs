@@ -174,3 +174,14 @@ pub fn batch(events: Vec<KvEvent>) -> KvEventBatch {
         dp_rank: None,
     }
 }
+
+/// (GPU blocks, offloaded blocks) kvlb believes replica `r` holds.
+pub fn tiers(kvlb: &Kvlb, r: usize) -> (u64, u64) {
+    let all = replicas_json(kvlb);
+    (
+        all[r]["resident_blocks"].as_u64().unwrap_or(u64::MAX),
+        all[r]["telemetry"]["offload_resident_blocks"]
+            .as_u64()
+            .unwrap_or(u64::MAX),
+    )
+}
