@@ -40,18 +40,23 @@ def block_tokens(prompt, j):
     return max(0, min(BLOCK, prompt - j * BLOCK))
 
 
+def leading_held(ids, held):
+    """How many of the leading block ids are in held (a prefix match stops at the first miss)."""
+    matched = 0
+    for id_ in ids:
+        if id_ not in held:
+            break
+        matched += 1
+    return matched
+
+
 def lru_hits(reqs, capacity_tokens):
     """Prefix hits of one LRU cache of capacity_tokens (whole 512-token blocks)."""
     cap = max(1, capacity_tokens // BLOCK)
     cache = OrderedDict()
     hits = 0
     for _, prompt, ids in reqs:
-        matched = 0
-        for id_ in ids:
-            if id_ in cache:
-                matched += 1
-            else:
-                break
+        matched = leading_held(ids, cache)
         hits += min(prompt, matched * BLOCK)
         # Touch last to first so the prefix is the most recent, as the engine frees tails first.
         for id_ in reversed(ids):
@@ -115,12 +120,7 @@ def main():
     unbounded = 0
     first_block_hits = 0
     for _, prompt, ids in reqs:
-        matched = 0
-        for id_ in ids:
-            if id_ in seen:
-                matched += 1
-            else:
-                break
+        matched = leading_held(ids, seen)
         unbounded += min(prompt, matched * BLOCK)
         if matched >= 1:
             first_block_hits += block_tokens(prompt, 0)
