@@ -465,23 +465,12 @@ fn stores_and_removals_go_to_the_tier_of_their_medium() {
     let tel = ReplicaTelemetry::default();
     let mut ops = Vec::new();
     let whole = kvlb_hashes(0..32);
-    let on = |medium: &str, hashes: &[u64], parent, tokens| match stored(hashes, parent, tokens) {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            ..
-        } => KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            medium: Some(Medium::parse(medium)),
-        },
-        other => other,
+    let on = |on: &str, hashes: &[u64], parent, tokens| {
+        let mut e = stored(hashes, parent, tokens);
+        if let KvEvent::BlockStored { medium, .. } = &mut e {
+            *medium = Some(Medium::parse(on));
+        }
+        e
     };
     // The prefix on GPU, then offloaded to CPU (same engine hashes), then a CPU block chained
     // on a GPU parent: the chain is shared by the tiers.
