@@ -120,8 +120,10 @@ http {
 }
 EOF
 start "$LOAD_CORE" "$TMP/nginx.log" nginx -p "$TMP" -c "$TMP/nginx.conf"
+NGINX_PID=${PIDS[-1]}
 start "$LOAD_CORE" "$TMP/replica.log" "$KVLB" replica --listen "127.0.0.1:$REPLICA_PORT" \
     --time-scale 16 --max-num-seqs 1024
+REPLICA_PID=${PIDS[-1]}
 wait_http "http://127.0.0.1:$NGINX_PORT/1m.bin"
 for _ in $(seq 100); do grep -q 'kvlb replica: ready' "$TMP/replica.log" && break; sleep 0.1; done
 
@@ -224,8 +226,11 @@ say "         (backends and wrk included: the same for every proxy; compare diff
 say "         on a shared machine other processes land in it too: see the load average)"
 say "proxy_s/GiB: the proxy process's own CPU (utime+stime, io_uring worker threads included;"
 say "         not the softirq and kworker time of sockmap redirects) per GiB moved"
+say "wrk_s/GiB, backend_s/GiB: the same for the load generator and the backend (nginx or kvlb"
+say "         replica): where the rest of CPU_s/GiB goes (with the interrupt time in between)"
 say ""
-printf '%-12s %-15s %9s %8s %9s %10s %10s %6s\n' shape proxy MiB/s req/s p99_ms CPU_s/GiB proxy_s/GiB errors | tee -a "$RESULTS"
+printf '%-12s %-15s %9s %8s %9s %10s %10s %10s %10s %6s\n' shape proxy MiB/s req/s p99_ms \
+    CPU_s/GiB proxy_s/GiB wrk_s/GiB backend_s/GiB errors | tee -a "$RESULTS"
 
 HZ=$(getconf CLK_TCK)
 for shape in $SHAPES; do
@@ -241,14 +246,22 @@ for shape in $SHAPES; do
         pid=${PID_OF[$p]}
         [ "$shape" = sse ] && port=${PORT_OF[$p-sse]} pid=${PID_OF[$p-sse]}
         url="http://127.0.0.1:$port$path"
+        backend=$NGINX_PID
+        [ "$shape" = sse ] && backend=$REPLICA_PID
         # Short warm-up (connections joined, pipes pooled), then the measured run.
         taskset -c "$LOAD_CORE" wrk -t1 -c"$conns" -d1s -s "$TMP/$script" "$url" >/dev/null 2>&1 || true
         read -r b0 t0 <<<"$(all_cores)"
         pt0=$(taskset -c "$LOAD_CORE" "$PYTHON" bench/lib/procstat.py ticks "$pid")
-        out=$(taskset -c "$LOAD_CORE" wrk -t1 -c"$conns" -d"${DURATION}s" --timeout 10s --latency \
-            -s "$TMP/$script" "$url" 2>&1 || true)
+        bt0=$(taskset -c "$LOAD_CORE" "$PYTHON" bench/lib/procstat.py ticks "$backend")
+        # wrk's own CPU: bash's `time` of the (exec'd) wrk, user and system seconds.
+        { TIMEFORMAT='%U %S'; time taskset -c "$LOAD_CORE" wrk -t1 -c"$conns" -d"${DURATION}s" \
+            --timeout 10s --latency -s "$TMP/$script" "$url" >"$TMP/wrk.out" 2>&1 || true; } \
+            2>"$TMP/wrk.time"
+        out=$(cat "$TMP/wrk.out")
         read -r b1 t1 <<<"$(all_cores)"
         pt1=$(taskset -c "$LOAD_CORE" "$PYTHON" bench/lib/procstat.py ticks "$pid")
+        bt1=$(taskset -c "$LOAD_CORE" "$PYTHON" bench/lib/procstat.py ticks "$backend")
+        wrk_s=$(awk '{ print $1 + $2 }' "$TMP/wrk.time")
         line=$(grep '^BENCH ' <<<"$out" || true)
         if [ -z "$line" ]; then
             printf '%-12s %-15s %s\n' "$shape" "$p" "FAILED: $(tail -n 3 <<<"$out" | tr '\n' ' ')" | tee -a "$RESULTS"
@@ -261,11 +274,12 @@ for shape in $SHAPES; do
         [ "$shape" = prompt-256K ] && bytes=$((bytes + req * 262144))
         awk -v s="$shape" -v p="$p" -v req="$req" -v dur="$dur" -v bytes="$bytes" \
             -v p99="$(field "$line" p99_us)" -v busy=$((b1 - b0)) -v hz="$HZ" -v own=$((pt1 - pt0)) \
-            -v err="$(field "$line" errors)" 'BEGIN {
+            -v err="$(field "$line" errors)" -v wrk="$wrk_s" -v back=$((bt1 - bt0)) 'BEGIN {
                 gib = bytes / 1073741824
-                printf "%-12s %-15s %9.0f %8.0f %9.1f %10.2f %10.2f %6d\n", s, p,
+                if (gib <= 0) gib = 1e30
+                printf "%-12s %-15s %9.0f %8.0f %9.1f %10.2f %10.2f %10.2f %10.2f %6d\n", s, p,
                     bytes / 1048576 / (dur / 1e6), req / (dur / 1e6), p99 / 1000,
-                    (gib > 0) ? busy / hz / gib : 0, (gib > 0) ? own / hz / gib : 0, err
+                    busy / hz / gib, own / hz / gib, wrk / gib, back / hz / gib, err
             }' | tee -a "$RESULTS"
     done
 done
