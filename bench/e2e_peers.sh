@@ -31,6 +31,11 @@
 # balancer's run with the lowest p99 TTFT (other processes on a shared machine only ever slow
 # a run down); every run's TTFT is listed under the table.
 #
+# KV events: the fleet writes them as maps with every key present, nil values included
+# (KV_EVENTS_FORMAT=map-nil), because vllm-router 0.1.17's kv_aware rejects maps that leave nil
+# keys out (as vLLM 0.33 writes them: KV_EVENTS_FORMAT=map) and positional arrays
+# (KV_EVENTS_FORMAT=array); kvlb reads all three.
+#
 # Environment: TRACE (the Mooncake conversation trace), START (0), DURATION (75), LOAD (1),
 # TIME_SCALE (5), REPLICAS (4), MAX_OUTPUT (cap output tokens; default the trace's),
 # BALANCERS (all six), ROUNDS (1), WARMUP (15: wall seconds of warm-up traffic through the fresh
@@ -57,6 +62,7 @@ WARMUP=${WARMUP:-15}
 WARMUP=${WARMUP%s}
 WARMUP_START=${WARMUP_START:-3000}
 PIN=${PIN:-1}
+KV_EVENTS_FORMAT=${KV_EVENTS_FORMAT:-map-nil}
 FLEET_CORE=${FLEET_CORE:-1}
 BALANCER_CORE=${BALANCER_CORE:-0}
 RESULTS_NAME=${RESULTS_NAME:-e2e-peers}
@@ -200,6 +206,7 @@ wait_http() {
 # --- the fleet ---------------------------------------------------------------------------
 on_core "$FLEET_CORE" "$KVLB" replica --listen 127.0.0.1:0 --count "$REPLICAS" \
     --time-scale "$TIME_SCALE" --model sim --kv-events tcp://127.0.0.1:0 \
+    --kv-events-format "$KV_EVENTS_FORMAT" \
     2>"$TMP/fleet.log" &
 FLEET_PID=$!
 for _ in $(seq 150); do

@@ -52,8 +52,8 @@ fn sample_batch() -> KvEventBatch {
 }
 
 #[test]
-fn round_trip_both_formats() {
-    for format in [EventFormat::Map, EventFormat::Array] {
+fn round_trip_every_format() {
+    for format in [EventFormat::Map, EventFormat::Array, EventFormat::MapNil] {
         let batch = sample_batch();
         assert_eq!(decode_batch(&encode_batch(&batch, format)).unwrap(), batch);
         let empty = KvEventBatch {
@@ -92,6 +92,34 @@ fn map_form_omits_nil_keys_and_uses_vllm_names() {
     assert_eq!(bytes[1], 0xcb);
     assert_eq!(&bytes[10..12], &[0x91, 0x85]);
     assert_eq!(*bytes.last().unwrap(), 0xc0);
+}
+
+#[test]
+fn map_nil_form_writes_every_key_with_nil_values() {
+    let batch = KvEventBatch {
+        ts: 1.0,
+        events: vec![
+            stored(vec![9], None, 1),
+            KvEvent::BlockRemoved {
+                block_hashes: vec![9],
+                medium: None,
+            },
+        ],
+        dp_rank: None,
+    };
+    let bytes = encode_batch(&batch, EventFormat::MapNil);
+    let text = String::from_utf8_lossy(&bytes);
+    for key in ["parent_block_hash", "lora_id", "lora_name", "medium"] {
+        assert!(text.contains(key), "{key} missing");
+    }
+    // [ts, [stored, removed], nil]: the BlockStored map has all eight keys, parent nil.
+    assert_eq!(&bytes[10..12], &[0x92, 0x88]);
+    let key = b"parent_block_hash";
+    let parent = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(bytes[parent], 0xc0, "parent_block_hash is nil");
+    // BlockRemoved: type, block_hashes and medium (nil).
+    assert!(bytes.windows(2).any(|w| w == [0x83, 0xa4]));
+    assert_eq!(decode_batch(&bytes).unwrap(), batch);
 }
 
 #[test]
@@ -446,6 +474,7 @@ fn garbage_never_panics() {
     let valid = [
         encode_batch(&sample_batch(), EventFormat::Map),
         encode_batch(&sample_batch(), EventFormat::Array),
+        encode_batch(&sample_batch(), EventFormat::MapNil),
     ];
     // Every truncation of valid messages fails cleanly.
     for v in &valid {

@@ -1,7 +1,7 @@
 //! msgpack encoding of KV event batches exactly as vLLM 0.33 writes them (msgspec with
 //! `omit_defaults`): the batch is always the positional `[ts, events, dp_rank]`; events are
 //! either maps tagged by "type" with nil optional keys left out, or positional arrays with the
-//! tag first.
+//! tag first; or, for decoders that require every key, maps with the nil keys written out.
 
 use super::{EventFormat, KvEvent, KvEventBatch};
 use rmp::encode as mp;
@@ -26,7 +26,8 @@ fn write_batch(out: &mut Vec<u8>, batch: &KvEventBatch, format: EventFormat) {
     let _ = mp::write_array_len(out, len32(batch.events.len()));
     for event in &batch.events {
         match format {
-            EventFormat::Map => write_event_map(out, event),
+            EventFormat::Map => write_event_map(out, event, false),
+            EventFormat::MapNil => write_event_map(out, event, true),
             EventFormat::Array => write_event_array(out, event),
         }
     }
@@ -62,7 +63,7 @@ fn write_key(out: &mut Vec<u8>, key: &str) {
     let _ = mp::write_str(out, key);
 }
 
-fn write_event_map(out: &mut Vec<u8>, event: &KvEvent) {
+fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, nils: bool) {
     match event {
         KvEvent::BlockStored {
             block_hashes,
@@ -72,44 +73,58 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent) {
             lora_id,
             medium,
         } => {
-            let len = 4
-                + parent_block_hash.is_some() as u32
-                + lora_id.is_some() as u32
-                + medium.is_some() as u32;
+            let len = if nils {
+                8
+            } else {
+                4 + parent_block_hash.is_some() as u32
+                    + lora_id.is_some() as u32
+                    + medium.is_some() as u32
+            };
             let _ = mp::write_map_len(out, len);
             write_key(out, "type");
             write_key(out, "BlockStored");
             write_key(out, "block_hashes");
             write_hashes(out, block_hashes);
-            if let Some(parent) = parent_block_hash {
+            if parent_block_hash.is_some() || nils {
                 write_key(out, "parent_block_hash");
-                let _ = mp::write_uint(out, *parent);
+                match parent_block_hash {
+                    Some(parent) => {
+                        let _ = mp::write_uint(out, *parent);
+                    }
+                    None => {
+                        let _ = mp::write_nil(out);
+                    }
+                }
             }
             write_key(out, "token_ids");
             write_tokens(out, token_ids);
             write_key(out, "block_size");
             let _ = mp::write_uint(out, *block_size as u64);
-            if let Some(lora_id) = lora_id {
+            if lora_id.is_some() || nils {
                 write_key(out, "lora_id");
-                let _ = mp::write_sint(out, *lora_id);
+                write_opt_int(out, *lora_id);
             }
-            if let Some(medium) = medium {
+            if medium.is_some() || nils {
                 write_key(out, "medium");
-                write_key(out, medium.as_str());
+                write_opt_medium(out, medium);
+            }
+            if nils {
+                write_key(out, "lora_name");
+                let _ = mp::write_nil(out);
             }
         }
         KvEvent::BlockRemoved {
             block_hashes,
             medium,
         } => {
-            let _ = mp::write_map_len(out, 2 + medium.is_some() as u32);
+            let _ = mp::write_map_len(out, 2 + (medium.is_some() || nils) as u32);
             write_key(out, "type");
             write_key(out, "BlockRemoved");
             write_key(out, "block_hashes");
             write_hashes(out, block_hashes);
-            if let Some(medium) = medium {
+            if medium.is_some() || nils {
                 write_key(out, "medium");
-                write_key(out, medium.as_str());
+                write_opt_medium(out, medium);
             }
         }
         KvEvent::AllBlocksCleared => {

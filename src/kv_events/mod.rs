@@ -98,4 +98,8 @@ pub enum EventFormat {
     Map,
     /// positional arrays with the tag first (older engines).
     Array,
+    /// maps as `Map`, but every key written, nil values included (msgspec without
+    /// `omit_defaults`): what decoders that require each key, such as vllm-router 0.1.17's
+    /// `kv_aware`, accept.
+    MapNil,
 }

@@ -43,7 +43,10 @@ options:
   --count N                     serve N independent replicas on consecutive ports (default 1)
   --kv-events tcp://ADDR        publish KV cache events (ZeroMQ PUB) on ADDR, port shifted per replica
   --kv-replay tcp://ADDR        serve event replay (ZeroMQ ROUTER) on ADDR (needs --kv-events)
-  --kv-events-format map|array  event encoding: map (vLLM >= 0.24, default) or array (older)
+  --kv-events-format map|array|map-nil
+                                event encoding: map (vLLM >= 0.24, default), array (older),
+                                or map-nil (maps with nil keys written out, for decoders that
+                                require every key, such as vllm-router's kv_aware)
   --kv-events-topic TOPIC       topic frame of every event message (default empty)
   --time-scale X                engine seconds per wall second (default 1; 100 = 100x faster)
   --model NAME                  served model name (default Qwen/Qwen3-8B)
@@ -166,9 +169,10 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 flags.kv_events_format = match value.as_str() {
                     "map" => EventFormat::Map,
                     "array" => EventFormat::Array,
+                    "map-nil" => EventFormat::MapNil,
                     _ => {
                         return Err(format!(
-                            "bad value for {name}: {value:?} (expected map or array)"
+                            "bad value for {name}: {value:?} (expected map, array or map-nil)"
                         ))
                     }
                 }
