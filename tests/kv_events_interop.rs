@@ -207,7 +207,11 @@ fn wait_for_subscriber(publisher: &KvEventPublisher, script: &mut Script) {
 
 #[test]
 fn pyzmq_subscriber_decodes_what_kvlb_publishes() {
-    for (format, name) in [(EventFormat::Map, "map"), (EventFormat::Array, "array")] {
+    for (format, name) in [
+        (EventFormat::Map, "map"),
+        (EventFormat::Array, "array"),
+        (EventFormat::MapNil, "map-nil"),
+    ] {
         let topic = "kv@pod-3@Qwen/Qwen3-8B";
         let publisher = KvEventPublisher::bind("tcp://127.0.0.1:0", None, topic, format).unwrap();
         let endpoint = format!("tcp://{}", publisher.local_addrs().0);
@@ -223,11 +227,23 @@ fn pyzmq_subscriber_decodes_what_kvlb_publishes() {
             assert_eq!(got["topic"], topic, "{name}");
             assert_eq!(got["seq"], seq, "{name}");
             assert_eq!(got["batch"], batch_json(b), "{name} batch {seq}");
-            assert_eq!(
-                got["nil_keys"],
-                json!([]),
-                "{name}: nil keys must be left out"
-            );
+            if format == EventFormat::MapNil {
+                // Every BlockStored writes lora_name (always nil here) and its other nil keys.
+                let stored = b
+                    .events
+                    .iter()
+                    .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
+                    .count();
+                let nils = got["nil_keys"].as_array().unwrap();
+                let names = nils.iter().filter(|k| *k == "lora_name").count();
+                assert_eq!(names, stored, "{name} batch {seq}: {nils:?}");
+            } else {
+                assert_eq!(
+                    got["nil_keys"],
+                    json!([]),
+                    "{name}: nil keys must be left out"
+                );
+            }
         }
     }
 }

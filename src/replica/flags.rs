@@ -401,6 +401,8 @@ mod tests {
         .unwrap();
         assert_eq!(f.engine.host_kv_capacity_tokens, 3_200_000);
         assert_eq!(f.engine.host_load_s_per_token, 2e-6);
+        let f = run(&["--listen", "127.0.0.1:0", "--kv-events-format=map-nil"]).unwrap();
+        assert_eq!(f.kv_events_format, EventFormat::MapNil);
         let f = run(&["--listen", "127.0.0.1:0", "--kv-events", "tcp://*:7000"]).unwrap();
         assert_eq!(f.kv_events.unwrap().to_string(), "0.0.0.0:7000");
     }

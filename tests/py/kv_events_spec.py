@@ -95,6 +95,8 @@ class ArrayBatch(msgspec.Struct, array_like=True):
 DECODERS = {
     "map": msgspec.msgpack.Decoder(MapBatch),
     "array": msgspec.msgpack.Decoder(ArrayBatch),
+    # Maps with the nil keys written out decode into the same structs.
+    "map-nil": msgspec.msgpack.Decoder(MapBatch),
 }
 
 
