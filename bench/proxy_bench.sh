@@ -183,6 +183,8 @@ field() { sed -n "s/.* $2=\([0-9.]*\).*/\1/p" <<<"$1"; }
 CLK_TCK=$(getconf CLK_TCK)
 # Per proxy: process and port; sums over the measured runs; per-run latency percentiles.
 declare -A PID_OF PORT_OF N_REQ N_DUR N_TICKS N_BUSY N_IRQ N_TOTAL N_ERRS P50S P99S
+# Per proxy and round ("name:round"): CPU microseconds per request of that run.
+declare -A RUN_CPU
 # Per proxy, the figures reported.
 declare -A RPS P50 P99 CPU CORE IRQ UTIL OTHER ERRS
 
@@ -219,6 +221,7 @@ measure_run() {
     N_ERRS[$name]=$((${N_ERRS[$name]:-0} + $(field "$line" err_connect) + \
         $(field "$line" err_read) + $(field "$line" err_write) + $(field "$line" err_status) + \
         $(field "$line" err_timeout)))
+    RUN_CPU[$name:$round]=$(per_request "$((ticks1 - ticks0))" "$req")
     P50S[$name]="${P50S[$name]:-} $(field "$line" p50_us)"
     P99S[$name]="${P99S[$name]:-} $(field "$line" p99_us)"
     {
@@ -402,6 +405,15 @@ if [ -n "${CPU[kvlb]:-}" ]; then
     if [ -n "${CPU[nginx]:-}" ]; then
         cpu_ok=$(awk -v a="${CPU[kvlb]}" -v b="${CPU[nginx]}" 'BEGIN { print (a <= 0.7 * b) ? "PASS" : "FAIL" }')
         p99_ok=$(awk -v a="${P99[kvlb]}" -v b="${P99[nginx]}" 'BEGIN { print (a <= b) ? "PASS" : "FAIL" }')
+        if [ "$ROUNDS" -gt 1 ]; then
+            # The spread of the ratio over rounds: how much of the verdict is noise.
+            per_round=""
+            for round in $(seq "$ROUNDS"); do
+                a=${RUN_CPU[kvlb:$round]:-} b=${RUN_CPU[nginx:$round]:-}
+                [ -n "$a" ] && [ -n "$b" ] && per_round="$per_round $(ratio "$a" "$b")x"
+            done
+            say "kvlb / nginx cpu per request, round by round:$per_round"
+        fi
         say "target: kvlb cpu/request <= 0.70x nginx: $cpu_ok; kvlb p99 <= nginx p99: $p99_ok"
     fi
 elif [ -n "$kvlb_skip" ]; then
