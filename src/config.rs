@@ -391,6 +391,8 @@ pub struct ServeConfig {
     pub chat_template: Option<String>,
     /// Both, loaded (set when `tokenizer` is).
     pub token_mode: Option<crate::tokenize::SharedTokenizer>,
+    /// `access_log = PATH`: one JSON line per request (see `crate::access_log`); None: off.
+    pub access_log: Option<String>,
 }
 
 /// Client API keys, compared without early exit.
@@ -732,6 +734,7 @@ impl Default for ServeConfig {
             queue_size: 1024,
             queue_timeout: Duration::from_secs(30),
             tokenizer: None,
+            access_log: None,
             chat_template: None,
             token_mode: None,
         }
@@ -804,6 +807,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
                            hashed as the engine's token ids (blocks match KV events)
   --chat-template PATH     the model's tokenizer_config.json (chat_template, bos/eos) or a
                            .jinja file (default: beside the tokenizer)
+  --access-log PATH        one JSON line per request appended to PATH (default off); reopened
+                           on reload, for log rotation
 
 SIGHUP (or POST /reload on the admin listener) rereads the configuration: replicas, policy,
 limits, timeouts and health settings change without dropping connections or requests.";
@@ -852,6 +857,7 @@ const FILE_KEYS: &[&str] = &[
     "splice_responses_from",
     "tokenizer",
     "chat_template",
+    "access_log",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -1051,6 +1057,12 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
             }
         }
         "tokenizer" => cfg.tokenizer = Some(v.to_string()),
+        "access_log" => {
+            cfg.access_log = match v.trim() {
+                "" | "off" => None,
+                path => Some(path.to_string()),
+            }
+        }
         "chat_template" => cfg.chat_template = Some(v.to_string()),
         k if COST_MODEL_KEYS.contains(&k) => apply_cost(cfg, k, v)?,
         _ => return Err(ConfigError(format!("unknown key {key:?}"))),
@@ -1447,6 +1459,13 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         ))));
     }
     load_token_mode(&mut cfg).map_err(Some)?;
+    if let Some(path) = &cfg.access_log {
+        crate::access_log::open(path).map_err(|e| {
+            Some(ConfigError(format!(
+                "access_log = {path:?}: cannot open it for appending: {e}"
+            )))
+        })?;
+    }
     let mut urls: Vec<&str> = cfg
         .replicas
         .iter()

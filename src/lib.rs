@@ -4,6 +4,7 @@
 //! (replica choice) -> `proxy` (forwarding, upstream pool). `engine` and `replica` are the
 //! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
 
+pub mod access_log;
 pub mod admin;
 pub mod alloc;
 pub mod config;

@@ -577,6 +577,7 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
     );
     crate::l4::render_metrics(&mut out);
     crate::tokenize::render_metrics(&mut out);
+    crate::access_log::render_metrics(&mut out);
     process(&mut out);
     out
 }

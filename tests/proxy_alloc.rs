@@ -66,7 +66,7 @@ fn backend() -> u16 {
     port
 }
 
-fn start_kvlb(backend: u16) -> (Kill, u16, u16) {
+fn start_kvlb(backend: u16, extra: &[&str]) -> (Kill, u16, u16) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
         .args([
             "serve",
@@ -78,6 +78,7 @@ fn start_kvlb(backend: u16) -> (Kill, u16, u16) {
             "1",
         ])
         .args(["--replica", &format!("http://127.0.0.1:{backend}")])
+        .args(extra)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -148,8 +149,25 @@ fn request(s: &mut TcpStream, body: &[u8], buf: &mut Vec<u8>) {
 
 #[test]
 fn warm_keep_alive_requests_allocate_nothing() {
+    warm_requests_allocate_nothing(&[]);
+}
+
+/// With the access log on, each request also formats its line into the worker's buffer, and
+/// the buffer is written out (at 32 KiB and every second): still no allocation.
+#[test]
+fn warm_requests_allocate_nothing_with_the_access_log_on() {
+    let dir = std::env::temp_dir().join(format!("kvlb-alloc-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("access.log");
+    warm_requests_allocate_nothing(&["--access-log", path.to_str().unwrap()]);
+    let logged = std::fs::read_to_string(&path).unwrap().lines().count();
+    assert!(logged >= 2000, "only {logged} lines logged");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn warm_requests_allocate_nothing(extra: &[&str]) {
     let be = backend();
-    let (_kvlb, port, admin) = start_kvlb(be);
+    let (_kvlb, port, admin) = start_kvlb(be, extra);
     let body = format!(
         r#"{{"model":"m","stream":false,"messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"hi"}}]}}"#,
         "You are a helpful assistant. ".repeat(60)

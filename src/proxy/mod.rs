@@ -46,6 +46,20 @@ struct Conn {
     ubuf: Vec<u8>,
     /// All receives from the client go through here (see `watch`).
     watch: ClientWatch,
+    /// What the access log says of the current request (set as it goes).
+    log: LogState,
+}
+
+/// The parts of a request's access log line learnt on its way (see `crate::access_log`).
+#[derive(Default, Clone, Copy)]
+struct LogState {
+    /// The status sent to the client (0: none yet; 499: the client left first).
+    status: u16,
+    /// Microseconds from the request received to the replica's response head.
+    ttfb_us: Option<u64>,
+    reason: Option<&'static str>,
+    matched_tokens: u32,
+    prompt_tokens: u32,
 }
 
 /// Answer a connection over the limit with 503 and close it.
@@ -67,6 +81,7 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
         obuf: w.take_buf(),
         ubuf: w.take_buf(),
         watch: ClientWatch::new(fd),
+        log: LogState::default(),
     };
     let _ = connection_loop(&w, &mut conn).await;
     if let Some(b) = conn.watch.finish() {
@@ -134,8 +149,56 @@ async fn recv_client(conn: &mut Conn, deadline: Instant) -> io::Result<usize> {
 
 async fn send_local_error(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
     w.stats().local_error(e.status());
+    conn.log.status = e.status();
+    log_request(w, conn, None, &[], crate::rt::now());
     let _ = op::send_static(conn.fd, e.response()).await;
     End::Close
+}
+
+/// Write the current request's access log line, when the access log is on. `head` is None
+/// when the request could not be parsed; `tried` are the replicas it was sent to, last one
+/// last.
+fn log_request(
+    w: &Worker,
+    conn: &Conn,
+    head: Option<(&RequestHead, usize)>,
+    tried: &[usize],
+    received_at: Instant,
+) {
+    let log = w.access_log.borrow();
+    let Some(log) = log.as_ref() else { return };
+    let spec = tried.last().and_then(|&r| w.shared.fleet.slot(r).spec());
+    let (method, path, bytes_in): (&[u8], &[u8], usize) = match head {
+        Some((h, body_end)) => {
+            let line = &conn.cbuf[..h.target.0.saturating_sub(1)];
+            let start = line
+                .iter()
+                .position(|b| !b.is_ascii_whitespace())
+                .unwrap_or(line.len());
+            (
+                &line[start..],
+                &conn.cbuf[h.target.0..h.target.1],
+                body_end.saturating_sub(h.head_len),
+            )
+        }
+        None => (b"-", b"", 0),
+    };
+    log.line(&crate::access_log::Record {
+        client: conn.client_ip,
+        method,
+        path,
+        status: conn.log.status,
+        replica: spec.as_ref().map(|s| s.url.as_str()),
+        attempts: tried.len() as u32,
+        reason: conn.log.reason,
+        prompt_tokens: conn.log.prompt_tokens,
+        matched_tokens: conn.log.matched_tokens,
+        bytes_in,
+        ttfb_us: conn.log.ttfb_us,
+        total_us: crate::rt::now()
+            .saturating_duration_since(received_at)
+            .as_micros() as u64,
+    });
 }
 
 async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
@@ -168,6 +231,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             }
         }
         let received_at = crate::rt::now();
+        conn.log = LogState::default();
         let deadline = received_at + cfg.timeouts.client;
         let max_head = cfg.limits.max_header_bytes;
 
@@ -215,7 +279,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 .api_keys
                 .accepts(&conn.cbuf[head.bearer.0..head.bearer.1])
         {
-            match refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await {
+            let carry_on = refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await;
+            log_request(w, conn, Some((&head, body_end)), &[], received_at);
+            match carry_on {
                 true => continue,
                 false => return End::Close,
             }
@@ -244,13 +310,30 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                     Route::To(r, e) => (r, e),
                     Route::AllBusy => match wait_for_capacity(w, &tried[..attempts]).await {
                         Ok(()) => continue,
-                        Err(e) => match refuse_request(w, conn, e, &head, req_end).await {
-                            true => break Forwarded::Refused,
-                            false => return End::Close,
-                        },
+                        Err(e) => {
+                            let carry_on = refuse_request(w, conn, e, &head, req_end).await;
+                            log_request(w, conn, Some((&head, body_end)), &[], received_at);
+                            match carry_on {
+                                true => break Forwarded::Refused,
+                                false => return End::Close,
+                            }
+                        }
                     },
                     Route::NoneLeft => match last_failure.take() {
-                        None => return send_local_error(w, conn, HttpError::NoReplica).await,
+                        None => {
+                            let e = HttpError::NoReplica;
+                            w.stats().local_error(e.status());
+                            conn.log.status = e.status();
+                            log_request(
+                                w,
+                                conn,
+                                Some((&head, body_end)),
+                                &tried[..attempts],
+                                received_at,
+                            );
+                            let _ = op::send_static(conn.fd, e.response()).await;
+                            return End::Close;
+                        }
                         Some((r, f)) => break Forwarded::Failed(r, f, false),
                     },
                 };
@@ -278,10 +361,17 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         };
         let outcome = match outcome {
             Forwarded::Failed(r, f, _) => fail(w, conn, r, f).await,
-            // Answered (429) and the request bytes dropped already.
+            // Answered (429) and the request bytes dropped already (and logged).
             Forwarded::Refused => continue,
             other => other,
         };
+        log_request(
+            w,
+            conn,
+            Some((&head, body_end)),
+            &tried[..attempts],
+            received_at,
+        );
         let stats = w.stats();
         stats
             .allocations
@@ -321,6 +411,7 @@ async fn refuse_request(
     req_end: usize,
 ) -> bool {
     w.stats().local_error(e.status());
+    conn.log.status = e.status();
     let sent = op::send_static(conn.fd, e.response()).await.is_ok();
     consume_request(conn, req_end);
     sent && head.keep_alive && e.keeps_connection() && !w.draining.get()
@@ -406,6 +497,9 @@ fn route(
     if let (Some(d), true) = (choice.decision, cfg.explain) {
         explain_len = write_decision(&mut conn.explain, &d, choice.prompt_tokens);
     }
+    conn.log.reason = choice.decision.map(|d| d.reason.as_str());
+    conn.log.matched_tokens = choice.decision.map_or(0, |d| d.matched_tokens);
+    conn.log.prompt_tokens = choice.prompt_tokens;
     Route::To(
         Routed {
             replica,
@@ -670,9 +764,10 @@ async fn forward(
         slot.record_success();
     }
     let first_byte = crate::rt::now();
-    stats
-        .ttfb
-        .observe_us(first_byte.duration_since(received_at).as_micros() as u64);
+    let ttfb_us = first_byte.duration_since(received_at).as_micros() as u64;
+    stats.ttfb.observe_us(ttfb_us);
+    conn.log.status = rhead.status;
+    conn.log.ttfb_us = Some(ttfb_us);
     let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
     metrics::add(&rc.responses[class], 1);
 
@@ -805,6 +900,7 @@ async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -
     let (status, reason, kind, msg) = match f {
         UpstreamFailure::ClientGone => {
             metrics::add(&rc.client_aborts, 1);
+            conn.log.status = 499;
             return Forwarded::Close;
         }
         UpstreamFailure::Timeout => (
@@ -843,6 +939,7 @@ async fn fail(w: &Worker, conn: &mut Conn, replica: usize, f: UpstreamFailure) -
         503 => metrics::add(&rc.unavailable, 1),
         _ => metrics::add(&rc.bad_gateway, 1),
     };
+    conn.log.status = status;
     conn.obuf.clear();
     write_error(&mut conn.obuf, status, reason, kind, &msg, Some(url), true);
     let n = conn.obuf.len();

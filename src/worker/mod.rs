@@ -173,6 +173,8 @@ pub struct Worker {
     free_idle: RefCell<Vec<usize>>,
     pub open: Cell<usize>,
     pub draining: Cell<bool>,
+    /// This worker's access log (None: off).
+    pub access_log: RefCell<Option<crate::access_log::AccessLog>>,
 }
 
 impl Worker {
@@ -247,6 +249,22 @@ impl Worker {
         }
         self.generation.set(g);
         let cfg = self.cfg();
+        // A reload reopens the access log (log rotation), or turns it on or off.
+        let reopened = open_access_log(self.id, &cfg);
+        {
+            let mut log = self.access_log.borrow_mut();
+            match (log.as_ref(), reopened) {
+                (Some(old), Some(new)) => {
+                    old.flush();
+                    *log = Some(new);
+                }
+                (Some(old), None) => {
+                    old.flush();
+                    *log = None;
+                }
+                (None, new) => *log = new,
+            }
+        }
         match build_policy(&self.shared, self.id, &cfg) {
             Ok(p) => *self.policy.borrow_mut() = p,
             Err(e) => eprintln!("kvlb: worker {}: keeping the previous policy: {e}", self.id),
@@ -553,6 +571,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         free_idle: RefCell::new(Vec::new()),
         open: Cell::new(0),
         draining: Cell::new(false),
+        access_log: RefCell::new(open_access_log(id, &shared.cfg())),
         shared,
     });
     let w = worker.clone();
@@ -567,6 +586,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
             }
             rt::spawn(accept_loop(w.clone(), l, l4));
         }
+        rt::spawn(flush_access_log(w.clone()));
         // Wait for the shutdown signal.
         let _ = op::read_eventfd(wake_fd).await;
         w.draining.set(true);
@@ -592,12 +612,40 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
             }
         }
     });
+    if let Some(log) = worker.access_log.borrow().as_ref() {
+        log.flush();
+    }
     for l in listeners {
         op::close(l);
     }
     for pool in worker.idle_upstream.borrow_mut().drain(..) {
         for (up, _) in pool {
             up.close();
+        }
+    }
+}
+
+/// The access log of worker `id` under `cfg`, opened (None when off, or when the file cannot
+/// be opened: said on stderr, and requests go on unlogged).
+fn open_access_log(id: usize, cfg: &ServeConfig) -> Option<crate::access_log::AccessLog> {
+    let path = cfg.access_log.as_deref()?;
+    match crate::access_log::open(path) {
+        Ok(fd) => Some(crate::access_log::AccessLog::new(fd)),
+        Err(e) => {
+            eprintln!("kvlb: worker {id}: access_log {path:?}: {e}; requests are not logged");
+            None
+        }
+    }
+}
+
+/// Writes the access log's waiting lines at least every `FLUSH_EVERY`.
+async fn flush_access_log(w: Rc<Worker>) {
+    loop {
+        op::sleep(crate::access_log::FLUSH_EVERY).await;
+        if let Some(log) = w.access_log.borrow().as_ref() {
+            if log.has_pending() {
+                log.flush();
+            }
         }
     }
 }
