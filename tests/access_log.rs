@@ -162,6 +162,42 @@ fn no_replica_left_and_retries_are_logged_too() {
 }
 
 #[test]
+fn refused_requests_are_logged_even_when_pipelined() {
+    let dir = TempDir::new("refused");
+    let log = dir.0.join("access.log");
+    let keys = dir.0.join("keys");
+    std::fs::write(&keys, "sk-good-0001\n").unwrap();
+    let backend = Backend::start();
+    let url = backend.url();
+    let kvlb = Kvlb::serve(&[
+        "--replica",
+        &url,
+        "--workers",
+        "1",
+        "--api-keys-file",
+        keys.to_str().unwrap(),
+        "--access-log",
+        log.to_str().unwrap(),
+    ]);
+    // Two requests in one write: the first refused (401), the second served.
+    let mut c = HttpConn::connect(kvlb.listen);
+    c.send(
+        b"GET /echo?first HTTP/1.1\r\nHost: x\r\n\r\n\
+          GET /echo?second HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-good-0001\r\n\r\n",
+    )
+    .unwrap();
+    assert_eq!(c.read_response("GET").unwrap().status, 401);
+    assert_eq!(c.read_response("GET").unwrap().status, 200);
+    let got = wait_lines(&log, 2);
+    assert_eq!(got[0]["path"], "/echo?first", "{got:?}");
+    assert_eq!(got[0]["status"], 401);
+    assert!(got[0]["replica"].is_null());
+    assert_eq!(got[1]["path"], "/echo?second", "{got:?}");
+    assert_eq!(got[1]["status"], 200);
+    assert_eq!(got[1]["replica"], url.as_str());
+}
+
+#[test]
 fn reload_reopens_the_file_for_log_rotation() {
     let dir = TempDir::new("rotate");
     let log = dir.0.join("access.log");

@@ -168,16 +168,21 @@ fn log_request(
     let log = w.access_log.borrow();
     let Some(log) = log.as_ref() else { return };
     let spec = tried.last().and_then(|&r| w.shared.fleet.slot(r).spec());
+    // Slices taken with `get`: the request's bytes are still in cbuf here, but a log line
+    // must never be able to take a worker down.
     let (method, path, bytes_in): (&[u8], &[u8], usize) = match head {
         Some((h, body_end)) => {
-            let line = &conn.cbuf[..h.target.0.saturating_sub(1)];
+            let line = conn
+                .cbuf
+                .get(..h.target.0.saturating_sub(1))
+                .unwrap_or(b"-");
             let start = line
                 .iter()
                 .position(|b| !b.is_ascii_whitespace())
                 .unwrap_or(line.len());
             (
                 &line[start..],
-                &conn.cbuf[h.target.0..h.target.1],
+                conn.cbuf.get(h.target.0..h.target.1).unwrap_or(b""),
                 body_end.saturating_sub(h.head_len),
             )
         }
@@ -279,9 +284,10 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 .api_keys
                 .accepts(&conn.cbuf[head.bearer.0..head.bearer.1])
         {
-            let carry_on = refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await;
+            // Logged first: the refusal drops the request's bytes from cbuf.
+            conn.log.status = HttpError::Unauthorized.status();
             log_request(w, conn, Some((&head, body_end)), &[], received_at);
-            match carry_on {
+            match refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await {
                 true => continue,
                 false => return End::Close,
             }
@@ -311,9 +317,10 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                     Route::AllBusy => match wait_for_capacity(w, &tried[..attempts]).await {
                         Ok(()) => continue,
                         Err(e) => {
-                            let carry_on = refuse_request(w, conn, e, &head, req_end).await;
+                            // Logged first: the refusal drops the request's bytes from cbuf.
+                            conn.log.status = e.status();
                             log_request(w, conn, Some((&head, body_end)), &[], received_at);
-                            match carry_on {
+                            match refuse_request(w, conn, e, &head, req_end).await {
                                 true => break Forwarded::Refused,
                                 false => return End::Close,
                             }
