@@ -6,26 +6,28 @@
 mod support;
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 use support::proxy::run_kvlb;
-use support::{wait_until, Backend, HttpConn, Kvlb};
+use support::{wait_until, Backend, HttpConn, Kvlb, Response, TempDir};
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kvlb-access-log-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
+/// kvlb with one worker in front of `replica`, logging to `log`, with `extra` flags.
+fn logged_kvlb(replica: &str, log: &Path, extra: &[&str]) -> Kvlb {
+    let mut args = vec![
+        "--replica",
+        replica,
+        "--workers",
+        "1",
+        "--access-log",
+        log.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Kvlb::serve(&args)
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn post_chat(c: &mut HttpConn, path: &str) -> Response {
+    c.request("POST", path, &[("Content-Type", "application/json")], CHAT)
+        .unwrap()
 }
 
 fn lines(path: &Path) -> Vec<Value> {
@@ -52,28 +54,14 @@ const CHAT: &[u8] =
 
 #[test]
 fn every_request_gets_one_json_line_with_where_it_went_and_how_long_it_took() {
-    let dir = TempDir::new("lines");
-    let log = dir.0.join("access.log");
+    let dir = TempDir::new("access-lines");
+    let log = dir.file("access.log");
     let backend = Backend::start();
     let url = backend.url();
-    let kvlb = Kvlb::serve(&[
-        "--replica",
-        &url,
-        "--workers",
-        "1",
-        "--access-log",
-        log.to_str().unwrap(),
-    ]);
+    let kvlb = logged_kvlb(&url, &log, &[]);
 
     let mut c = HttpConn::connect(kvlb.listen);
-    let r = c
-        .request(
-            "POST",
-            "/v1/chat/completions?trace=\"1\"",
-            &[("Content-Type", "application/json")],
-            CHAT,
-        )
-        .unwrap();
+    let r = post_chat(&mut c, "/v1/chat/completions?trace=\"1\"");
     // The test backend has no chat route: its 404 is what the line must say.
     assert_eq!(r.status, 404, "{}", r.describe());
     let r = c.request("GET", "/echo?x=1", &[], b"").unwrap();
@@ -128,31 +116,15 @@ fn every_request_gets_one_json_line_with_where_it_went_and_how_long_it_took() {
 
 #[test]
 fn no_replica_left_and_retries_are_logged_too() {
-    let dir = TempDir::new("failures");
-    let log = dir.0.join("access.log");
+    let dir = TempDir::new("access-failures");
+    let log = dir.file("access.log");
     // A replica nobody listens on: connect fails (502 once retries are used up).
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
     drop(dead);
-    let kvlb = Kvlb::serve(&[
-        "--replica",
-        &dead_url,
-        "--workers",
-        "1",
-        "--retries",
-        "0",
-        "--access-log",
-        log.to_str().unwrap(),
-    ]);
+    let kvlb = logged_kvlb(&dead_url, &log, &["--retries", "0"]);
     let mut c = HttpConn::connect(kvlb.listen);
-    let r = c
-        .request(
-            "POST",
-            "/v1/chat/completions",
-            &[("Content-Type", "application/json")],
-            CHAT,
-        )
-        .unwrap();
+    let r = post_chat(&mut c, "/v1/chat/completions");
     assert_eq!(r.status, 502, "{}", r.describe());
     let got = wait_lines(&log, 1);
     assert_eq!(got[0]["status"], 502, "{:?}", got[0]);
@@ -163,22 +135,13 @@ fn no_replica_left_and_retries_are_logged_too() {
 
 #[test]
 fn refused_requests_are_logged_even_when_pipelined() {
-    let dir = TempDir::new("refused");
-    let log = dir.0.join("access.log");
-    let keys = dir.0.join("keys");
+    let dir = TempDir::new("access-refused");
+    let log = dir.file("access.log");
+    let keys = dir.file("keys");
     std::fs::write(&keys, "sk-good-0001\n").unwrap();
     let backend = Backend::start();
     let url = backend.url();
-    let kvlb = Kvlb::serve(&[
-        "--replica",
-        &url,
-        "--workers",
-        "1",
-        "--api-keys-file",
-        keys.to_str().unwrap(),
-        "--access-log",
-        log.to_str().unwrap(),
-    ]);
+    let kvlb = logged_kvlb(&url, &log, &["--api-keys-file", keys.to_str().unwrap()]);
     // Two requests in one write: the first refused (401), the second served.
     let mut c = HttpConn::connect(kvlb.listen);
     c.send(
@@ -199,9 +162,9 @@ fn refused_requests_are_logged_even_when_pipelined() {
 
 #[test]
 fn reload_reopens_the_file_for_log_rotation() {
-    let dir = TempDir::new("rotate");
-    let log = dir.0.join("access.log");
-    let rotated = dir.0.join("access.log.1");
+    let dir = TempDir::new("access-rotate");
+    let log = dir.file("access.log");
+    let rotated = dir.file("access.log.1");
     let backend = Backend::start();
     let url = backend.url();
     let kvlb = Kvlb::serve(&[
