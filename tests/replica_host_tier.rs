@@ -10,16 +10,11 @@ mod support;
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{decision, tiers, ReplicaFleet};
+use support::fleet::{decision, post, tiers, ReplicaFleet};
+use support::proxy::metric_sum;
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
-
-fn post(addr: SocketAddr, path: &str, body: &[u8]) -> support::Response {
-    let mut c = HttpConn::connect(addr);
-    c.request("POST", path, &[("Content-Type", "application/json")], body)
-        .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
-}
 
 fn completion(tokens: &[u32]) -> Vec<u8> {
     json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})
@@ -31,19 +26,13 @@ fn prompt(first: u32, n: u32) -> Vec<u32> {
     (first..first + n).collect()
 }
 
+/// A replica's `name` sample (its one engine), read with the support crate's Prometheus reader.
 fn metric(addr: SocketAddr, name: &str) -> f64 {
     let text = HttpConn::connect(addr)
         .request("GET", "/metrics", &[], b"")
         .expect("GET /metrics")
         .body_text();
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
+    metric_sum(&text, name, &["engine=\"0\""]).unwrap_or_else(|| panic!("no {name} in\n{text}"))
 }
 
 #[test]
@@ -121,7 +110,7 @@ fn cpu_medium_events_reach_kvlb_and_an_evicted_prompt_is_loaded_back() {
     assert_eq!(tiers(&kvlb, 1), (0, 0));
 
     // P through kvlb: the host copy beats the cold replica, and the replica loads it back.
-    let hits = "vllm:external_prefix_cache_hits_total{engine=\"0\"";
+    let hits = "vllm:external_prefix_cache_hits_total";
     let before = metric(reps.http[0], hits);
     let via = post(kvlb.listen, "/v1/completions", &completion(&p));
     assert_eq!(via.status, 200, "{}", via.describe());

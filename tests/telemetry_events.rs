@@ -12,13 +12,12 @@ mod support;
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
-use support::fleet::{decision, replicas_json, ReplicaFleet};
-use support::{wait_until, HttpConn, Kvlb};
+use support::fleet::{decision, post, replicas_json, ReplicaFleet};
+use support::{wait_until, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -89,12 +88,6 @@ fn completion_body(tokens: &[u32]) -> Vec<u8> {
     json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})
         .to_string()
         .into_bytes()
-}
-
-fn post(addr: SocketAddr, path: &str, body: &[u8]) -> support::Response {
-    let mut c = HttpConn::connect(addr);
-    c.request("POST", path, &[("Content-Type", "application/json")], body)
-        .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
 }
 
 #[test]

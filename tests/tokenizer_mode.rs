@@ -9,19 +9,12 @@ mod support;
 
 use kvlb::tokenize::{fixture, ChatTokenizer};
 use serde_json::{json, Value};
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::fleet::{decision, replicas_json, ReplicaFleet};
-use support::{wait_until, HttpConn, Kvlb, TempDir};
+use support::fleet::{decision, post, replicas_json, ReplicaFleet};
+use support::{wait_until, Kvlb, TempDir};
 
 const T: Duration = Duration::from_secs(20);
-
-fn post(addr: SocketAddr, path: &str, body: &[u8]) -> support::Response {
-    let mut c = HttpConn::connect(addr);
-    c.request("POST", path, &[("Content-Type", "application/json")], body)
-        .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
-}
 
 fn chat(system: &str, user: &str) -> Vec<u8> {
     json!({

@@ -100,6 +100,13 @@ impl ReplicaFleet {
 }
 
 /// The `replicas` array of kvlb's `/replicas`.
+/// POSTs a JSON `body` to `path` on a new connection to `addr` (kvlb or a replica).
+pub fn post(addr: SocketAddr, path: &str, body: &[u8]) -> Response {
+    let mut c = super::HttpConn::connect(addr);
+    c.request("POST", path, &[("Content-Type", "application/json")], body)
+        .unwrap_or_else(|e| panic!("POST {path} to {addr}: {e}"))
+}
+
 pub fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
     let r = kvlb.admin_get("/replicas");
     let v: Value = serde_json::from_str(&r.body_text()).expect("/replicas is JSON");
