@@ -249,20 +249,18 @@ impl Worker {
         }
         self.generation.set(g);
         let cfg = self.cfg();
-        // A reload reopens the access log (log rotation), or turns it on or off.
-        let reopened = open_access_log(self.id, &cfg);
+        // A reload reopens the access log (log rotation), or turns it on or off; a log that
+        // stays on keeps its buffer.
+        let fd = open_access_log_fd(self.id, &cfg);
         {
             let mut log = self.access_log.borrow_mut();
-            match (log.as_ref(), reopened) {
-                (Some(old), Some(new)) => {
-                    old.flush();
-                    *log = Some(new);
-                }
+            match (log.as_ref(), fd) {
+                (Some(kept), Some(fd)) => kept.reopen(fd),
                 (Some(old), None) => {
                     old.flush();
                     *log = None;
                 }
-                (None, new) => *log = new,
+                (None, fd) => *log = fd.map(crate::access_log::AccessLog::new),
             }
         }
         match build_policy(&self.shared, self.id, &cfg) {
@@ -628,9 +626,14 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
 /// The access log of worker `id` under `cfg`, opened (None when off, or when the file cannot
 /// be opened: said on stderr, and requests go on unlogged).
 fn open_access_log(id: usize, cfg: &ServeConfig) -> Option<crate::access_log::AccessLog> {
+    open_access_log_fd(id, cfg).map(crate::access_log::AccessLog::new)
+}
+
+/// The file of `open_access_log`, opened for appending.
+fn open_access_log_fd(id: usize, cfg: &ServeConfig) -> Option<std::os::fd::OwnedFd> {
     let path = cfg.access_log.as_deref()?;
     match crate::access_log::open(path) {
-        Ok(fd) => Some(crate::access_log::AccessLog::new(fd)),
+        Ok(fd) => Some(fd),
         Err(e) => {
             eprintln!("kvlb: worker {id}: access_log {path:?}: {e}; requests are not logged");
             None
