@@ -473,11 +473,20 @@ impl ResidencyWriter {
 
     /// `remove` at `now_us`.
     pub fn remove_at(&mut self, r: usize, hash: u64, now_us: u64) -> Result<(), String> {
+        self.remove_many(r, &[hash], now_us)
+    }
+
+    /// `remove` of each of `hashes` at `now_us` (one BlockRemoved event's blocks), publishing
+    /// the replica's counters once.
+    pub fn remove_many(&mut self, r: usize, hashes: &[u64], now_us: u64) -> Result<(), String> {
         self.check_replica(r)?;
         self.clock_us = self.clock_us.max(now_us);
         let ttl = self.pending_ttl_us;
-        let rb = &mut self.replicas[r];
-        if let Some(&i) = rb.map.get(&hash) {
+        for &hash in hashes {
+            let rb = &mut self.replicas[r];
+            let Some(&i) = rb.map.get(&hash) else {
+                continue;
+            };
             let (stored, capacity) = (rb.stored, rb.capacity);
             let node = rb.lru.get_mut(i);
             node.count = node.count.saturating_sub(1);
@@ -485,9 +494,9 @@ impl ResidencyWriter {
                 let pending = node.pending != 0
                     && now_us.saturating_sub(node.last_used_us) < ttl
                     && (stored_since(stored, node.pending) as usize) < capacity;
-                if pending {
-                    // Kept as a guess; the request routed here will store it again.
-                } else {
+                // A pending block is kept as a guess: the request routed here will store it
+                // again.
+                if !pending {
                     rb.drop_node(i);
                     self.clear_bit(hash, r);
                 }
@@ -571,6 +580,13 @@ impl ResidencyWriter {
         self.replicas
             .get(r)
             .is_some_and(|b| b.map.contains_key(&hash))
+    }
+
+    /// Blocks of replica `r` with at least one reported copy (one pass; tests and debugging).
+    pub fn confirmed_blocks(&self, r: usize) -> usize {
+        self.replicas
+            .get(r)
+            .map_or(0, |b| b.lru.iter().filter(|n| n.count > 0).count())
     }
 
     /// Copies of `hash` replica `r` reported (0 when only routing put it there or absent).

@@ -19,6 +19,7 @@ use crate::worker::Shared;
 use crate::zmtp::SubClient;
 use crossbeam::channel::Sender;
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,6 +44,46 @@ pub enum SeqCheck {
     Backwards,
 }
 
+/// Hashes the engine's block hashes for the chain map: one seeded multiply-fold per key instead
+/// of SipHash's rounds. The hashes come off the wire, so the seed is random per process: a
+/// replica cannot pick ids that pile into one bucket.
+#[derive(Clone, Copy)]
+struct EngineHashState(u64);
+
+impl EngineHashState {
+    fn new() -> EngineHashState {
+        let s = std::collections::hash_map::RandomState::new();
+        EngineHashState(s.hash_one(0x6b76_6c62u64) | 1)
+    }
+}
+
+impl BuildHasher for EngineHashState {
+    type Hasher = EngineHasher;
+    fn build_hasher(&self) -> EngineHasher {
+        EngineHasher { seed: self.0, v: 0 }
+    }
+}
+
+struct EngineHasher {
+    seed: u64,
+    v: u64,
+}
+
+impl Hasher for EngineHasher {
+    fn finish(&self) -> u64 {
+        let p = ((self.v ^ self.seed) as u128) * (0x9e37_79b9_7f4a_7c15u128 ^ self.seed as u128);
+        (p as u64) ^ ((p >> 64) as u64)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.v = self.v.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.v = v;
+    }
+}
+
 /// The engine hash's kvlb hash and how many copies the engine reported.
 #[derive(Debug, Clone, Copy)]
 struct ChainEntry {
@@ -55,7 +96,7 @@ pub struct EventState {
     replica: usize,
     token_block_size: usize,
     last_seq: Option<u64>,
-    chain: HashMap<u64, ChainEntry>,
+    chain: HashMap<u64, ChainEntry, EngineHashState>,
     hashes: Vec<u64>,
 }
 
@@ -67,7 +108,7 @@ impl EventState {
             replica,
             token_block_size: token_block_size as usize,
             last_seq: None,
-            chain: HashMap::new(),
+            chain: HashMap::with_hasher(EngineHashState::new()),
             hashes: Vec::new(),
         }
     }

@@ -2,12 +2,10 @@
 //!
 //! Each tick drains up to `MAX_OPS_PER_TICK` queued operations into the writer. Every
 //! `SWEEP_PERIOD_US` it also
-//! * on replicas whose event stream is connected, refreshes the blocks events confirmed and
-//!   expires everything older than `routed_guess_ttl`: what is left to expire is what kvlb only
-//!   guessed from its own routing. (`ResidencyWriter::expire` drops by age whatever the copy
-//!   count, hence the refresh first; it costs one lookup per confirmed block per sweep, and the
-//!   LRU order among confirmed blocks becomes the order of the refresh, which matters little
-//!   while the engine reports its own evictions.)
+//! * on replicas whose event stream is connected, expires what kvlb only guessed from its own
+//!   routing (blocks without a reported copy) and has not used for `routed_guess_ttl`
+//!   (`ResidencyWriter::expire_guesses`, as `kvlb simulate` does); blocks the events reported
+//!   stay until the engine reports them removed.
 //! * marks replicas silent for `telemetry_stale_after` (no events, no metrics, after having had
 //!   some) stale and drops their residency; while stale, routing guesses there expire after
 //!   `routed_guess_ttl` too. Replicas that never produced telemetry keep routing guesses as
@@ -22,7 +20,6 @@ use super::{ResidencyOp, Tier};
 use crate::residency::ResidencyWriter;
 use crate::worker::Shared;
 use crossbeam::channel::Receiver;
-use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -34,23 +31,17 @@ pub const SWEEP_PERIOD_US: u64 = 500_000;
 pub struct ResidencyFeed {
     shared: Arc<Shared>,
     ops: Receiver<ResidencyOp>,
-    /// Per replica: kvlb block hash -> copies events reported.
-    confirmed: Vec<HashMap<u64, u32>>,
     last_sweep_us: u64,
-    refresh: Vec<u64>,
     /// The offloaded tier's writer (None: offloaded operations are dropped).
     offload: Option<ResidencyWriter>,
 }
 
 impl ResidencyFeed {
     pub fn new(shared: Arc<Shared>, ops: Receiver<ResidencyOp>) -> ResidencyFeed {
-        let n = shared.fleet.capacity();
         ResidencyFeed {
             shared,
             ops,
-            confirmed: vec![HashMap::new(); n],
             last_sweep_us: 0,
-            refresh: Vec::new(),
             offload: None,
         }
     }
@@ -66,11 +57,6 @@ impl ResidencyFeed {
     /// The offloaded tier's writer, if attached.
     pub fn offload_tier(&self) -> Option<&ResidencyWriter> {
         self.offload.as_ref()
-    }
-
-    /// Blocks events confirmed on replica `r`.
-    pub fn confirmed_blocks(&self, r: usize) -> usize {
-        self.confirmed.get(r).map_or(0, |c| c.len())
     }
 
     /// The writer's tick: apply queued operations, then sweep when due.
@@ -92,12 +78,7 @@ impl ResidencyFeed {
                 tier: Tier::Gpu,
                 blocks,
             } => {
-                if writer.insert(replica, &blocks, now_us).is_ok() {
-                    let c = &mut self.confirmed[replica];
-                    for h in blocks {
-                        *c.entry(h).or_insert(0) += 1;
-                    }
-                }
+                let _ = writer.insert(replica, &blocks, now_us);
             }
             ResidencyOp::Insert {
                 replica,
@@ -115,9 +96,7 @@ impl ResidencyFeed {
                 blocks,
             } => {
                 if let Some(o) = &mut self.offload {
-                    for h in blocks {
-                        let _ = o.remove(replica, h);
-                    }
+                    let _ = o.remove_many(replica, &blocks, now_us);
                     self.publish_offloaded(replica);
                 }
             }
@@ -126,23 +105,10 @@ impl ResidencyFeed {
                 tier: Tier::Gpu,
                 blocks,
             } => {
-                let Some(c) = self.confirmed.get_mut(replica) else {
-                    return;
-                };
-                for h in blocks {
-                    let _ = writer.remove(replica, h);
-                    if let Some(n) = c.get_mut(&h) {
-                        *n -= 1;
-                        if *n == 0 {
-                            c.remove(&h);
-                        }
-                    }
-                }
+                let _ = writer.remove_many(replica, &blocks, now_us);
             }
             ResidencyOp::Clear { replica } => {
-                if writer.clear(replica).is_ok() {
-                    self.confirmed[replica] = HashMap::new();
-                }
+                let _ = writer.clear(replica);
                 self.clear_offloaded(replica);
             }
             ResidencyOp::Capacity { replica, tokens } => {
@@ -188,7 +154,7 @@ impl ResidencyFeed {
         let ttl_us = cfg.routed_guess_ttl.as_micros() as u64;
         let stale_ms = cfg.stale_after.as_millis() as u64;
         let now_ms = now_us / 1000;
-        for r in 0..self.confirmed.len() {
+        for r in 0..self.shared.fleet.capacity() {
             let tel = &self.shared.telemetry[r];
             let last = tel.last_update_ms.load(Relaxed);
             let silent = last != 0 && now_ms.saturating_sub(last) > stale_ms;
@@ -200,7 +166,6 @@ impl ResidencyFeed {
                     cfg.stale_after
                 );
                 let _ = writer.clear(r);
-                self.confirmed[r] = HashMap::new();
                 if let Some(o) = &mut self.offload {
                     let _ = o.clear(r);
                     tel.offload_resident_blocks.store(0, Relaxed);
@@ -211,17 +176,7 @@ impl ResidencyFeed {
             }
             let events_live = tel.events_connected.load(Relaxed);
             if events_live || silent {
-                self.refresh.clear();
-                self.refresh.extend(
-                    self.confirmed[r]
-                        .keys()
-                        .copied()
-                        .filter(|&h| writer.holds(r, h)),
-                );
-                if !self.refresh.is_empty() {
-                    let _ = writer.insert_routed(r, &self.refresh, now_us);
-                }
-                let _ = writer.expire(r, now_us.saturating_sub(ttl_us));
+                let _ = writer.expire_guesses(r, now_us.saturating_sub(ttl_us));
             }
         }
     }

@@ -239,3 +239,84 @@ fn a_timeout_in_the_middle_of_a_frame_loses_nothing() {
     drop(sub);
     server.join().unwrap();
 }
+
+#[test]
+fn messages_of_every_size_in_odd_chunks_arrive_whole_and_in_order() {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Sizes around the receive's read-ahead (64 KiB) and far beyond it, with small ones in
+    // between so that several messages share one receive and frames straddle its end.
+    let sizes: Vec<usize> = vec![
+        0,
+        1,
+        254,
+        255,
+        256,
+        1000,
+        65_535,
+        65_536,
+        65_537,
+        3,
+        200_000,
+        7,
+        131_072,
+        64,
+        1 << 20,
+        5,
+    ];
+    let payload =
+        |i: usize, n: usize| -> Vec<u8> { (0..n).map(|k| (k * 31 + i * 7) as u8).collect() };
+    let mut stream = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        stream.extend(wire::encode_message(&[
+            b"kv@a",
+            &(i as u64).to_be_bytes(),
+            &payload(i, n),
+        ]));
+    }
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let props = [&[11u8][..], b"Socket-Type", &[0, 0, 0, 3], b"PUB"].concat();
+        s.write_all(&greeting(true)).unwrap();
+        s.write_all(&wire::encode_command("READY", &props)).unwrap();
+        // Chunks of prime lengths, with pauses: the reader sees partial frames and timeouts.
+        let mut at = 0;
+        for (k, len) in [1usize, 7, 4093, 65_521, 13, 100_003]
+            .iter()
+            .cycle()
+            .enumerate()
+        {
+            if at >= stream.len() {
+                break;
+            }
+            let end = (at + len).min(stream.len());
+            s.write_all(&stream[at..end]).unwrap();
+            at = end;
+            if k % 5 == 0 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
+    });
+    let mut sub = SubClient::connect(&format!("tcp://{addr}"), T).unwrap();
+    let mut got = 0;
+    let deadline = Instant::now() + T;
+    while got < sizes.len() {
+        assert!(Instant::now() < deadline, "only {got} messages arrived");
+        // Short timeouts: most calls end with part of a frame buffered.
+        let Some(m) = sub.recv(Duration::from_millis(1)).unwrap() else {
+            continue;
+        };
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[1], (got as u64).to_be_bytes().to_vec(), "message order");
+        assert!(m[2] == payload(got, sizes[got]), "message {got} corrupted");
+        got += 1;
+    }
+    // Then the end of the stream is reported, not a timeout.
+    let end = sub.recv(T);
+    assert!(end.is_err(), "{end:?}");
+    drop(sub);
+    server.join().unwrap();
+}

@@ -2,8 +2,9 @@
 //! READY with its properties, frames with MORE/LONG/COMMAND flags, and a buffered connection that
 //! survives read timeouts in the middle of a frame.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 /// Frame flag: more frames of the same message follow.
@@ -15,6 +16,10 @@ const FLAG_COMMAND: u8 = 0x04;
 
 /// Largest message a peer may send us; anything bigger is treated as hostile.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// Room a receive asks the kernel to fill at least: a busy publisher's messages arrive a few at
+/// a time, one system call for all of them.
+const READ_AHEAD: usize = 64 * 1024;
 
 /// Our greeting: signature (as libzmq writes it), version 3.1, NULL mechanism.
 pub fn greeting(as_server: bool) -> [u8; 64] {
@@ -156,8 +161,11 @@ pub enum Incoming {
 /// middle of a frame loses nothing: the next read continues where the last one stopped.
 pub struct Connection {
     stream: TcpStream,
+    /// Received bytes: `rbuf[rpos..rend]` is unread, `rbuf[rend..]` room for the next receive
+    /// (zeroed once, when the buffer grows, never per receive).
     rbuf: Vec<u8>,
     rpos: usize,
+    rend: usize,
     partial: Vec<Vec<u8>>,
     peer: PeerVersion,
     peer_socket_type: String,
@@ -179,6 +187,7 @@ impl Connection {
             stream,
             rbuf: Vec::new(),
             rpos: 0,
+            rend: 0,
             partial: Vec::new(),
             peer: PeerVersion { major: 0, minor: 0 },
             peer_socket_type: String::new(),
@@ -234,7 +243,6 @@ impl Connection {
             return Err(protocol_error(&err));
         }
         conn.peer_socket_type = peer_type;
-        conn.stream.set_read_timeout(None)?;
         Ok(conn)
     }
 
@@ -278,47 +286,88 @@ impl Connection {
     }
 
     /// Read until `n` unread bytes are buffered. Ok(false) on timeout.
+    ///
+    /// A receive that finds data costs one system call: the socket stays blocking for writers,
+    /// reads take what is there (`MSG_DONTWAIT`) and only an empty socket waits, in `poll`
+    /// until `deadline`.
     fn fill_to(&mut self, n: usize, deadline: Option<Instant>) -> io::Result<bool> {
-        let mut chunk = [0u8; 64 * 1024];
-        while self.rbuf.len() - self.rpos < n {
-            match deadline {
+        while self.rend - self.rpos < n {
+            let want = n.max(READ_AHEAD);
+            if self.rbuf.len() - self.rpos < want {
+                self.rbuf.copy_within(self.rpos..self.rend, 0);
+                self.rend -= self.rpos;
+                self.rpos = 0;
+                if self.rbuf.len() < want {
+                    self.rbuf.resize(want, 0);
+                }
+            }
+            let room = &mut self.rbuf[self.rend..];
+            // SAFETY: `room` is valid for writes of `room.len()` bytes for the whole call.
+            let got = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    room.as_mut_ptr().cast(),
+                    room.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if got > 0 {
+                self.rend += got as usize;
+                continue;
+            }
+            if got == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "zmtp: peer closed the connection",
+                ));
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock => {
+                    if !self.wait_readable(deadline)? {
+                        return Ok(false);
+                    }
+                }
+                _ => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Wait until the socket has something to read (data, EOF or an error) or `deadline`
+    /// passes (Ok(false)). `None` waits as long as it takes.
+    fn wait_readable(&self, deadline: Option<Instant>) -> io::Result<bool> {
+        loop {
+            let timeout_ms = match deadline {
+                None => -1,
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
                         return Ok(false);
                     }
-                    self.stream.set_read_timeout(Some(d - now))?;
+                    // Rounded up: waking a little late beats spinning on a 0 ms poll.
+                    let us = (d - now).as_micros();
+                    us.div_ceil(1000).min(i32::MAX as u128) as i32
                 }
-                None => self.stream.set_read_timeout(None)?,
+            };
+            let mut pfd = libc::pollfd {
+                fd: self.stream.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let r = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+            if r > 0 {
+                return Ok(true);
             }
-            match self.stream.read(&mut chunk) {
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "zmtp: peer closed the connection",
-                    ))
-                }
-                Ok(k) => {
-                    if self.rpos > 0 && self.rpos >= self.rbuf.len() / 2 {
-                        self.rbuf.drain(..self.rpos);
-                        self.rpos = 0;
-                    }
-                    self.rbuf.extend_from_slice(&chunk[..k]);
-                }
-                Err(e)
-                    if e.kind() == io::ErrorKind::WouldBlock
-                        || e.kind() == io::ErrorKind::TimedOut =>
-                {
-                    if deadline.is_some() {
-                        continue; // the loop top decides whether time is up
-                    }
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
                     return Err(e);
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
             }
         }
-        Ok(true)
     }
 
     /// Read the next whole message or command. Ok(None) when `deadline` passes first; whatever
@@ -353,6 +402,7 @@ impl Connection {
                 return Ok(None);
             }
             let body = self.rbuf[self.rpos + header..self.rpos + header + size].to_vec();
+            debug_assert!(self.rpos + header + size <= self.rend);
             self.rpos += header + size;
             if flags & FLAG_COMMAND != 0 {
                 if flags & FLAG_MORE != 0 {
