@@ -40,7 +40,10 @@
 # TIME_SCALE (5), REPLICAS (4), MAX_OUTPUT (cap output tokens; default the trace's),
 # BALANCERS (all six), ROUNDS (1), WARMUP (15: wall seconds of warm-up traffic through the fresh
 # fleet before any measurement, from trace second WARMUP_START, 3000), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
-# use instead of building target/release/kvlb), RESULTS_NAME (e2e-peers).
+# use instead of building target/release/kvlb), RESULTS_NAME (e2e-peers), KVLB_ARGS (more
+# `kvlb serve` flags for both kvlb balancers, e.g. "--config cost.toml"), KVLB_REPLICA_OPTS
+# (appended to each of their --replica specs, e.g. ",metrics=off"), KVLB_EVENTS (1; 0: the
+# kvlb balancers do not subscribe to the KV events and learn residency from routing alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -66,6 +69,9 @@ KV_EVENTS_FORMAT=${KV_EVENTS_FORMAT:-map-nil}
 FLEET_CORE=${FLEET_CORE:-1}
 BALANCER_CORE=${BALANCER_CORE:-0}
 RESULTS_NAME=${RESULTS_NAME:-e2e-peers}
+KVLB_ARGS=${KVLB_ARGS:-}
+KVLB_REPLICA_OPTS=${KVLB_REPLICA_OPTS:-}
+KVLB_EVENTS=${KVLB_EVENTS:-1}
 VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
@@ -237,6 +243,8 @@ say "# kvlb end to end against the peers ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(npro
 say "trace: $(basename "$TRACE"), trace seconds $START..$(python3 -c "print($START + $SLICE)"), load x$LOAD (engine time)"
 say "fleet: $REPLICAS x kvlb replica (8B model on H100 timing, 400k KV tokens each), time scale $TIME_SCALE, KV events on"
 say "rounds: $ROUNDS (order reversed every other round; with more than one, the table shows each balancer's run with the lowest p99 TTFT)"
+[ -n "$KVLB_ARGS$KVLB_REPLICA_OPTS" ] && say "kvlb extra: flags '$KVLB_ARGS', replica options '$KVLB_REPLICA_OPTS'"
+[ "$KVLB_EVENTS" = 1 ] || say "kvlb: not subscribed to the KV events (KVLB_EVENTS=0): residency learned from routing alone"
 say "replay: speedup $SPEEDUP wall, streaming chat, ${MAX_OUTPUT:-trace} output tokens; times below are engine seconds (wall x $TIME_SCALE)"
 if [ "$PIN" = 1 ]; then
     say "pinning: fleet on core $FLEET_CORE; each balancer and the replayer on core $BALANCER_CORE"
@@ -256,11 +264,16 @@ start_balancer() {
         local policy=cache_aware
         [ "$name" = kvlb-round_robin ] && policy=round_robin
         for i in "${!REPLICA_URLS[@]}"; do
-            args+=(--replica "${REPLICA_URLS[$i]},kv_events=${REPLICA_EVENTS[$i]}")
+            if [ "$KVLB_EVENTS" = 1 ]; then
+                args+=(--replica "${REPLICA_URLS[$i]},kv_events=${REPLICA_EVENTS[$i]}$KVLB_REPLICA_OPTS")
+            else
+                args+=(--replica "${REPLICA_URLS[$i]}$KVLB_REPLICA_OPTS")
+            fi
         done
+        # shellcheck disable=SC2086 # KVLB_ARGS is a list of flags
         on_core "$BALANCER_CORE" "$KVLB" serve --listen "127.0.0.1:$port" \
             --admin "127.0.0.1:$mport" --workers 1 --cores "$BALANCER_CORE" \
-            --policy "$policy" "${args[@]}" >"$TMP/$name.log" 2>&1 &
+            --policy "$policy" "${args[@]}" $KVLB_ARGS >"$TMP/$name.log" 2>&1 &
         ;;
     sglang-router)
         on_core "$BALANCER_CORE" "$VENV/bin/python" -m sglang_router.launch_router \

@@ -109,7 +109,6 @@ impl ResidencyIndex {
             logs: Vec::new(),
             pending_ttl_us: DEFAULT_PENDING_TTL.as_micros() as u64,
             clock_us: 0,
-            scratch: Vec::new(),
         };
         writer.publish_bytes();
         Ok((index, writer))
@@ -272,11 +271,23 @@ impl Hasher for BlockHasher {
 
 type BlockMap = HashMap<u64, u32, BuildHasherDefault<BlockHasher>>;
 
-/// A replica's resident blocks in LRU order.
+/// A key of `ReplicaBlocks::map`: the node's index in its list, this bit set for the
+/// confirmed list.
+const CONFIRMED: u32 = 1 << 31;
+
+/// A replica's resident blocks, in two LRU lists: **guesses** (no reported copy: routing alone
+/// says they are there) and **confirmed** blocks (the replica reported at least one copy). Each
+/// list is bounded by `capacity` on its own. Guesses model the engine's cache, so their bound
+/// is its capacity; confirmed blocks leave when the engine reports them removed, their bound
+/// only caps memory if removals are lost. Kept apart, a replica whose events fill its confirmed
+/// list (token blocks) never pushes out the guesses of requests hashed another way (text
+/// blocks of chat prompts without a tokenizer), and guesses age out without a pass over the
+/// confirmed blocks.
 struct ReplicaBlocks {
     capacity: usize,
     map: BlockMap,
-    lru: LruList<Node>,
+    guesses: LruList<Node>,
+    confirmed: LruList<Node>,
     /// Blocks the replica reported stored (every copy), wrapping: the clock of pending marks.
     stored: u32,
 }
@@ -286,7 +297,8 @@ impl ReplicaBlocks {
         ReplicaBlocks {
             capacity,
             map: BlockMap::default(),
-            lru: LruList::new(),
+            guesses: LruList::new(),
+            confirmed: LruList::new(),
             stored: 0,
         }
     }
@@ -297,35 +309,97 @@ impl ReplicaBlocks {
 
     fn bytes(&self) -> usize {
         // hashbrown: one control byte plus the (u64, u32) entry (16 bytes) per bucket.
-        self.map.capacity() * 17 + self.lru.bytes()
+        self.map.capacity() * 17 + self.guesses.bytes() + self.confirmed.bytes()
     }
 
-    fn touch(&mut self, i: u32, now_us: u64) {
-        self.lru.get_mut(i).last_used_us = now_us;
-        self.lru.touch(i);
+    fn node(&self, key: u32) -> &Node {
+        if key & CONFIRMED != 0 {
+            self.confirmed.get(key & !CONFIRMED)
+        } else {
+            self.guesses.get(key)
+        }
     }
 
-    /// Add `hash` (not present) as the most recent; returns its node.
-    fn add(&mut self, hash: u64, count: u32, pending: u32, now_us: u64) -> u32 {
-        let i = self.lru.push_newest(Node {
-            hash,
-            count,
-            pending,
-            last_used_us: now_us,
-        });
-        self.map.insert(hash, i);
-        i
+    fn node_mut(&mut self, key: u32) -> &mut Node {
+        if key & CONFIRMED != 0 {
+            self.confirmed.get_mut(key & !CONFIRMED)
+        } else {
+            self.guesses.get_mut(key)
+        }
     }
 
-    fn drop_node(&mut self, i: u32) -> u64 {
-        let hash = self.lru.remove(i).hash;
+    /// Mark the node used at `now_us` (most recent of its list).
+    fn touch(&mut self, key: u32, now_us: u64) {
+        self.node_mut(key).last_used_us = now_us;
+        if key & CONFIRMED != 0 {
+            self.confirmed.touch(key & !CONFIRMED);
+        } else {
+            self.guesses.touch(key);
+        }
+    }
+
+    /// Add `node` (its hash not present) as the most recent of the list its count picks;
+    /// returns its key.
+    fn add(&mut self, node: Node) -> u32 {
+        let key = if node.count > 0 {
+            self.confirmed.push_newest(node) | CONFIRMED
+        } else {
+            self.guesses.push_newest(node)
+        };
+        self.map.insert(node.hash, key);
+        key
+    }
+
+    /// Remove the node from its list (not from the map).
+    fn unlink(&mut self, key: u32) -> Node {
+        if key & CONFIRMED != 0 {
+            self.confirmed.remove(key & !CONFIRMED)
+        } else {
+            self.guesses.remove(key)
+        }
+    }
+
+    fn drop_node(&mut self, key: u32) -> u64 {
+        let hash = self.unlink(key).hash;
         self.map.remove(&hash);
         hash
     }
 
+    /// Move the node to the list its count now picks, as the most recent there; returns its
+    /// key.
+    fn relist(&mut self, key: u32) -> u32 {
+        let confirmed = self.node(key).count > 0;
+        if confirmed == (key & CONFIRMED != 0) {
+            return key;
+        }
+        let node = self.unlink(key);
+        self.add(node)
+    }
+
+    /// The least recently used node of either list, with its last use.
+    fn oldest(&self) -> Option<(u32, u64)> {
+        let g = self
+            .guesses
+            .oldest()
+            .map(|i| (i, self.guesses.get(i).last_used_us));
+        let c = self
+            .confirmed
+            .oldest()
+            .map(|i| (i | CONFIRMED, self.confirmed.get(i).last_used_us));
+        match (g, c) {
+            (Some(g), Some(c)) => Some(if c.1 < g.1 { c } else { g }),
+            (g, c) => g.or(c),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Node> + '_ {
+        self.guesses.iter().chain(self.confirmed.iter())
+    }
+
     fn clear(&mut self) {
         self.map = BlockMap::default();
-        self.lru.clear();
+        self.guesses.clear();
+        self.confirmed.clear();
         self.stored = 0;
     }
 }
@@ -349,8 +423,6 @@ pub struct ResidencyWriter {
     pending_ttl_us: u64,
     /// The latest time any call gave the writer (`remove` runs at it).
     clock_us: u64,
-    /// Hashes `expire_guesses` drops (kept to reuse its memory).
-    scratch: Vec<u64>,
 }
 
 impl ResidencyWriter {
@@ -440,21 +512,29 @@ impl ResidencyWriter {
         for &hash in blocks.iter().rev() {
             let rb = &mut self.replicas[r];
             match rb.map.get(&hash) {
-                Some(&i) => {
-                    let node = rb.lru.get_mut(i);
-                    match learned {
+                Some(&key) => {
+                    let node = rb.node_mut(key);
+                    let key = match learned {
                         Learned::Stored => {
                             node.count += 1;
                             node.pending = 0;
+                            rb.relist(key)
                         }
-                        Learned::Routed => node.pending = mark,
-                        Learned::Guessed => {}
-                    }
-                    rb.touch(i, now_us);
+                        Learned::Routed => {
+                            node.pending = mark;
+                            key
+                        }
+                        Learned::Guessed => key,
+                    };
+                    rb.touch(key, now_us);
                 }
                 None => {
-                    let stored = (learned == Learned::Stored) as u32;
-                    rb.add(hash, stored, mark, now_us);
+                    rb.add(Node {
+                        hash,
+                        count: (learned == Learned::Stored) as u32,
+                        pending: mark,
+                        last_used_us: now_us,
+                    });
                     self.set_bit(hash, r);
                 }
             }
@@ -484,24 +564,27 @@ impl ResidencyWriter {
         let ttl = self.pending_ttl_us;
         for &hash in hashes {
             let rb = &mut self.replicas[r];
-            let Some(&i) = rb.map.get(&hash) else {
+            let Some(&key) = rb.map.get(&hash) else {
                 continue;
             };
             let (stored, capacity) = (rb.stored, rb.capacity);
-            let node = rb.lru.get_mut(i);
+            let node = rb.node_mut(key);
             node.count = node.count.saturating_sub(1);
             if node.count == 0 {
                 let pending = node.pending != 0
                     && now_us.saturating_sub(node.last_used_us) < ttl
                     && (stored_since(stored, node.pending) as usize) < capacity;
-                // A pending block is kept as a guess: the request routed here will store it
-                // again.
-                if !pending {
-                    rb.drop_node(i);
+                if pending {
+                    // Kept as a guess: the request routed here will store it again.
+                    rb.relist(key);
+                } else {
+                    rb.drop_node(key);
                     self.clear_bit(hash, r);
                 }
             }
         }
+        // A block kept as a guess may take the guesses one over their bound.
+        self.evict(r);
         self.finish(r);
         Ok(())
     }
@@ -510,7 +593,7 @@ impl ResidencyWriter {
     pub fn clear(&mut self, r: usize) -> Result<(), String> {
         self.check_replica(r)?;
         let mut rb = std::mem::replace(&mut self.replicas[r], ReplicaBlocks::new(0));
-        for node in rb.lru.iter() {
+        for node in rb.iter() {
             self.clear_bit(node.hash, r);
         }
         rb.clear();
@@ -527,11 +610,13 @@ impl ResidencyWriter {
         let mut dropped = 0;
         loop {
             let rb = &mut self.replicas[r];
-            let Some(t) = rb.lru.oldest() else { break };
-            if rb.lru.get(t).last_used_us >= before_us {
+            let Some((key, last_used_us)) = rb.oldest() else {
+                break;
+            };
+            if last_used_us >= before_us {
                 break;
             }
-            let hash = rb.drop_node(t);
+            let hash = rb.drop_node(key);
             self.clear_bit(hash, r);
             dropped += 1;
         }
@@ -540,29 +625,23 @@ impl ResidencyWriter {
     }
 
     /// Drop the guesses of replica `r` (blocks without a reported copy, pending or not) not
-    /// used since `before_us`; blocks events reported stay whatever their age. One pass over
-    /// the replica's blocks. Returns how many were dropped.
+    /// used since `before_us`; blocks events reported stay whatever their age. Walks the
+    /// guesses from the oldest and stops at the first recent one. Returns how many were
+    /// dropped.
     pub fn expire_guesses(&mut self, r: usize, before_us: u64) -> Result<usize, String> {
         self.check_replica(r)?;
         self.clock_us = self.clock_us.max(before_us);
-        let mut old = std::mem::take(&mut self.scratch);
-        old.clear();
-        old.extend(
-            self.replicas[r]
-                .lru
-                .iter()
-                .filter(|n| n.count == 0 && n.last_used_us < before_us)
-                .map(|n| n.hash),
-        );
-        for &hash in &old {
+        let mut dropped = 0;
+        loop {
             let rb = &mut self.replicas[r];
-            if let Some(&i) = rb.map.get(&hash) {
-                rb.drop_node(i);
-                self.clear_bit(hash, r);
+            let Some(i) = rb.guesses.oldest() else { break };
+            if rb.guesses.get(i).last_used_us >= before_us {
+                break;
             }
+            let hash = rb.drop_node(i);
+            self.clear_bit(hash, r);
+            dropped += 1;
         }
-        let dropped = old.len();
-        self.scratch = old;
         self.finish(r);
         Ok(dropped)
     }
@@ -571,7 +650,7 @@ impl ResidencyWriter {
     pub fn is_pending(&self, r: usize, hash: u64) -> bool {
         self.replicas
             .get(r)
-            .and_then(|b| b.map.get(&hash).map(|&i| b.lru.get(i).pending != 0))
+            .and_then(|b| b.map.get(&hash).map(|&k| b.node(k).pending != 0))
             .unwrap_or(false)
     }
 
@@ -582,18 +661,16 @@ impl ResidencyWriter {
             .is_some_and(|b| b.map.contains_key(&hash))
     }
 
-    /// Blocks of replica `r` with at least one reported copy (one pass; tests and debugging).
+    /// Blocks of replica `r` with at least one reported copy.
     pub fn confirmed_blocks(&self, r: usize) -> usize {
-        self.replicas
-            .get(r)
-            .map_or(0, |b| b.lru.iter().filter(|n| n.count > 0).count())
+        self.replicas.get(r).map_or(0, |b| b.confirmed.len())
     }
 
     /// Copies of `hash` replica `r` reported (0 when only routing put it there or absent).
     pub fn copies(&self, r: usize, hash: u64) -> u32 {
         self.replicas
             .get(r)
-            .and_then(|b| b.map.get(&hash).map(|&i| b.lru.get(i).count))
+            .and_then(|b| b.map.get(&hash).map(|&k| b.node(k).count))
             .unwrap_or(0)
     }
 
@@ -613,12 +690,19 @@ impl ResidencyWriter {
         }
     }
 
+    /// Bound each of replica `r`'s lists by its capacity, dropping the least recently used.
     fn evict(&mut self, r: usize) {
-        while self.replicas[r].len() > self.replicas[r].capacity {
-            let Some(t) = self.replicas[r].lru.oldest() else {
-                break;
+        loop {
+            let rb = &mut self.replicas[r];
+            let key = if rb.guesses.len() > rb.capacity {
+                rb.guesses.oldest()
+            } else if rb.confirmed.len() > rb.capacity {
+                rb.confirmed.oldest().map(|i| i | CONFIRMED)
+            } else {
+                None
             };
-            let hash = self.replicas[r].drop_node(t);
+            let Some(key) = key else { break };
+            let hash = rb.drop_node(key);
             self.clear_bit(hash, r);
         }
     }
@@ -676,8 +760,7 @@ impl ResidencyWriter {
         self.index.table_bytes.store(table, Ordering::Relaxed);
         let fixed = std::mem::size_of::<ResidencyIndex>()
             + std::mem::size_of::<ResidencyWriter>()
-            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>()
-            + self.scratch.capacity() * std::mem::size_of::<u64>();
+            + self.replicas.capacity() * std::mem::size_of::<ReplicaBlocks>();
         self.index
             .bytes
             .store(table + self.writer_bytes + fixed, Ordering::Relaxed);

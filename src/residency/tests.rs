@@ -60,7 +60,8 @@ enum Op {
 }
 
 /// The writer's semantics, the slow obvious way: per replica, its entries in MRU order and
-/// the blocks it reported stored.
+/// the blocks it reported stored. Guesses (no copy) and confirmed entries (copies) are each
+/// bounded by the capacity, the least recent of their kind going first.
 struct Model {
     capacity: Vec<usize>,
     lru: Vec<Vec<Entry>>,
@@ -112,8 +113,25 @@ impl Model {
             }
             list.insert(0, e);
         }
+        self.evict(r);
+    }
+
+    fn evict(&mut self, r: usize) {
         let cap = self.capacity[r];
-        self.lru[r].truncate(cap);
+        for confirmed in [false, true] {
+            while self.lru[r]
+                .iter()
+                .filter(|e| (e.count > 0) == confirmed)
+                .count()
+                > cap
+            {
+                let p = self.lru[r]
+                    .iter()
+                    .rposition(|e| (e.count > 0) == confirmed)
+                    .unwrap();
+                self.lru[r].remove(p);
+            }
+        }
     }
 
     fn remove(&mut self, r: usize, h: u64, now: u64) {
@@ -126,9 +144,14 @@ impl Model {
             let keep = e.pending.is_some_and(|mark| {
                 now.saturating_sub(e.last_used) < ttl && ((stored - mark) as usize) < capacity
             });
-            if e.count == 0 && !keep {
-                list.remove(p);
+            if e.count == 0 {
+                let e = list.remove(p);
+                if keep {
+                    // Kept as a guess: the most recent one, its last use unchanged.
+                    list.insert(0, e);
+                }
             }
+            self.evict(r);
         }
     }
 
@@ -225,7 +248,10 @@ fn matches_the_model_through_inserts_removals_evictions_and_clears() {
             }
             for (r, list) in model.lru.iter().enumerate() {
                 assert_eq!(idx.replica_blocks(r), list.len(), "replica {r}");
-                assert!(list.len() <= model.capacity[r]);
+                let confirmed = list.iter().filter(|e| e.count > 0).count();
+                assert_eq!(w.confirmed_blocks(r), confirmed, "replica {r}");
+                assert!(confirmed <= model.capacity[r]);
+                assert!(list.len() - confirmed <= model.capacity[r]);
             }
             for e in model.lru[r].iter().take(4) {
                 assert!(w.holds(r, e.hash));
@@ -546,4 +572,33 @@ fn a_block_routed_since_its_last_store_survives_its_removal() {
     assert!(!w.is_pending(0, 7));
     w.remove(0, 7).unwrap();
     assert!(!w.holds(0, 7));
+}
+
+#[test]
+fn reported_blocks_do_not_push_out_guesses_hashed_another_way() {
+    let (idx, mut w) = index(1, 10);
+    let mut out = [0u32; 1];
+    // A chat prompt routed here (text blocks: only routing knows them)...
+    w.route(0, &[101, 102, 103], 0).unwrap();
+    // ...then the engine reports a full cache of token blocks.
+    let tokens: Vec<u64> = (1000..1010).collect();
+    w.insert(0, &tokens, 1).unwrap();
+    idx.match_prefix(&[101, 102, 103], &mut out);
+    assert_eq!(out, [3], "guesses evicted by reported blocks");
+    idx.match_prefix(&tokens, &mut out);
+    assert_eq!(out, [10]);
+    assert_eq!((w.confirmed_blocks(0), idx.replica_blocks(0)), (10, 13));
+    // Guesses stay bounded by the capacity among themselves, the least recent going first;
+    // the reported blocks stay.
+    let more: Vec<u64> = (200..209).collect();
+    w.insert_routed(0, &more, 2).unwrap();
+    idx.match_prefix(&[101, 102, 103], &mut out);
+    assert_eq!(out, [1]);
+    idx.match_prefix(&more, &mut out);
+    assert_eq!(out, [9]);
+    assert_eq!((w.confirmed_blocks(0), idx.replica_blocks(0)), (10, 20));
+    // Guesses age out without touching the reported blocks.
+    assert_eq!(w.expire_guesses(0, 3).unwrap(), 10);
+    idx.match_prefix(&tokens, &mut out);
+    assert_eq!((out, idx.replica_blocks(0)), ([10], 10));
 }
