@@ -46,8 +46,10 @@
 //! kept only to link parents and apply removals). Chat and text requests are hashed in 256-byte
 //! text blocks (`prefix`, text mode), so events confirm and correct only completions whose
 //! prompt is given as token ids. Text requests keep relying on routing guesses, which on
-//! event-backed replicas age out after `routed_guess_ttl`: a tokenizer path that hashes text
-//! prompts into token blocks is the follow-up that lets events cover chat traffic.
+//! event-backed replicas age out after `routed_guess_ttl`; the writer bounds guesses and
+//! reported blocks each on their own (`ResidencyWriter`), so a replica's reports do not push
+//! them out. With `tokenizer` configured, chat and text prompts are hashed as the engine's
+//! token ids and events cover them too.
 
 pub mod events;
 mod feed;
