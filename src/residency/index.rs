@@ -376,22 +376,6 @@ impl ReplicaBlocks {
         self.add(node)
     }
 
-    /// The least recently used node of either list, with its last use.
-    fn oldest(&self) -> Option<(u32, u64)> {
-        let g = self
-            .guesses
-            .oldest()
-            .map(|i| (i, self.guesses.get(i).last_used_us));
-        let c = self
-            .confirmed
-            .oldest()
-            .map(|i| (i | CONFIRMED, self.confirmed.get(i).last_used_us));
-        match (g, c) {
-            (Some(g), Some(c)) => Some(if c.1 < g.1 { c } else { g }),
-            (g, c) => g.or(c),
-        }
-    }
-
     fn iter(&self) -> impl Iterator<Item = &Node> + '_ {
         self.guesses.iter().chain(self.confirmed.iter())
     }
@@ -600,28 +584,6 @@ impl ResidencyWriter {
         self.replicas[r] = rb;
         self.finish(r);
         Ok(())
-    }
-
-    /// Drop blocks of replica `r` not used since `before_us` (residency learned from routing
-    /// ages out when no KV events correct it).
-    pub fn expire(&mut self, r: usize, before_us: u64) -> Result<usize, String> {
-        self.check_replica(r)?;
-        self.clock_us = self.clock_us.max(before_us);
-        let mut dropped = 0;
-        loop {
-            let rb = &mut self.replicas[r];
-            let Some((key, last_used_us)) = rb.oldest() else {
-                break;
-            };
-            if last_used_us >= before_us {
-                break;
-            }
-            let hash = rb.drop_node(key);
-            self.clear_bit(hash, r);
-            dropped += 1;
-        }
-        self.finish(r);
-        Ok(dropped)
     }
 
     /// Drop the guesses of replica `r` (blocks without a reported copy, pending or not) not

@@ -314,8 +314,8 @@ fn lru_evicts_leaves_before_the_shared_prefix() {
     assert_eq!(out, [4]);
     idx.match_prefix(&[1, 2, 3, 4], &mut out);
     assert_eq!(out, [2]);
-    // Expiry drops what was not used since a time, oldest first.
-    assert_eq!(w.expire(0, 2).unwrap(), 2);
+    // Expiry drops the guesses not used since a time, oldest first.
+    assert_eq!(w.expire_guesses(0, 2).unwrap(), 2);
     idx.match_prefix(&[1, 2, 9], &mut out);
     assert_eq!(out, [3]);
     assert_eq!(idx.replica_blocks(0), 4);

@@ -302,7 +302,7 @@ impl Connection {
                 }
             }
             let room = &mut self.rbuf[self.rend..];
-            // SAFETY: `room` is valid for writes of `room.len()` bytes for the whole call.
+            // Safety: `room` is valid for writes of `room.len()` bytes for the whole call.
             let got = unsafe {
                 libc::recv(
                     self.stream.as_raw_fd(),
@@ -356,7 +356,7 @@ impl Connection {
                 events: libc::POLLIN,
                 revents: 0,
             };
-            // SAFETY: one valid pollfd for the duration of the call.
+            // Safety: one valid pollfd for the duration of the call.
             let r = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
             if r > 0 {
                 return Ok(true);
