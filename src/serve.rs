@@ -105,6 +105,9 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     })
     .map_err(|e| format!("residency index: {e}"))?;
     writer.set_pending_ttl(cfg.telemetry.routed_pending_ttl);
+    // Guesses are text blocks of about 64 tokens; the replicas report blocks of their own KV
+    // block size, so a full replica reports four times as many.
+    writer.set_reported_block_tokens(crate::prefix::DEFAULT_TOKEN_BLOCK);
     for (i, r) in cfg.replicas.iter().enumerate() {
         writer
             .set_capacity_tokens(i, r.kv_capacity_tokens)
@@ -118,6 +121,7 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
         ..writer.config().clone()
     })
     .map_err(|e| format!("offloaded residency index: {e}"))?;
+    offload_writer.set_reported_block_tokens(crate::prefix::DEFAULT_TOKEN_BLOCK);
     for (i, r) in cfg.replicas.iter().enumerate() {
         offload_writer
             .set_capacity_tokens(i, r.offload_capacity_tokens())

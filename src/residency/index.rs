@@ -99,8 +99,11 @@ impl ResidencyIndex {
         let writer = ResidencyWriter {
             index: index.clone(),
             replicas: (0..cfg.max_replicas)
-                .map(|_| ReplicaBlocks::new(default_capacity))
+                .map(|_| {
+                    ReplicaBlocks::new(cfg.kv_capacity_tokens, default_capacity, default_capacity)
+                })
                 .collect(),
+            reported_block_tokens: cfg.block_tokens,
             cfg,
             occupied: 0,
             live: 0,
@@ -277,14 +280,18 @@ const CONFIRMED: u32 = 1 << 31;
 
 /// A replica's resident blocks, in two LRU lists: **guesses** (no reported copy: routing alone
 /// says they are there) and **confirmed** blocks (the replica reported at least one copy). Each
-/// list is bounded by `capacity` on its own. Guesses model the engine's cache, so their bound
-/// is its capacity; confirmed blocks leave when the engine reports them removed, their bound
-/// only caps memory if removals are lost. Kept apart, a replica whose events fill its confirmed
+/// list is bounded on its own: guesses by `capacity` (blocks of the index's `block_tokens`:
+/// they model the engine's cache), confirmed blocks by `confirmed_capacity` (blocks of the
+/// engine's own size, `set_reported_block_tokens`: they leave when the engine reports them
+/// removed, the bound only caps memory if removals are lost). Kept apart, a replica whose events fill its confirmed
 /// list (token blocks) never pushes out the guesses of requests hashed another way (text
 /// blocks of chat prompts without a tokenizer), and guesses age out without a pass over the
 /// confirmed blocks.
 struct ReplicaBlocks {
+    /// The replica's KV capacity in tokens, and in guess and reported blocks.
+    capacity_tokens: u64,
     capacity: usize,
+    confirmed_capacity: usize,
     map: BlockMap,
     guesses: LruList<Node>,
     confirmed: LruList<Node>,
@@ -293,9 +300,11 @@ struct ReplicaBlocks {
 }
 
 impl ReplicaBlocks {
-    fn new(capacity: usize) -> ReplicaBlocks {
+    fn new(capacity_tokens: u64, capacity: usize, confirmed_capacity: usize) -> ReplicaBlocks {
         ReplicaBlocks {
+            capacity_tokens,
             capacity,
+            confirmed_capacity,
             map: BlockMap::default(),
             guesses: LruList::new(),
             confirmed: LruList::new(),
@@ -403,6 +412,8 @@ pub struct ResidencyWriter {
     replica_bytes: Vec<usize>,
     writer_bytes: usize,
     pub(super) logs: Vec<Arc<super::RoutingLog>>,
+    /// Tokens per block the replicas report (KV events): sizes the confirmed lists.
+    reported_block_tokens: u32,
     /// Longest a block stays pending after it was last touched (0: the rule is off).
     pending_ttl_us: u64,
     /// The latest time any call gave the writer (`remove` runs at it).
@@ -427,10 +438,28 @@ impl ResidencyWriter {
     /// fits. Errors on an unknown replica.
     pub fn set_capacity_tokens(&mut self, r: usize, tokens: u64) -> Result<(), String> {
         self.check_replica(r)?;
-        self.replicas[r].capacity = self.cfg.capacity_blocks(tokens);
+        let rb = &mut self.replicas[r];
+        rb.capacity_tokens = tokens;
+        rb.capacity = self.cfg.capacity_blocks(tokens);
+        rb.confirmed_capacity = (tokens / self.reported_block_tokens as u64).max(1) as usize;
         self.evict(r);
         self.finish(r);
         Ok(())
+    }
+
+    /// Tokens per block in what the replicas report (the engines' KV block size, 16 for
+    /// vLLM; default: the index's `block_tokens`): a replica holds its capacity in tokens over
+    /// this many reported blocks. Applies to every replica's confirmed list at once.
+    pub fn set_reported_block_tokens(&mut self, tokens: u32) {
+        self.reported_block_tokens = tokens.max(1);
+        for r in 0..self.replicas.len() {
+            let _ = self.set_capacity_tokens(r, self.replicas[r].capacity_tokens);
+        }
+    }
+
+    /// Replica `r`'s bound on reported blocks.
+    pub fn confirmed_capacity_blocks(&self, r: usize) -> usize {
+        self.replicas.get(r).map_or(0, |b| b.confirmed_capacity)
     }
 
     /// How long a routed block may stay pending after kvlb last touched it; zero turns the
@@ -551,7 +580,7 @@ impl ResidencyWriter {
             let Some(&key) = rb.map.get(&hash) else {
                 continue;
             };
-            let (stored, capacity) = (rb.stored, rb.capacity);
+            let (stored, capacity) = (rb.stored, rb.confirmed_capacity);
             let node = rb.node_mut(key);
             node.count = node.count.saturating_sub(1);
             if node.count == 0 {
@@ -576,7 +605,7 @@ impl ResidencyWriter {
     /// Replica `r` holds nothing any more (AllBlocksCleared, restart, removal from the fleet).
     pub fn clear(&mut self, r: usize) -> Result<(), String> {
         self.check_replica(r)?;
-        let mut rb = std::mem::replace(&mut self.replicas[r], ReplicaBlocks::new(0));
+        let mut rb = std::mem::replace(&mut self.replicas[r], ReplicaBlocks::new(0, 0, 0));
         for node in rb.iter() {
             self.clear_bit(node.hash, r);
         }
@@ -658,7 +687,7 @@ impl ResidencyWriter {
             let rb = &mut self.replicas[r];
             let key = if rb.guesses.len() > rb.capacity {
                 rb.guesses.oldest()
-            } else if rb.confirmed.len() > rb.capacity {
+            } else if rb.confirmed.len() > rb.confirmed_capacity {
                 rb.confirmed.oldest().map(|i| i | CONFIRMED)
             } else {
                 None

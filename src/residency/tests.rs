@@ -602,3 +602,33 @@ fn reported_blocks_do_not_push_out_guesses_hashed_another_way() {
     idx.match_prefix(&tokens, &mut out);
     assert_eq!((out, idx.replica_blocks(0)), ([10], 10));
 }
+
+#[test]
+fn reported_blocks_are_bounded_in_the_engines_block_size() {
+    // Guesses are 64-token text blocks; the engine reports 16-token blocks: a replica of 6,400
+    // tokens holds 100 guesses but 400 reported blocks.
+    let (idx, mut w) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: 2,
+        block_tokens: 64,
+        kv_capacity_tokens: 6_400,
+    })
+    .unwrap();
+    w.set_reported_block_tokens(16);
+    assert_eq!(
+        (w.capacity_blocks(0), w.confirmed_capacity_blocks(0)),
+        (100, 400)
+    );
+    let reported: Vec<u64> = (1..=400).collect();
+    w.insert(0, &reported, 1).unwrap();
+    let mut out = [0u32; 2];
+    idx.match_prefix(&reported, &mut out);
+    assert_eq!(out, [400, 0], "a full replica's reports all kept");
+    w.insert(0, &[401], 2).unwrap();
+    assert!(!w.holds(0, 400) && w.holds(0, 401) && w.holds(0, 1));
+    // A capacity set later keeps the ratio.
+    w.set_capacity_tokens(1, 1_600).unwrap();
+    assert_eq!(
+        (w.capacity_blocks(1), w.confirmed_capacity_blocks(1)),
+        (25, 100)
+    );
+}
