@@ -2,7 +2,8 @@
 //! (the simulated replica `kvlb replica`, and a pyzmq + msgspec publisher written from
 //! replica-interfaces.md, tests/py/kv_publisher.py) learns where prompts are resident from the
 //! replicas' own events and routes token-id prompts there; gaps, restarts and clears drop what
-//! it learned; /replicas shows the replicas' scraped queue numbers.
+//! it learned; a replica's reports do not push out the routing guesses of chat prompts (hashed
+//! as text); /replicas shows the replicas' scraped queue numbers.
 //!
 //! The Python side needs pyzmq and msgspec: $KVLB_PYTHON, else .venv/bin/python at the
 //! repository root (tests/run.sh creates it), else python3.
@@ -179,6 +180,104 @@ fn replica_events_steer_token_prompts_and_clears_undo_them() {
     let t1 = &replicas_json(&kvlb)[1]["telemetry"];
     assert!(t1["events_seen"].as_u64().unwrap() >= 2, "{t1}");
     assert_eq!(t1["stale"], false, "{t1}");
+}
+
+/// Chat prompts are hashed as text (no tokenizer here), so the replicas' KV events (token
+/// blocks) never confirm them: routing guesses are all kvlb knows of where a conversation went.
+/// A replica whose events fill kvlb's view of its cache must not push those guesses out.
+#[test]
+fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    // kvlb is told each replica holds 8,192 tokens: 128 guessed text blocks (64 tokens each),
+    // 512 reported blocks (16 tokens each). The replicas really hold 400k.
+    let replica_arg = |i: usize| {
+        format!(
+            "http://{},kv_events={},kv_capacity_tokens=8192",
+            reps.http[i], reps.events[i]
+        )
+    };
+    let (r0, r1) = (replica_arg(0), replica_arg(1));
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    assert!(
+        wait_until(T, || replicas_json(&kvlb)
+            .iter()
+            .all(|r| r["telemetry"]["events_connected"] == true)),
+        "kvlb did not subscribe to both replicas: {:?}\n{}",
+        replicas_json(&kvlb),
+        kvlb.stderr()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+
+    // Turn 1 of a conversation with a 6 KB system prompt (about 23 text blocks) through kvlb.
+    let system: Vec<String> = (0..1000).map(|i| format!("w{i}")).collect();
+    let system = system.join(" ");
+    let turn = |messages: Value| {
+        json!({"model": "Qwen/Qwen3-8B", "messages": messages, "max_tokens": 1})
+            .to_string()
+            .into_bytes()
+    };
+    let first = post(
+        kvlb.listen,
+        "/v1/chat/completions",
+        &turn(json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "hello"}
+        ])),
+    );
+    assert_eq!(first.status, 200, "{}", first.describe());
+    let holder_url = first.header("x-kvlb-replica").unwrap().to_string();
+    let holder = (0..2)
+        .find(|&i| holder_url == format!("http://{}", reps.http[i]))
+        .expect("x-kvlb-replica names a replica");
+
+    // The holder computes 6,000 tokens of other prompts sent to it directly: its events report
+    // 375 blocks, far more than kvlb's bound on guesses there.
+    for salt in 0..3 {
+        let direct = post(
+            reps.http[holder],
+            "/v1/completions",
+            &completion_body(&token_prompt(2000, 10 + salt)),
+        );
+        assert_eq!(direct.status, 200, "{}", direct.describe());
+    }
+    assert!(
+        wait_until(T, || replicas_json(&kvlb)[holder]["resident_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 375),
+        "kvlb did not keep the holder's reported blocks: {:?}",
+        replicas_json(&kvlb)
+    );
+
+    // Turn 2 through kvlb: the holder still counts the conversation's prefix as cached.
+    let second = post(
+        kvlb.listen,
+        "/v1/chat/completions",
+        &turn(json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "and then?"}
+        ])),
+    );
+    assert_eq!(second.status, 200, "{}", second.describe());
+    assert_eq!(
+        second.header("x-kvlb-replica"),
+        Some(holder_url.as_str()),
+        "{}",
+        second.describe()
+    );
+    let (reason, matched) = decision(&second);
+    assert_eq!(reason, "cache", "{}", second.describe());
+    assert!(matched >= 1024, "{}", second.describe());
 }
 
 fn repo() -> PathBuf {
