@@ -249,13 +249,18 @@ fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
         assert_eq!(direct.status, 200, "{}", direct.describe());
     }
     assert!(
-        wait_until(T, || replicas_json(&kvlb)[holder]["resident_blocks"]
+        wait_until(T, || replicas_json(&kvlb)[holder]["reported_blocks"]
             .as_u64()
             .unwrap_or(0)
             >= 375),
         "kvlb did not keep the holder's reported blocks: {:?}",
         replicas_json(&kvlb)
     );
+    // /replicas tells the two kinds apart: the conversation's text blocks are guesses.
+    let held = &replicas_json(&kvlb)[holder];
+    let guesses =
+        held["resident_blocks"].as_u64().unwrap() - held["reported_blocks"].as_u64().unwrap();
+    assert!(guesses >= 16, "{held}");
 
     // Turn 2 through kvlb: the holder still counts the conversation's prefix as cached.
     let second = post(

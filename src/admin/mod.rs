@@ -351,6 +351,7 @@ fn get(path: &str, shared: &Shared) -> Reply {
                         "health_check_ok": slot.check_ok.load(Relaxed),
                         "responses": responses,
                         "resident_blocks": shared.residency.replica_blocks(i),
+                        "reported_blocks": shared.residency.reported_blocks(i),
                         "telemetry": shared.telemetry[i].to_json(now),
                     })
                 })

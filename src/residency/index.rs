@@ -73,6 +73,8 @@ pub struct ResidencyIndex {
     table: ArcSwap<BitTable>,
     max_replicas: usize,
     replica_blocks: Box<[AtomicUsize]>,
+    /// Of those, the blocks the replica reported (KV events); the rest are routing guesses.
+    reported_blocks: Box<[AtomicUsize]>,
     bytes: AtomicUsize,
     table_bytes: AtomicUsize,
     distinct: AtomicUsize,
@@ -88,6 +90,7 @@ impl ResidencyIndex {
         let index = Arc::new(ResidencyIndex {
             max_replicas: cfg.max_replicas,
             replica_blocks: (0..cfg.max_replicas).map(|_| AtomicUsize::new(0)).collect(),
+            reported_blocks: (0..cfg.max_replicas).map(|_| AtomicUsize::new(0)).collect(),
             bytes: AtomicUsize::new(0),
             table_bytes: AtomicUsize::new(0),
             distinct: AtomicUsize::new(0),
@@ -143,6 +146,14 @@ impl ResidencyIndex {
     /// Blocks resident on replica `r` (0 for an unknown replica).
     pub fn replica_blocks(&self, r: usize) -> usize {
         self.replica_blocks
+            .get(r)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// Of `replica_blocks(r)`, those replica `r` reported itself (KV events); the others are
+    /// kvlb's routing guesses.
+    pub fn reported_blocks(&self, r: usize) -> usize {
+        self.reported_blocks
             .get(r)
             .map_or(0, |c| c.load(Ordering::Relaxed))
     }
@@ -739,6 +750,7 @@ impl ResidencyWriter {
     /// Publish the counters readers see after a change to replica `r`.
     fn finish(&mut self, r: usize) {
         self.index.replica_blocks[r].store(self.replicas[r].len(), Ordering::Relaxed);
+        self.index.reported_blocks[r].store(self.replicas[r].confirmed.len(), Ordering::Relaxed);
         self.index.distinct.store(self.live, Ordering::Relaxed);
         let now = self.replicas[r].bytes();
         self.writer_bytes = self.writer_bytes + now - self.replica_bytes[r];
