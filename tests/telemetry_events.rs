@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
-use support::fleet::{decision, post, replicas_json, ReplicaFleet};
+use support::fleet::{decision, post, replicas_json, serve_subscribed, ReplicaFleet};
 use support::{wait_until, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
@@ -94,29 +94,7 @@ fn completion_body(tokens: &[u32]) -> Vec<u8> {
 #[test]
 fn replica_events_steer_token_prompts_and_clears_undo_them() {
     let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
-    let replica_arg = |i: usize| format!("http://{},kv_events={}", reps.http[i], reps.events[i]);
-    let (r0, r1) = (replica_arg(0), replica_arg(1));
-    let kvlb = Kvlb::serve(&[
-        "--explain",
-        "--workers",
-        "1",
-        "--metrics-interval",
-        "200ms",
-        "--replica",
-        &r0,
-        "--replica",
-        &r1,
-    ]);
-    assert!(
-        wait_until(T, || replicas_json(&kvlb)
-            .iter()
-            .all(|r| r["telemetry"]["events_connected"] == true)),
-        "kvlb did not subscribe to both replicas: {:?}\n{}",
-        replicas_json(&kvlb),
-        kvlb.stderr()
-    );
-    // The subscription lands on the publisher a little after the connection.
-    std::thread::sleep(Duration::from_millis(300));
+    let kvlb = serve_subscribed(&reps, "", &["--metrics-interval", "200ms"]);
 
     // Replica 1 computes the prompt (kvlb not involved) and publishes BlockStored.
     let prompt = token_prompt(4096, 1);
@@ -190,31 +168,7 @@ fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
     let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
     // kvlb is told each replica holds 8,192 tokens: 128 guessed text blocks (64 tokens each),
     // 512 reported blocks (16 tokens each). The replicas really hold 400k.
-    let replica_arg = |i: usize| {
-        format!(
-            "http://{},kv_events={},kv_capacity_tokens=8192",
-            reps.http[i], reps.events[i]
-        )
-    };
-    let (r0, r1) = (replica_arg(0), replica_arg(1));
-    let kvlb = Kvlb::serve(&[
-        "--explain",
-        "--workers",
-        "1",
-        "--replica",
-        &r0,
-        "--replica",
-        &r1,
-    ]);
-    assert!(
-        wait_until(T, || replicas_json(&kvlb)
-            .iter()
-            .all(|r| r["telemetry"]["events_connected"] == true)),
-        "kvlb did not subscribe to both replicas: {:?}\n{}",
-        replicas_json(&kvlb),
-        kvlb.stderr()
-    );
-    std::thread::sleep(Duration::from_millis(300));
+    let kvlb = serve_subscribed(&reps, ",kv_capacity_tokens=8192", &[]);
 
     // Turn 1 of a conversation with a 6 KB system prompt (about 23 text blocks) through kvlb.
     let system: Vec<String> = (0..1000).map(|i| format!("w{i}")).collect();
@@ -232,11 +186,7 @@ fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
             {"role": "user", "content": "hello"}
         ])),
     );
-    assert_eq!(first.status, 200, "{}", first.describe());
-    let holder_url = first.header("x-kvlb-replica").unwrap().to_string();
-    let holder = (0..2)
-        .find(|&i| holder_url == format!("http://{}", reps.http[i]))
-        .expect("x-kvlb-replica names a replica");
+    let holder = reps.served_by(&first);
 
     // The holder computes 6,000 tokens of other prompts sent to it directly: its events report
     // 375 blocks, far more than kvlb's bound on guesses there.
@@ -273,13 +223,7 @@ fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
             {"role": "user", "content": "and then?"}
         ])),
     );
-    assert_eq!(second.status, 200, "{}", second.describe());
-    assert_eq!(
-        second.header("x-kvlb-replica"),
-        Some(holder_url.as_str()),
-        "{}",
-        second.describe()
-    );
+    assert_eq!(reps.served_by(&second), holder, "{}", second.describe());
     let (reason, matched) = decision(&second);
     assert_eq!(reason, "cache", "{}", second.describe());
     assert!(matched >= 1024, "{}", second.describe());

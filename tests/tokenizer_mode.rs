@@ -11,7 +11,7 @@ use kvlb::tokenize::{fixture, ChatTokenizer};
 use serde_json::{json, Value};
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::fleet::{decision, post, replicas_json, ReplicaFleet};
+use support::fleet::{decision, post, replicas_json, serve_subscribed, ReplicaFleet};
 use support::{wait_until, Kvlb, TempDir};
 
 const T: Duration = Duration::from_secs(20);
@@ -42,29 +42,8 @@ fn a_shared_system_prompt_routes_to_the_replica_whose_events_hold_it() {
         "kvlb replica refused the tokenizer: {:?}",
         reps.notes
     );
-    let (http, events) = (&reps.http, &reps.events);
-    let r0 = format!("http://{},kv_events={}", http[0], events[0]);
-    let r1 = format!("http://{},kv_events={}", http[1], events[1]);
-    let kvlb = Kvlb::serve(&[
-        "--explain",
-        "--workers",
-        "1",
-        "--tokenizer",
-        tokenizer_arg,
-        "--replica",
-        &r0,
-        "--replica",
-        &r1,
-    ]);
-    assert!(
-        wait_until(T, || replicas_json(&kvlb)
-            .iter()
-            .all(|r| r["telemetry"]["events_connected"] == true)),
-        "kvlb did not subscribe: {:?}\n{}",
-        replicas_json(&kvlb),
-        kvlb.stderr()
-    );
-    std::thread::sleep(Duration::from_millis(300));
+    let http = &reps.http;
+    let kvlb = serve_subscribed(&reps, "", &["--tokenizer", tokenizer_arg]);
 
     // Replica 1 serves a conversation with a long system prompt (kvlb not involved).
     let system = "You are a careful assistant for a weather service. Answer in short sentences, \

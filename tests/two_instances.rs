@@ -57,18 +57,6 @@ fn post(addr: SocketAddr, body: &[u8]) -> support::Response {
     .unwrap_or_else(|e| panic!("POST to {addr}: {e}"))
 }
 
-/// The replica (its index in `reps`) that served `r`, from `x-kvlb-replica`.
-fn served_by(reps: &ReplicaFleet, r: &support::Response) -> usize {
-    assert_eq!(r.status, 200, "{}", r.describe());
-    let url = r
-        .header("x-kvlb-replica")
-        .unwrap_or_else(|| panic!("no x-kvlb-replica: {}", r.describe()));
-    reps.http
-        .iter()
-        .position(|h| url == format!("http://{h}"))
-        .unwrap_or_else(|| panic!("unknown replica {url}"))
-}
-
 #[test]
 fn two_instances_agree_on_cache_and_load() {
     let reps = ReplicaFleet::start(3, &[]);
@@ -90,7 +78,7 @@ fn two_instances_agree_on_cache_and_load() {
 
     // (a) A long prompt through A lands on r; r publishes its blocks; B follows them.
     let prompt = token_prompt(2048, 1);
-    let r = served_by(&reps, &post(a.listen, &completion(&prompt, 1)));
+    let r = reps.served_by(&post(a.listen, &completion(&prompt, 1)));
     assert!(
         wait_until(T, || replicas_json(&b)[r]["resident_blocks"]
             .as_u64()
@@ -100,7 +88,7 @@ fn two_instances_agree_on_cache_and_load() {
         replicas_json(&b)
     );
     let via_b = post(b.listen, &completion(&prompt, 1));
-    assert_eq!(served_by(&reps, &via_b), r, "{}", via_b.describe());
+    assert_eq!(reps.served_by(&via_b), r, "{}", via_b.describe());
     let decision = via_b.header("x-kvlb-decision").unwrap_or("").to_string();
     assert!(decision.contains("reason=cache"), "{decision}");
 
@@ -131,7 +119,7 @@ fn two_instances_agree_on_cache_and_load() {
     // Fresh prompts through B avoid r while it is busy (by chance: (2/3)^10, 2%).
     for salt in 0..10 {
         let fresh = post(b.listen, &completion(&token_prompt(1024, 7 + salt), 1));
-        let to = served_by(&reps, &fresh);
+        let to = reps.served_by(&fresh);
         assert_ne!(
             to,
             r,
@@ -142,6 +130,6 @@ fn two_instances_agree_on_cache_and_load() {
     }
     for h in busy {
         let resp = h.join().unwrap();
-        assert_eq!(served_by(&reps, &resp), r, "{}", resp.describe());
+        assert_eq!(reps.served_by(&resp), r, "{}", resp.describe());
     }
 }

@@ -132,6 +132,51 @@ pub fn decision(r: &Response) -> (String, u64) {
     )
 }
 
+impl ReplicaFleet {
+    /// The replica (its index) that served `r`, from `x-kvlb-replica`; `r` must be a 200.
+    pub fn served_by(&self, r: &Response) -> usize {
+        assert_eq!(r.status, 200, "{}", r.describe());
+        let url = r
+            .header("x-kvlb-replica")
+            .unwrap_or_else(|| panic!("no x-kvlb-replica: {}", r.describe()));
+        self.http
+            .iter()
+            .position(|h| url == format!("http://{h}"))
+            .unwrap_or_else(|| panic!("unknown replica {url}"))
+    }
+}
+
+/// `kvlb serve --explain --workers 1` plus `extra` in front of `reps`, each replica with its
+/// own KV event stream (`--replica http://ADDR,kv_events=ENDPOINT` followed by
+/// `replica_opts`, e.g. `,kv_capacity_tokens=8192`), once kvlb is subscribed to every stream.
+pub fn serve_subscribed(reps: &ReplicaFleet, replica_opts: &str, extra: &[&str]) -> Kvlb {
+    let replicas: Vec<String> = (0..reps.http.len())
+        .map(|i| {
+            format!(
+                "http://{},kv_events={}{replica_opts}",
+                reps.http[i], reps.events[i]
+            )
+        })
+        .collect();
+    let mut args = vec!["--explain", "--workers", "1"];
+    args.extend_from_slice(extra);
+    for r in &replicas {
+        args.extend_from_slice(&["--replica", r]);
+    }
+    let kvlb = Kvlb::serve(&args);
+    assert!(
+        wait_until(READY_WITHIN, || replicas_json(&kvlb)
+            .iter()
+            .all(|r| r["telemetry"]["events_connected"] == true)),
+        "kvlb did not subscribe to every replica: {:?}\n{}",
+        replicas_json(&kvlb),
+        kvlb.stderr()
+    );
+    // The subscription lands on the publisher a little after the connection.
+    std::thread::sleep(Duration::from_millis(300));
+    kvlb
+}
+
 /// `kvlb serve --explain --workers 1` plus `extra` in front of `reps`, replica i subscribed to
 /// its own in-process KV event publisher (the wire of replica-interfaces.md section 1) in
 /// `formats[i]`, once kvlb has subscribed to every publisher.
