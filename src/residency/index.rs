@@ -294,10 +294,10 @@ const CONFIRMED: u32 = 1 << 31;
 /// list is bounded on its own: guesses by `capacity` (blocks of the index's `block_tokens`:
 /// they model the engine's cache), confirmed blocks by `confirmed_capacity` (blocks of the
 /// engine's own size, `set_reported_block_tokens`: they leave when the engine reports them
-/// removed, the bound only caps memory if removals are lost). Kept apart, a replica whose events fill its confirmed
-/// list (token blocks) never pushes out the guesses of requests hashed another way (text
-/// blocks of chat prompts without a tokenizer), and guesses age out without a pass over the
-/// confirmed blocks.
+/// removed, the bound only caps memory if removals are lost). Kept apart, a replica whose
+/// events fill its confirmed list (token blocks) never pushes out the guesses of requests
+/// hashed another way (text blocks of chat prompts without a tokenizer), and guesses age out
+/// without a pass over the confirmed blocks.
 struct ReplicaBlocks {
     /// The replica's KV capacity in tokens, and in guess and reported blocks.
     capacity_tokens: u64,
@@ -332,30 +332,38 @@ impl ReplicaBlocks {
         self.map.capacity() * 17 + self.guesses.bytes() + self.confirmed.bytes()
     }
 
-    fn node(&self, key: u32) -> &Node {
+    /// The list a map key points into, and the node's index there.
+    fn list(&self, key: u32) -> (&LruList<Node>, u32) {
         if key & CONFIRMED != 0 {
-            self.confirmed.get(key & !CONFIRMED)
+            (&self.confirmed, key & !CONFIRMED)
         } else {
-            self.guesses.get(key)
+            (&self.guesses, key)
         }
     }
 
-    fn node_mut(&mut self, key: u32) -> &mut Node {
+    fn list_mut(&mut self, key: u32) -> (&mut LruList<Node>, u32) {
         if key & CONFIRMED != 0 {
-            self.confirmed.get_mut(key & !CONFIRMED)
+            (&mut self.confirmed, key & !CONFIRMED)
         } else {
-            self.guesses.get_mut(key)
+            (&mut self.guesses, key)
         }
+    }
+
+    fn node(&self, key: u32) -> &Node {
+        let (list, i) = self.list(key);
+        list.get(i)
+    }
+
+    fn node_mut(&mut self, key: u32) -> &mut Node {
+        let (list, i) = self.list_mut(key);
+        list.get_mut(i)
     }
 
     /// Mark the node used at `now_us` (most recent of its list).
     fn touch(&mut self, key: u32, now_us: u64) {
-        self.node_mut(key).last_used_us = now_us;
-        if key & CONFIRMED != 0 {
-            self.confirmed.touch(key & !CONFIRMED);
-        } else {
-            self.guesses.touch(key);
-        }
+        let (list, i) = self.list_mut(key);
+        list.get_mut(i).last_used_us = now_us;
+        list.touch(i);
     }
 
     /// Add `node` (its hash not present) as the most recent of the list its count picks;
@@ -372,11 +380,8 @@ impl ReplicaBlocks {
 
     /// Remove the node from its list (not from the map).
     fn unlink(&mut self, key: u32) -> Node {
-        if key & CONFIRMED != 0 {
-            self.confirmed.remove(key & !CONFIRMED)
-        } else {
-            self.guesses.remove(key)
-        }
+        let (list, i) = self.list_mut(key);
+        list.remove(i)
     }
 
     fn drop_node(&mut self, key: u32) -> u64 {
@@ -661,11 +666,6 @@ impl ResidencyWriter {
         self.replicas
             .get(r)
             .is_some_and(|b| b.map.contains_key(&hash))
-    }
-
-    /// Blocks of replica `r` with at least one reported copy.
-    pub fn confirmed_blocks(&self, r: usize) -> usize {
-        self.replicas.get(r).map_or(0, |b| b.confirmed.len())
     }
 
     /// Copies of `hash` replica `r` reported (0 when only routing put it there or absent).

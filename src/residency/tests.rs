@@ -249,7 +249,7 @@ fn matches_the_model_through_inserts_removals_evictions_and_clears() {
             for (r, list) in model.lru.iter().enumerate() {
                 assert_eq!(idx.replica_blocks(r), list.len(), "replica {r}");
                 let confirmed = list.iter().filter(|e| e.count > 0).count();
-                assert_eq!(w.confirmed_blocks(r), confirmed, "replica {r}");
+                assert_eq!(idx.reported_blocks(r), confirmed, "replica {r}");
                 assert!(confirmed <= model.capacity[r]);
                 assert!(list.len() - confirmed <= model.capacity[r]);
             }
@@ -587,7 +587,7 @@ fn reported_blocks_do_not_push_out_guesses_hashed_another_way() {
     assert_eq!(out, [3], "guesses evicted by reported blocks");
     idx.match_prefix(&tokens, &mut out);
     assert_eq!(out, [10]);
-    assert_eq!((w.confirmed_blocks(0), idx.replica_blocks(0)), (10, 13));
+    assert_eq!((idx.reported_blocks(0), idx.replica_blocks(0)), (10, 13));
     // Guesses stay bounded by the capacity among themselves, the least recent going first;
     // the reported blocks stay.
     let more: Vec<u64> = (200..209).collect();
@@ -596,7 +596,7 @@ fn reported_blocks_do_not_push_out_guesses_hashed_another_way() {
     assert_eq!(out, [1]);
     idx.match_prefix(&more, &mut out);
     assert_eq!(out, [9]);
-    assert_eq!((w.confirmed_blocks(0), idx.replica_blocks(0)), (10, 20));
+    assert_eq!((idx.reported_blocks(0), idx.replica_blocks(0)), (10, 20));
     // Guesses age out without touching the reported blocks.
     assert_eq!(w.expire_guesses(0, 3).unwrap(), 10);
     idx.match_prefix(&tokens, &mut out);

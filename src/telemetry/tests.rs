@@ -395,7 +395,7 @@ fn feed_applies_ops_and_expires_only_guesses() {
     .unwrap();
     feed.on_tick(&mut writer, 1_000);
     assert_eq!(writer.copies(0, 200), 1);
-    assert_eq!(writer.confirmed_blocks(0), 2);
+    assert_eq!(writer.index().reported_blocks(0), 2);
     // 3 s later: the guess on the event-backed replica is gone, confirmed blocks stay, the
     // replica without events keeps its guess.
     feed.on_tick(&mut writer, 3_000_000);
@@ -413,7 +413,7 @@ fn feed_applies_ops_and_expires_only_guesses() {
     feed.on_tick(&mut writer, 3_001_000);
     assert!(!writer.holds(0, 200) && writer.holds(0, 201));
     assert!(!writer.holds(1, 100));
-    assert_eq!(writer.confirmed_blocks(0), 1);
+    assert_eq!(writer.index().reported_blocks(0), 1);
 }
 
 #[test]
@@ -570,7 +570,7 @@ fn the_feed_keeps_offloaded_blocks_apart_and_clears_both_tiers() {
         (0, 2)
     );
     assert_eq!(shared.telemetry[1].offload_resident_blocks.load(Relaxed), 2);
-    assert_eq!(writer.confirmed_blocks(0), 2);
+    assert_eq!(writer.index().reported_blocks(0), 2);
     // A CPU removal leaves the GPU copy; a GPU removal leaves the CPU copy.
     tx.send(op(Tier::Offloaded, 0, &[1], false)).unwrap();
     tx.send(op(Tier::Gpu, 0, &[2], false)).unwrap();
@@ -624,5 +624,5 @@ fn without_an_offloaded_tier_offloaded_blocks_are_not_counted_on_gpu() {
     .unwrap();
     feed.on_tick(&mut writer, 1_000);
     assert!(!writer.holds(0, 7));
-    assert_eq!(writer.confirmed_blocks(0), 0);
+    assert_eq!(writer.index().reported_blocks(0), 0);
 }
