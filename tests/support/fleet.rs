@@ -146,6 +146,17 @@ impl ReplicaFleet {
     }
 }
 
+/// `kvlb serve --explain --workers 1`, then `extra`, then `--replica SPEC` for each of
+/// `replicas`.
+fn serve_explained(extra: &[&str], replicas: &[String]) -> Kvlb {
+    let mut args = vec!["--explain", "--workers", "1"];
+    args.extend_from_slice(extra);
+    for r in replicas {
+        args.extend_from_slice(&["--replica", r]);
+    }
+    Kvlb::serve(&args)
+}
+
 /// `kvlb serve --explain --workers 1` plus `extra` in front of `reps`, each replica with its
 /// own KV event stream (`--replica http://ADDR,kv_events=ENDPOINT` followed by
 /// `replica_opts`, e.g. `,kv_capacity_tokens=8192`), once kvlb is subscribed to every stream.
@@ -158,12 +169,7 @@ pub fn serve_subscribed(reps: &ReplicaFleet, replica_opts: &str, extra: &[&str])
             )
         })
         .collect();
-    let mut args = vec!["--explain", "--workers", "1"];
-    args.extend_from_slice(extra);
-    for r in &replicas {
-        args.extend_from_slice(&["--replica", r]);
-    }
-    let kvlb = Kvlb::serve(&args);
+    let kvlb = serve_explained(extra, &replicas);
     assert!(
         wait_until(READY_WITHIN, || replicas_json(&kvlb)
             .iter()
@@ -202,12 +208,7 @@ pub fn serve_with_publishers(
             )
         })
         .collect();
-    let mut args = vec!["--explain", "--workers", "1"];
-    args.extend_from_slice(extra);
-    for r in &replicas {
-        args.extend_from_slice(&["--replica", r]);
-    }
-    let kvlb = Kvlb::serve(&args);
+    let kvlb = serve_explained(extra, &replicas);
     assert!(
         wait_until(READY_WITHIN, || pubs
             .iter()
