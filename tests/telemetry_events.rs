@@ -211,6 +211,12 @@ fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
     let guesses =
         held["resident_blocks"].as_u64().unwrap() - held["reported_blocks"].as_u64().unwrap();
     assert!(guesses >= 16, "{held}");
+    // The event thread's map of engine hashes holds (at least) every block it reported.
+    let engine_blocks = held["telemetry"]["engine_blocks"].as_u64().unwrap();
+    assert!(
+        engine_blocks >= held["reported_blocks"].as_u64().unwrap(),
+        "{held}"
+    );
 
     // Turn 2 through kvlb: the holder still counts the conversation's prefix as cached.
     let second = post(

@@ -354,6 +354,12 @@ pub struct EventSource {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 const RECV_SLICE: Duration = Duration::from_millis(200);
+/// After applying what had arrived, the thread sleeps this long before it waits for more:
+/// an engine publishes a batch per scheduler step (a hundred a second and more), and waking
+/// for each costs more than the batch itself. Residency learns of stores and evictions at
+/// most this much later; kvlb's own routing, which the workers record at once, is not
+/// delayed.
+pub const EVENT_GATHER: Duration = Duration::from_millis(20);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
@@ -420,9 +426,19 @@ pub fn run(
         backoff = BACKOFF_MIN;
         tel.connects.fetch_add(1, Relaxed);
         tel.events_connected.store(true, Relaxed);
+        // Zero right after a message: take what else has arrived, then pause for the next
+        // batches to gather (see `EVENT_GATHER`) before blocking again.
+        let mut wait = RECV_SLICE;
         while !stop.load(Relaxed) {
-            let frames = match sub.recv(RECV_SLICE) {
+            let frames = match sub.recv(wait) {
                 Ok(Some(f)) => f,
+                Ok(None) if wait.is_zero() => {
+                    wait = RECV_SLICE;
+                    if sleep_or_stop(EVENT_GATHER, &stop) {
+                        break;
+                    }
+                    continue;
+                }
                 Ok(None) => {
                     if connection_is_liveness {
                         tel.touch(shared.now_ms());
@@ -431,12 +447,16 @@ pub fn run(
                 }
                 Err(_) => break,
             };
+            wait = Duration::ZERO;
             ops.clear();
             if state.receive(&frames, tel, &mut replay, &mut ops).is_ok() {
                 let now = shared.now_ms();
                 tel.last_event_ms.store(now.max(1), Relaxed);
                 tel.touch(now);
             }
+            sub.recycle(frames);
+            tel.engine_blocks
+                .store(state.known_blocks() as u64, Relaxed);
             for op in ops.drain(..) {
                 // Waits while the writer catches up; fails only once the writer has gone.
                 if ops_tx.send(op).is_err() {

@@ -116,6 +116,9 @@ pub struct ReplicaTelemetry {
     pub restarts: AtomicU64,
     /// Connections to the event publisher made.
     pub connects: AtomicU64,
+    /// Engine blocks the event thread knows now (its map from engine block hash to kvlb's
+    /// hash and copy count, which resolves parents and removals), published after each batch.
+    pub engine_blocks: AtomicU64,
     /// The last scrape net of this instance's requests, for the cost model (workers read it).
     pub reported: reported::ReportedLoadCell,
 }
@@ -146,6 +149,7 @@ impl Default for ReplicaTelemetry {
             replays: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             connects: AtomicU64::new(0),
+            engine_blocks: AtomicU64::new(0),
             reported: reported::ReportedLoadCell::default(),
         }
     }
@@ -181,7 +185,8 @@ impl ReplicaTelemetry {
             gaps,
             replays,
             restarts,
-            connects
+            connects,
+            engine_blocks
         );
         self.reported.clear();
     }
@@ -243,6 +248,7 @@ impl ReplicaTelemetry {
             "replays": self.replays.load(Relaxed),
             "restarts": self.restarts.load(Relaxed),
             "connects": self.connects.load(Relaxed),
+            "engine_blocks": self.engine_blocks.load(Relaxed),
             "reported": reported,
         })
     }

@@ -82,6 +82,12 @@ impl SubClient {
         recv_message(&mut self.conn, timeout)
     }
 
+    /// Hand a received message back once read: its buffers carry the next messages, so a
+    /// subscriber that recycles every message stops allocating once warm.
+    pub fn recycle(&mut self, message: Message) {
+        self.conn.recycle(message);
+    }
+
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
         self.conn.peer_addr()
     }

@@ -16,6 +16,9 @@ const FLAG_COMMAND: u8 = 0x04;
 
 /// Largest message a peer may send us; anything bigger is treated as hostile.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Frame buffers a connection keeps for reuse ([`Connection::recycle`]), and the largest kept.
+const SPARE_FRAMES: usize = 8;
+const SPARE_FRAME_BYTES: usize = 4 << 20;
 
 /// Room a receive asks the kernel to fill at least: a busy publisher's messages arrive a few at
 /// a time, one system call for all of them.
@@ -167,6 +170,9 @@ pub struct Connection {
     rpos: usize,
     rend: usize,
     partial: Vec<Vec<u8>>,
+    /// Frame buffers handed back by [`Connection::recycle`], refilled by the next messages, so
+    /// a subscriber that gives each message back receives without allocating.
+    spare: Vec<Vec<u8>>,
     peer: PeerVersion,
     peer_socket_type: String,
 }
@@ -189,6 +195,7 @@ impl Connection {
             rpos: 0,
             rend: 0,
             partial: Vec::new(),
+            spare: Vec::new(),
             peer: PeerVersion { major: 0, minor: 0 },
             peer_socket_type: String::new(),
         };
@@ -370,6 +377,26 @@ impl Connection {
         }
     }
 
+    /// Give a message returned by [`Connection::read_incoming`] back: its frame buffers (and
+    /// the list holding them) are reused for the next messages. Only a few, of bounded size,
+    /// are kept.
+    pub fn recycle(&mut self, mut message: Vec<Vec<u8>>) {
+        // Last frame first: the next message takes them back in frame order, so each frame
+        // (topic, sequence number, payload) finds the buffer a frame of its kind had.
+        for frame in message.drain(..).rev() {
+            self.keep_spare(frame);
+        }
+        if self.partial.capacity() == 0 {
+            self.partial = message;
+        }
+    }
+
+    fn keep_spare(&mut self, frame: Vec<u8>) {
+        if self.spare.len() < SPARE_FRAMES && frame.capacity() <= SPARE_FRAME_BYTES {
+            self.spare.push(frame);
+        }
+    }
+
     /// Read the next whole message or command. Ok(None) when `deadline` passes first; whatever
     /// part of a frame had arrived stays buffered for the next call. `None` deadline blocks.
     pub fn read_incoming(&mut self, deadline: Option<Instant>) -> io::Result<Option<Incoming>> {
@@ -401,7 +428,9 @@ impl Connection {
             if !self.fill_to(header + size, deadline)? {
                 return Ok(None);
             }
-            let body = self.rbuf[self.rpos + header..self.rpos + header + size].to_vec();
+            let mut body = self.spare.pop().unwrap_or_default();
+            body.clear();
+            body.extend_from_slice(&self.rbuf[self.rpos + header..self.rpos + header + size]);
             debug_assert!(self.rpos + header + size <= self.rend);
             self.rpos += header + size;
             if flags & FLAG_COMMAND != 0 {
@@ -415,10 +444,12 @@ impl Connection {
                 if body.len() < 1 + name_len {
                     return Err(protocol_error("command name truncated"));
                 }
-                return Ok(Some(Incoming::Command {
+                let command = Incoming::Command {
                     name: body[1..1 + name_len].to_vec(),
                     data: body[1 + name_len..].to_vec(),
-                }));
+                };
+                self.keep_spare(body);
+                return Ok(Some(command));
             }
             self.partial.push(body);
             if flags & FLAG_MORE == 0 {
