@@ -97,14 +97,11 @@ impl ResidencyIndex {
             rebuilds: AtomicU64::new(0),
             table: ArcSwap::from_pointee(table),
         });
-        let default_capacity = cfg.capacity_blocks(cfg.kv_capacity_tokens);
         let cfg_replicas = cfg.max_replicas;
         let writer = ResidencyWriter {
             index: index.clone(),
             replicas: (0..cfg.max_replicas)
-                .map(|_| {
-                    ReplicaBlocks::new(cfg.kv_capacity_tokens, default_capacity, default_capacity)
-                })
+                .map(|_| ReplicaBlocks::new(cfg.kv_capacity_tokens))
                 .collect(),
             reported_block_tokens: cfg.block_tokens,
             cfg,
@@ -291,18 +288,16 @@ const CONFIRMED: u32 = 1 << 31;
 
 /// A replica's resident blocks, in two LRU lists: **guesses** (no reported copy: routing alone
 /// says they are there) and **confirmed** blocks (the replica reported at least one copy). Each
-/// list is bounded on its own: guesses by `capacity` (blocks of the index's `block_tokens`:
-/// they model the engine's cache), confirmed blocks by `confirmed_capacity` (blocks of the
-/// engine's own size, `set_reported_block_tokens`: they leave when the engine reports them
-/// removed, the bound only caps memory if removals are lost). Kept apart, a replica whose
+/// list is bounded on its own by the replica's capacity (`ResidencyWriter::bounds`): guesses
+/// in blocks of the index's `block_tokens` (they model the engine's cache), confirmed blocks in
+/// blocks of the engine's own size (`set_reported_block_tokens`: they leave when the engine
+/// reports them removed, the bound only caps memory if removals are lost). Kept apart, a replica whose
 /// events fill its confirmed list (token blocks) never pushes out the guesses of requests
 /// hashed another way (text blocks of chat prompts without a tokenizer), and guesses age out
 /// without a pass over the confirmed blocks.
 struct ReplicaBlocks {
-    /// The replica's KV capacity in tokens, and in guess and reported blocks.
+    /// The replica's KV capacity in tokens.
     capacity_tokens: u64,
-    capacity: usize,
-    confirmed_capacity: usize,
     map: BlockMap,
     guesses: LruList<Node>,
     confirmed: LruList<Node>,
@@ -311,11 +306,9 @@ struct ReplicaBlocks {
 }
 
 impl ReplicaBlocks {
-    fn new(capacity_tokens: u64, capacity: usize, confirmed_capacity: usize) -> ReplicaBlocks {
+    fn new(capacity_tokens: u64) -> ReplicaBlocks {
         ReplicaBlocks {
             capacity_tokens,
-            capacity,
-            confirmed_capacity,
             map: BlockMap::default(),
             guesses: LruList::new(),
             confirmed: LruList::new(),
@@ -447,17 +440,22 @@ impl ResidencyWriter {
 
     /// Blocks replica `r` may hold.
     pub fn capacity_blocks(&self, r: usize) -> usize {
-        self.replicas.get(r).map_or(0, |b| b.capacity)
+        self.replicas.get(r).map_or(0, |_| self.bounds(r).0)
+    }
+
+    /// Replica `r`'s bounds, from its capacity in tokens: on guesses (blocks of the index's
+    /// `block_tokens`) and on reported blocks (blocks of `reported_block_tokens`).
+    fn bounds(&self, r: usize) -> (usize, usize) {
+        let tokens = self.replicas[r].capacity_tokens;
+        let reported = (tokens / self.reported_block_tokens as u64).max(1) as usize;
+        (self.cfg.capacity_blocks(tokens), reported)
     }
 
     /// Set replica `r`'s KV capacity (tokens; at least one block), evicting what no longer
     /// fits. Errors on an unknown replica.
     pub fn set_capacity_tokens(&mut self, r: usize, tokens: u64) -> Result<(), String> {
         self.check_replica(r)?;
-        let rb = &mut self.replicas[r];
-        rb.capacity_tokens = tokens;
-        rb.capacity = self.cfg.capacity_blocks(tokens);
-        rb.confirmed_capacity = (tokens / self.reported_block_tokens as u64).max(1) as usize;
+        self.replicas[r].capacity_tokens = tokens;
         self.evict(r);
         self.finish(r);
         Ok(())
@@ -469,13 +467,14 @@ impl ResidencyWriter {
     pub fn set_reported_block_tokens(&mut self, tokens: u32) {
         self.reported_block_tokens = tokens.max(1);
         for r in 0..self.replicas.len() {
-            let _ = self.set_capacity_tokens(r, self.replicas[r].capacity_tokens);
+            self.evict(r);
+            self.finish(r);
         }
     }
 
     /// Replica `r`'s bound on reported blocks.
     pub fn confirmed_capacity_blocks(&self, r: usize) -> usize {
-        self.replicas.get(r).map_or(0, |b| b.confirmed_capacity)
+        self.replicas.get(r).map_or(0, |_| self.bounds(r).1)
     }
 
     /// How long a routed block may stay pending after kvlb last touched it; zero turns the
@@ -591,12 +590,13 @@ impl ResidencyWriter {
         self.check_replica(r)?;
         self.clock_us = self.clock_us.max(now_us);
         let ttl = self.pending_ttl_us;
+        let capacity = self.bounds(r).1;
         for &hash in hashes {
             let rb = &mut self.replicas[r];
             let Some(&key) = rb.map.get(&hash) else {
                 continue;
             };
-            let (stored, capacity) = (rb.stored, rb.confirmed_capacity);
+            let stored = rb.stored;
             let node = rb.node_mut(key);
             node.count = node.count.saturating_sub(1);
             if node.count == 0 {
@@ -621,7 +621,7 @@ impl ResidencyWriter {
     /// Replica `r` holds nothing any more (AllBlocksCleared, restart, removal from the fleet).
     pub fn clear(&mut self, r: usize) -> Result<(), String> {
         self.check_replica(r)?;
-        let mut rb = std::mem::replace(&mut self.replicas[r], ReplicaBlocks::new(0, 0, 0));
+        let mut rb = std::mem::replace(&mut self.replicas[r], ReplicaBlocks::new(0));
         for node in rb.iter() {
             self.clear_bit(node.hash, r);
         }
@@ -694,11 +694,12 @@ impl ResidencyWriter {
 
     /// Bound each of replica `r`'s lists by its capacity, dropping the least recently used.
     fn evict(&mut self, r: usize) {
+        let (guesses, confirmed) = self.bounds(r);
         loop {
             let rb = &mut self.replicas[r];
-            let key = if rb.guesses.len() > rb.capacity {
+            let key = if rb.guesses.len() > guesses {
                 rb.guesses.oldest()
-            } else if rb.confirmed.len() > rb.confirmed_capacity {
+            } else if rb.confirmed.len() > confirmed {
                 rb.confirmed.oldest().map(|i| i | CONFIRMED)
             } else {
                 None
