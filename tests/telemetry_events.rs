@@ -17,7 +17,9 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
-use support::fleet::{decision, post, replicas_json, serve_subscribed, ReplicaFleet};
+use support::fleet::{
+    decision, post, replica_count_reaches, replicas_json, serve_subscribed, ReplicaFleet,
+};
 use support::{wait_until, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
@@ -102,10 +104,7 @@ fn replica_events_steer_token_prompts_and_clears_undo_them() {
     let direct = post(reps.http[1], "/v1/completions", &body);
     assert_eq!(direct.status, 200, "{}", direct.describe());
     assert!(
-        wait_until(T, || replicas_json(&kvlb)[1]["resident_blocks"]
-            .as_u64()
-            .unwrap_or(0)
-            >= 256),
+        replica_count_reaches(&kvlb, 1, "resident_blocks", 256, T),
         "kvlb did not learn replica 1's blocks: {:?}",
         replicas_json(&kvlb)
     );
@@ -199,10 +198,7 @@ fn a_replicas_reports_do_not_push_out_the_routing_guesses_of_chat_prompts() {
         assert_eq!(direct.status, 200, "{}", direct.describe());
     }
     assert!(
-        wait_until(T, || replicas_json(&kvlb)[holder]["reported_blocks"]
-            .as_u64()
-            .unwrap_or(0)
-            >= 375),
+        replica_count_reaches(&kvlb, holder, "reported_blocks", 375, T),
         "kvlb did not keep the holder's reported blocks: {:?}",
         replicas_json(&kvlb)
     );

@@ -11,8 +11,10 @@ use kvlb::tokenize::{fixture, ChatTokenizer};
 use serde_json::{json, Value};
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::fleet::{decision, post, replicas_json, serve_subscribed, ReplicaFleet};
-use support::{wait_until, Kvlb, TempDir};
+use support::fleet::{
+    decision, post, replica_count_reaches, replicas_json, serve_subscribed, ReplicaFleet,
+};
+use support::{Kvlb, TempDir};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -53,10 +55,7 @@ fn a_shared_system_prompt_routes_to_the_replica_whose_events_hold_it() {
     let direct = post(http[1], "/v1/chat/completions", &first);
     assert_eq!(direct.status, 200, "{}", direct.describe());
     assert!(
-        wait_until(T, || replicas_json(&kvlb)[1]["resident_blocks"]
-            .as_u64()
-            .unwrap_or(0)
-            >= 32),
+        replica_count_reaches(&kvlb, 1, "resident_blocks", 32, T),
         "kvlb did not learn replica 1's blocks: {:?}",
         replicas_json(&kvlb)
     );

@@ -15,7 +15,7 @@ mod support;
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{replicas_json, ReplicaFleet};
+use support::fleet::{replica_count_reaches, replicas_json, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(15);
@@ -80,10 +80,7 @@ fn two_instances_agree_on_cache_and_load() {
     let prompt = token_prompt(2048, 1);
     let r = reps.served_by(&post(a.listen, &completion(&prompt, 1)));
     assert!(
-        wait_until(T, || replicas_json(&b)[r]["resident_blocks"]
-            .as_u64()
-            .unwrap_or(0)
-            >= 128),
+        replica_count_reaches(&b, r, "resident_blocks", 128, T),
         "B did not learn replica {r}'s blocks from its events: {:?}",
         replicas_json(&b)
     );

@@ -113,6 +113,20 @@ pub fn replicas_json(kvlb: &Kvlb) -> Vec<Value> {
     v["replicas"].as_array().unwrap().clone()
 }
 
+/// Whether `/replicas` shows at least `at_least` in replica `r`'s counter `key` (for example
+/// `resident_blocks`) within `within`.
+pub fn replica_count_reaches(
+    kvlb: &Kvlb,
+    r: usize,
+    key: &str,
+    at_least: u64,
+    within: Duration,
+) -> bool {
+    wait_until(within, || {
+        replicas_json(kvlb)[r][key].as_u64().unwrap_or(0) >= at_least
+    })
+}
+
 /// `reason` and `matched_tokens` of a response's `x-kvlb-decision` (kvlb run with --explain).
 pub fn decision(r: &Response) -> (String, u64) {
     let d = r
