@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# L7 proxy overhead benchmark: kvlb vs nginx vs HAProxy, side by side in one invocation.
+# L7 proxy overhead benchmark: kvlb vs nginx vs HAProxy, side by side in one invocation, with
+# the floor beside them (examples/relay_floor.rs: io_uring receives and sends of each message
+# once, nothing else: what any proxy here pays for the sockets alone).
 #
 # Every proxy runs alone on core PROXY_CORE (default 0) in front of the same static nginx
 # backend; the backend and the load generator (wrk: keep-alive, 64 connections, POST of a
@@ -13,7 +15,7 @@
 #
 # Environment: DURATION (seconds per measured run, 10), WARMUP (seconds, 3), ROUNDS (1: measured
 # runs per proxy, alternating between proxies; CPU is summed, latency is the median), CONNECTIONS (64),
-# WRK_THREADS (1), PROXY_CORE (0), LOAD_CORE (1), PROXIES ("nginx haproxy kvlb"),
+# WRK_THREADS (1), PROXY_CORE (0), LOAD_CORE (1), PROXIES ("nginx haproxy kvlb floor"),
 # KVLB_ARGS (extra flags for `kvlb serve`), KVLB_BIN (a kvlb binary to use instead of building
 # target/release/kvlb), PYTHON (python3).
 set -euo pipefail
@@ -32,7 +34,7 @@ CONNECTIONS=${CONNECTIONS:-64}
 WRK_THREADS=${WRK_THREADS:-1}
 PROXY_CORE=${PROXY_CORE:-0}
 LOAD_CORE=${LOAD_CORE:-1}
-PROXIES=${PROXIES:-nginx haproxy kvlb}
+PROXIES=${PROXIES:-nginx haproxy kvlb floor}
 KVLB_ARGS=${KVLB_ARGS:-}
 PYTHON=${PYTHON:-python3}
 LIB=$ROOT/bench/lib
@@ -52,9 +54,9 @@ if [ "$DURATION" -lt 1 ] || [ "$ROUNDS" -lt 1 ] || [ "$CONNECTIONS" -lt 1 ] || [
 fi
 for proxy in $PROXIES; do
     case $proxy in
-    nginx | haproxy | kvlb) ;;
+    nginx | haproxy | kvlb | floor) ;;
     *)
-        echo "error: unknown proxy '$proxy' in PROXIES (known: nginx haproxy kvlb)" >&2
+        echo "error: unknown proxy '$proxy' in PROXIES (known: nginx haproxy kvlb floor)" >&2
         exit 2
         ;;
     esac
@@ -279,7 +281,18 @@ if [[ " $PROXIES " == *" kvlb "* ]]; then
     fi
 fi
 
-read -r BACKEND_PORT NGINX_PORT HAPROXY_PORT KVLB_PORT <<<"$(procstat ports 4 | tr "\n" " ")"
+FLOOR=$ROOT/target/release/examples/relay_floor
+floor_skip=""
+if [[ " $PROXIES " == *" floor "* ]]; then
+    if ! command -v cargo >/dev/null 2>&1; then
+        floor_skip="cargo not found"
+    elif ! cargo build --release --example relay_floor >"$TMP/cargo-floor.log" 2>&1; then
+        tail -n 20 "$TMP/cargo-floor.log" >&2
+        floor_skip="cargo build --release --example relay_floor failed (output above)"
+    fi
+fi
+
+read -r BACKEND_PORT NGINX_PORT HAPROXY_PORT KVLB_PORT FLOOR_PORT <<<"$(procstat ports 5 | tr "\n" " ")"
 
 say "kvlb proxy benchmark, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 say "kvlb commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
@@ -323,8 +336,17 @@ for proxy in $PROXIES; do
             --replica "http://127.0.0.1:$BACKEND_PORT" --admin 127.0.0.1:0 $KVLB_ARGS
         port=$KVLB_PORT
         ;;
+    floor)
+        if [ -n "$floor_skip" ]; then
+            say "floor: SKIPPED: $floor_skip"
+            continue
+        fi
+        start_pinned "$PROXY_CORE" "$TMP/floor.log" "$FLOOR" "127.0.0.1:$FLOOR_PORT" \
+            "127.0.0.1:$BACKEND_PORT"
+        port=$FLOOR_PORT
+        ;;
     *)
-        echo "error: unknown proxy '$proxy' in PROXIES (known: nginx haproxy kvlb)" >&2
+        echo "error: unknown proxy '$proxy' in PROXIES (known: nginx haproxy kvlb floor)" >&2
         exit 2
         ;;
     esac
@@ -413,8 +435,22 @@ if [ -n "${CPU[kvlb]:-}" ]; then
                 [ -n "$a" ] && [ -n "$b" ] && per_round="$per_round $(ratio "$a" "$b")x"
             done
             say "kvlb / nginx cpu per request, round by round:$per_round"
+            if [ -n "${CPU[floor]:-}" ]; then
+                per_round=""
+                for round in $(seq "$ROUNDS"); do
+                    a=${RUN_CPU[floor:$round]:-} b=${RUN_CPU[nginx:$round]:-}
+                    [ -n "$a" ] && [ -n "$b" ] && per_round="$per_round $(ratio "$a" "$b")x"
+                done
+                say "floor / nginx cpu per request, round by round:$per_round"
+            fi
         fi
         say "target: kvlb cpu/request <= 0.70x nginx: $cpu_ok; kvlb p99 <= nginx p99: $p99_ok"
+        if [ -n "${CPU[floor]:-}" ]; then
+            say "floor (sockets alone) / nginx: $(ratio "${CPU[floor]}" "${CPU[nginx]}")x;" \
+                "0.70x nginx is $(awk -v b="${CPU[nginx]}" 'BEGIN { printf "%.1f", 0.7 * b }') us," \
+                "the floor ${CPU[floor]} us, kvlb ${CPU[kvlb]} us: kvlb's own work" \
+                "$(awk -v a="${CPU[kvlb]}" -v f="${CPU[floor]}" 'BEGIN { printf "%.1f", a - f }') us per request"
+        fi
     fi
 elif [ -n "$kvlb_skip" ]; then
     say "kvlb was not measured ($kvlb_skip): no ratios."
