@@ -219,6 +219,49 @@ fn sockmap_sends_every_request_to_the_first_ones_replica() {
     requests_follow_the_first("sockmap");
 }
 
+/// One joined connection whose messages switch each direction between copying (small reads,
+/// a multishot receive armed) and splicing (bulk) and back, again and again: every echo must
+/// come back whole and in order, so no byte the receive still held when a direction switched
+/// to splice is lost, duplicated or reordered.
+#[test]
+fn splice_switches_between_copying_and_splicing_byte_exact() {
+    let backend = Backend::start();
+    let Some(kvlb) = proxy_for("splice", &[&backend]) else {
+        return;
+    };
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let sizes = [
+        100,
+        300 * 1024,
+        200,
+        2 << 20,
+        50,
+        20 * 1024,
+        10,
+        16 * 1024,
+        16 * 1024 - 1,
+        1 << 20,
+        5,
+    ];
+    for (i, &len) in sizes.iter().enumerate() {
+        let body = random_bytes(len, 1000 + i as u64);
+        let resp = conn.request("POST", "/echo", &[], &body).unwrap();
+        assert_eq!(
+            resp.status,
+            200,
+            "message {i} ({len} bytes): {}",
+            resp.describe()
+        );
+        assert!(
+            resp.body == body,
+            "message {i} ({len} bytes) came back altered ({} bytes)",
+            resp.body.len()
+        );
+    }
+    drop(conn);
+    wait_idle(&kvlb, "after the connection closed");
+}
+
 fn half_close(forwarding: &str) {
     let backend = Backend::start();
     let Some(kvlb) = proxy_for(forwarding, &[&backend]) else {

@@ -106,9 +106,12 @@ const READABLE: u32 = (libc::POLLIN | libc::POLLRDHUP) as u32;
 pub const COPY_BELOW: usize = 16 * 1024;
 
 /// Move bytes from `from` to `to` until end of file on `from` (Ok) or a failure. Small reads
-/// are copied through `buf` (io_uring recv and send, which complete in place); once a read
-/// fills `buf` the direction is carrying bulk and switches to splice through `pipe`, and back
-/// to copying when a splice brings less than `COPY_BELOW`.
+/// are copied through `buf`: a multishot receive stays armed on `from` while the direction is
+/// quiet or carries small messages (requests, answers, stream events), so each message costs one
+/// completion and one send, no submission and no poll arming for the receive. Once a read
+/// brings `COPY_BELOW` or more the direction is carrying bulk: the multishot receive is stopped
+/// (what it still delivers goes out first, in order) and the direction switches to splice
+/// through `pipe`, and back to copying when a splice brings less than `COPY_BELOW`.
 async fn pump(
     from: RawFd,
     to: RawFd,
@@ -116,6 +119,7 @@ async fn pump(
     buf: &mut Vec<u8>,
     moved: &Cell<u64>,
 ) -> Result<(), Fault> {
+    let mut multi = op::MultiRecv::new(from);
     let mut bulk = false;
     // After a splice that filled the pipe more bytes are likely waiting: splice again at once;
     // otherwise wait for readability first so an idle direction holds no kernel worker.
@@ -123,26 +127,34 @@ async fn pump(
     loop {
         if !bulk {
             buf.clear();
-            if buf.capacity() < COPY_BELOW {
-                buf.reserve(COPY_BELOW);
-            }
-            let (r, b) = op::recv(from, std::mem::take(buf), None).await;
-            *buf = b;
-            let n = match r {
+            match op::recv_multi(&mut multi, buf, None).await {
                 Ok(0) => return Ok(()),
-                Ok(n) => n,
+                Ok(_) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {
                     continue
                 }
                 Err(_) => return Err(Fault::Source),
+            }
+            bulk = buf.len() >= COPY_BELOW;
+            // Before splicing, the multishot receive must let go of the socket; bytes it took
+            // meanwhile are sent first. The end or an error it met ends the direction after.
+            let end = if bulk {
+                multi.stop_into(buf).await
+            } else {
+                None
             };
+            let n = buf.len();
             let (r, b) = op::send_all(to, std::mem::take(buf), 0, n).await;
             *buf = b;
             if r.is_err() {
                 return Err(Fault::Destination);
             }
             moved.set(moved.get() + n as u64);
-            bulk = n == buf.capacity();
+            match end {
+                Some(Ok(_)) => return Ok(()),
+                Some(Err(_)) => return Err(Fault::Source),
+                None => {}
+            }
             hot = bulk;
             continue;
         }
