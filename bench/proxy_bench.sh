@@ -429,20 +429,15 @@ if [ -n "${CPU[kvlb]:-}" ]; then
         p99_ok=$(awk -v a="${P99[kvlb]}" -v b="${P99[nginx]}" 'BEGIN { print (a <= b) ? "PASS" : "FAIL" }')
         if [ "$ROUNDS" -gt 1 ]; then
             # The spread of the ratio over rounds: how much of the verdict is noise.
-            per_round=""
-            for round in $(seq "$ROUNDS"); do
-                a=${RUN_CPU[kvlb:$round]:-} b=${RUN_CPU[nginx:$round]:-}
-                [ -n "$a" ] && [ -n "$b" ] && per_round="$per_round $(ratio "$a" "$b")x"
-            done
-            say "kvlb / nginx cpu per request, round by round:$per_round"
-            if [ -n "${CPU[floor]:-}" ]; then
+            for name in kvlb floor; do
+                [ -n "${CPU[$name]:-}" ] || continue
                 per_round=""
                 for round in $(seq "$ROUNDS"); do
-                    a=${RUN_CPU[floor:$round]:-} b=${RUN_CPU[nginx:$round]:-}
+                    a=${RUN_CPU[$name:$round]:-} b=${RUN_CPU[nginx:$round]:-}
                     [ -n "$a" ] && [ -n "$b" ] && per_round="$per_round $(ratio "$a" "$b")x"
                 done
-                say "floor / nginx cpu per request, round by round:$per_round"
-            fi
+                say "$name / nginx cpu per request, round by round:$per_round"
+            done
         fi
         say "target: kvlb cpu/request <= 0.70x nginx: $cpu_ok; kvlb p99 <= nginx p99: $p99_ok"
         if [ -n "${CPU[floor]:-}" ]; then
