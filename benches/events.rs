@@ -126,6 +126,7 @@ fn main() {
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),
+        kvlb::residency::PARKED_TICK,
         stop.clone(),
         move || epoch.elapsed().as_micros() as u64,
         move |w, now| feed.on_tick(w, now),

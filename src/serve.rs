@@ -146,6 +146,7 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),
+        crate::residency::PARKED_TICK,
         writer_stop.clone(),
         move || epoch.elapsed().as_micros() as u64,
         move |w, now| feed.on_tick(w, now),

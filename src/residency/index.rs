@@ -110,6 +110,7 @@ impl ResidencyIndex {
             replica_bytes: vec![0; cfg_replicas],
             writer_bytes: 0,
             logs: Vec::new(),
+            bell: Arc::new(super::WriterBell::default()),
             pending_ttl_us: DEFAULT_PENDING_TTL.as_micros() as u64,
             clock_us: 0,
         };
@@ -421,6 +422,8 @@ pub struct ResidencyWriter {
     replica_bytes: Vec<usize>,
     writer_bytes: usize,
     pub(super) logs: Vec<Arc<super::RoutingLog>>,
+    /// Wakes the writer thread when a routing log gets a record while it is parked.
+    pub(super) bell: Arc<super::WriterBell>,
     /// Tokens per block the replicas report (KV events): sizes the confirmed lists.
     reported_block_tokens: u32,
     /// Longest a block stays pending after it was last touched (0: the rule is off).

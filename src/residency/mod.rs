@@ -86,21 +86,56 @@ struct RoutedBlocks {
     blocks: [u64; ROUTED_BLOCKS_PER_RECORD],
 }
 
+/// How an idle writer thread is woken. After `PARK_AFTER_QUIET_TICKS` ticks without a routing
+/// record the writer parks (`parked` set) for up to `PARKED_TICK`; the first record a worker
+/// logs then rings it awake. Ringing costs a worker one relaxed load per record while the
+/// writer is awake, and one `unpark` (a futex wake) on the first record after a quiet spell.
+#[derive(Default)]
+pub struct WriterBell {
+    parked: AtomicBool,
+    thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+impl WriterBell {
+    /// Wake the writer if it is parked. A record logged in the instant the writer parks (it
+    /// checks the logs after raising `parked`, but without a fence against the worker) waits
+    /// for the parked tick's end at most.
+    #[inline]
+    fn ring(&self) {
+        if self.parked.load(Ordering::Relaxed) && self.parked.swap(false, Ordering::AcqRel) {
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+}
+
+/// Quiet ticks (no routing record; at 4 periods each) before the writer parks.
+pub const PARK_AFTER_QUIET_TICKS: u32 = 64;
+/// A parked writer still ticks this often (KV events, guess expiry).
+pub const PARKED_TICK: Duration = Duration::from_millis(50);
+
 /// A worker's log of routing decisions, drained by the residency writer. One producer (the
 /// worker), one consumer (the writer); bounded; `record` never blocks or allocates.
 pub struct RoutingLog {
     queue: ArrayQueue<RoutedBlocks>,
     dropped: AtomicU64,
     recorded: AtomicU64,
+    bell: Arc<WriterBell>,
 }
 
 impl RoutingLog {
     /// A log holding up to `records` records (each up to `ROUTED_BLOCKS_PER_RECORD` blocks).
     pub fn new(records: usize) -> RoutingLog {
+        RoutingLog::with_bell(records, Arc::default())
+    }
+
+    fn with_bell(records: usize, bell: Arc<WriterBell>) -> RoutingLog {
         RoutingLog {
             queue: ArrayQueue::new(records.max(1)),
             dropped: AtomicU64::new(0),
             recorded: AtomicU64::new(0),
+            bell,
         }
     }
 
@@ -140,6 +175,7 @@ impl RoutingLog {
             }
         }
         self.recorded.fetch_add(1, Ordering::Relaxed);
+        self.bell.ring();
         true
     }
 
@@ -162,7 +198,7 @@ impl RoutingLog {
 impl ResidencyWriter {
     /// A new routing log (`records` deep) for one worker, drained by this writer.
     pub fn routing_log(&mut self, records: usize) -> Arc<RoutingLog> {
-        let log = Arc::new(RoutingLog::new(records));
+        let log = Arc::new(RoutingLog::with_bell(records, self.bell.clone()));
         self.logs.push(log.clone());
         log
     }
@@ -194,9 +230,13 @@ impl ResidencyWriter {
 /// drain) it drains the routing logs and then calls
 /// `on_tick(&mut writer, now_us)` (where KV events get applied), until `stop` is set; the
 /// thread then returns the writer. `clock` gives the microseconds passed to the writer.
+/// After `PARK_AFTER_QUIET_TICKS` ticks with no routing record it parks between ticks for up
+/// to `parked_tick` (`PARKED_TICK` in `serve`), and the next record rings it awake
+/// (`WriterBell`): an idle kvlb's writer wakes 20 times a second, not 250.
 pub fn spawn_writer_thread<C, T>(
     mut writer: ResidencyWriter,
     period: Duration,
+    parked_tick: Duration,
     stop: Arc<AtomicBool>,
     clock: C,
     mut on_tick: T,
@@ -212,14 +252,28 @@ where
             // 4 periods, so a writer with nothing to do wakes a quarter as often (each wake is
             // a context switch on a core the workers may be using).
             let mut quiet_ticks = 0u32;
+            let bell = writer.bell.clone();
+            let _ = bell.thread.set(std::thread::current());
             while !stop.load(Ordering::Acquire) {
                 let now = clock();
                 // Routing guesses first, then what the replicas reported: an event (a removal,
                 // a clear) must override a guess made before it, however late the tick runs.
                 let applied = writer.drain(now);
                 on_tick(&mut writer, now);
-                quiet_ticks = if applied == 0 { quiet_ticks + 1 } else { 0 };
-                std::thread::sleep(period * (1 << quiet_ticks.min(2)));
+                quiet_ticks = if applied == 0 {
+                    quiet_ticks.saturating_add(1)
+                } else {
+                    0
+                };
+                if quiet_ticks < PARK_AFTER_QUIET_TICKS {
+                    std::thread::sleep(period * (1 << quiet_ticks.min(2)));
+                    continue;
+                }
+                bell.parked.store(true, Ordering::SeqCst);
+                if writer.logs.iter().all(|l| l.pending() == 0) {
+                    std::thread::park_timeout(parked_tick);
+                }
+                bell.parked.store(false, Ordering::Relaxed);
             }
             writer.drain(clock());
             writer

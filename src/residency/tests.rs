@@ -466,6 +466,7 @@ fn writer_thread_applies_the_logs_and_returns_on_stop() {
     let handle = spawn_writer_thread(
         w,
         Duration::from_millis(1),
+        Duration::from_millis(50),
         stop.clone(),
         move || origin.elapsed().as_micros() as u64,
         move |_, _| {
@@ -631,4 +632,62 @@ fn reported_blocks_are_bounded_in_the_engines_block_size() {
         (w.capacity_blocks(1), w.confirmed_capacity_blocks(1)),
         (25, 100)
     );
+}
+
+#[test]
+fn an_idle_writer_parks_and_the_next_record_wakes_it_at_once() {
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+    let (idx, mut w) = index(4, 1000);
+    let log = w.routing_log(64);
+    let bell = w.bell.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let origin = Instant::now();
+    let ticks = Arc::new(AtomicU64::new(0));
+    let seen = ticks.clone();
+    // Parked ticks far longer than the test: only the bell can wake it in time.
+    let handle = spawn_writer_thread(
+        w,
+        Duration::from_millis(1),
+        Duration::from_secs(60),
+        stop.clone(),
+        move || origin.elapsed().as_micros() as u64,
+        move |_, _| {
+            seen.fetch_add(1, Ordering::Relaxed);
+        },
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !bell.parked.load(Ordering::Relaxed) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        bell.parked.load(Ordering::Relaxed),
+        "the writer did not park after {} quiet ticks",
+        ticks.load(Ordering::Relaxed)
+    );
+    // Parked, it does not tick (1 ms periods would make hundreds of ticks here).
+    let before = ticks.load(Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(300));
+    let parked_ticks = ticks.load(Ordering::Relaxed) - before;
+    assert!(parked_ticks <= 2, "{parked_ticks} ticks while parked");
+    // A record rings it awake: applied within seconds, not the 60 s parked tick.
+    let logged = Instant::now();
+    assert!(log.record(2, &[21, 22]));
+    let mut out = [0u32; 4];
+    while out[2] != 2 && logged.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+        idx.match_prefix(&[21, 22], &mut out);
+    }
+    assert_eq!(
+        out,
+        [0, 0, 2, 0],
+        "the record was not applied after the bell"
+    );
+    stop.store(true, Ordering::Release);
+    if let Some(t) = bell.thread.get() {
+        t.unpark();
+    }
+    let w = handle.join().unwrap();
+    assert!(w.holds(2, 22));
 }
