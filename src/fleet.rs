@@ -23,6 +23,8 @@ use crate::config::ReplicaConfig;
 use arc_swap::ArcSwapOption;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
 
 pub const EMPTY: u8 = 0;
 pub const ACTIVE: u8 = 1;
@@ -48,7 +50,7 @@ pub struct ReplicaSlot {
     pub check_fails: AtomicU32,
     pub check_passes: AtomicU32,
     /// Stops this slot's telemetry threads.
-    pub telemetry_stop: ArcSwapOption<AtomicBool>,
+    pub telemetry_stop: ArcSwapOption<StopSignal>,
     /// The replica's own concurrency limit (0: the global `max_in_flight`).
     pub max_in_flight: AtomicU32,
 }
@@ -259,7 +261,7 @@ impl Fleet {
                 s.spec.store(None);
                 s.epoch.fetch_add(1, Relaxed);
                 if let Some(stop) = s.telemetry_stop.swap(None) {
-                    stop.store(true, Relaxed);
+                    stop.stop();
                 }
                 out.push(i);
             }
@@ -358,5 +360,71 @@ mod tests {
         assert!((s.ramp(6100, 10_000) - 0.5).abs() < 1e-9);
         assert_eq!(s.ramp(11_100, 10_000), 1.0);
         assert_eq!(s.ramp(1100, 0), 1.0);
+    }
+
+    #[test]
+    fn a_stop_signal_wakes_its_sleepers_at_once() {
+        use std::time::Instant;
+        let s = Arc::new(StopSignal::new());
+        // Unset: a sleep lasts its whole time and says so.
+        let t = Instant::now();
+        assert!(!s.sleep(Duration::from_millis(30)));
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        // Set while a thread sleeps for a minute: it wakes at once.
+        let sleeper = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                (s.sleep(Duration::from_secs(60)), t.elapsed())
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        s.stop();
+        let (stopped, slept) = sleeper.join().unwrap();
+        assert!(stopped && s.is_stopped());
+        assert!(
+            slept < Duration::from_secs(30),
+            "slept {slept:?} after the stop"
+        );
+        // Set: sleeping returns at once.
+        assert!(s.sleep(Duration::from_secs(60)));
+    }
+}
+
+/// A flag that stops background threads (a replica slot's telemetry), and wakes them from
+/// their sleeps when set: a thread that waits a second between scrapes sleeps that second in
+/// one piece, not in polling slices, and still stops at once.
+#[derive(Default)]
+pub struct StopSignal {
+    stopped: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+impl StopSignal {
+    pub fn new() -> StopSignal {
+        StopSignal::default()
+    }
+
+    /// Set it and wake every thread sleeping on it.
+    pub fn stop(&self) {
+        self.stopped.store(true, Relaxed);
+        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.wake.notify_all();
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Relaxed)
+    }
+
+    /// Sleep up to `d`, returning early when it is set; true when it is set.
+    pub fn sleep(&self, d: Duration) -> bool {
+        let guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        // Checked under the lock `stop` takes before notifying: no wake-up is missed.
+        let _ = self
+            .wake
+            .wait_timeout_while(guard, d, |_| !self.stopped.load(Relaxed))
+            .unwrap_or_else(|e| e.into_inner());
+        self.is_stopped()
     }
 }

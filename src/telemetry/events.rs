@@ -13,6 +13,7 @@
 //! See the parent module for why only token-mode requests match the hashes produced here.
 
 use super::{ReplicaTelemetry, ResidencyOp, Tier};
+use crate::fleet::StopSignal;
 use crate::kv_events::{decode_batch, KvEvent, KvEventBatch, Medium};
 use crate::prefix::{token_block_hashes_from, TOKEN_CHAIN_ROOT};
 use crate::worker::Shared;
@@ -20,7 +21,7 @@ use crate::zmtp::SubClient;
 use crossbeam::channel::Sender;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -363,26 +364,12 @@ pub const EVENT_GATHER: Duration = Duration::from_millis(20);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
-/// Sleep `d` in slices, returning early (true) when `stop` is set.
-fn sleep_or_stop(d: Duration, stop: &AtomicBool) -> bool {
-    let mut left = d;
-    while !left.is_zero() {
-        if stop.load(Relaxed) {
-            return true;
-        }
-        let step = left.min(Duration::from_millis(50));
-        std::thread::sleep(step);
-        left -= step;
-    }
-    stop.load(Relaxed)
-}
-
 /// The event thread of one replica: runs until `stop` is set or the writer is gone.
 pub fn run(
     source: EventSource,
     shared: Arc<Shared>,
     ops_tx: Sender<ResidencyOp>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<StopSignal>,
 ) {
     let tel = &shared.telemetry[source.replica];
     let Some(spec) = shared.fleet.slot(source.replica).spec() else {
@@ -401,7 +388,7 @@ pub fn run(
             .as_deref()
             .map(|ep| crate::kv_events::replay(ep, from, REPLAY_TIMEOUT))
     };
-    while !stop.load(Relaxed) {
+    while !stop.is_stopped() {
         let mut sub = match SubClient::connect(&source.endpoint, CONNECT_TIMEOUT)
             .and_then(|mut s| s.subscribe(b"").map(|()| s))
         {
@@ -415,7 +402,7 @@ pub fn run(
                     );
                     last_error = msg;
                 }
-                if sleep_or_stop(backoff, &stop) {
+                if stop.sleep(backoff) {
                     return;
                 }
                 backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -429,12 +416,12 @@ pub fn run(
         // Zero right after a message: take what else has arrived, then pause for the next
         // batches to gather (see `EVENT_GATHER`) before blocking again.
         let mut wait = RECV_SLICE;
-        while !stop.load(Relaxed) {
+        while !stop.is_stopped() {
             let frames = match sub.recv(wait) {
                 Ok(Some(f)) => f,
                 Ok(None) if wait.is_zero() => {
                     wait = RECV_SLICE;
-                    if sleep_or_stop(EVENT_GATHER, &stop) {
+                    if stop.sleep(EVENT_GATHER) {
                         break;
                     }
                     continue;

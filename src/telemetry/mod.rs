@@ -329,9 +329,9 @@ impl Telemetry {
         let Some(replica) = slot.spec() else {
             return Ok(());
         };
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(crate::fleet::StopSignal::new());
         if let Some(old) = slot.telemetry_stop.swap(Some(stop.clone())) {
-            old.store(true, Relaxed);
+            old.stop();
         }
         shared.telemetry[r].reset();
         if let Some(endpoint) = replica.kv_events.clone() {
@@ -367,7 +367,7 @@ impl Telemetry {
 pub fn stop_all(shared: &Shared) {
     for (_, slot) in shared.fleet.slots() {
         if let Some(stop) = slot.telemetry_stop.swap(None) {
-            stop.store(true, Relaxed);
+            stop.stop();
         }
     }
 }

@@ -12,10 +12,11 @@
 //! queue less this instance's requests there when it asked (`estimate::reported`).
 
 use crate::estimate::ReportedLoad;
+use crate::fleet::StopSignal;
 use crate::worker::Shared;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -157,7 +158,7 @@ pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io
 }
 
 /// The scrape thread of replica `r`: every `metrics_interval` until `stop`.
-pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
+pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
     let Some(replica) = shared.fleet.slot(r).spec() else {
         return;
     };
@@ -165,10 +166,10 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
     let interval = shared.cfg().telemetry.metrics_interval;
     let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(5));
     let mut next = Instant::now();
-    while !stop.load(Relaxed) {
+    while !stop.is_stopped() {
         let now = Instant::now();
         if now < next {
-            std::thread::sleep((next - now).min(Duration::from_millis(50)));
+            stop.sleep(next - now);
             continue;
         }
         next = now + interval;
