@@ -453,20 +453,24 @@ fn readers_on_threads_while_the_writer_churns() {
     assert!(idx.rebuilds() >= 20, "{}", idx.rebuilds());
 }
 
-#[test]
-fn writer_thread_applies_the_logs_and_returns_on_stop() {
-    use std::sync::atomic::AtomicBool;
-    use std::time::Instant;
-    let (idx, mut w) = index(4, 1000);
-    let log = w.routing_log(64);
-    let stop = Arc::new(AtomicBool::new(false));
-    let origin = Instant::now();
+/// `w` on a writer thread with 1 ms ticks and `parked_tick` parked ones, counting its ticks:
+/// (the thread, its stop flag, the tick count).
+fn counting_writer(
+    w: ResidencyWriter,
+    parked_tick: Duration,
+) -> (
+    JoinHandle<ResidencyWriter>,
+    Arc<std::sync::atomic::AtomicBool>,
+    Arc<AtomicU64>,
+) {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let origin = std::time::Instant::now();
     let ticks = Arc::new(AtomicU64::new(0));
     let seen = ticks.clone();
     let handle = spawn_writer_thread(
         w,
         Duration::from_millis(1),
-        Duration::from_millis(50),
+        parked_tick,
         stop.clone(),
         move || origin.elapsed().as_micros() as u64,
         move |_, _| {
@@ -474,6 +478,15 @@ fn writer_thread_applies_the_logs_and_returns_on_stop() {
         },
     )
     .unwrap();
+    (handle, stop, ticks)
+}
+
+#[test]
+fn writer_thread_applies_the_logs_and_returns_on_stop() {
+    use std::time::Instant;
+    let (idx, mut w) = index(4, 1000);
+    let log = w.routing_log(64);
+    let (handle, stop, ticks) = counting_writer(w, Duration::from_millis(50));
     assert!(log.record(3, &[11, 12, 13]));
     let mut out = [0u32; 4];
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -636,27 +649,12 @@ fn reported_blocks_are_bounded_in_the_engines_block_size() {
 
 #[test]
 fn an_idle_writer_parks_and_the_next_record_wakes_it_at_once() {
-    use std::sync::atomic::AtomicBool;
     use std::time::Instant;
     let (idx, mut w) = index(4, 1000);
     let log = w.routing_log(64);
     let bell = w.bell.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let origin = Instant::now();
-    let ticks = Arc::new(AtomicU64::new(0));
-    let seen = ticks.clone();
     // Parked ticks far longer than the test: only the bell can wake it in time.
-    let handle = spawn_writer_thread(
-        w,
-        Duration::from_millis(1),
-        Duration::from_secs(60),
-        stop.clone(),
-        move || origin.elapsed().as_micros() as u64,
-        move |_, _| {
-            seen.fetch_add(1, Ordering::Relaxed);
-        },
-    )
-    .unwrap();
+    let (handle, stop, ticks) = counting_writer(w, Duration::from_secs(60));
     let deadline = Instant::now() + Duration::from_secs(10);
     while !bell.parked.load(Ordering::Relaxed) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
