@@ -127,6 +127,11 @@ async fn pump(
     loop {
         if !bulk {
             buf.clear();
+            // Where receives fall back to single-shot ones (no provided buffers, or the
+            // multishot one stopped), a read must be able to bring `COPY_BELOW` to count as bulk.
+            if buf.capacity() < COPY_BELOW {
+                buf.reserve(COPY_BELOW);
+            }
             match op::recv_multi(&mut multi, buf, None).await {
                 Ok(0) => return Ok(()),
                 Ok(_) => {}
