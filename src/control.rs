@@ -259,8 +259,8 @@ impl Control {
 
     fn add_locked(&self, r: ReplicaConfig, now: u64) -> Result<usize, String> {
         let tokens = r.kv_capacity_tokens;
-        // 0 marks the start-up fleet, which takes traffic at once (`ReplicaSlot::ramp`); a
-        // replica added in kvlb's first millisecond is a later addition all the same.
+        // 0 marks the start-up fleet, which takes traffic at once (`ReplicaSlot::ramp_from`);
+        // a replica added in kvlb's first millisecond is a later addition all the same.
         let i = self.shared.fleet.add(r, now.max(1))?;
         self.telemetry
             .send(ResidencyOp::Capacity { replica: i, tokens });
@@ -359,7 +359,7 @@ impl Control {
                     slot.check_fails.store(0, Relaxed);
                     let passes = slot.check_passes.fetch_add(1, Relaxed) + 1;
                     if !slot.check_ok.load(Relaxed) && passes >= cfg.health.healthy_after {
-                        slot.up_since_ms.store(now.max(1), Relaxed);
+                        slot.ramp_from(now);
                         slot.check_ok.store(true, Relaxed);
                         eprintln!(
                             "kvlb: replica {url}: healthy again; taking traffic (slow start {:?})",

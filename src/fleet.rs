@@ -108,6 +108,12 @@ impl ReplicaSlot {
         ((now_ms - since) as f64 / slow_start_ms as f64).max(0.05)
     }
 
+    /// Traffic ramps up again from `now_ms` (recovery, the end of an ejection). Stamped at
+    /// least 1 ms: 0 marks the start-up fleet, which takes traffic at once.
+    pub fn ramp_from(&self, now_ms: u64) {
+        self.up_since_ms.store(now_ms.max(1), Relaxed);
+    }
+
     /// A request there failed in transport. Returns true when that ejects the replica.
     pub fn record_failure(&self, now_ms: u64, max_fails: u32, fail_timeout_ms: u64) -> bool {
         let n = self.consecutive_failures.fetch_add(1, Relaxed) + 1;
@@ -115,7 +121,7 @@ impl ReplicaSlot {
             self.consecutive_failures.store(0, Relaxed);
             self.down_until_ms.store(now_ms + fail_timeout_ms, Relaxed);
             // Traffic ramps up again once the ejection ends.
-            self.up_since_ms.store(now_ms + fail_timeout_ms, Relaxed);
+            self.ramp_from(now_ms + fail_timeout_ms);
             return true;
         }
         false
