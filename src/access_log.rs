@@ -70,6 +70,9 @@ pub struct Record<'a> {
     /// The request target as received.
     pub path: &'a [u8],
     pub status: u16,
+    /// Why the response stopped before its end after its head reached the client (the
+    /// `cause` label of `kvlb_cut_responses_total`), None when it was whole.
+    pub cut: Option<&'a str>,
     /// The replica that answered (its URL as configured), if one was chosen.
     pub replica: Option<&'a str>,
     /// Replicas tried (1 unless a connect failure or an immediate 503 was retried).
@@ -199,7 +202,12 @@ pub fn write_line(out: &mut Vec<u8>, now: SystemTime, r: &Record<'_>) {
     } else {
         json_str(out, r.path);
     }
-    let _ = write!(out, ",\"status\":{},\"replica\":", r.status);
+    let _ = write!(out, ",\"status\":{},\"cut\":", r.status);
+    match r.cut {
+        Some(cause) => json_str(out, cause.as_bytes()),
+        None => out.extend_from_slice(b"null"),
+    }
+    out.extend_from_slice(b",\"replica\":");
     match r.replica {
         Some(url) => json_str(out, url.as_bytes()),
         None => out.extend_from_slice(b"null"),
@@ -304,6 +312,7 @@ mod tests {
             method: b"POST",
             path: b"/v1/chat/completions?x=\"q\"\\\x01\xff",
             status: 200,
+            cut: Some("closed"),
             replica: Some("http://10.0.0.5:8000"),
             attempts: 1,
             reason: Some("cache"),
@@ -321,6 +330,7 @@ mod tests {
         assert_eq!(v["method"], "POST");
         assert_eq!(v["path"], "/v1/chat/completions?x=\"q\"\\\u{1}\u{ff}");
         assert_eq!(v["status"], 200);
+        assert_eq!(v["cut"], "closed");
         assert_eq!(v["replica"], "http://10.0.0.5:8000");
         assert_eq!(v["attempts"], 1);
         assert_eq!(v["reason"], "cache");

@@ -18,6 +18,7 @@ pub mod http;
 pub mod kv_events;
 pub mod l4;
 pub mod limits;
+pub mod log_limit;
 pub mod lru;
 pub mod metrics;
 pub mod prefix;

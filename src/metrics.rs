@@ -91,6 +91,9 @@ pub const PROMPT_ERRORS: [&str; 8] = [
     "empty_prompt",
 ];
 
+/// Why a response was cut short after its head reached the client (`proxy::Cut` order).
+pub const CUT_CAUSES: [&str; 3] = ["closed", "reset", "malformed"];
+
 impl Histogram {
     /// Record `us` microseconds (single writer: the worker that owns the histogram).
     pub fn observe_us(&self, us: u64) {
@@ -119,6 +122,8 @@ pub struct ReplicaCounters {
     pub ejections: AtomicU64,
     /// Client went away before the response completed.
     pub client_aborts: AtomicU64,
+    /// Responses cut short after their head reached the client, by cause (`CUT_CAUSES`).
+    pub cut: [AtomicU64; 3],
     pub bytes_to_replica: AtomicU64,
     pub bytes_from_replica: AtomicU64,
     pub connects: AtomicU64,
@@ -322,6 +327,16 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
     for (r, url) in live(replica_urls) {
         let v = sum(&|w| w.replicas[r].client_aborts.load(Relaxed));
         let _ = writeln!(out, "kvlb_client_aborts_total{{replica=\"{url}\"}} {v}");
+    }
+    family(&mut out, "kvlb_cut_responses_total", "counter", "Responses cut short by the replica after their head reached the client (the client's connection is closed), by cause: closed (before the body's end), reset (a receive error), malformed (invalid chunked framing or more bytes than declared).");
+    for (r, url) in live(replica_urls) {
+        for (c, cause) in CUT_CAUSES.iter().enumerate() {
+            let v = sum(&|w| w.replicas[r].cut[c].load(Relaxed));
+            let _ = writeln!(
+                out,
+                "kvlb_cut_responses_total{{replica=\"{url}\",cause=\"{cause}\"}} {v}"
+            );
+        }
     }
     family(
         &mut out,

@@ -60,6 +60,8 @@ struct LogState {
     reason: Option<&'static str>,
     matched_tokens: u32,
     prompt_tokens: u32,
+    /// The response was cut short after its head was sent (`Cut::label`).
+    cut: Option<&'static str>,
 }
 
 /// Answer a connection over the limit with 503 and close it.
@@ -193,6 +195,7 @@ fn log_request(
         method,
         path,
         status: conn.log.status,
+        cut: conn.log.cut,
         replica: spec.as_ref().map(|s| s.url.as_str()),
         attempts: tried.len() as u32,
         reason: conn.log.reason,
@@ -776,9 +779,16 @@ async fn forward(
     conn.log.status = rhead.status;
     conn.log.ttfb_us = Some(ttfb_us);
     let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
-    metrics::add(&rc.responses[class], 1);
 
     let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight).await;
+    if let Relayed::Unsent(f) = result {
+        // Nothing reached the client: it gets kvlb's 502 instead of a head and no body. Not
+        // retried: the replica has taken the request and may have acted on it.
+        up.close();
+        conn.obuf.clear();
+        return failed(f, false);
+    }
+    metrics::add(&rc.responses[class], 1);
     stats.total.observe_us(
         crate::rt::now()
             .saturating_duration_since(received_at)
@@ -805,9 +815,58 @@ async fn forward(
             up.close();
             Forwarded::Close
         }
-        Relayed::UpstreamBroken => {
+        Relayed::UpstreamBroken(cut) => {
             up.close();
+            metrics::add(&rc.cut[cut as usize], 1);
+            conn.log.cut = Some(cut.label());
+            if let Some(more) = CUT_LOG.allow() {
+                eprintln!(
+                    "kvlb: replica {url}: response ({} {}) cut short after its head was sent: {}; the client's connection is closed{}",
+                    rhead.status,
+                    rhead_framing(&rhead),
+                    cut.describe(),
+                    crate::log_limit::more(more)
+                );
+            }
             Forwarded::Close
+        }
+        Relayed::Unsent(_) => unreachable!("handled above"),
+    }
+}
+
+static CUT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+fn rhead_framing(h: &response::ResponseHead) -> &'static str {
+    match h.body {
+        ResponseBody::None => "without body",
+        ResponseBody::Length(_) => "with content-length",
+        ResponseBody::Chunked => "chunked",
+        ResponseBody::UntilClose => "until close",
+    }
+}
+
+/// Why a response stopped before its end once its head had reached the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cut {
+    /// The replica closed the connection before the body's end.
+    Closed = 0,
+    /// A receive from the replica failed (reset, or another error).
+    Reset = 1,
+    /// Invalid chunked framing, or more bytes than the replica declared.
+    Malformed = 2,
+}
+
+impl Cut {
+    /// The `cause` label of `kvlb_cut_responses_total` (`metrics::CUT_CAUSES`).
+    pub(crate) fn label(self) -> &'static str {
+        metrics::CUT_CAUSES[self as usize]
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Cut::Closed => "the replica closed the connection before the body's end",
+            Cut::Reset => "a receive from the replica failed (connection reset)",
+            Cut::Malformed => "the replica's body framing was invalid",
         }
     }
 }
@@ -961,7 +1020,11 @@ enum Relayed {
         client_close: bool,
     },
     ClientGone,
-    UpstreamBroken,
+    /// The response stopped before its end after bytes reached the client.
+    UpstreamBroken(Cut),
+    /// The replica's body was unusable before any byte reached the client (the head is
+    /// still in obuf, unsent).
+    Unsent(UpstreamFailure),
 }
 
 /// Send obuf (the client head plus any body bytes appended) to the client.
@@ -978,7 +1041,8 @@ async fn recv_upstream(conn: &mut Conn, up: &mut Upstream) -> Result<usize, Rela
     let recv = std::pin::pin!(op::recv_multi(&mut up.recv, &mut conn.ubuf, None));
     match select(recv, conn.watch.gone()).await {
         Either::Left(r) => match r {
-            Ok(0) | Err(_) => Err(Relayed::UpstreamBroken),
+            Ok(0) => Err(Relayed::UpstreamBroken(Cut::Closed)),
+            Err(_) => Err(Relayed::UpstreamBroken(Cut::Reset)),
             Ok(n) => Ok(n),
         },
         Either::Right(_) => Err(Relayed::ClientGone),
@@ -1005,7 +1069,7 @@ async fn splice_body(
         metrics::add(&rc.bytes_from_replica, got as u64);
         in_flight.first_byte();
         if got as u64 > left {
-            return Err(Relayed::UpstreamBroken);
+            return Err(Relayed::UpstreamBroken(Cut::Malformed));
         }
         let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;
         conn.ubuf = b;
@@ -1017,11 +1081,14 @@ async fn splice_body(
     if left == 0 {
         return Ok(());
     }
-    if ended.is_some() {
-        return Err(Relayed::UpstreamBroken);
+    if let Some(end) = ended {
+        return Err(Relayed::UpstreamBroken(match end {
+            Ok(_) => Cut::Closed,
+            Err(_) => Cut::Reset,
+        }));
     }
     let Ok(pipe) = take_pipe() else {
-        return Err(Relayed::UpstreamBroken);
+        return Err(Relayed::UpstreamBroken(Cut::Reset));
     };
     let moved = std::cell::Cell::new(0u64);
     let r = splice_exact(up.fd, conn.fd, &pipe, left, |m| {
@@ -1036,7 +1103,8 @@ async fn splice_body(
     give_pipe(pipe, r.is_ok());
     match r {
         Ok(()) => Ok(()),
-        Err(Fault::Source) => Err(Relayed::UpstreamBroken),
+        // The end or a failure of the replica's socket before `left` bytes.
+        Err(Fault::Source) => Err(Relayed::UpstreamBroken(Cut::Closed)),
         Err(Fault::Destination) => Err(Relayed::ClientGone),
     }
 }
@@ -1120,6 +1188,8 @@ async fn relay_body(
             let mut dec = ChunkedDecoder::new();
             let mut start = avail_start;
             let mut reusable = true;
+            // Whether the head (and any body) has gone to the client yet.
+            let mut sent = false;
             loop {
                 let end = conn.ubuf.len();
                 let consumed;
@@ -1128,7 +1198,8 @@ async fn relay_body(
                     spans.clear();
                     consumed = match dec.feed(&conn.ubuf[start..end], |s, e| spans.push((s, e))) {
                         Ok(c) => c,
-                        Err(_) => return Relayed::UpstreamBroken,
+                        Err(_) if !sent => return Relayed::Unsent(UpstreamFailure::Invalid),
+                        Err(_) => return Relayed::UpstreamBroken(Cut::Malformed),
                     };
                     if dechunk {
                         for &(s, e) in spans.iter() {
@@ -1148,6 +1219,7 @@ async fn relay_body(
                         return gone(e);
                     }
                     conn.obuf.clear();
+                    sent = true;
                 }
                 if dec.is_done() {
                     break;
@@ -1182,7 +1254,8 @@ async fn relay_body(
                             return gone(e);
                         }
                     }
-                    Err(Relayed::UpstreamBroken) => break,
+                    // The replica's close is this body's end.
+                    Err(Relayed::UpstreamBroken(Cut::Closed)) => break,
                     Err(r) => return r,
                 }
             }

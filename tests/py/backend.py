@@ -29,7 +29,10 @@ handle:
   /bigheaders?size=N&fields=F
                         a response head of about N bytes in F x-pad-* fields (default 8)
   /raw?kind=K           exact, possibly malformed, response bytes, then the connection closes:
-                        cl_te, dup_cl, bad_chunk, bad_status, garbage, short_cl
+                        cl_te, dup_cl, bad_chunk, bad_status, garbage, short_cl, cut_chunk
+                        (closed inside a chunk); late_bad_chunk (a good chunk, 200 ms, then
+                        an invalid chunk size); reset_mid (part of the body, 200 ms, then a
+                        reset instead of a close)
   /echo?conn_close=1    the echo answer with `Connection: close`; the connection then closes
   /stats                JSON counters: connections_opened, connections_closed, requests,
                         aborted (slow/hang requests whose peer closed first)
@@ -418,12 +421,38 @@ class Handler(BaseHTTPRequestHandler):
         "bad_status": b"HTTP/1.1 abc OK\r\nContent-Length: 2\r\n\r\nhi",
         "garbage": b"\x00\x01\x02 this is not http\r\n\r\n",
         "short_cl": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b",
+        "cut_chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\na\r\nhel",
+    }
+    # Sent in two parts, 200 ms apart, so that the first has reached the client.
+    RAW_LATER = {
+        "late_bad_chunk": (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+            b"zz\r\nhello\r\n0\r\n\r\n",
+        ),
+        "reset_mid": (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b", None),
     }
 
     def route_raw(self, q, body):
         self.close_connection = True
-        self.wfile.write(self.RAW[q.get("kind", "garbage")])
-        self.wfile.flush()
+        kind = q.get("kind", "garbage")
+        if kind in self.RAW_LATER:
+            first, second = self.RAW_LATER[kind]
+            self.wfile.write(first)
+            self.wfile.flush()
+            time.sleep(0.2)
+            if second is None:
+                # A zero linger time turns the close into a reset.
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
+                self.connection.close()
+                return
+            self.wfile.write(second)
+            self.wfile.flush()
+        else:
+            self.wfile.write(self.RAW[kind])
+            self.wfile.flush()
         try:
             self.connection.shutdown(socket.SHUT_WR)
         except OSError:
