@@ -286,8 +286,31 @@ impl CostModel {
 pub struct Limits {
     pub max_header_bytes: usize,
     pub max_body_bytes: usize,
+    /// Most bytes the request bodies being received and forwarded may hold, over all workers
+    /// (a worker's share: this divided among them, at least one `max_body_bytes`). Beyond,
+    /// 503 with Retry-After before the body is read.
+    pub max_body_memory: usize,
     /// Client connections per worker.
     pub max_connections: usize,
+}
+
+/// Paths kvlb answers itself on its client listeners, without an API key: probes for
+/// Kubernetes and load balancers in front of kvlb. None: off (the path is forwarded).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbePaths {
+    /// 200 while kvlb serves (draining included: a liveness probe must not restart it then).
+    pub liveness: Option<String>,
+    /// 200 while kvlb takes new requests and some replica is available; 503 otherwise.
+    pub readiness: Option<String>,
+}
+
+impl Default for ProbePaths {
+    fn default() -> ProbePaths {
+        ProbePaths {
+            liveness: Some("/healthz".into()),
+            readiness: Some("/readyz".into()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -376,6 +399,8 @@ pub struct ServeConfig {
     pub dns_servers: Vec<String>,
     /// Clients must send `Authorization: Bearer <one of these>` (empty: no check).
     pub api_keys: ApiKeys,
+    /// kvlb's own probe paths on the client listeners (no API key needed).
+    pub probes: ProbePaths,
     /// Most requests in flight per replica (0: no limit; a replica's own `max_in_flight` wins).
     pub max_in_flight: u32,
     /// Requests that may wait (across workers) while every replica is at its limit; beyond,
@@ -712,6 +737,7 @@ impl Default for ServeConfig {
             limits: Limits {
                 max_header_bytes: 64 * 1024,
                 max_body_bytes: 64 * 1024 * 1024,
+                max_body_memory: 1024 * 1024 * 1024,
                 max_connections: 65536,
             },
             timeouts: Timeouts {
@@ -730,6 +756,7 @@ impl Default for ServeConfig {
             replica_dns: Vec::new(),
             dns_servers: Vec::new(),
             api_keys: ApiKeys::default(),
+            probes: ProbePaths::default(),
             max_in_flight: 0,
             queue_size: 1024,
             queue_timeout: Duration::from_secs(30),
@@ -776,6 +803,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --admin ADDR             admin listener for /metrics, /healthz, /replicas (default 127.0.0.1:9100)
   --max-header-bytes SIZE  request head limit, 431 beyond (default 64KiB)
   --max-body-bytes SIZE    request body limit, 413 beyond (default 64MiB)
+  --max-body-memory SIZE   most bytes all request bodies in flight may hold; beyond, 503 with
+                           Retry-After before a body is read (default 1GiB)
   --max-connections N      client connections per worker (default 65536)
   --client-timeout DUR     time to receive a whole request, 408 beyond (default 30s)
   --idle-timeout DUR       keep-alive idle time (default 60s)
@@ -792,12 +821,19 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
   --slow-start DUR         traffic ramp for a replica back from ejection or newly added (default 10s)
   --retries N              other replicas tried after a connect failure or an immediate 503 (default 1)
   --max-replicas N         replica slots, reloads and admin additions included (default 64)
-  --admin-token TOKEN      bearer token for the admin API's changing endpoints (default: disabled)
+  --admin-token TOKEN      bearer token for the admin API's changing endpoints (default: disabled);
+                           visible in ps: prefer --admin-token-file or KVLB_ADMIN_TOKEN
+  --admin-token-file FILE  the same, read from FILE (e.g. a systemd credential)
   --replica-dns SOURCE     replicas from DNS, repeatable: dns://NAME:PORT (A/AAAA) or
                            dns+srv://NAME (SRV), [,interval=5s][,family=ipv4][,kv_events=tcp://{host}:5557]
   --dns-server ADDR        resolver for --replica-dns, repeatable (default: /etc/resolv.conf)
   --api-keys-file FILE     client API keys, one per line (# comments); requests without
-                           Authorization: Bearer <key> get 401 (default: no check)
+                           Authorization: Bearer <key> get 401 (default: no check);
+                           or KVLB_API_KEYS in the environment (keys separated by commas)
+  --liveness-path PATH     answered 200 by kvlb itself on the client listeners, without an API
+                           key, while it runs; off to forward it (default /healthz)
+  --readiness-path PATH    the same, 503 while draining or with no replica available
+                           (default /readyz)
   --max-in-flight N        requests in flight per replica, 0 = no limit (default 0); per replica:
                            --replica URL,max_in_flight=N
   --queue-size N           requests waiting while every replica is at its limit (default 1024);
@@ -822,6 +858,7 @@ const FILE_KEYS: &[&str] = &[
     "admin",
     "max_header_bytes",
     "max_body_bytes",
+    "max_body_memory",
     "max_connections",
     "client_timeout",
     "idle_timeout",
@@ -845,10 +882,13 @@ const FILE_KEYS: &[&str] = &[
     "retries",
     "max_replicas",
     "admin_token",
+    "admin_token_file",
     "replica_dns",
     "dns_servers",
     "api_keys",
     "api_keys_file",
+    "liveness_path",
+    "readiness_path",
     "max_in_flight",
     "queue_size",
     "queue_timeout",
@@ -970,6 +1010,9 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "admin" => cfg.admin = parse_addr(key, v)?,
         "max_header_bytes" => cfg.limits.max_header_bytes = parse_size(key, v)?,
         "max_body_bytes" => cfg.limits.max_body_bytes = parse_size(key, v)?,
+        "max_body_memory" => cfg.limits.max_body_memory = parse_size(key, v)?,
+        "liveness_path" => cfg.probes.liveness = parse_probe_path(key, v)?,
+        "readiness_path" => cfg.probes.readiness = parse_probe_path(key, v)?,
         "max_connections" => {
             cfg.limits.max_connections = v
                 .parse::<usize>()
@@ -1032,15 +1075,14 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
                     )
                 })?
         }
-        "admin_token" => {
-            if v.len() < 16 || v.bytes().any(|b| !b.is_ascii_graphic()) {
-                return Err(bad(
-                    key,
-                    "<hidden>",
-                    "expected at least 16 printable characters without spaces",
-                ));
-            }
-            cfg.admin_token = Some(v.to_string())
+        "admin_token" => cfg.admin_token = Some(check_admin_token(key, v)?),
+        "admin_token_file" => {
+            let text = std::fs::read_to_string(v)
+                .map_err(|e| bad(key, v, &format!("cannot read: {e}")))?;
+            cfg.admin_token = Some(
+                check_admin_token(key, text.trim())
+                    .map_err(|e| ConfigError(e.0.replace("<hidden>", &format!("{v:?}"))))?,
+            )
         }
         "l4_forwarding" => cfg.l4_forwarding = L4Forwarding::parse(key, v)?,
         "splice_responses_from" => {
@@ -1066,6 +1108,60 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
         "chat_template" => cfg.chat_template = Some(v.to_string()),
         k if COST_MODEL_KEYS.contains(&k) => apply_cost(cfg, k, v)?,
         _ => return Err(ConfigError(format!("unknown key {key:?}"))),
+    }
+    Ok(())
+}
+
+/// An admin token: at least 16 printable characters without spaces (never echoed in errors).
+fn check_admin_token(key: &str, v: &str) -> Result<String, ConfigError> {
+    if v.len() < 16 || v.bytes().any(|b| !b.is_ascii_graphic()) {
+        return Err(bad(
+            key,
+            "<hidden>",
+            "expected at least 16 printable characters without spaces",
+        ));
+    }
+    Ok(v.to_string())
+}
+
+/// A probe path kvlb answers itself: an absolute path without a query, or off.
+fn parse_probe_path(key: &str, v: &str) -> Result<Option<String>, ConfigError> {
+    match v.trim() {
+        "" | "off" => Ok(None),
+        p if p.starts_with('/') && !p.contains('?') && p.bytes().all(|b| b > b' ' && b < 0x7f) => {
+            Ok(Some(p.to_string()))
+        }
+        _ => Err(bad(
+            key,
+            v,
+            "expected an absolute path such as /healthz, or off",
+        )),
+    }
+}
+
+/// Secrets from the environment, applied over the file and under the flags, so that they
+/// need not appear on a command line (`ps` shows it to every local user).
+pub const ENV_ADMIN_TOKEN: &str = "KVLB_ADMIN_TOKEN";
+pub const ENV_API_KEYS: &str = "KVLB_API_KEYS";
+
+fn apply_env(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
+    if let Ok(v) = std::env::var(ENV_ADMIN_TOKEN) {
+        if !v.is_empty() {
+            cfg.admin_token = Some(check_admin_token(ENV_ADMIN_TOKEN, v.trim())?);
+        }
+    }
+    if let Ok(v) = std::env::var(ENV_API_KEYS) {
+        let mut keys = ApiKeys::default();
+        for k in v
+            .split([',', '\n'])
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+        {
+            keys.add(ENV_API_KEYS, k)?;
+        }
+        if !keys.is_empty() {
+            cfg.api_keys = keys;
+        }
     }
     Ok(())
 }
@@ -1357,6 +1453,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         }
         i += 1;
     }
+    apply_env(&mut cfg).map_err(Some)?;
     let mut listen_flag = Vec::new();
     let mut mode_flag: Option<ListenerMode> = None;
     let mut replica_flag = Vec::new();
@@ -1421,6 +1518,9 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
                 }
                 apply(&mut cfg, &key, &value)
                     .map_err(|e| Some(ConfigError(e.0.replacen(&key, name, 1))))?;
+                if key == "admin_token" {
+                    eprintln!("kvlb: warning: --admin-token on the command line is visible to every local user (ps, /proc); use --admin-token-file FILE or {ENV_ADMIN_TOKEN} instead");
+                }
             }
         }
     }
@@ -1450,6 +1550,12 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
         return Err(Some(ConfigError(
             "no listener: give --listen ADDR or listen = [\"ADDR\"] in the file".into(),
         )));
+    }
+    if cfg.limits.max_body_memory < cfg.limits.max_body_bytes {
+        return Err(Some(ConfigError(format!(
+            "max_body_memory = {}: below max_body_bytes = {}, a body of the allowed size could never be taken; raise max_body_memory or lower max_body_bytes",
+            cfg.limits.max_body_memory, cfg.limits.max_body_bytes
+        ))));
     }
     if cfg.replicas.len() > cfg.max_replicas {
         return Err(Some(ConfigError(format!(

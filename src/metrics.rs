@@ -146,6 +146,8 @@ pub struct WorkerStats {
     pub recv_buffer_shortages: AtomicU64,
     /// L7 response body bytes moved by splice (`splice_responses_from`).
     pub spliced_bytes: AtomicU64,
+    /// Requests refused (503) because bodies in flight held `max_body_memory`.
+    pub body_memory_refused: AtomicU64,
     /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
     pub local_errors: [AtomicU64; 9],
     pub ttfb: Histogram,
@@ -170,6 +172,7 @@ impl WorkerStats {
             open_connections: AtomicU64::new(0),
             recv_throttled: AtomicU64::new(0),
             spliced_bytes: AtomicU64::new(0),
+            body_memory_refused: AtomicU64::new(0),
             recv_buffer_shortages: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             requests: AtomicU64::new(0),
@@ -466,6 +469,19 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
             out,
             "kvlb_spliced_response_bytes_total{{worker=\"{i}\"}} {}",
             w.spliced_bytes.load(Relaxed)
+        );
+    }
+    family(
+        &mut out,
+        "kvlb_body_memory_refused_total",
+        "counter",
+        "Requests refused with 503 before their body was read because the bodies in flight held max_body_memory (or the worker's share of it).",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvlb_body_memory_refused_total{{worker=\"{i}\"}} {}",
+            w.body_memory_refused.load(Relaxed)
         );
     }
     family(

@@ -300,6 +300,11 @@ fn get(path: &str, shared: &Shared) -> Reply {
                 "kvlb_queue_waiting {}\n",
                 shared.queued.load(Relaxed)
             ));
+            text.push_str("# HELP kvlb_body_memory_bytes Request body bytes held now, over all workers (bounded by max_body_memory).\n# TYPE kvlb_body_memory_bytes gauge\n");
+            text.push_str(&format!(
+                "kvlb_body_memory_bytes {}\n",
+                shared.body_memory.load(Relaxed)
+            ));
             let queued: u64 = shared.workers.iter().map(|w| w.queued.load(Relaxed)).sum();
             text.push_str("# HELP kvlb_queued_total Requests that waited in the queue.\n# TYPE kvlb_queued_total counter\n");
             text.push_str(&format!("kvlb_queued_total {queued}\n"));

@@ -30,12 +30,16 @@ pub enum HttpError {
     NoReplica,
     Overloaded,
     Unauthorized,
+    /// 401 for a request whose body was not read (refused on its head): the connection closes.
+    UnauthorizedUnread,
+    /// Request bodies in flight hold `max_body_memory` (or the worker's share of it).
+    BodyMemoryFull,
     QueueFull,
     QueueTimeout,
 }
 
 impl HttpError {
-    pub const ALL: [HttpError; 22] = [
+    pub const ALL: [HttpError; 24] = [
         HttpError::MalformedRequestLine,
         HttpError::InvalidTarget,
         HttpError::BadVersion,
@@ -56,6 +60,8 @@ impl HttpError {
         HttpError::NoReplica,
         HttpError::Overloaded,
         HttpError::Unauthorized,
+        HttpError::UnauthorizedUnread,
+        HttpError::BodyMemoryFull,
         HttpError::QueueFull,
         HttpError::QueueTimeout,
     ];
@@ -178,11 +184,17 @@ impl HttpError {
                 "service_unavailable",
                 "kvlb is at its connection limit",
             ),
-            Unauthorized => (
+            Unauthorized | UnauthorizedUnread => (
                 401,
                 "Unauthorized",
                 "invalid_request_error",
                 "missing or invalid API key: send Authorization: Bearer <key>",
+            ),
+            BodyMemoryFull => (
+                503,
+                "Service Unavailable",
+                "service_unavailable",
+                "kvlb holds as many request bodies as its max_body_memory allows; retry later",
             ),
             QueueFull => (
                 429,
@@ -226,8 +238,12 @@ impl HttpError {
                     let mut r =
                         render_error(status, reason, kind, msg, None, !e.keeps_connection());
                     let extra: &[u8] = match e {
-                        HttpError::Unauthorized => b"www-authenticate: Bearer\r\n",
-                        HttpError::QueueFull | HttpError::QueueTimeout => b"retry-after: 1\r\n",
+                        HttpError::Unauthorized | HttpError::UnauthorizedUnread => {
+                            b"www-authenticate: Bearer\r\n"
+                        }
+                        HttpError::QueueFull
+                        | HttpError::QueueTimeout
+                        | HttpError::BodyMemoryFull => b"retry-after: 1\r\n",
                         _ => b"",
                     };
                     let at = r.windows(2).position(|w| w == b"\r\n").map_or(0, |p| p + 2);

@@ -48,6 +48,8 @@ struct Conn {
     watch: ClientWatch,
     /// What the access log says of the current request (set as it goes).
     log: LogState,
+    /// Body bytes the current request holds of the worker's and kvlb's body memory.
+    reserved: usize,
 }
 
 /// The parts of a request's access log line learnt on its way (see `crate::access_log`).
@@ -84,8 +86,10 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
         ubuf: w.take_buf(),
         watch: ClientWatch::new(fd),
         log: LogState::default(),
+        reserved: 0,
     };
     let _ = connection_loop(&w, &mut conn).await;
+    release_body(&w, &mut conn);
     if let Some(b) = conn.watch.finish() {
         w.give_buf(b);
     }
@@ -214,6 +218,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         // The configuration in force for this request (a reload may change it between two).
         let shared_cfg = w.cfg();
         let cfg = &*shared_cfg;
+        release_body(w, conn);
         // Wait for the first bytes of the next request.
         if conn.cbuf.is_empty() {
             if w.draining.get() {
@@ -273,6 +278,44 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 Err(e) => return send_local_error(w, conn, e).await,
             };
 
+        // kvlb's own probes answer without a key.
+        if let Some(reply) = probe_reply(w, cfg, conn, &head) {
+            conn.log.status = if reply.starts_with(b"HTTP/1.1 200") {
+                200
+            } else {
+                503
+            };
+            log_request(w, conn, Some((&head, head.head_len)), &[], received_at);
+            let sent = op::send_static(conn.fd, reply).await.is_ok();
+            consume_request(conn, head.head_len);
+            if sent && head.keep_alive && !w.draining.get() {
+                continue;
+            }
+            return End::Close;
+        }
+
+        // Client API keys, when configured: checked on the head, so a client without a key
+        // is never invited to send a body (no 100 Continue) and never has one buffered.
+        if !cfg.api_keys.is_empty()
+            && !cfg
+                .api_keys
+                .accepts(&conn.cbuf[head.bearer.0..head.bearer.1])
+        {
+            metrics::add(&w.stats().requests, 1);
+            // Logged first: the refusal drops the request's bytes from cbuf.
+            conn.log.status = HttpError::Unauthorized.status();
+            log_request(w, conn, Some((&head, head.head_len)), &[], received_at);
+            match body_in_hand(conn, &head) {
+                Some(req_end) => {
+                    match refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await {
+                        true => continue,
+                        false => return End::Close,
+                    }
+                }
+                None => return refuse_unread(w, conn, HttpError::UnauthorizedUnread).await,
+            }
+        }
+
         // The body, whole, de-chunked in place.
         let (body_end, req_end) = match read_body(w, conn, &head, deadline).await {
             Ok(v) => v,
@@ -280,21 +323,6 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         };
         let body_len = body_end - head.head_len;
         metrics::add(&w.stats().requests, 1);
-
-        // Client API keys, when configured.
-        if !cfg.api_keys.is_empty()
-            && !cfg
-                .api_keys
-                .accepts(&conn.cbuf[head.bearer.0..head.bearer.1])
-        {
-            // Logged first: the refusal drops the request's bytes from cbuf.
-            conn.log.status = HttpError::Unauthorized.status();
-            log_request(w, conn, Some((&head, body_end)), &[], received_at);
-            match refuse_request(w, conn, HttpError::Unauthorized, &head, req_end).await {
-                true => continue,
-                false => return End::Close,
-            }
-        }
 
         w.refresh();
         // Hash the prompt's prefix blocks once (no allocation: the worker's buffers are reused).
@@ -408,6 +436,162 @@ fn consume_request(conn: &mut Conn, req_end: usize) {
     conn.cbuf.truncate(len - req_end);
     if conn.cbuf.capacity() > 1 << 20 && conn.cbuf.len() < 16 * 1024 {
         conn.cbuf.shrink_to(16 * 1024);
+    }
+}
+
+/// Bodies up to this size live in a pooled buffer and hold no body memory.
+const SMALL_BODY: usize = 16 * 1024;
+/// What a chunked body reserves ahead of each receive.
+const CHUNKED_STEP: usize = 256 * 1024;
+
+/// Hold `total` body bytes for the current request: the growth over what it holds already is
+/// taken from the worker's share of `max_body_memory` and from kvlb's total, or refused
+/// (false) when either would be exceeded. Bodies up to `SMALL_BODY` take nothing.
+fn reserve_body(w: &Worker, conn: &mut Conn, total: usize) -> bool {
+    if total <= SMALL_BODY || total <= conn.reserved {
+        return true;
+    }
+    let more = total - conn.reserved;
+    let cfg = w.cfg();
+    let all = cfg.limits.max_body_memory;
+    let share = (all / cfg.workers.max(1))
+        .max(cfg.limits.max_body_bytes)
+        .min(all);
+    if w.body_reserved.get() + more > share {
+        return false;
+    }
+    let held = &w.shared.body_memory;
+    if held.fetch_add(more, Relaxed) + more > all {
+        held.fetch_sub(more, Relaxed);
+        return false;
+    }
+    w.body_reserved.set(w.body_reserved.get() + more);
+    conn.reserved = total;
+    true
+}
+
+/// Give back what the current request held of the body memory.
+fn release_body(w: &Worker, conn: &mut Conn) {
+    if conn.reserved > 0 {
+        w.shared.body_memory.fetch_sub(conn.reserved, Relaxed);
+        w.body_reserved
+            .set(w.body_reserved.get().saturating_sub(conn.reserved));
+        conn.reserved = 0;
+        if conn.cbuf.capacity() > 1 << 20 {
+            w.freed_large();
+        }
+    }
+}
+
+/// Where the request ends when its whole body is in cbuf already (a refusal can then keep
+/// the connection); None when some of it is still to come.
+fn body_in_hand(conn: &Conn, head: &RequestHead) -> Option<usize> {
+    match head.body {
+        BodyFraming::None => Some(head.head_len),
+        BodyFraming::Length(n) => {
+            let end = head.head_len as u64 + n;
+            (conn.cbuf.len() as u64 >= end).then_some(end as usize)
+        }
+        BodyFraming::Chunked => None,
+    }
+}
+
+/// After a refusal whose request body was not read, reading stops here: how long and how much
+/// of it kvlb still takes in (and drops) before closing, so the close is not a reset that
+/// could destroy the refusal before the client read it.
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 16 << 20;
+
+/// Refuse a request on its head, its body unread: send `e` (which says `connection: close`),
+/// stop sending, drop what the client still sends for a moment, and close.
+async fn refuse_unread(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
+    w.stats().local_error(e.status());
+    if op::send_static(conn.fd, e.response()).await.is_err() {
+        return End::Close;
+    }
+    // Safety: shutdown(2) of our own socket's sending side; the descriptor stays open.
+    unsafe { libc::shutdown(conn.fd, libc::SHUT_WR) };
+    let until = crate::rt::now() + LINGER;
+    let mut dropped = 0;
+    while dropped < LINGER_BYTES && crate::rt::now() < until {
+        conn.cbuf.clear();
+        match recv_client(conn, until).await {
+            Ok(n) if n > 0 => dropped += n,
+            _ => break,
+        }
+    }
+    conn.cbuf.clear();
+    End::Close
+}
+
+/// kvlb's answer to a probe of its own (`liveness_path`, `readiness_path`), if the request is
+/// one: GET or HEAD without a body.
+fn probe_reply(
+    w: &Worker,
+    cfg: &crate::config::ServeConfig,
+    conn: &Conn,
+    head: &RequestHead,
+) -> Option<&'static [u8]> {
+    if !matches!(head.method, Method::Get | Method::Head) || head.body != BodyFraming::None {
+        return None;
+    }
+    let target = &conn.cbuf[head.target.0..head.target.1];
+    let path = match memchr::memchr(b'?', target) {
+        Some(q) => &target[..q],
+        None => target,
+    };
+    let is = |p: &Option<String>| p.as_deref().is_some_and(|p| p.as_bytes() == path);
+    let state = if is(&cfg.probes.liveness) {
+        ProbeState::Live
+    } else if is(&cfg.probes.readiness) {
+        let now = w.shared.now_ms();
+        if w.draining.get() || w.shared.draining.load(Relaxed) {
+            ProbeState::Draining
+        } else if w.shared.fleet.slots().any(|(_, s)| s.available(now)) {
+            ProbeState::Ready
+        } else {
+            ProbeState::NoReplica
+        }
+    } else {
+        return None;
+    };
+    Some(state.response(head.method == Method::Head))
+}
+
+#[derive(Clone, Copy)]
+enum ProbeState {
+    Live,
+    Ready,
+    Draining,
+    NoReplica,
+}
+
+impl ProbeState {
+    /// The whole response, built once per process.
+    fn response(self, head_only: bool) -> &'static [u8] {
+        static TABLE: std::sync::OnceLock<Vec<Vec<u8>>> = std::sync::OnceLock::new();
+        let table = TABLE.get_or_init(|| {
+            let mut t = Vec::new();
+            for (status, body) in [
+                ("200 OK", r#"{"status":"ok"}"#),
+                ("200 OK", r#"{"status":"ready"}"#),
+                ("503 Service Unavailable", r#"{"status":"draining"}"#),
+                ("503 Service Unavailable", r#"{"status":"no replica available"}"#),
+            ] {
+                for head_only in [false, true] {
+                    let mut r = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncache-control: no-store\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    if !head_only {
+                        r.push_str(body);
+                    }
+                    t.push(r.into_bytes());
+                }
+            }
+            t
+        });
+        &table[self as usize * 2 + head_only as usize]
     }
 }
 
@@ -546,11 +730,20 @@ async fn read_body(
                 return Err(send_local_error(w, conn, HttpError::BodyTooLarge).await);
             }
             let n = n as usize;
+            if !reserve_body(w, conn, n) {
+                return Err(refuse_body_memory(w, conn).await);
+            }
             if head.expect_continue && conn.cbuf.len() == start {
                 let _ = op::send_static(conn.fd, b"HTTP/1.1 100 Continue\r\n\r\n").await;
             }
-            // The buffer grows with what arrives (doubling), not with what the client declared.
+            // A body that holds body memory gets its buffer at once, at its size: growing it by
+            // doubling would leave the smaller copies with the allocator and take up to twice
+            // the body. Its pages are touched, and count in RSS, only as bytes arrive. A small
+            // body grows its pooled buffer with what arrives.
             let need = start + n;
+            if n > SMALL_BODY && conn.cbuf.capacity() < need {
+                conn.cbuf.reserve_exact(need - conn.cbuf.len());
+            }
             while conn.cbuf.len() < need {
                 match recv_client(conn, deadline).await {
                     Ok(0) => return Err(End::Close),
@@ -593,6 +786,9 @@ async fn read_body(
                 if dec.is_done() {
                     return Ok((write, read));
                 }
+                if !reserve_body(w, conn, conn.cbuf.len() - start + CHUNKED_STEP) {
+                    return Err(refuse_body_memory(w, conn).await);
+                }
                 match recv_client(conn, deadline).await {
                     Ok(0) => return Err(End::Close),
                     Ok(_) => {}
@@ -605,6 +801,28 @@ async fn read_body(
         }
     }
 }
+
+/// 503 for a body that would take kvlb past `max_body_memory`: counted, logged (rate-limited),
+/// answered before the rest of the body is read.
+async fn refuse_body_memory(w: &Worker, conn: &mut Conn) -> End {
+    metrics::add(&w.stats().body_memory_refused, 1);
+    if let Some(more) = BODY_MEMORY_LOG.allow() {
+        let cfg = w.cfg();
+        eprintln!(
+            "kvlb: worker {}: a request body was refused with 503: bodies in flight hold {} of max_body_memory = {} bytes (this worker {}){}",
+            w.id,
+            w.shared.body_memory.load(Relaxed),
+            cfg.limits.max_body_memory,
+            w.body_reserved.get(),
+            crate::log_limit::more(more)
+        );
+    }
+    conn.log.status = 503;
+    log_request(w, conn, None, &[], crate::rt::now());
+    refuse_unread(w, conn, HttpError::BodyMemoryFull).await
+}
+
+static BODY_MEMORY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 enum Forwarded {
     /// Response complete; the client connection may carry another request.

@@ -44,6 +44,8 @@ pub struct Shared {
     pub telemetry: Vec<crate::telemetry::ReplicaTelemetry>,
     /// This kernel's io_uring has splice (L7 response bodies may be spliced).
     pub splice_ok: bool,
+    /// Request body bytes held over all workers (bounded by `limits.max_body_memory`).
+    pub body_memory: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -75,6 +77,7 @@ impl Shared {
                 .map(|_| crate::telemetry::ReplicaTelemetry::default())
                 .collect(),
             splice_ok: crate::rt::splice::supported(),
+            body_memory: std::sync::atomic::AtomicUsize::new(0),
             config: arc_swap::ArcSwap::from_pointee(cfg),
         }
     }
@@ -163,6 +166,10 @@ pub struct Worker {
     config: RefCell<Rc<Arc<ServeConfig>>>,
     config_generation: Cell<u64>,
     bufs: RefCell<Vec<Vec<u8>>>,
+    /// A buffer above `BUF_KEEP_MAX` was shrunk or freed since the last `give_back` tick.
+    freed_large: Cell<bool>,
+    /// Request body bytes this worker's connections hold now (see `proxy::reserve_body`).
+    pub body_reserved: Cell<usize>,
     pub candidates: RefCell<Vec<Candidate>>,
     pub spans: RefCell<Vec<(usize, usize)>>,
     /// The prefix blocks of the request being routed (buffers reused across requests).
@@ -201,6 +208,12 @@ impl Worker {
             .unwrap_or_else(|| Vec::with_capacity(BUF_CAPACITY))
     }
 
+    /// Note that a large buffer was shrunk or freed: its memory goes back to the system at the
+    /// next tick of `every_second`.
+    pub fn freed_large(&self) {
+        self.freed_large.set(true);
+    }
+
     pub fn give_buf(&self, mut b: Vec<u8>) {
         if b.capacity() == 0 {
             return;
@@ -208,6 +221,7 @@ impl Worker {
         b.clear();
         if b.capacity() > BUF_KEEP_MAX {
             b.shrink_to(BUF_CAPACITY);
+            self.freed_large.set(true);
         }
         let mut bufs = self.bufs.borrow_mut();
         if bufs.len() < BUF_POOL_MAX {
@@ -561,6 +575,8 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         config: RefCell::new(Rc::new(shared.config.load_full())),
         config_generation: Cell::new(0),
         bufs: RefCell::new(Vec::new()),
+        freed_large: Cell::new(false),
+        body_reserved: Cell::new(0),
         candidates: RefCell::new(Vec::with_capacity(n_replicas)),
         spans: RefCell::new(Vec::with_capacity(64)),
         prefix: RefCell::new(crate::prefix::PrefixHashes::new(&shared.prefix)),
@@ -584,7 +600,7 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
             }
             rt::spawn(accept_loop(w.clone(), l, l4));
         }
-        rt::spawn(flush_access_log(w.clone()));
+        rt::spawn(every_second(w.clone()));
         // Wait for the shutdown signal.
         let _ = op::read_eventfd(wake_fd).await;
         w.draining.set(true);
@@ -641,14 +657,19 @@ fn open_access_log_fd(id: usize, cfg: &ServeConfig) -> Option<std::os::fd::Owned
     }
 }
 
-/// Writes the access log's waiting lines at least every `FLUSH_EVERY`.
-async fn flush_access_log(w: Rc<Worker>) {
+/// A worker's housekeeping, every `FLUSH_EVERY`: writes the access log's waiting lines, and
+/// gives the memory of large buffers freed since the last tick back to the system (so RSS
+/// falls back after a burst of large bodies instead of staying at its peak).
+async fn every_second(w: Rc<Worker>) {
     loop {
         op::sleep(crate::access_log::FLUSH_EVERY).await;
         if let Some(log) = w.access_log.borrow().as_ref() {
             if log.has_pending() {
                 log.flush();
             }
+        }
+        if w.freed_large.replace(false) {
+            crate::alloc::give_back_freed_memory();
         }
     }
 }

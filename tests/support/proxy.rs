@@ -60,9 +60,28 @@ impl Kvlb {
 
     /// `kvlb serve ARGS...`; `Err` if it exits or stays silent before `kvlb: ready`.
     pub fn try_serve_raw(args: &[&str]) -> Result<Kvlb, StartFailure> {
+        Kvlb::try_serve_env(args, &[])
+    }
+
+    /// `Kvlb::serve` with these variables added to kvlb's environment.
+    #[allow(dead_code)]
+    pub fn serve_env(args: &[&str], env: &[(&str, &str)]) -> Kvlb {
+        let mut all = vec!["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        Kvlb::try_serve_env(&all, env).unwrap_or_else(|f| {
+            panic!(
+                "kvlb serve {all:?} did not become ready (exit: {:?}); stderr:\n{}",
+                f.status, f.stderr
+            )
+        })
+    }
+
+    /// `try_serve_raw` with these variables added to kvlb's environment.
+    pub fn try_serve_env(args: &[&str], env: &[(&str, &str)]) -> Result<Kvlb, StartFailure> {
         let mut child = Command::new(kvlb_bin())
             .arg("serve")
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
