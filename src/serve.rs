@@ -1,5 +1,5 @@
 //! `kvlb serve`: validate the configuration, probe the kernel, bind listeners, start one pinned
-//! worker per core and the admin thread, then wait for signals. SIGTERM or SIGINT drains:
+//! worker per core and the admin listener, then wait for signals. SIGTERM or SIGINT drains:
 //! listeners close, in-flight requests finish (up to the drain timeout), the process exits 0.
 
 use crate::config::{self, ServeConfig};

@@ -2,28 +2,281 @@
 //! changing endpoints, which need `Authorization: Bearer <admin_token>` (disabled without a
 //! configured token): `POST /reload`, `POST /replicas` (add: `{"url": ..., options}`),
 //! `POST /replicas/drain` and `POST /replicas/remove` or `DELETE /replicas` (`{"url": ...}`).
-//! A plain blocking thread: it is off the request path and sees a handful of requests a minute;
-//! it listens on loopback unless configured otherwise.
+//! It is off the request path and listens on loopback unless configured otherwise.
+//!
+//! One accept thread hands each connection to a short-lived thread of its own (small stack),
+//! so a slow or stalled client never holds up another one, a liveness probe least of all. Each
+//! connection has `READ_DEADLINE` in all to send its head and body (the read timeout shrinks
+//! to what is left of it before every read, so trickling bytes does not extend it) and then
+//! `WRITE_DEADLINE` to take the reply; one whose request runs out of time is answered 408 (if
+//! that can still be written) and closed. At most `MAX_CONNECTIONS` are served at once: the
+//! accept thread answers any beyond that 503 at once and closes it, non-blocking, never waiting
+//! on the client.
+//! Refusals and timeouts are counted in `/metrics` and logged to stderr, at most one line a
+//! second of each.
+//!
+//! Connections run concurrently: GETs read shared state only, and the changing endpoints go
+//! through `Control`, whose methods serialise themselves (one mutex for signals, discovery,
+//! the health thread and admin requests), so no lock here stands before a GET. A changing
+//! request runs on a helper thread with a full-size stack, as reloading parses the
+//! configuration and may load a tokenizer and compile a chat template.
 
 use crate::control::Control;
 use crate::metrics;
 use crate::worker::Shared;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
-use std::time::Duration;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering::{AcqRel, Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Admin connections served at once; the accept thread answers any more 503.
+const MAX_CONNECTIONS: usize = 64;
+/// Time from accept for a connection to send its whole request, head and body.
+const READ_DEADLINE: Duration = Duration::from_secs(5);
+/// Time for a connection to take its reply.
+const WRITE_DEADLINE: Duration = Duration::from_secs(5);
+/// Stack of a connection thread: parsing a head and rendering a GET's reply are shallow.
+const CONNECTION_STACK_BYTES: usize = 256 * 1024;
+/// Stack of the thread that runs a changing request: the default of a Rust thread, as a
+/// reload parses the configuration and may load a tokenizer and compile a chat template.
+const CHANGE_STACK_BYTES: usize = 2 * 1024 * 1024;
+/// At most one log line of a kind (refusal, timeout) this often.
+const LOG_PERIOD: Duration = Duration::from_secs(1);
+
+/// The listener's state, shared by the accept thread and the connection threads.
+struct Admin {
+    shared: Arc<Shared>,
+    control: Arc<Control>,
+    /// Connections being served (each holds a `Place`).
+    open: AtomicUsize,
+    /// Connections answered 503 by the accept thread.
+    refused: AtomicU64,
+    /// Connections closed because their request or reply ran out of time.
+    timed_out: AtomicU64,
+    refused_log: LogLimit,
+    timeout_log: LogLimit,
+}
+
+/// One of the `MAX_CONNECTIONS` places, given back when dropped (also when the thread
+/// panics, or never starts).
+struct Place(Arc<Admin>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, AcqRel);
+    }
+}
+
+/// Rate limiting for one kind of log line.
+struct LogLimit {
+    /// When the last line was printed, and how many were held back since.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl LogLimit {
+    const fn new() -> LogLimit {
+        LogLimit {
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Whether a line is due at `now` (`Some`: how many were held back since the last one),
+    /// or held back (`None`).
+    fn due(&self, now: Instant) -> Option<u64> {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match g.0 {
+            Some(last) if now.saturating_duration_since(last) < LOG_PERIOD => {
+                g.1 += 1;
+                None
+            }
+            _ => {
+                g.0 = Some(now);
+                Some(std::mem::take(&mut g.1))
+            }
+        }
+    }
+
+    /// Prints `kvlb: admin: {line}` unless one was printed less than `LOG_PERIOD` ago.
+    fn log(&self, line: impl FnOnce() -> String) {
+        if let Some(held) = self.due(Instant::now()) {
+            let more = if held > 0 {
+                format!(" ({held} more since the last such line)")
+            } else {
+                String::new()
+            };
+            eprintln!("kvlb: admin: {}{more}", line());
+        }
+    }
+}
 
 pub fn spawn(listener: TcpListener, shared: Arc<Shared>, control: Arc<Control>) {
+    let admin = Arc::new(Admin {
+        shared,
+        control,
+        open: AtomicUsize::new(0),
+        refused: AtomicU64::new(0),
+        timed_out: AtomicU64::new(0),
+        refused_log: LogLimit::new(),
+        timeout_log: LogLimit::new(),
+    });
     std::thread::Builder::new()
         .name("kvlb-admin".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                let _ = handle(stream, &shared, &control);
-            }
-        })
+        .spawn(move || accept_loop(listener, admin))
         .expect("spawn admin thread");
+}
+
+fn accept_loop(listener: TcpListener, admin: Arc<Admin>) {
+    loop {
+        let (stream, peer) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                if e.kind() != ErrorKind::Interrupted {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                continue;
+            }
+        };
+        let accepted = Instant::now();
+        // Only this thread takes places: the count can only fall until the next accept.
+        if admin.open.fetch_add(1, AcqRel) >= MAX_CONNECTIONS {
+            admin.open.fetch_sub(1, AcqRel);
+            let why = format!(
+                "kvlb's admin API serves {MAX_CONNECTIONS} connections at once and is at that \
+                 limit; retry later"
+            );
+            refuse(&stream, peer, &admin, &why);
+            continue;
+        }
+        let place = Place(admin.clone());
+        // The thread shares the stream so that, should it not start, it can still be refused.
+        let stream = Arc::new(stream);
+        let theirs = stream.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvlb-admin-conn".into())
+            .stack_size(CONNECTION_STACK_BYTES)
+            .spawn(move || {
+                let place = place;
+                serve(&theirs, peer, accepted, &place.0);
+            });
+        if let Err(e) = spawned {
+            // The closure, and with it the place, is dropped already.
+            let why =
+                format!("kvlb's admin API cannot start a connection thread ({e}); retry later");
+            refuse(&stream, peer, &admin, &why);
+        }
+    }
+}
+
+/// Answers 503 (`why` its message) and closes, from the accept thread: non-blocking, never
+/// waiting on the client.
+fn refuse(s: &TcpStream, peer: SocketAddr, admin: &Admin, why: &str) {
+    admin.refused.fetch_add(1, Relaxed);
+    admin
+        .refused_log
+        .log(|| format!("connection from {peer} refused: {why}"));
+    let (status, ctype, body) = error(503, "service_unavailable", why);
+    let reply = response(status, ctype, &body);
+    if s.set_nonblocking(true).is_err() {
+        return;
+    }
+    // Take in what the client sent already, so that closing with it unread does not reset
+    // the connection under the reply (a bounded number of reads, none of them waiting).
+    let mut sink = [0u8; 4096];
+    for _ in 0..16 {
+        match (&*s).read(&mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
+    // One write: a new connection's send buffer takes a short reply whole.
+    let _ = (&*s).write(&reply);
+    let _ = s.shutdown(Shutdown::Write);
+}
+
+/// Why a connection ended before its reply was written.
+enum Stop {
+    /// The client closed, or the connection failed.
+    Gone,
+    /// The deadline passed.
+    TimedOut,
+}
+
+/// Reads into `buf` before `deadline`: the read timeout is what is left of it.
+fn read_by(s: &TcpStream, buf: &mut [u8], deadline: Instant) -> Result<usize, Stop> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Stop::TimedOut);
+        }
+        s.set_read_timeout(Some(left)).map_err(|_| Stop::Gone)?;
+        match (&*s).read(buf) {
+            Ok(n) => return Ok(n),
+            // A timeout (or an early wake-up) is checked against the deadline above.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return Err(Stop::Gone),
+        }
+    }
+}
+
+/// Writes all of `bytes` before `deadline`: the write timeout is what is left of it.
+fn write_by(s: &TcpStream, mut bytes: &[u8], deadline: Instant) -> Result<(), Stop> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Stop::TimedOut);
+        }
+        s.set_write_timeout(Some(left)).map_err(|_| Stop::Gone)?;
+        match (&*s).write(bytes) {
+            Ok(0) => return Err(Stop::Gone),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return Err(Stop::Gone),
+        }
+    }
+    Ok(())
+}
+
+/// One connection, on its own thread: one request, one reply, close.
+fn serve(s: &TcpStream, peer: SocketAddr, accepted: Instant, admin: &Admin) {
+    let timed_out = |what: &str| {
+        admin.timed_out.fetch_add(1, Relaxed);
+        admin
+            .timeout_log
+            .log(|| format!("connection from {peer} timed out: {what}"));
+    };
+    let reply = match handle(s, accepted + READ_DEADLINE, admin) {
+        Ok(reply) => reply,
+        Err(Stop::Gone) => return,
+        Err(Stop::TimedOut) => {
+            timed_out(&format!("request not received within {READ_DEADLINE:?}"));
+            let (status, ctype, body) = error(408, "timeout_error", "request not received in time");
+            let _ = write_by(
+                s,
+                &response(status, ctype, &body),
+                Instant::now() + WRITE_DEADLINE,
+            );
+            return;
+        }
+    };
+    let (status, ctype, body) = reply;
+    if let Err(Stop::TimedOut) = write_by(
+        s,
+        &response(status, ctype, &body),
+        Instant::now() + WRITE_DEADLINE,
+    ) {
+        timed_out(&format!("reply not taken within {WRITE_DEADLINE:?}"));
+    }
 }
 
 /// Largest admin request body (a replica description).
@@ -36,15 +289,14 @@ fn error(status: u16, kind: &str, message: &str) -> Reply {
     (status, "application/json", body.to_string())
 }
 
-fn handle(mut s: TcpStream, shared: &Shared, control: &Control) -> std::io::Result<()> {
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.set_write_timeout(Some(Duration::from_secs(5)))?;
+/// Reads one request (by `deadline`) and works out its reply.
+fn handle(s: &TcpStream, deadline: Instant, admin: &Admin) -> Result<Reply, Stop> {
     let mut buf = vec![0u8; 8192];
     let mut len = 0;
     let head_end = loop {
-        let n = s.read(&mut buf[len..])?;
+        let n = read_by(s, &mut buf[len..], deadline)?;
         if n == 0 {
-            return Ok(());
+            return Err(Stop::Gone);
         }
         len += n;
         if let Some(p) = buf[..len].windows(4).position(|w| w == b"\r\n\r\n") {
@@ -81,38 +333,68 @@ fn handle(mut s: TcpStream, shared: &Shared, control: &Control) -> std::io::Resu
                         buf.resize(want, 0);
                     }
                     while len < want {
-                        let got = s.read(&mut buf[len..want])?;
+                        let got = read_by(s, &mut buf[len..want], deadline)?;
                         if got == 0 {
-                            return Ok(());
+                            return Err(Stop::Gone);
                         }
                         len += got;
                     }
                     let body = &buf[head_end..want];
-                    route(&method, &path, auth.as_deref(), body, shared, control)
+                    let route = || route(&method, &path, auth.as_deref(), body, admin);
+                    if matches!(method.as_str(), "POST" | "DELETE") {
+                        on_change_stack(route)
+                    } else {
+                        route()
+                    }
                 }
             }
         }
         _ => error(400, "invalid_request_error", "malformed request"),
     };
-    let (status, ctype, body) = reply;
+    Ok(reply)
+}
+
+/// Runs a changing request on a thread with a full-size stack, and waits for it.
+fn on_change_stack(route: impl FnOnce() -> Reply + Send) -> Reply {
+    std::thread::scope(|scope| {
+        let thread = std::thread::Builder::new()
+            .name("kvlb-admin-ctl".into())
+            .stack_size(CHANGE_STACK_BYTES)
+            .spawn_scoped(scope, route);
+        match thread.map(|t| t.join()) {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => error(500, "internal_error", "the admin request failed"),
+            Err(e) => error(
+                503,
+                "service_unavailable",
+                &format!("cannot start a thread for the admin request: {e}"),
+            ),
+        }
+    })
+}
+
+/// A whole reply: head and body.
+fn response(status: u16, ctype: &str, body: &str) -> Vec<u8> {
     let reason = match status {
         200 => "OK",
         401 => "Unauthorized",
         403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        408 => "Request Timeout",
         409 => "Conflict",
         413 => "Payload Too Large",
+        500 => "Internal Server Error",
         503 => "Service Unavailable",
         _ => "Bad Request",
     };
-    let head = format!(
+    let mut out = format!(
         "HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
-    );
-    s.write_all(head.as_bytes())?;
-    s.write_all(body.as_bytes())?;
-    Ok(())
+    )
+    .into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    out
 }
 
 /// Changing endpoints need `Authorization: Bearer <admin_token>`; without a configured token
@@ -209,14 +491,8 @@ fn replica_from_body(body: &[u8], with_options: bool) -> Result<String, Reply> {
     Ok(flag)
 }
 
-fn route(
-    method: &str,
-    path: &str,
-    auth: Option<&str>,
-    body: &[u8],
-    shared: &Shared,
-    control: &Control,
-) -> Reply {
+fn route(method: &str, path: &str, auth: Option<&str>, body: &[u8], admin: &Admin) -> Reply {
+    let (shared, control) = (&*admin.shared, &*admin.control);
     let path = path.split('?').next().unwrap_or("");
     match (method, path) {
         ("POST", "/reload") => {
@@ -273,12 +549,13 @@ fn route(
                 Err(e) => error(404, "not_found", &e),
             }
         }
-        ("GET" | "HEAD", _) => get(path, shared),
+        ("GET" | "HEAD", _) => get(path, admin),
         _ => error(405, "invalid_request_error", "unsupported method for this admin path (GET /metrics, /healthz, /replicas; POST /reload, /replicas, /replicas/drain, /replicas/remove)"),
     }
 }
 
-fn get(path: &str, shared: &Shared) -> Reply {
+fn get(path: &str, admin: &Admin) -> Reply {
+    let shared = &*admin.shared;
     match path {
         "/metrics" => {
             let urls: Vec<String> = (0..shared.fleet.capacity())
@@ -308,6 +585,16 @@ fn get(path: &str, shared: &Shared) -> Reply {
             let queued: u64 = shared.workers.iter().map(|w| w.queued.load(Relaxed)).sum();
             text.push_str("# HELP kvlb_queued_total Requests that waited in the queue.\n# TYPE kvlb_queued_total counter\n");
             text.push_str(&format!("kvlb_queued_total {queued}\n"));
+            text.push_str("# HELP kvlb_admin_connections_refused_total Admin connections answered 503 at once (at the limit of connections served at once, or no thread for them).\n# TYPE kvlb_admin_connections_refused_total counter\n");
+            text.push_str(&format!(
+                "kvlb_admin_connections_refused_total {}\n",
+                admin.refused.load(Relaxed)
+            ));
+            text.push_str("# HELP kvlb_admin_connections_timed_out_total Admin connections closed because their request did not arrive, or their reply was not taken, in time.\n# TYPE kvlb_admin_connections_timed_out_total counter\n");
+            text.push_str(&format!(
+                "kvlb_admin_connections_timed_out_total {}\n",
+                admin.timed_out.load(Relaxed)
+            ));
             let now = shared.now_ms();
             text.push_str("# HELP kvlb_replica_up 1 while the replica takes new requests (active, not ejected, passing health checks).\n# TYPE kvlb_replica_up gauge\n");
             for (i, url) in urls.iter().enumerate() {
