@@ -12,6 +12,8 @@ use std::sync::OnceLock;
 pub enum HttpError {
     MalformedRequestLine,
     InvalidTarget,
+    UnsupportedScheme,
+    InvalidTargetAuthority,
     BadVersion,
     InvalidHeader,
     ObsFold,
@@ -23,6 +25,7 @@ pub enum HttpError {
     InvalidChunkedBody,
     MissingHost,
     DuplicateHost,
+    InvalidHost,
     ExpectationFailed,
     HeaderTooLarge,
     BodyTooLarge,
@@ -35,9 +38,11 @@ pub enum HttpError {
 }
 
 impl HttpError {
-    pub const ALL: [HttpError; 22] = [
+    pub const ALL: [HttpError; 25] = [
         HttpError::MalformedRequestLine,
         HttpError::InvalidTarget,
+        HttpError::UnsupportedScheme,
+        HttpError::InvalidTargetAuthority,
         HttpError::BadVersion,
         HttpError::InvalidHeader,
         HttpError::ObsFold,
@@ -49,6 +54,7 @@ impl HttpError {
         HttpError::InvalidChunkedBody,
         HttpError::MissingHost,
         HttpError::DuplicateHost,
+        HttpError::InvalidHost,
         HttpError::ExpectationFailed,
         HttpError::HeaderTooLarge,
         HttpError::BodyTooLarge,
@@ -74,7 +80,19 @@ impl HttpError {
                 400,
                 "Bad Request",
                 "invalid_request_error",
-                "invalid request target: expected an absolute path such as /v1/chat/completions",
+                "invalid request target: expected a path such as /v1/chat/completions or an http(s) absolute URI",
+            ),
+            UnsupportedScheme => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "unsupported request target scheme: only http:// and https:// absolute URIs are accepted",
+            ),
+            InvalidTargetAuthority => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid host in the absolute request target: expected http(s)://host[:port]/path, without userinfo",
             ),
             BadVersion => (
                 400,
@@ -141,6 +159,12 @@ impl HttpError {
                 "Bad Request",
                 "invalid_request_error",
                 "more than one Host header",
+            ),
+            InvalidHost => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid Host header: expected host[:port], without userinfo, spaces, commas or a path",
             ),
             ExpectationFailed => (
                 417,
