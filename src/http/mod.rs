@@ -21,7 +21,9 @@ pub enum HttpError {
     DuplicateContentLength,
     InvalidContentLength,
     TransferEncodingInHttp10,
+    ChunkedNotFinal,
     UnsupportedTransferEncoding,
+    FramingFieldLookalike,
     InvalidChunkedBody,
     MissingHost,
     DuplicateHost,
@@ -38,7 +40,7 @@ pub enum HttpError {
 }
 
 impl HttpError {
-    pub const ALL: [HttpError; 25] = [
+    pub const ALL: [HttpError; 27] = [
         HttpError::MalformedRequestLine,
         HttpError::InvalidTarget,
         HttpError::UnsupportedScheme,
@@ -50,7 +52,9 @@ impl HttpError {
         HttpError::DuplicateContentLength,
         HttpError::InvalidContentLength,
         HttpError::TransferEncodingInHttp10,
+        HttpError::ChunkedNotFinal,
         HttpError::UnsupportedTransferEncoding,
+        HttpError::FramingFieldLookalike,
         HttpError::InvalidChunkedBody,
         HttpError::MissingHost,
         HttpError::DuplicateHost,
@@ -136,11 +140,23 @@ impl HttpError {
                 "invalid_request_error",
                 "Transfer-Encoding is not allowed in an HTTP/1.0 request",
             ),
+            ChunkedNotFinal => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "Transfer-Encoding whose final coding is not chunked: the body length cannot be determined",
+            ),
             UnsupportedTransferEncoding => (
                 501,
                 "Not Implemented",
                 "invalid_request_error",
                 "unsupported Transfer-Encoding: only a single chunked coding is accepted",
+            ),
+            FramingFieldLookalike => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "Content_Length and Transfer_Encoding are not allowed: servers that fold _ into - read them as framing fields",
             ),
             InvalidChunkedBody => (
                 400,

@@ -113,6 +113,22 @@ pub fn has_token(value: &[u8], token: &str) -> bool {
         .any(|t| trim_ows(t).eq_ignore_ascii_case(token.as_bytes()))
 }
 
+/// Is `name` Content-Length or Transfer-Encoding spelt with underscores for some of its dashes
+/// (`Content_Length`)? Servers that map field names to variables (CGI and WSGI style) fold
+/// `_` and `-` together and would take it for the framing field kvlb did not frame by.
+fn framing_lookalike(name: &str) -> bool {
+    let n = name.as_bytes();
+    let folded = |known: &[u8]| {
+        n.len() == known.len()
+            && n.iter()
+                .zip(known)
+                .all(|(&a, &k)| a.eq_ignore_ascii_case(&k) || (a == b'_' && k == b'-'))
+    };
+    matches!(n.len(), 14 | 17)
+        && find_byte(b'_', n).is_some()
+        && (folded(b"content-length") || folded(b"transfer-encoding"))
+}
+
 /// Does the head in `buf` fold a header line (a line starting with SP or HTAB)?
 fn has_obs_fold(head: &[u8]) -> bool {
     memchr::memchr_iter(b'\n', head).any(|nl| matches!(head.get(nl + 1), Some(b' ' | b'\t')))
@@ -303,8 +319,11 @@ pub fn parse_request(
     let method = method_of(method_str);
 
     let mut content_length: Option<u64> = None;
-    let mut chunked = false;
-    let mut te_seen = false;
+    // Transfer-Encoding fields, the codings they list (all fields make one list, RFC 9110
+    // section 5.3) and the last of them.
+    let mut te_fields = 0;
+    let mut te_codings = 0;
+    let mut te_final: &[u8] = &[];
     let mut host_count = 0;
     let mut conn_close = false;
     let mut conn_keep_alive = false;
@@ -324,15 +343,13 @@ pub fn parse_request(
             }
             content_length = Some(parse_content_length(h.value)?);
         } else if *kind == Field::TransferEncoding {
-            if te_seen {
-                return Err(HttpError::UnsupportedTransferEncoding);
+            te_fields += 1;
+            for coding in h.value.split(|b| *b == b',') {
+                te_codings += 1;
+                te_final = trim_ows(coding);
             }
-            te_seen = true;
-            if trim_ows(h.value).eq_ignore_ascii_case(b"chunked") {
-                chunked = true;
-            } else {
-                return Err(HttpError::UnsupportedTransferEncoding);
-            }
+        } else if *kind == Field::Other && framing_lookalike(h.name) {
+            return Err(HttpError::FramingFieldLookalike);
         } else if *kind == Field::Host {
             // Checked even when an absolute-form target's authority replaces it: a request
             // with an invalid Host is refused whatever its target (RFC 9112 section 3.2).
@@ -370,12 +387,22 @@ pub fn parse_request(
             }
         }
     }
+    let te_seen = te_fields > 0;
     if te_seen && content_length.is_some() {
         return Err(HttpError::ContentLengthWithTransferEncoding);
     }
     if te_seen && minor_version == 0 {
         return Err(HttpError::TransferEncodingInHttp10);
     }
+    // RFC 9112 section 6.3: without chunked as the final coding the body's length cannot be
+    // known (400); chunked after other codings, or twice, is a list kvlb does not decode (501).
+    if te_seen && !te_final.eq_ignore_ascii_case(b"chunked") {
+        return Err(HttpError::ChunkedNotFinal);
+    }
+    if te_codings > 1 {
+        return Err(HttpError::UnsupportedTransferEncoding);
+    }
+    let chunked = te_seen;
     if host_count > 1 {
         return Err(HttpError::DuplicateHost);
     }
@@ -539,7 +566,16 @@ mod tests {
             (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1,2\r\n\r\n", HttpError::InvalidContentLength),
             (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\n", HttpError::InvalidContentLength),
             (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999\r\n\r\n", HttpError::InvalidContentLength),
-            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, identity\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked,\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: \r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: identity\r\nContent-Length: 5\r\n\r\n", HttpError::ContentLengthWithTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer_Encoding: chunked\r\n\r\n", HttpError::FramingFieldLookalike),
+            (b"POST / HTTP/1.1\r\nHost: a\r\ncontent_length: 5\r\n\r\n", HttpError::FramingFieldLookalike),
             (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
             (b"POST / HTTP/1.1\r\nHost: a\r\nX-A: b\r\n c\r\n\r\n", HttpError::ObsFold),
             (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", HttpError::BadVersion),
@@ -770,6 +806,21 @@ mod tests {
         let (t, up) = rewritten("OPTIONS * HTTP/1.1", "Host: a\r\n").unwrap();
         assert_eq!(t, "*");
         assert!(up.starts_with("OPTIONS * HTTP/1.1\r\nHost: a\r\n"), "{up}");
+    }
+
+    #[test]
+    fn underscored_names_other_than_the_framing_fields_are_forwarded() {
+        let (_, up) = parse(
+            b"GET / HTTP/1.1\r\nHost: a\r\nContent_Type: x\r\nContent-Length_: 1\r\nX_Transfer_Encoding: y\r\n\r\n",
+        )
+        .unwrap();
+        for f in [
+            "Content_Type: x",
+            "Content-Length_: 1",
+            "X_Transfer_Encoding: y",
+        ] {
+            assert!(up.contains(f), "{f} not forwarded: {up}");
+        }
     }
 
     #[test]
