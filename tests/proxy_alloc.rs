@@ -115,10 +115,17 @@ fn metric(admin: u16, name: &str) -> u64 {
         .unwrap()
 }
 
-/// Send one POST on a keep-alive connection and read the whole response.
-fn request(s: &mut TcpStream, body: &[u8], buf: &mut Vec<u8>) {
+/// The chat path in origin-form, and in absolute-form (rewritten to origin-form upstream, its
+/// authority the Host sent).
+const TARGETS: [&str; 2] = [
+    "/v1/chat/completions",
+    "http://kvlb.example:8000/v1/chat/completions",
+];
+
+/// Send one POST to `target` on a keep-alive connection and read the whole response.
+fn request(s: &mut TcpStream, target: &str, body: &[u8], buf: &mut Vec<u8>) {
     let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: kvlb\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        "POST {target} HTTP/1.1\r\nHost: kvlb\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
     let mut out = head.into_bytes();
@@ -182,15 +189,15 @@ fn warm_requests_allocate_nothing(extra: &[&str]) {
         .collect();
     let mut buf = Vec::new();
     for _ in 0..100 {
-        for c in conns.iter_mut() {
-            request(c, body.as_bytes(), &mut buf);
+        for (i, c) in conns.iter_mut().enumerate() {
+            request(c, TARGETS[i % 2], body.as_bytes(), &mut buf);
         }
     }
     let before = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
     let served_before = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}");
     for _ in 0..500 {
-        for c in conns.iter_mut() {
-            request(c, body.as_bytes(), &mut buf);
+        for (i, c) in conns.iter_mut().enumerate() {
+            request(c, TARGETS[i % 2], body.as_bytes(), &mut buf);
         }
     }
     let after = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");

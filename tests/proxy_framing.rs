@@ -238,8 +238,9 @@ fn header_name_with_space_before_colon_is_rejected() {
 
 #[test]
 fn unsupported_transfer_coding_is_rejected() {
+    // RFC 9112 section 6.3: without chunked as the final coding, 400.
     let raw = post("Transfer-Encoding: gzip\r\n", "hello");
-    assert_rejected(&raw, &[400, 501], Fault::Head, &[]);
+    assert_rejected(&raw, &[400], Fault::Head, &[]);
 }
 
 #[test]
@@ -248,7 +249,16 @@ fn chunked_not_last_is_rejected() {
         "Transfer-Encoding: chunked, gzip\r\n",
         "5\r\nhello\r\n0\r\n\r\n",
     );
-    assert_rejected(&raw, &[400, 501], Fault::Head, &[]);
+    assert_rejected(&raw, &[400], Fault::Head, &[]);
+}
+
+#[test]
+fn coding_before_chunked_is_not_implemented() {
+    let raw = post(
+        "Transfer-Encoding: gzip, chunked\r\n",
+        "5\r\nhello\r\n0\r\n\r\n",
+    );
+    assert_rejected(&raw, &[501], Fault::Head, &[]);
 }
 
 #[test]

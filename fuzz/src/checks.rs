@@ -103,6 +103,27 @@ pub fn http_request(data: &[u8]) {
         );
     }
     assert!(count_named(&out, "content-length") <= 1);
+    // Upstream, the target is origin-form (or `*`), the one kvlb routed on, and the Host is
+    // one field (the client's, or an absolute-form target's authority).
+    let line_target = out.split(|&b| b == b' ').nth(1).unwrap_or(b"");
+    let seen = &data[head.target.0..head.target.1];
+    assert!(
+        line_target.starts_with(b"/") || line_target == b"*",
+        "upstream target not in origin-form: {:?}",
+        String::from_utf8_lossy(&out)
+    );
+    assert!(
+        line_target == seen || (seen == b"/" && line_target.starts_with(b"/?")),
+        "kvlb routed on {:?} but sent {:?} upstream",
+        String::from_utf8_lossy(seen),
+        String::from_utf8_lossy(line_target)
+    );
+    assert_eq!(
+        count_named(&out, "host"),
+        head.has_host as usize,
+        "upstream Host fields: {:?}",
+        String::from_utf8_lossy(&out)
+    );
     if head.has_host {
         // What kvlb sends is a request kvlb itself accepts, framed by its Content-Length.
         // (kvlb adds X-Forwarded-For: a client at the field limit makes a head one field

@@ -12,6 +12,8 @@ use std::sync::OnceLock;
 pub enum HttpError {
     MalformedRequestLine,
     InvalidTarget,
+    UnsupportedScheme,
+    InvalidTargetAuthority,
     BadVersion,
     InvalidHeader,
     ObsFold,
@@ -19,10 +21,13 @@ pub enum HttpError {
     DuplicateContentLength,
     InvalidContentLength,
     TransferEncodingInHttp10,
+    ChunkedNotFinal,
     UnsupportedTransferEncoding,
+    FramingFieldLookalike,
     InvalidChunkedBody,
     MissingHost,
     DuplicateHost,
+    InvalidHost,
     ExpectationFailed,
     HeaderTooLarge,
     BodyTooLarge,
@@ -39,9 +44,11 @@ pub enum HttpError {
 }
 
 impl HttpError {
-    pub const ALL: [HttpError; 24] = [
+    pub const ALL: [HttpError; 29] = [
         HttpError::MalformedRequestLine,
         HttpError::InvalidTarget,
+        HttpError::UnsupportedScheme,
+        HttpError::InvalidTargetAuthority,
         HttpError::BadVersion,
         HttpError::InvalidHeader,
         HttpError::ObsFold,
@@ -49,10 +56,13 @@ impl HttpError {
         HttpError::DuplicateContentLength,
         HttpError::InvalidContentLength,
         HttpError::TransferEncodingInHttp10,
+        HttpError::ChunkedNotFinal,
         HttpError::UnsupportedTransferEncoding,
+        HttpError::FramingFieldLookalike,
         HttpError::InvalidChunkedBody,
         HttpError::MissingHost,
         HttpError::DuplicateHost,
+        HttpError::InvalidHost,
         HttpError::ExpectationFailed,
         HttpError::HeaderTooLarge,
         HttpError::BodyTooLarge,
@@ -80,7 +90,19 @@ impl HttpError {
                 400,
                 "Bad Request",
                 "invalid_request_error",
-                "invalid request target: expected an absolute path such as /v1/chat/completions",
+                "invalid request target: expected a path such as /v1/chat/completions or an http(s) absolute URI",
+            ),
+            UnsupportedScheme => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "unsupported request target scheme: only http:// and https:// absolute URIs are accepted",
+            ),
+            InvalidTargetAuthority => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid host in the absolute request target: expected http(s)://host[:port]/path, without userinfo",
             ),
             BadVersion => (
                 400,
@@ -124,11 +146,23 @@ impl HttpError {
                 "invalid_request_error",
                 "Transfer-Encoding is not allowed in an HTTP/1.0 request",
             ),
+            ChunkedNotFinal => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "Transfer-Encoding whose final coding is not chunked: the body length cannot be determined",
+            ),
             UnsupportedTransferEncoding => (
                 501,
                 "Not Implemented",
                 "invalid_request_error",
                 "unsupported Transfer-Encoding: only a single chunked coding is accepted",
+            ),
+            FramingFieldLookalike => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "Content_Length and Transfer_Encoding are not allowed: servers that fold _ into - read them as framing fields",
             ),
             InvalidChunkedBody => (
                 400,
@@ -147,6 +181,12 @@ impl HttpError {
                 "Bad Request",
                 "invalid_request_error",
                 "more than one Host header",
+            ),
+            InvalidHost => (
+                400,
+                "Bad Request",
+                "invalid_request_error",
+                "invalid Host header: expected host[:port], without userinfo, spaces, commas or a path",
             ),
             ExpectationFailed => (
                 417,

@@ -2,11 +2,14 @@
 //! against request smuggling), and write the head kvlb sends upstream in the same pass.
 //!
 //! Requests are always re-framed upstream with a Content-Length (chunked bodies are decoded
-//! by kvlb), so a replica never has to agree with kvlb on how a body was delimited.
+//! by kvlb), so a replica never has to agree with kvlb on how a body was delimited. Likewise
+//! for what was asked: an absolute-form target (`GET http://host/path`) goes upstream in
+//! origin-form with the target's authority as Host (RFC 9112 section 3.2.2), so kvlb routes on
+//! the same path the replica serves.
 
 use super::{field, find_byte, Field, HttpError};
 use std::mem::MaybeUninit;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 
 /// Most header fields accepted in a request (more is a 431).
 pub const MAX_HEADERS: usize = 100;
@@ -36,7 +39,9 @@ pub struct RequestHead {
     /// Bytes of the head, through the empty line.
     pub head_len: usize,
     pub method: Method,
-    /// Byte range of the request target in the buffer.
+    /// Byte range of the request target in origin-form (path and query) in the buffer: for an
+    /// absolute-form target, the path part inside it (`http://host` alone is the `/` of `://`,
+    /// without the query), or `*` for `OPTIONS *`.
     pub target: (usize, usize),
     /// 0 for HTTP/1.0, 1 for HTTP/1.1.
     pub minor_version: u8,
@@ -45,7 +50,8 @@ pub struct RequestHead {
     pub keep_alive: bool,
     /// `Expect: 100-continue` was sent.
     pub expect_continue: bool,
-    /// The client sent a Host header (HTTP/1.0 clients may not; the caller adds one).
+    /// The upstream head has a Host: the client's, or the authority of an absolute-form
+    /// target (HTTP/1.0 clients may send neither; the caller adds one).
     pub has_host: bool,
     /// Byte range of the credentials of `Authorization: Bearer <credentials>` (empty when
     /// absent or another scheme).
@@ -107,9 +113,132 @@ pub fn has_token(value: &[u8], token: &str) -> bool {
         .any(|t| trim_ows(t).eq_ignore_ascii_case(token.as_bytes()))
 }
 
+/// Is `name` Content-Length or Transfer-Encoding spelt with underscores for some of its dashes
+/// (`Content_Length`)? Servers that map field names to variables (CGI and WSGI style) fold
+/// `_` and `-` together and would take it for the framing field kvlb did not frame by.
+fn framing_lookalike(name: &str) -> bool {
+    let n = name.as_bytes();
+    let folded = |known: &[u8]| {
+        n.len() == known.len()
+            && n.iter()
+                .zip(known)
+                .all(|(&a, &k)| a.eq_ignore_ascii_case(&k) || (a == b'_' && k == b'-'))
+    };
+    matches!(n.len(), 14 | 17)
+        && find_byte(b'_', n).is_some()
+        && (folded(b"content-length") || folded(b"transfer-encoding"))
+}
+
 /// Does the head in `buf` fold a header line (a line starting with SP or HTAB)?
 fn has_obs_fold(head: &[u8]) -> bool {
     memchr::memchr_iter(b'\n', head).any(|nl| matches!(head.get(nl + 1), Some(b' ' | b'\t')))
+}
+
+/// Is `v` a valid `Host` value or absolute-URI authority, `uri-host [ ":" port ]` (RFC 9110
+/// section 7.2, RFC 3986 section 3.2)? The host is a bracketed IPv6 address or a non-empty
+/// reg-name (which covers IPv4 addresses); the port, when the colon is there, 1 to 5 digits up
+/// to 65535. Refused although RFC 3986 allows them: an empty host, an empty port, IPvFuture and
+/// zone identifiers in brackets, and a comma in a reg-name (no DNS name has one, and some read
+/// `Host: a,b` as a list of two). Userinfo (`user@`) is no part of a Host value, and `@` is
+/// not a reg-name byte, so it is refused as well.
+pub fn valid_host(v: &[u8]) -> bool {
+    let (host_ok, port) = if let Some(rest) = v.strip_prefix(b"[") {
+        let Some(close) = find_byte(b']', rest) else {
+            return false;
+        };
+        let ip = std::str::from_utf8(&rest[..close])
+            .ok()
+            .and_then(|s| s.parse::<Ipv6Addr>().ok());
+        let port = match &rest[close + 1..] {
+            [] => None,
+            [b':', port @ ..] => Some(port),
+            _ => return false,
+        };
+        (ip.is_some(), port)
+    } else {
+        let (host, port) = match find_byte(b':', v) {
+            Some(i) => (&v[..i], Some(&v[i + 1..])),
+            None => (v, None),
+        };
+        (valid_reg_name(host), port)
+    };
+    host_ok && port.is_none_or(valid_port)
+}
+
+/// `reg-name = 1*( unreserved / pct-encoded / sub-delims )`, without the comma.
+fn valid_reg_name(v: &[u8]) -> bool {
+    let mut i = 0;
+    while i < v.len() {
+        match v[i] {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {}
+            b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b';' | b'=' => {}
+            b'%' if v.len() > i + 2
+                && v[i + 1].is_ascii_hexdigit()
+                && v[i + 2].is_ascii_hexdigit() =>
+            {
+                i += 2;
+            }
+            _ => return false,
+        }
+        i += 1;
+    }
+    !v.is_empty()
+}
+
+fn valid_port(v: &[u8]) -> bool {
+    (1..=5).contains(&v.len())
+        && v.iter().all(u8::is_ascii_digit)
+        && v.iter().fold(0u32, |n, d| n * 10 + (d - b'0') as u32) <= 65_535
+}
+
+/// The parts of an absolute-form target `http[s]://authority[path][?query]`.
+struct Absolute<'a> {
+    authority: &'a [u8],
+    /// Where the authority starts in the target (after `://`).
+    authority_at: usize,
+    /// Where the path and query start in the target (its length when there is neither).
+    rest: usize,
+}
+
+/// Classify a request target that is not origin-form (RFC 9112 section 3.2): `*` for OPTIONS,
+/// or an absolute http(s) URI. Authority-form and anything else is refused.
+fn absolute_target<'a>(target: &'a [u8], method: &str) -> Result<Option<Absolute<'a>>, HttpError> {
+    if target == b"*" {
+        return match method {
+            "OPTIONS" => Ok(None),
+            _ => Err(HttpError::InvalidTarget),
+        };
+    }
+    // scheme = ALPHA *( ALPHA / DIGIT / "+" / "-" / "." ), then "://" (an http(s) URI always
+    // has an authority).
+    let scheme_len = target
+        .iter()
+        .position(|&b| !(b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.')))
+        .unwrap_or(target.len());
+    if scheme_len == 0
+        || !target[0].is_ascii_alphabetic()
+        || !target[scheme_len..].starts_with(b"://")
+    {
+        return Err(HttpError::InvalidTarget);
+    }
+    let scheme = &target[..scheme_len];
+    if !(scheme.eq_ignore_ascii_case(b"http") || scheme.eq_ignore_ascii_case(b"https")) {
+        return Err(HttpError::UnsupportedScheme);
+    }
+    let start = scheme_len + 3;
+    let end = target[start..]
+        .iter()
+        .position(|&b| matches!(b, b'/' | b'?'))
+        .map_or(target.len(), |p| start + p);
+    let authority = &target[start..end];
+    if !valid_host(authority) {
+        return Err(HttpError::InvalidTargetAuthority);
+    }
+    Ok(Some(Absolute {
+        authority,
+        authority_at: start,
+        rest: end,
+    }))
 }
 
 /// Where the head ends (index after the empty line), if it is complete.
@@ -161,19 +290,40 @@ pub fn parse_request(
     let method_str = req.method.unwrap_or("");
     let path = req.path.unwrap_or("");
     let minor_version = req.version.unwrap_or(1);
-    if path.is_empty()
-        || !(path.starts_with('/')
-            || (path == "*" && method_str == "OPTIONS")
-            || path.starts_with("http://")
-            || path.starts_with("https://"))
-    {
+    // A fragment is no part of a request target (RFC 9112 section 3.2): a `#` would leave
+    // kvlb and the replica to guess where the path ends.
+    if path.is_empty() || find_byte(b'#', path.as_bytes()).is_some() {
         return Err(HttpError::InvalidTarget);
     }
+    let absolute = match path.starts_with('/') {
+        true => None,
+        false => absolute_target(path.as_bytes(), method_str)?,
+    };
+    let path_at = path.as_ptr() as usize - buf.as_ptr() as usize;
+    // The origin-form target sent upstream, whether a `/` goes before it (an absolute-form
+    // target with an empty path), and the range of the buffer kvlb routes and logs on.
+    let (origin, slash, target) = match &absolute {
+        None => (path.as_bytes(), false, (path_at, path_at + path.len())),
+        Some(a) => {
+            let rest = &path.as_bytes()[a.rest..];
+            match rest.first() {
+                Some(b'/') => (rest, false, (path_at + a.rest, path_at + path.len())),
+                // `http://host` or `http://host?q`: kvlb sees the `/` of `://`.
+                _ => {
+                    let slash_at = path_at + a.authority_at - 1;
+                    (rest, true, (slash_at, slash_at + 1))
+                }
+            }
+        }
+    };
     let method = method_of(method_str);
 
     let mut content_length: Option<u64> = None;
-    let mut chunked = false;
-    let mut te_seen = false;
+    // Transfer-Encoding fields, the codings they list (all fields make one list, RFC 9110
+    // section 5.3) and the last of them.
+    let mut te_fields = 0;
+    let mut te_codings = 0;
+    let mut te_final: &[u8] = &[];
     let mut host_count = 0;
     let mut conn_close = false;
     let mut conn_keep_alive = false;
@@ -193,16 +343,19 @@ pub fn parse_request(
             }
             content_length = Some(parse_content_length(h.value)?);
         } else if *kind == Field::TransferEncoding {
-            if te_seen {
-                return Err(HttpError::UnsupportedTransferEncoding);
+            te_fields += 1;
+            for coding in h.value.split(|b| *b == b',') {
+                te_codings += 1;
+                te_final = trim_ows(coding);
             }
-            te_seen = true;
-            if trim_ows(h.value).eq_ignore_ascii_case(b"chunked") {
-                chunked = true;
-            } else {
-                return Err(HttpError::UnsupportedTransferEncoding);
-            }
+        } else if *kind == Field::Other && framing_lookalike(h.name) {
+            return Err(HttpError::FramingFieldLookalike);
         } else if *kind == Field::Host {
+            // Checked even when an absolute-form target's authority replaces it: a request
+            // with an invalid Host is refused whatever its target (RFC 9112 section 3.2).
+            if !valid_host(trim_ows(h.value)) {
+                return Err(HttpError::InvalidHost);
+            }
             host_count += 1;
         } else if *kind == Field::Authorization {
             let v = trim_ows(h.value);
@@ -234,12 +387,22 @@ pub fn parse_request(
             }
         }
     }
+    let te_seen = te_fields > 0;
     if te_seen && content_length.is_some() {
         return Err(HttpError::ContentLengthWithTransferEncoding);
     }
     if te_seen && minor_version == 0 {
         return Err(HttpError::TransferEncodingInHttp10);
     }
+    // RFC 9112 section 6.3: without chunked as the final coding the body's length cannot be
+    // known (400); chunked after other codings, or twice, is a list kvlb does not decode (501).
+    if te_seen && !te_final.eq_ignore_ascii_case(b"chunked") {
+        return Err(HttpError::ChunkedNotFinal);
+    }
+    if te_codings > 1 {
+        return Err(HttpError::UnsupportedTransferEncoding);
+    }
+    let chunked = te_seen;
     if host_count > 1 {
         return Err(HttpError::DuplicateHost);
     }
@@ -264,12 +427,22 @@ pub fn parse_request(
     out.clear();
     out.extend_from_slice(method_str.as_bytes());
     out.push(b' ');
-    out.extend_from_slice(path.as_bytes());
+    if slash {
+        out.push(b'/');
+    }
+    out.extend_from_slice(origin);
     out.extend_from_slice(b" HTTP/1.1\r\n");
+    // An absolute-form target names the host: the client's Host fields give way to it.
+    if let Some(a) = &absolute {
+        out.extend_from_slice(b"host: ");
+        out.extend_from_slice(a.authority);
+        out.extend_from_slice(b"\r\n");
+    }
     let mut xff_written = false;
     for (h, &kind) in req.headers.iter().zip(kinds.iter()) {
         let name = h.name;
         if not_forwarded(kind)
+            || (kind == Field::Host && absolute.is_some())
             || conn_named[..n_named]
                 .iter()
                 .any(|n| n.eq_ignore_ascii_case(name.as_bytes()))
@@ -322,7 +495,6 @@ pub fn parse_request(
         }
     }
 
-    let target_start = path.as_ptr() as usize - buf.as_ptr() as usize;
     let bearer_start = if bearer.is_empty() {
         0
     } else {
@@ -332,12 +504,12 @@ pub fn parse_request(
         bearer: (bearer_start, bearer_start + bearer.len()),
         head_len,
         method,
-        target: (target_start, target_start + path.len()),
+        target,
         minor_version,
         body,
         keep_alive,
         expect_continue,
-        has_host: host_count == 1,
+        has_host: host_count == 1 || absolute.is_some(),
     })
 }
 
@@ -394,7 +566,16 @@ mod tests {
             (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1,2\r\n\r\n", HttpError::InvalidContentLength),
             (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\n", HttpError::InvalidContentLength),
             (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999\r\n\r\n", HttpError::InvalidContentLength),
-            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, identity\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked,\r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: \r\n\r\n", HttpError::ChunkedNotFinal),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: identity\r\nContent-Length: 5\r\n\r\n", HttpError::ContentLengthWithTransferEncoding),
+            (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer_Encoding: chunked\r\n\r\n", HttpError::FramingFieldLookalike),
+            (b"POST / HTTP/1.1\r\nHost: a\r\ncontent_length: 5\r\n\r\n", HttpError::FramingFieldLookalike),
             (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", HttpError::UnsupportedTransferEncoding),
             (b"POST / HTTP/1.1\r\nHost: a\r\nX-A: b\r\n c\r\n\r\n", HttpError::ObsFold),
             (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", HttpError::BadVersion),
@@ -409,6 +590,236 @@ mod tests {
                 Err(e) => assert_eq!(e, *want, "{}", String::from_utf8_lossy(raw)),
                 Ok(_) => panic!("accepted {}", String::from_utf8_lossy(raw)),
             }
+        }
+    }
+
+    #[test]
+    fn host_grammar() {
+        for ok in [
+            "a",
+            "kvlb.test",
+            "KVLB.Test.",
+            "kvlb.test:8080",
+            "a:0",
+            "a:65535",
+            "a:00080",
+            "127.0.0.1",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:8000",
+            "[2001:db8::7]",
+            "[::ffff:10.1.2.3]:443",
+            "xn--bcher-kva.example",
+            "a-b_c~d",
+            "a%20b",
+            "a!$&'()*+;=b",
+        ] {
+            assert!(valid_host(ok.as_bytes()), "refused {ok:?}");
+        }
+        for bad in [
+            "",
+            "a b/c@d",
+            "a, b",
+            "a,b",
+            "user@a",
+            "user:pw@a",
+            "@a",
+            "a:",
+            ":80",
+            "a:99999",
+            "a:65536",
+            "a:123456",
+            "a:8x",
+            "a: 80",
+            "a:+80",
+            "a:1:2",
+            "::1",
+            "[::1",
+            "[::1]x",
+            "[::1]:",
+            "[::1]:99999",
+            "[]",
+            "[a]",
+            "[v1.x]",
+            "[fe80::1%25eth0]",
+            "[::1]]",
+            "a/b",
+            "a?b",
+            "a#b",
+            "a\\b",
+            "a\"b",
+            "a<b>",
+            "a%2",
+            "a%zz",
+            "a\tb",
+            "a\x01b",
+            "a\x7fb",
+            "a\u{e9}b",
+        ] {
+            assert!(!valid_host(bad.as_bytes()), "accepted {bad:?}");
+        }
+    }
+
+    #[test]
+    fn host_values_are_checked_for_every_request() {
+        for host in ["a b/c@d", "a, b", "u@a", "a:99999", "a:", "", "[::1"] {
+            let raw = format!("GET /p HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            assert_eq!(
+                parse(raw.as_bytes()).map(|_| ()),
+                Err(HttpError::InvalidHost),
+                "{raw}"
+            );
+            // HTTP/1.0 may leave Host out, not send an invalid one; nor does an absolute-form
+            // target's authority make the received one acceptable.
+            for line in ["GET /p HTTP/1.0", "GET http://b/p HTTP/1.1"] {
+                let raw = format!("{line}\r\nHost: {host}\r\n\r\n");
+                assert_eq!(
+                    parse(raw.as_bytes()).map(|_| ()),
+                    Err(HttpError::InvalidHost),
+                    "{raw}"
+                );
+            }
+        }
+        // Optional whitespace around the value is no part of it.
+        let (h, up) = parse(b"GET /p HTTP/1.1\r\nHost: \t kvlb.test:80 \t\r\n\r\n").unwrap();
+        assert!(h.has_host);
+        assert!(up.contains("\r\nHost: kvlb.test:80"), "{up}");
+    }
+
+    /// The upstream head and the target kvlb sees, for a request line and its headers.
+    fn rewritten(line: &str, headers: &str) -> Result<(String, String), HttpError> {
+        let raw = format!("{line}\r\n{headers}\r\n");
+        parse(raw.as_bytes()).map(|(h, up)| {
+            assert!(h.has_host, "{raw}");
+            (raw[h.target.0..h.target.1].to_string(), up)
+        })
+    }
+
+    #[test]
+    fn absolute_form_goes_upstream_in_origin_form_with_the_target_host() {
+        let cases = [
+            (
+                "GET http://other.example/v1/models?x=1 HTTP/1.1",
+                "/v1/models?x=1",
+                "GET /v1/models?x=1 HTTP/1.1\r\nhost: other.example\r\nX-A: 1\r\n",
+            ),
+            (
+                "POST HTTPS://Other.Example:8443/v1/chat/completions HTTP/1.1",
+                "/v1/chat/completions",
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: Other.Example:8443\r\nX-A: 1\r\n",
+            ),
+            (
+                "GET hTTp://[::1]:8000 HTTP/1.1",
+                "/",
+                "GET / HTTP/1.1\r\nhost: [::1]:8000\r\nX-A: 1\r\n",
+            ),
+            (
+                "GET http://a?x=/y HTTP/1.1",
+                "/",
+                "GET /?x=/y HTTP/1.1\r\nhost: a\r\nX-A: 1\r\n",
+            ),
+            (
+                "OPTIONS http://a:80 HTTP/1.1",
+                "/",
+                "OPTIONS / HTTP/1.1\r\nhost: a:80\r\nX-A: 1\r\n",
+            ),
+        ];
+        for (line, target, head) in cases {
+            // The client's Host (one, two cased differently) gives way to the authority.
+            let (t, up) = rewritten(line, "Host: kvlb.test\r\nX-A: 1\r\n").unwrap();
+            assert_eq!(t, target, "{line}");
+            assert!(up.starts_with(head), "{line}: {up}");
+            assert_eq!(up.to_ascii_lowercase().matches("host:").count(), 1, "{up}");
+            assert!(!up.contains("kvlb.test"), "{up}");
+        }
+        // HTTP/1.0 may leave Host out: the authority is sent.
+        let (t, up) = rewritten("GET http://other.example:8080/echo HTTP/1.0", "").unwrap();
+        assert_eq!(t, "/echo");
+        assert!(up.starts_with("GET /echo HTTP/1.1\r\nhost: other.example:8080\r\n"));
+        // An HTTP/1.1 request still needs one Host.
+        assert_eq!(
+            rewritten("GET http://a/ HTTP/1.1", "").map(|_| ()),
+            Err(HttpError::MissingHost)
+        );
+        assert_eq!(
+            rewritten("GET http://a/ HTTP/1.1", "Host: a\r\nHost: a\r\n").map(|_| ()),
+            Err(HttpError::DuplicateHost)
+        );
+    }
+
+    #[test]
+    fn request_target_forms() {
+        let cases: &[(&str, HttpError)] = &[
+            ("GET ftp://x/ HTTP/1.1", HttpError::UnsupportedScheme),
+            ("GET httpx://x/ HTTP/1.1", HttpError::UnsupportedScheme),
+            ("GET ws://x/ HTTP/1.1", HttpError::UnsupportedScheme),
+            ("GET http:/x HTTP/1.1", HttpError::InvalidTarget),
+            ("GET http:x HTTP/1.1", HttpError::InvalidTarget),
+            ("GET 1http://x/ HTTP/1.1", HttpError::InvalidTarget),
+            ("GET ://x/ HTTP/1.1", HttpError::InvalidTarget),
+            ("GET other.example:80 HTTP/1.1", HttpError::InvalidTarget),
+            (
+                "CONNECT other.example:443 HTTP/1.1",
+                HttpError::InvalidTarget,
+            ),
+            ("GET * HTTP/1.1", HttpError::InvalidTarget),
+            ("POST * HTTP/1.1", HttpError::InvalidTarget),
+            ("GET *x HTTP/1.1", HttpError::InvalidTarget),
+            ("GET http://a/#f HTTP/1.1", HttpError::InvalidTarget),
+            ("GET http://a#f HTTP/1.1", HttpError::InvalidTarget),
+            ("GET /v1/models#f HTTP/1.1", HttpError::InvalidTarget),
+            ("GET http:/// HTTP/1.1", HttpError::InvalidTargetAuthority),
+            ("GET http:// HTTP/1.1", HttpError::InvalidTargetAuthority),
+            (
+                "GET http://u@a/ HTTP/1.1",
+                HttpError::InvalidTargetAuthority,
+            ),
+            (
+                "GET http://u:p@a/ HTTP/1.1",
+                HttpError::InvalidTargetAuthority,
+            ),
+            (
+                "GET http://a:99999/ HTTP/1.1",
+                HttpError::InvalidTargetAuthority,
+            ),
+            ("GET http://a:/ HTTP/1.1", HttpError::InvalidTargetAuthority),
+            (
+                "GET http://a,b/ HTTP/1.1",
+                HttpError::InvalidTargetAuthority,
+            ),
+            (
+                "GET http://[::1/ HTTP/1.1",
+                HttpError::InvalidTargetAuthority,
+            ),
+            (
+                "GET http://a\\b/ HTTP/1.1",
+                HttpError::InvalidTargetAuthority,
+            ),
+        ];
+        for (line, want) in cases {
+            assert_eq!(
+                rewritten(line, "Host: a\r\n").map(|_| ()),
+                Err(*want),
+                "{line}"
+            );
+        }
+        let (t, up) = rewritten("OPTIONS * HTTP/1.1", "Host: a\r\n").unwrap();
+        assert_eq!(t, "*");
+        assert!(up.starts_with("OPTIONS * HTTP/1.1\r\nHost: a\r\n"), "{up}");
+    }
+
+    #[test]
+    fn underscored_names_other_than_the_framing_fields_are_forwarded() {
+        let (_, up) = parse(
+            b"GET / HTTP/1.1\r\nHost: a\r\nContent_Type: x\r\nContent-Length_: 1\r\nX_Transfer_Encoding: y\r\n\r\n",
+        )
+        .unwrap();
+        for f in [
+            "Content_Type: x",
+            "Content-Length_: 1",
+            "X_Transfer_Encoding: y",
+        ] {
+            assert!(up.contains(f), "{f} not forwarded: {up}");
         }
     }
 

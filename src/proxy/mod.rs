@@ -178,16 +178,17 @@ fn log_request(
     // must never be able to take a worker down.
     let (method, path, bytes_in): (&[u8], &[u8], usize) = match head {
         Some((h, body_end)) => {
-            let line = conn
-                .cbuf
-                .get(..h.target.0.saturating_sub(1))
-                .unwrap_or(b"-");
+            // The method is the request line's first word (an absolute-form target's path,
+            // which `target` is, comes after the scheme and authority).
+            let line = conn.cbuf.get(..h.target.0).unwrap_or(b"-");
             let start = line
                 .iter()
                 .position(|b| !b.is_ascii_whitespace())
                 .unwrap_or(line.len());
+            let line = &line[start..];
+            let end = line.iter().position(|&b| b == b' ').unwrap_or(line.len());
             (
-                &line[start..],
+                &line[..end],
                 conn.cbuf.get(h.target.0..h.target.1).unwrap_or(b""),
                 body_end.saturating_sub(h.head_len),
             )

@@ -39,6 +39,7 @@ handle:
   /health               200 (503 after /set_health?ok=0); not counted in requests
   /set_health?ok=0|1    make /health fail or pass
   /set_mode?status=C    answer every other request with status C (0: back to normal)
+Any other path is a 404 with x-got-path and x-got-headers-json.
 HEAD on any path answers the head of a 11-byte response without the body; HEAD /chunked
 announces Transfer-Encoding: chunked instead.
 
@@ -268,7 +269,12 @@ class Handler(BaseHTTPRequestHandler):
             "/raw": self.route_raw,
         }.get(path)
         if route is None:
-            self.send_simple(404, b"no such path\n")
+            # Says what was asked, for tests of how kvlb rewrites request targets.
+            got = [
+                ("x-got-path", self.path),
+                ("x-got-headers-json", json.dumps([[k, v] for k, v in self.headers.items()])),
+            ]
+            self.send_simple(404, b"no such path\n", extra=got)
             return
         route(q, body)
 
