@@ -357,3 +357,67 @@ fn secrets_come_from_files_and_the_environment_not_only_the_command_line() {
         assert!(!err.contains("short"), "the token was echoed: {err}");
     }
 }
+
+#[test]
+fn l4_first_requests_without_room_in_body_memory_are_routed_without_waiting_for_the_body() {
+    let backend = Backend::start();
+    let url = backend.url();
+    let kvlb = Kvlb::serve(&[
+        "--mode",
+        "l4",
+        "--replica",
+        url.as_str(),
+        "--workers",
+        "1",
+        "--health-interval",
+        "0",
+        "--max-body-bytes",
+        "1MiB",
+        "--max-body-memory",
+        "1MiB",
+    ]);
+    let n = 1 << 20;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: kvlb.test\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
+    );
+    // The first body is waited for (to hash its prompt) and holds all of the body memory.
+    let mut first = TcpStream::connect(kvlb.listen).unwrap();
+    first.write_all(head.as_bytes()).unwrap();
+    first.write_all(&vec![b' '; n / 2]).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(3), || kvlb
+            .metric("kvlb_body_memory_bytes", &[])
+            == Some(n as f64)),
+        "kvlb_body_memory_bytes = {:?}",
+        kvlb.metric("kvlb_body_memory_bytes", &[])
+    );
+    // The second is not: it is joined to a replica at once and its body streams through.
+    let mut second = TcpStream::connect(kvlb.listen).unwrap();
+    second.write_all(head.as_bytes()).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(3), || kvlb
+            .metric("kvlb_body_memory_refused_total", &[])
+            == Some(1.0)),
+        "kvlb_body_memory_refused_total = {:?}",
+        kvlb.metric("kvlb_body_memory_refused_total", &[])
+    );
+    second.write_all(&vec![b' '; n]).unwrap();
+    let got = read_head(&mut second, Duration::from_secs(5));
+    assert!(
+        got.starts_with("HTTP/1.1 404 "),
+        "the replica's answer: {got:?}"
+    );
+    first.write_all(&vec![b' '; n / 2]).unwrap();
+    let got = read_head(&mut first, Duration::from_secs(5));
+    assert!(
+        got.starts_with("HTTP/1.1 404 "),
+        "the replica's answer: {got:?}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(3), || kvlb
+            .metric("kvlb_body_memory_bytes", &[])
+            == Some(0.0)),
+        "kvlb_body_memory_bytes = {:?}",
+        kvlb.metric("kvlb_body_memory_bytes", &[])
+    );
+}

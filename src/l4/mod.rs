@@ -227,21 +227,42 @@ async fn first_request(
     };
     let mut body_end = head.head_len;
     if prompt_path && !head.expect_continue {
-        if let BodyFraming::Length(n) = head.body {
-            if n <= cfg.limits.max_body_bytes as u64 {
+        let length = match head.body {
+            BodyFraming::Length(n) if n <= cfg.limits.max_body_bytes as u64 => Some(n),
+            _ => None,
+        };
+        if let Some(n) = length {
+            // Body memory the body holds while it is received (as in L7, bodies up to
+            // SMALL_BODY take none). Without room it is not waited for: the request is routed
+            // by load and the replica gets the body as it comes.
+            let held = if n as usize > crate::proxy::SMALL_BODY {
+                n as usize
+            } else {
+                0
+            };
+            if held > 0 && !w.take_body_memory(held) {
+                w.stats().body_memory_refused.fetch_add(1, Relaxed);
+            } else {
                 let need = head.head_len + n as usize;
                 while buf.len() < need {
-                    match recv_more(fd, buf, deadline).await {
-                        Ok(0) => return None,
-                        Ok(_) => {}
+                    let failed = match recv_more(fd, buf, deadline).await {
+                        Ok(0) => Some(None),
+                        Ok(_) => None,
                         Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                            local_error(w, fd, HttpError::RequestTimeout).await;
-                            return None;
+                            Some(Some(HttpError::RequestTimeout))
                         }
-                        Err(_) => return None,
+                        Err(_) => Some(None),
+                    };
+                    if let Some(answer) = failed {
+                        w.give_body_memory(held);
+                        if let Some(e) = answer {
+                            local_error(w, fd, e).await;
+                        }
+                        return None;
                     }
                 }
                 body_end = need;
+                w.give_body_memory(held);
             }
         }
     }

@@ -441,7 +441,7 @@ fn consume_request(conn: &mut Conn, req_end: usize) {
 }
 
 /// Bodies up to this size live in a pooled buffer and hold no body memory.
-const SMALL_BODY: usize = 16 * 1024;
+pub(crate) const SMALL_BODY: usize = 16 * 1024;
 /// What a chunked body reserves ahead of each receive.
 const CHUNKED_STEP: usize = 256 * 1024;
 
@@ -452,21 +452,9 @@ fn reserve_body(w: &Worker, conn: &mut Conn, total: usize) -> bool {
     if total <= SMALL_BODY || total <= conn.reserved {
         return true;
     }
-    let more = total - conn.reserved;
-    let cfg = w.cfg();
-    let all = cfg.limits.max_body_memory;
-    let share = (all / cfg.workers.max(1))
-        .max(cfg.limits.max_body_bytes)
-        .min(all);
-    if w.body_reserved.get() + more > share {
+    if !w.take_body_memory(total - conn.reserved) {
         return false;
     }
-    let held = &w.shared.body_memory;
-    if held.fetch_add(more, Relaxed) + more > all {
-        held.fetch_sub(more, Relaxed);
-        return false;
-    }
-    w.body_reserved.set(w.body_reserved.get() + more);
     conn.reserved = total;
     true
 }
@@ -474,9 +462,7 @@ fn reserve_body(w: &Worker, conn: &mut Conn, total: usize) -> bool {
 /// Give back what the current request held of the body memory.
 fn release_body(w: &Worker, conn: &mut Conn) {
     if conn.reserved > 0 {
-        w.shared.body_memory.fetch_sub(conn.reserved, Relaxed);
-        w.body_reserved
-            .set(w.body_reserved.get().saturating_sub(conn.reserved));
+        w.give_body_memory(conn.reserved);
         conn.reserved = 0;
         if conn.cbuf.capacity() > 1 << 20 {
             w.freed_large();

@@ -208,6 +208,36 @@ impl Worker {
             .unwrap_or_else(|| Vec::with_capacity(BUF_CAPACITY))
     }
 
+    /// Take `more` bytes of body memory: from this worker's share of `max_body_memory` (that
+    /// divided among the workers, at least one `max_body_bytes`) and from kvlb's total. False,
+    /// and nothing taken, when either would be exceeded.
+    pub fn take_body_memory(&self, more: usize) -> bool {
+        let cfg = self.cfg();
+        let all = cfg.limits.max_body_memory;
+        let share = (all / cfg.workers.max(1))
+            .max(cfg.limits.max_body_bytes)
+            .min(all);
+        if self.body_reserved.get() + more > share {
+            return false;
+        }
+        let held = &self.shared.body_memory;
+        if held.fetch_add(more, Relaxed) + more > all {
+            held.fetch_sub(more, Relaxed);
+            return false;
+        }
+        self.body_reserved.set(self.body_reserved.get() + more);
+        true
+    }
+
+    /// Give back `n` bytes taken with `take_body_memory`.
+    pub fn give_body_memory(&self, n: usize) {
+        if n > 0 {
+            self.shared.body_memory.fetch_sub(n, Relaxed);
+            self.body_reserved
+                .set(self.body_reserved.get().saturating_sub(n));
+        }
+    }
+
     /// Note that a large buffer was shrunk or freed: its memory goes back to the system at the
     /// next tick of `every_second`.
     pub fn freed_large(&self) {
