@@ -22,13 +22,14 @@
 //! configuration and may load a tokenizer and compile a chat template.
 
 use crate::control::Control;
+use crate::log_limit::LogLimit;
 use crate::metrics;
 use crate::worker::Shared;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering::{AcqRel, Relaxed};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Admin connections served at once; the accept thread answers any more 503.
@@ -42,8 +43,6 @@ const CONNECTION_STACK_BYTES: usize = 256 * 1024;
 /// Stack of the thread that runs a changing request: the default of a Rust thread, as a
 /// reload parses the configuration and may load a tokenizer and compile a chat template.
 const CHANGE_STACK_BYTES: usize = 2 * 1024 * 1024;
-/// At most one log line of a kind (refusal, timeout) this often.
-const LOG_PERIOD: Duration = Duration::from_secs(1);
 
 /// The listener's state, shared by the accept thread and the connection threads.
 struct Admin {
@@ -69,45 +68,10 @@ impl Drop for Place {
     }
 }
 
-/// Rate limiting for one kind of log line.
-struct LogLimit {
-    /// When the last line was printed, and how many were held back since.
-    state: Mutex<(Option<Instant>, u64)>,
-}
-
-impl LogLimit {
-    const fn new() -> LogLimit {
-        LogLimit {
-            state: Mutex::new((None, 0)),
-        }
-    }
-
-    /// Whether a line is due at `now` (`Some`: how many were held back since the last one),
-    /// or held back (`None`).
-    fn due(&self, now: Instant) -> Option<u64> {
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match g.0 {
-            Some(last) if now.saturating_duration_since(last) < LOG_PERIOD => {
-                g.1 += 1;
-                None
-            }
-            _ => {
-                g.0 = Some(now);
-                Some(std::mem::take(&mut g.1))
-            }
-        }
-    }
-
-    /// Prints `kvlb: admin: {line}` unless one was printed less than `LOG_PERIOD` ago.
-    fn log(&self, line: impl FnOnce() -> String) {
-        if let Some(held) = self.due(Instant::now()) {
-            let more = if held > 0 {
-                format!(" ({held} more since the last such line)")
-            } else {
-                String::new()
-            };
-            eprintln!("kvlb: admin: {}{more}", line());
-        }
+/// Prints `kvlb: admin: {line}` unless a line of this kind was printed less than a second ago.
+fn log_limited(limit: &LogLimit, line: impl FnOnce() -> String) {
+    if let Some(held) = limit.allow() {
+        eprintln!("kvlb: admin: {}{}", line(), crate::log_limit::more(held));
     }
 }
 
@@ -174,9 +138,9 @@ fn accept_loop(listener: TcpListener, admin: Arc<Admin>) {
 /// waiting on the client.
 fn refuse(s: &TcpStream, peer: SocketAddr, admin: &Admin, why: &str) {
     admin.refused.fetch_add(1, Relaxed);
-    admin
-        .refused_log
-        .log(|| format!("connection from {peer} refused: {why}"));
+    log_limited(&admin.refused_log, || {
+        format!("connection from {peer} refused: {why}")
+    });
     let (status, ctype, body) = error(503, "service_unavailable", why);
     let reply = response(status, ctype, &body);
     if s.set_nonblocking(true).is_err() {
@@ -251,9 +215,9 @@ fn write_by(s: &TcpStream, mut bytes: &[u8], deadline: Instant) -> Result<(), St
 fn serve(s: &TcpStream, peer: SocketAddr, accepted: Instant, admin: &Admin) {
     let timed_out = |what: &str| {
         admin.timed_out.fetch_add(1, Relaxed);
-        admin
-            .timeout_log
-            .log(|| format!("connection from {peer} timed out: {what}"));
+        log_limited(&admin.timeout_log, || {
+            format!("connection from {peer} timed out: {what}")
+        });
     };
     let reply = match handle(s, accepted + READ_DEADLINE, admin) {
         Ok(reply) => reply,
