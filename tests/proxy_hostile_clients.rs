@@ -32,6 +32,16 @@ fn keyed(backend: &Backend, dir: &TempDir, extra: &[&str]) -> Kvlb {
     Kvlb::serve(&args)
 }
 
+/// Waits (3 s at most) for `kvlb_body_memory_bytes` to read `want`.
+fn wait_body_memory(kvlb: &Kvlb, want: f64) {
+    let held = || kvlb.metric("kvlb_body_memory_bytes", &[]);
+    assert!(
+        wait_until(Duration::from_secs(3), || held() == Some(want)),
+        "kvlb_body_memory_bytes = {:?}, expected {want}",
+        held()
+    );
+}
+
 /// Reads until the end of a response head (or `limit`), returning what arrived.
 fn read_head(s: &mut TcpStream, limit: Duration) -> String {
     s.set_read_timeout(Some(Duration::from_millis(100)))
@@ -141,13 +151,7 @@ fn bodies_in_flight_are_bounded_by_max_body_memory() {
         s.write_all(&vec![b'a'; 1 << 20]).unwrap();
         held.push(s);
     }
-    assert!(
-        wait_until(Duration::from_secs(3), || kvlb
-            .metric("kvlb_body_memory_bytes", &[])
-            == Some((4 << 20) as f64)),
-        "kvlb_body_memory_bytes = {:?}",
-        kvlb.metric("kvlb_body_memory_bytes", &[])
-    );
+    wait_body_memory(&kvlb, (4 << 20) as f64);
     // A third is refused before its body is read.
     let mut s = TcpStream::connect(kvlb.listen).unwrap();
     s.write_all(head(1 << 20).as_bytes()).unwrap();
@@ -178,13 +182,7 @@ fn bodies_in_flight_are_bounded_by_max_body_memory() {
         assert!(got.starts_with("HTTP/1.1 200 "), "{got:?}");
     }
     drop(held);
-    assert!(
-        wait_until(Duration::from_secs(3), || kvlb
-            .metric("kvlb_body_memory_bytes", &[])
-            == Some(0.0)),
-        "kvlb_body_memory_bytes = {:?}",
-        kvlb.metric("kvlb_body_memory_bytes", &[])
-    );
+    wait_body_memory(&kvlb, 0.0);
     let mut c = HttpConn::connect(kvlb.listen);
     let r = c
         .request("POST", "/echo", &[], &vec![b'b'; 2 << 20])
@@ -384,13 +382,7 @@ fn l4_first_requests_without_room_in_body_memory_are_routed_without_waiting_for_
     let mut first = TcpStream::connect(kvlb.listen).unwrap();
     first.write_all(head.as_bytes()).unwrap();
     first.write_all(&vec![b' '; n / 2]).unwrap();
-    assert!(
-        wait_until(Duration::from_secs(3), || kvlb
-            .metric("kvlb_body_memory_bytes", &[])
-            == Some(n as f64)),
-        "kvlb_body_memory_bytes = {:?}",
-        kvlb.metric("kvlb_body_memory_bytes", &[])
-    );
+    wait_body_memory(&kvlb, n as f64);
     // The second is not: it is joined to a replica at once and its body streams through.
     let mut second = TcpStream::connect(kvlb.listen).unwrap();
     second.write_all(head.as_bytes()).unwrap();
@@ -413,11 +405,5 @@ fn l4_first_requests_without_room_in_body_memory_are_routed_without_waiting_for_
         got.starts_with("HTTP/1.1 404 "),
         "the replica's answer: {got:?}"
     );
-    assert!(
-        wait_until(Duration::from_secs(3), || kvlb
-            .metric("kvlb_body_memory_bytes", &[])
-            == Some(0.0)),
-        "kvlb_body_memory_bytes = {:?}",
-        kvlb.metric("kvlb_body_memory_bytes", &[])
-    );
+    wait_body_memory(&kvlb, 0.0);
 }
