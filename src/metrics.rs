@@ -234,6 +234,12 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// One family with a single unlabelled sample: its HELP and TYPE lines and the value.
+pub fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: u64) {
+    family(out, name, kind, help);
+    let _ = writeln!(out, "{name} {value}");
+}
+
 fn histogram(out: &mut String, name: &str, help: &str, hs: &[&Histogram]) {
     family(out, name, "histogram", help);
     let mut cum = 0u64;

@@ -541,24 +541,30 @@ fn get(path: &str, admin: &Admin) -> Reply {
                 "kvlb_queue_waiting {}\n",
                 shared.queued.load(Relaxed)
             ));
-            text.push_str("# HELP kvlb_body_memory_bytes Request body bytes held now, over all workers (bounded by max_body_memory).\n# TYPE kvlb_body_memory_bytes gauge\n");
-            text.push_str(&format!(
-                "kvlb_body_memory_bytes {}\n",
-                shared.body_memory.load(Relaxed)
-            ));
+            metrics::scalar(
+                &mut text,
+                "kvlb_body_memory_bytes",
+                "gauge",
+                "Request body bytes held now, over all workers (bounded by max_body_memory).",
+                shared.body_memory.load(Relaxed) as u64,
+            );
             let queued: u64 = shared.workers.iter().map(|w| w.queued.load(Relaxed)).sum();
             text.push_str("# HELP kvlb_queued_total Requests that waited in the queue.\n# TYPE kvlb_queued_total counter\n");
             text.push_str(&format!("kvlb_queued_total {queued}\n"));
-            text.push_str("# HELP kvlb_admin_connections_refused_total Admin connections answered 503 at once (at the limit of connections served at once, or no thread for them).\n# TYPE kvlb_admin_connections_refused_total counter\n");
-            text.push_str(&format!(
-                "kvlb_admin_connections_refused_total {}\n",
-                admin.refused.load(Relaxed)
-            ));
-            text.push_str("# HELP kvlb_admin_connections_timed_out_total Admin connections closed because their request did not arrive, or their reply was not taken, in time.\n# TYPE kvlb_admin_connections_timed_out_total counter\n");
-            text.push_str(&format!(
-                "kvlb_admin_connections_timed_out_total {}\n",
-                admin.timed_out.load(Relaxed)
-            ));
+            metrics::scalar(
+                &mut text,
+                "kvlb_admin_connections_refused_total",
+                "counter",
+                "Admin connections answered 503 at once (at the limit of connections served at once, or no thread for them).",
+                admin.refused.load(Relaxed),
+            );
+            metrics::scalar(
+                &mut text,
+                "kvlb_admin_connections_timed_out_total",
+                "counter",
+                "Admin connections closed because their request did not arrive, or their reply was not taken, in time.",
+                admin.timed_out.load(Relaxed),
+            );
             let now = shared.now_ms();
             text.push_str("# HELP kvlb_replica_up 1 while the replica takes new requests (active, not ejected, passing health checks).\n# TYPE kvlb_replica_up gauge\n");
             for (i, url) in urls.iter().enumerate() {
