@@ -280,12 +280,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             };
 
         // kvlb's own probes answer without a key.
-        if let Some(reply) = probe_reply(w, cfg, conn, &head) {
-            conn.log.status = if reply.starts_with(b"HTTP/1.1 200") {
-                200
-            } else {
-                503
-            };
+        if let Some(probe) = probe_state(w, cfg, conn, &head) {
+            let reply = probe.response(head.method == Method::Head);
+            conn.log.status = probe.status();
             log_request(w, conn, Some((&head, head.head_len)), &[], received_at);
             let sent = op::send_static(conn.fd, reply).await.is_ok();
             consume_request(conn, head.head_len);
@@ -511,14 +508,14 @@ async fn refuse_unread(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
     End::Close
 }
 
-/// kvlb's answer to a probe of its own (`liveness_path`, `readiness_path`), if the request is
-/// one: GET or HEAD without a body.
-fn probe_reply(
+/// What kvlb answers to a probe of its own (`liveness_path`, `readiness_path`), if the
+/// request is one: GET or HEAD without a body.
+fn probe_state(
     w: &Worker,
     cfg: &crate::config::ServeConfig,
     conn: &Conn,
     head: &RequestHead,
-) -> Option<&'static [u8]> {
+) -> Option<ProbeState> {
     if !matches!(head.method, Method::Get | Method::Head) || head.body != BodyFraming::None {
         return None;
     }
@@ -542,7 +539,7 @@ fn probe_reply(
     } else {
         return None;
     };
-    Some(state.response(head.method == Method::Head))
+    Some(state)
 }
 
 #[derive(Clone, Copy)]
@@ -554,6 +551,13 @@ enum ProbeState {
 }
 
 impl ProbeState {
+    fn status(self) -> u16 {
+        match self {
+            ProbeState::Live | ProbeState::Ready => 200,
+            ProbeState::Draining | ProbeState::NoReplica => 503,
+        }
+    }
+
     /// The whole response, built once per process.
     fn response(self, head_only: bool) -> &'static [u8] {
         static TABLE: std::sync::OnceLock<Vec<Vec<u8>>> = std::sync::OnceLock::new();
