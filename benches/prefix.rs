@@ -5,8 +5,12 @@
 //! request with the binary's counting allocator: it must be 0.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use kvlb::prefix::{hash_request, text_block_hashes, PrefixConfig, PrefixHashes};
-use kvlb::prompt::{extract_prompt, extract_prompt_with, Endpoint, Piece, PromptScratch};
+use kvlb::prefix::{
+    hash_request, hash_request_within, text_block_hashes, PrefixConfig, PrefixHashes,
+};
+use kvlb::prompt::{
+    extract_prompt, extract_prompt_with, Endpoint, Extent, Piece, PromptLimits, PromptScratch,
+};
 use std::time::{Duration, Instant};
 
 #[global_allocator]
@@ -129,6 +133,13 @@ fn bench(c: &mut Criterion) {
             hash_request(CHAT, black_box(bytes), &cfg, &mut out).unwrap();
         });
         println!("{name}: hash_request fastest of 3000: {best:?}");
+        // As a worker calls it: within the default bounds, which this body is under.
+        let limits = PromptLimits::default();
+        let best = fastest(|| {
+            hash_request_within(CHAT, black_box(bytes), &cfg, &limits, &mut out).unwrap();
+        });
+        assert_eq!(out.extent, Extent::Whole);
+        println!("{name}: hash_request_within (default bounds) fastest of 3000: {best:?}");
 
         let mut canonical = Vec::new();
         extract_prompt(Endpoint::ChatCompletions, bytes, &mut |p: Piece<'_>| {
@@ -194,6 +205,32 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.finish();
+
+    // A hostile body: a million one-word messages (30 MB), `model` after them. Read up to the
+    // message bound, the rest crossed by the structural skim.
+    let messages = vec![r#"{"role":"user","content":"a"}"#; 1_000_000].join(",");
+    let hostile = format!(r#"{{"messages":[{messages}],"model":"Qwen/Qwen3-8B"}}"#);
+    let limits = PromptLimits::default();
+    let mut best = Duration::MAX;
+    for round in 0..20 {
+        let before = kvlb::alloc::thread_allocations();
+        let start = Instant::now();
+        hash_request_within(CHAT, hostile.as_bytes(), &cfg, &limits, &mut out).unwrap();
+        best = best.min(start.elapsed());
+        if round > 0 {
+            assert_eq!(
+                kvlb::alloc::thread_allocations(),
+                before,
+                "must not allocate"
+            );
+        }
+    }
+    println!(
+        "1M tiny messages ({} MB): hash_request_within fastest of 20: {best:?}, {:?}, {} blocks",
+        hostile.len() / 1_000_000,
+        out.extent,
+        out.hashes.len()
+    );
 }
 
 criterion_group! {

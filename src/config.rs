@@ -418,6 +418,8 @@ pub struct ServeConfig {
     pub token_mode: Option<crate::tokenize::SharedTokenizer>,
     /// `access_log = PATH`: one JSON line per request (see `crate::access_log`); None: off.
     pub access_log: Option<String>,
+    /// The longest prompt read for routing, in tokens (see `crate::prompt::PromptLimits`).
+    pub max_prompt_tokens: usize,
 }
 
 /// Client API keys, compared without early exit.
@@ -764,6 +766,7 @@ impl Default for ServeConfig {
             access_log: None,
             chat_template: None,
             token_mode: None,
+            max_prompt_tokens: crate::prompt::DEFAULT_MAX_TOKENS,
         }
     }
 }
@@ -845,6 +848,8 @@ pub const SERVE_HELP: &str = "usage: kvlb serve [options]
                            .jinja file (default: beside the tokenizer)
   --access-log PATH        one JSON line per request appended to PATH (default off); reopened
                            on reload, for log rotation
+  --max-prompt-tokens N    prompts are read for routing up to N tokens, the longest context of
+                           the fleet's models (default 1048576; fixed at start)
 
 SIGHUP (or POST /reload on the admin listener) rereads the configuration: replicas, policy,
 limits, timeouts and health settings change without dropping connections or requests.";
@@ -898,6 +903,7 @@ const FILE_KEYS: &[&str] = &[
     "tokenizer",
     "chat_template",
     "access_log",
+    "max_prompt_tokens",
 ];
 
 const REPLICA_KEYS: &[&str] = &[
@@ -1106,6 +1112,21 @@ fn apply(cfg: &mut ServeConfig, key: &str, v: &str) -> Result<(), ConfigError> {
             }
         }
         "chat_template" => cfg.chat_template = Some(v.to_string()),
+        "max_prompt_tokens" => {
+            cfg.max_prompt_tokens = v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (MIN_PROMPT_TOKENS..=MAX_PROMPT_TOKENS).contains(n))
+                .ok_or_else(|| {
+                    bad(
+                        key,
+                        v,
+                        &format!(
+                            "expected a number of tokens from {MIN_PROMPT_TOKENS} to {MAX_PROMPT_TOKENS}"
+                        ),
+                    )
+                })?
+        }
         k if COST_MODEL_KEYS.contains(&k) => apply_cost(cfg, k, v)?,
         _ => return Err(ConfigError(format!("unknown key {key:?}"))),
     }
@@ -1179,6 +1200,10 @@ fn check_dns_setting(key: &str, v: &str) -> Result<(), ConfigError> {
     parse_replica_flag(key, &probe)?;
     Ok(())
 }
+
+/// `max_prompt_tokens` bounds: one text block, and 2^20 token-mode blocks of 16.
+const MIN_PROMPT_TOKENS: usize = 64;
+const MAX_PROMPT_TOKENS: usize = 1 << 24;
 
 fn parse_count(key: &str, v: &str, min: u32) -> Result<u32, ConfigError> {
     v.parse::<u32>()

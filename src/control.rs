@@ -86,6 +86,10 @@ impl Control {
             restart_only.push("max_replicas");
             new.max_replicas = old.max_replicas;
         }
+        if new.max_prompt_tokens != old.max_prompt_tokens {
+            restart_only.push("max_prompt_tokens");
+            new.max_prompt_tokens = old.max_prompt_tokens;
+        }
 
         // The replica diff: by URL.
         let mut adds = Vec::new();

@@ -160,6 +160,8 @@ pub struct WorkerStats {
     pub decisions: [AtomicU64; 3],
     pub spills: AtomicU64,
     pub prompt_errors: [AtomicU64; 8],
+    /// Prompts a bound stopped, by `prompt::Bound` (`Bound::ALL` order).
+    pub prompt_truncated: [AtomicU64; 4],
     pub replicas: Vec<ReplicaCounters>,
 }
 
@@ -188,6 +190,7 @@ impl WorkerStats {
             decisions: Default::default(),
             spills: AtomicU64::new(0),
             prompt_errors: Default::default(),
+            prompt_truncated: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaCounters::default()).collect(),
         }
     }
@@ -604,6 +607,20 @@ pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[St
     for (i, label) in PROMPT_ERRORS.iter().enumerate() {
         let v = sum(&|w| w.prompt_errors[i].load(Relaxed));
         let _ = writeln!(out, "kvlb_unparsed_prompts_total{{reason=\"{label}\"}} {v}");
+    }
+    family(
+        &mut out,
+        "kvlb_prompt_truncated_total",
+        "counter",
+        "Prompts whose reading stopped at a bound (max_prompt_tokens, messages, parts, work); routed on the blocks read before it, or by load when the bound came before the fields they start with.",
+    );
+    for (i, bound) in crate::prompt::Bound::ALL.iter().enumerate() {
+        let v = sum(&|w| w.prompt_truncated[i].load(Relaxed));
+        let _ = writeln!(
+            out,
+            "kvlb_prompt_truncated_total{{reason=\"{}\"}} {v}",
+            bound.label()
+        );
     }
     let total: Vec<&Histogram> = workers.iter().map(|w| &w.total).collect();
     histogram(

@@ -17,7 +17,8 @@ use kvlb::http::chunked::{ChunkError, ChunkedDecoder};
 use kvlb::http::request::{find_head_end, finish_upstream_head, parse_request, BodyFraming};
 use kvlb::kv_events::{decode::decode_batch, encode::encode_batch, EventFormat, KvEventBatch};
 use kvlb::prompt::{
-    extract_prompt, extract_prompt_with, Endpoint, Piece, PromptForm, PromptScratch,
+    extract_prompt, extract_prompt_with, extract_prompt_within, Endpoint, Extent, Piece,
+    PromptForm, PromptLimits, PromptScratch,
 };
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -292,6 +293,7 @@ pub fn prompt(data: &[u8]) {
         on_stack, with_scratch,
         "stack recording and a {scratch_pieces}-piece scratch disagree"
     );
+    prompt_within_bounds(endpoint, body, scratch_pieces, choice, &on_stack);
 
     match &on_stack {
         Ok(Extracted::Mixed) => panic!("a body produced text and token pieces"),
@@ -308,6 +310,73 @@ pub fn prompt(data: &[u8]) {
             "kvlb extracted a prompt from a body serde_json refuses ({msg}): {:?}",
             String::from_utf8_lossy(body)
         );
+    }
+}
+
+/// The bounded reading: under the default bounds (far above any fuzz input) the same as the
+/// unbounded one; under small ones (picked from `choice`) a prefix of it, or no prefix.
+fn prompt_within_bounds(
+    endpoint: Endpoint,
+    body: &[u8],
+    scratch_pieces: usize,
+    choice: u8,
+    whole: &Result<Extracted, kvlb::prompt::PromptError>,
+) {
+    let run =
+        |limits: &PromptLimits| {
+            let (mut text, mut tokens) = (Vec::new(), Vec::new());
+            let mut scratch = PromptScratch::new(scratch_pieces);
+            let result =
+                extract_prompt_within(endpoint, body, &mut scratch, limits, &mut |p: Piece<'_>| {
+                    match p {
+                        Piece::Text(t) => text.extend_from_slice(t),
+                        Piece::Token(t) => tokens.push(t),
+                    }
+                });
+            (result, text, tokens)
+        };
+    let (result, text, tokens) = run(&PromptLimits::default());
+    let result = result.map(|(form, extent)| {
+        assert_eq!(
+            extent,
+            Extent::Whole,
+            "a fuzz input reached the default bounds"
+        );
+        form
+    });
+    assert_eq!(
+        &collect(result, text, tokens),
+        whole,
+        "the bounded reading differs under its bounds"
+    );
+    let pick = |options: &[usize], shift: u32| options[(choice as usize >> shift) % options.len()];
+    let small = PromptLimits {
+        max_tokens: pick(&[2, 9, 40, usize::MAX], 4),
+        max_messages: pick(&[0, 1, 3, usize::MAX], 6),
+        max_parts: pick(&[0, 2, usize::MAX], 3),
+        max_work: pick(&[3, 30, usize::MAX], 5),
+        max_validated_bytes: pick(&[0, 16, usize::MAX], 2),
+    };
+    let Ok(whole) = whole else {
+        return;
+    };
+    let (result, text, tokens) = run(&small);
+    let (all_text, all_tokens): (&[u8], &[u32]) = match whole {
+        Extracted::Text(t, _) => (t, &[]),
+        Extracted::Tokens(t, _) => (&[], t),
+        Extracted::Mixed => return,
+    };
+    match result {
+        Ok((_, Extent::Whole)) => assert!(
+            text == all_text && tokens == all_tokens,
+            "{small:?}: read whole, but differently"
+        ),
+        Ok((_, Extent::Prefix(bound))) => assert!(
+            all_text.starts_with(&text) && all_tokens.starts_with(&tokens),
+            "{small:?}: cut at {bound:?}, not a prefix"
+        ),
+        Ok((_, Extent::Unknown(_))) => {}
+        Err(e) => panic!("{small:?}: a body read whole without bounds failed within them: {e:?}"),
     }
 }
 

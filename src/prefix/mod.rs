@@ -52,14 +52,16 @@ mod block_hash;
 mod tests;
 
 use crate::prompt::{
-    extract_prompt_with, Endpoint, Piece, PromptError, PromptForm, PromptScratch, PromptSink,
+    extract_prompt_within, Endpoint, Extent, Piece, PromptError, PromptForm, PromptLimits,
+    PromptScratch, PromptSink,
 };
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Canonical bytes per text-mode block (see the module header for the choice).
 pub const BLOCK_BYTES: usize = 256;
-/// Default cap on hashed blocks per request: 1 MiB of text or 64k tokens at the defaults. The
-/// prompt beyond it still counts in `total_units`.
+/// Default cap on hashed blocks per request: 1 MiB of text or 64k tokens at the defaults
+/// (`kvlb serve` sizes it from `max_prompt_tokens`). The prompt beyond it still counts in
+/// `total_units`.
 pub const MAX_BLOCKS: usize = 4096;
 /// Default token-mode block: vLLM's and SGLang's usual KV block (page) size.
 pub const DEFAULT_TOKEN_BLOCK: u32 = 16;
@@ -135,8 +137,11 @@ pub struct PrefixHashes {
     pub block_units: u32,
     /// Length of the whole prompt in bytes or tokens, tail and uncapped blocks included.
     pub total_units: usize,
-    /// Prompt tokens: exact in token mode, canonical bytes / 4 in text mode.
+    /// Prompt tokens: exact in token mode, canonical bytes / 4 in text mode (for a prompt a
+    /// bound cut short, the body's length / 4 when that is more).
     pub est_prompt_tokens: u32,
+    /// How much of the prompt was read (see [`hash_request_within`]).
+    pub extent: Extent,
     /// The block being filled, when pieces do not end on a block boundary.
     block: Box<[u8; BLOCK_BUFFER]>,
     /// Where extraction records the messages during its first pass.
@@ -156,6 +161,7 @@ impl PrefixHashes {
             block_units: BLOCK_BYTES as u32,
             total_units: 0,
             est_prompt_tokens: 0,
+            extent: Extent::Whole,
             block: Box::new([0u8; BLOCK_BUFFER]),
             scratch: PromptScratch::new(RECORDED_PIECES),
         }
@@ -168,6 +174,7 @@ impl PrefixHashes {
         self.block_units = BLOCK_BYTES as u32;
         self.total_units = 0;
         self.est_prompt_tokens = 0;
+        self.extent = Extent::Whole;
     }
 }
 
@@ -215,11 +222,26 @@ pub fn text_block_hashes(canonical: &[u8], out: &mut Vec<u64>) {
 ///
 /// `path` picks the endpoint (`/v1/completions` or `/v1/chat/completions`, query ignored);
 /// other paths are `Err(NotAPromptPath)`. On `Err`, `out` is cleared. Allocates nothing once
-/// `out` has served a request under the same `cfg.max_blocks`.
+/// `out` has served a request under the same `cfg.max_blocks`. Reads the whole body, however
+/// long: a server bounds the work with [`hash_request_within`].
 pub fn hash_request(
     path: &[u8],
     body: &[u8],
     cfg: &PrefixConfig,
+    out: &mut PrefixHashes,
+) -> Result<(), PromptError> {
+    hash_request_within(path, body, cfg, &PromptLimits::UNLIMITED, out)
+}
+
+/// [`hash_request`] within `limits` ([`crate::prompt::extract_prompt_within`]): `out.extent`
+/// says whether a bound stopped the extraction. With [`Extent::Prefix`], `out` holds the
+/// blocks of the prompt's first part, at most `limits.max_tokens` worth (`total_units` counts
+/// what was read); with [`Extent::Unknown`] it holds nothing, as after an error.
+pub fn hash_request_within(
+    path: &[u8],
+    body: &[u8],
+    cfg: &PrefixConfig,
+    limits: &PromptLimits,
     out: &mut PrefixHashes,
 ) -> Result<(), PromptError> {
     out.clear();
@@ -233,19 +255,40 @@ pub fn hash_request(
         text_hash: TEXT_CHAIN_ROOT,
         token_hash: TOKEN_CHAIN_ROOT,
         max_blocks: cfg.max_blocks,
+        // Exactly the blocks of the first `max_tokens` (4 bytes a token); the extraction stops
+        // at its next check once they are hashed (`PromptSink::full`).
+        max_text_blocks: cfg
+            .max_blocks
+            .min(limits.max_tokens.saturating_mul(4) / BLOCK_BYTES),
         units: 0,
     };
-    match extract_prompt_with(endpoint, body, &mut out.scratch, &mut chain) {
-        Ok(form) => {
+    match extract_prompt_within(endpoint, body, &mut out.scratch, limits, &mut chain) {
+        Ok((_, extent @ Extent::Unknown(_))) => {
+            out.clear();
+            out.extent = extent;
+            Ok(())
+        }
+        Ok((form, mut extent)) => {
             let units = chain.units;
+            if form == PromptForm::Text && units > limits.max_tokens.saturating_mul(4) {
+                // Read whole (a last string past the bound), hashed up to it.
+                extent = Extent::Prefix(crate::prompt::Bound::Tokens);
+            }
             out.total_units = units;
             let (mode, block_units, tokens) = match form {
                 PromptForm::Text => (PrefixMode::Text, BLOCK_BYTES as u32, units / 4),
                 PromptForm::Tokens => (PrefixMode::Tokens, token_block as u32, units),
             };
+            let tokens = match (form, extent) {
+                // The rest of the body stands for the rest of the prompt, as for a body that
+                // is no prompt.
+                (PromptForm::Text, Extent::Prefix(_)) => tokens.max(body.len() / 4),
+                _ => tokens,
+            };
             out.mode = mode;
             out.block_units = block_units;
             out.est_prompt_tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
+            out.extent = extent;
             Ok(())
         }
         Err(e) => {
@@ -310,14 +353,21 @@ struct BlockChain<'a> {
     /// Last token-mode hash.
     token_hash: u64,
     max_blocks: usize,
+    /// Text-mode blocks hashed at most (at most `max_blocks`).
+    max_text_blocks: usize,
     /// Bytes or tokens seen, whether hashed or not.
     units: usize,
 }
 
 impl BlockChain<'_> {
     #[inline]
-    fn full(&self) -> bool {
+    fn tokens_full(&self) -> bool {
         self.hashes.len() >= self.max_blocks
+    }
+
+    #[inline]
+    fn text_full(&self) -> bool {
+        self.hashes.len() >= self.max_text_blocks
     }
 
     /// Appends text; most pieces are small and only land in the partial block.
@@ -338,7 +388,7 @@ impl BlockChain<'_> {
     /// Appends text that completes at least one block.
     #[inline(never)]
     fn text_blocks(&mut self, mut bytes: &[u8]) {
-        if self.full() {
+        if self.text_full() {
             self.fill = 0;
             return;
         }
@@ -354,11 +404,11 @@ impl BlockChain<'_> {
         // Whole blocks straight from the body, no copy (most pieces of escaped text hold none).
         if bytes.len() >= BLOCK_BYTES {
             let (hash, used) =
-                block_hash::chain_blocks(self.text_hash, bytes, self.hashes, self.max_blocks);
+                block_hash::chain_blocks(self.text_hash, bytes, self.hashes, self.max_text_blocks);
             self.text_hash = hash;
             bytes = &bytes[used..];
         }
-        if self.full() {
+        if self.text_full() {
             self.fill = 0;
         } else {
             self.block[..bytes.len()].copy_from_slice(bytes);
@@ -369,7 +419,7 @@ impl BlockChain<'_> {
     #[inline]
     fn token(&mut self, id: u32) {
         self.units += 1;
-        if self.full() {
+        if self.tokens_full() {
             return;
         }
         let fill = self.fill;
@@ -390,5 +440,11 @@ impl PromptSink for BlockChain<'_> {
             Piece::Text(bytes) => self.text(bytes),
             Piece::Token(id) => self.token(id),
         }
+    }
+
+    /// Text past its last block: the extraction may stop.
+    #[inline(always)]
+    fn full(&self) -> bool {
+        self.text_full()
     }
 }

@@ -371,3 +371,102 @@ fn hashes_equal_the_two_pass_reference_chained_with_xxh3() {
     }
     assert!(compared > 1000, "{compared} bodies hashed");
 }
+
+/// `n` messages `{"role":"user","content":"a"}`, `model` after them (as the OpenAI Python
+/// client orders its body).
+fn tiny_messages(n: usize) -> String {
+    let messages = vec![r#"{"role":"user","content":"a"}"#; n].join(",");
+    format!(r#"{{"messages":[{messages}],"model":"Qwen/Qwen3-8B","stream":false}}"#)
+}
+
+#[test]
+fn a_million_tiny_messages_hash_at_most_the_bound_in_bounded_work() {
+    use crate::prompt::{extract_prompt_within, Bound, PromptLimits, DEFAULT_MAX_MESSAGES};
+    let limits = PromptLimits::default();
+    // Sized as `kvlb serve` sizes it: token-mode blocks of 16 tokens up to the token bound.
+    let cfg = PrefixConfig {
+        max_blocks: limits.max_tokens / DEFAULT_TOKEN_BLOCK as usize,
+        ..PrefixConfig::default()
+    };
+    let body = tiny_messages(1_000_000);
+    let mut out = PrefixHashes::new(&cfg);
+    hash_request_within(CHAT, body.as_bytes(), &cfg, &limits, &mut out).unwrap();
+    let bound_blocks = limits.max_tokens * 4 / BLOCK_BYTES;
+    assert!(
+        out.hashes.len() <= bound_blocks,
+        "{} blocks hashed, bound {bound_blocks}",
+        out.hashes.len()
+    );
+    // The blocks of the first messages, exactly: those the same chat cut at the bound hashes.
+    let mut first = PrefixHashes::new(&cfg);
+    let cut = tiny_messages(DEFAULT_MAX_MESSAGES);
+    hash_request(CHAT, cut.as_bytes(), &cfg, &mut first).unwrap();
+    assert_eq!(out.hashes.len(), first.hashes.len());
+    assert_eq!(out.hashes, first.hashes);
+    assert_eq!(out.extent, Extent::Prefix(Bound::Messages));
+    assert!(out.est_prompt_tokens as usize >= body.len() / 4);
+
+    // The work, counted: the pieces delivered, the messages read and how far into the
+    // messages the pieces come from (the rest of the array is only crossed by the structural
+    // skim, to the model after it).
+    let mut scratch = PromptScratch::new(RECORDED_PIECES);
+    let (mut pieces, mut text) = (0usize, Vec::new());
+    let mut reach = 0usize;
+    let start = body.as_ptr() as usize;
+    let end = start + body.find(r#"],"model""#).unwrap();
+    extract_prompt_within(
+        Endpoint::ChatCompletions,
+        body.as_bytes(),
+        &mut scratch,
+        &limits,
+        &mut |p: Piece<'_>| {
+            if let Piece::Text(b) = p {
+                pieces += 1;
+                text.extend_from_slice(b);
+                let at = b.as_ptr() as usize;
+                if (start..end).contains(&at) {
+                    reach = reach.max(at + b.len() - start);
+                }
+            }
+        },
+    )
+    .unwrap();
+    let messages = text.windows(6).filter(|w| w == b"\0role:").count();
+    assert_eq!(messages, DEFAULT_MAX_MESSAGES);
+    assert!(pieces <= 4 * DEFAULT_MAX_MESSAGES + 8, "{pieces} pieces");
+    assert!(
+        reach <= cut.len(),
+        "pieces from byte {reach} of {}",
+        body.len()
+    );
+    assert!(text.ends_with(b"\0role:user\0a"));
+}
+
+#[test]
+fn text_blocks_stop_exactly_at_the_token_bound() {
+    use crate::prompt::{Bound, PromptLimits};
+    let cfg = PrefixConfig::default();
+    let limits = PromptLimits::for_tokens(1000);
+    let mut out = PrefixHashes::new(&cfg);
+    let many = vec![r#"{"role":"user","content":"a few words"}"#; 500].join(",");
+    for body in [
+        chat_with(&"plain words ".repeat(2000)),
+        chat_with(&"line\\n".repeat(4000)),
+        format!(r#"{{"messages":[{many}],"model":"m"}}"#),
+    ] {
+        let whole = hashes(CHAT, &body);
+        hash_request_within(CHAT, body.as_bytes(), &cfg, &limits, &mut out).unwrap();
+        assert_eq!(out.extent, Extent::Prefix(Bound::Tokens), "{body:.80}");
+        assert_eq!(
+            out.hashes[..],
+            whole.hashes[..1000 * 4 / BLOCK_BYTES],
+            "{body:.80}"
+        );
+        assert!(out.est_prompt_tokens as usize >= body.len() / 4);
+    }
+    // Under the bound, as without it.
+    let body = chat_with(&"plain words ".repeat(300));
+    hash_request_within(CHAT, body.as_bytes(), &cfg, &limits, &mut out).unwrap();
+    assert_eq!(out.extent, Extent::Whole);
+    assert_eq!(out.hashes, hashes(CHAT, &body).hashes);
+}

@@ -52,13 +52,42 @@
 //! duplicate keys we read, nesting deeper than [`MAX_DEPTH`], a cut-short body) is a
 //! [`PromptError`], never a panic: the caller forwards it anyway and routes it without prefix
 //! affinity. The scanner is iterative, so hostile nesting costs no stack.
+//!
+//! # Bounds
+//! The work is linear in the body, 3-9 ns a byte where the body is dense with structure or
+//! escapes, and a worker does it in one piece before the routing decision: unbounded, one body
+//! of a million tiny messages (30 MB) held up its worker's other clients for 90-245 ms.
+//! [`extract_prompt_within`] stops at the first of these [`PromptLimits`] and says which
+//! ([`Bound`]); the pieces emitted until then are exactly the first ones of the canonical
+//! prefix, so a request cut short still routes on its first blocks:
+//! - `max_tokens`: as many token ids; text stops once its sink is full ([`PromptSink::full`]:
+//!   `prefix` hashes 4 canonical bytes a token, the text-mode estimate). Set from the longest
+//!   context a model of the fleet holds: blocks beyond it name KV that no replica can hold.
+//! - `max_messages` messages and `max_parts` content parts and tool calls: 4096 and 16384, far
+//!   above real conversations (the Mooncake chat trace's longest runs 43 turns; agent sessions
+//!   reach a few hundred tool calls before their context fills) and a millisecond or two of
+//!   the densest messages.
+//! - `max_work` units of scanning in each pass: one a 64-byte stretch of a string that is not
+//!   plain text, one an escape, one a token of canonical JSON (tools, other parts), four an
+//!   object member. Bounds escape- and structure-dense text below the token bound (a unit costs
+//!   3-9 ns; ordinary text has one per 10-100 bytes), charged where the scanner loops anyway.
+//! - `max_validated_bytes`: values the prefix is not built from are validated up to this many
+//!   bytes in all, then crossed with the structural skim ([`scan::close_levels`]: strings and
+//!   brackets from bit masks, about 0.1 ns a byte, nothing checked).
+//!
+//! When a bound stops the first pass inside `messages`, the rest of the array is crossed with
+//! the structural skim to find the top-level fields after it (model, salt and tools come first
+//! in the canonical form but often last in the body), with `TAIL_WORK` members to read them.
+//! A bound reached at the top level before those fields are known leaves no prefix at all
+//! ([`Extent::Unknown`]). Bodies under every bound give exactly what they gave before;
+//! [`extract_prompt`] and [`extract_prompt_with`] have no bounds.
 
 mod scan;
 #[cfg(test)]
 pub(crate) mod tests;
 
-use scan::Cursor;
 pub use scan::MAX_DEPTH;
+use scan::{Cursor, Emit, STOP};
 use std::fmt;
 
 /// Which OpenAI endpoint a body belongs to.
@@ -105,6 +134,13 @@ pub enum Piece<'a> {
 /// concatenation is meaningful. Closures taking a [`Piece`] are sinks.
 pub trait PromptSink {
     fn piece(&mut self, piece: Piece<'_>);
+
+    /// True once the sink wants no more text: [`extract_prompt_within`] then stops at its next
+    /// check ([`Bound::Tokens`]; a few more pieces may come before it).
+    #[inline(always)]
+    fn full(&self) -> bool {
+        false
+    }
 }
 
 impl<F: FnMut(Piece<'_>)> PromptSink for F {
@@ -112,6 +148,110 @@ impl<F: FnMut(Piece<'_>)> PromptSink for F {
     fn piece(&mut self, piece: Piece<'_>) {
         self(piece)
     }
+}
+
+/// The bound that stopped an extraction (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// `max_tokens`: token ids, or a full sink ([`PromptSink::full`]).
+    Tokens,
+    /// `max_messages`.
+    Messages,
+    /// `max_parts`: content parts and tool calls.
+    Parts,
+    /// `max_work`: escapes, stretches of strings, JSON tokens and object members.
+    Work,
+}
+
+impl Bound {
+    pub const ALL: [Bound; 4] = [Bound::Tokens, Bound::Messages, Bound::Parts, Bound::Work];
+
+    /// A short stable name, for metric labels.
+    pub fn label(self) -> &'static str {
+        match self {
+            Bound::Tokens => "tokens",
+            Bound::Messages => "messages",
+            Bound::Parts => "parts",
+            Bound::Work => "work",
+        }
+    }
+}
+
+/// Bounds on one extraction (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLimits {
+    /// Longest prompt read: a token-id prompt stops after this many ids (text stops when the
+    /// sink is full: [`crate::prefix::hash_request_within`] takes 4 bytes a token).
+    pub max_tokens: usize,
+    /// Messages of a chat read at most.
+    pub max_messages: usize,
+    /// Content parts and tool calls read at most, over all messages.
+    pub max_parts: usize,
+    /// Units of scanning at most, in each of the two passes (see the module header).
+    pub max_work: usize,
+    /// Bytes of values validated without being read (all of them together); past them such
+    /// values are crossed with the structural skim.
+    pub max_validated_bytes: usize,
+}
+
+/// Default `max_tokens`: the longest context of current models (1M tokens).
+pub const DEFAULT_MAX_TOKENS: usize = 1 << 20;
+/// Default `max_messages`.
+pub const DEFAULT_MAX_MESSAGES: usize = 4096;
+/// Default `max_parts`.
+pub const DEFAULT_MAX_PARTS: usize = 16384;
+/// Default `max_work`: about 2.5 ms of the densest input a pass, and above the units of 1M
+/// tokens of JSON-escaped code (an escape every 18 bytes).
+pub const DEFAULT_MAX_WORK: usize = 1 << 19;
+/// Default `max_validated_bytes`: about 1 ms of the densest JSON.
+pub const DEFAULT_MAX_VALIDATED_BYTES: usize = 256 << 10;
+
+/// Work units of an object member: reading a key and skipping a small value costs about four
+/// times an escape (20 ns against 5).
+const MEMBER_WORK: usize = 4;
+
+/// Members of the top-level object the first pass may still read after a bound stopped it in
+/// `messages` (the fields that follow it; an OpenAI request has a few dozen at most).
+const TAIL_WORK: usize = 1024;
+
+impl Default for PromptLimits {
+    fn default() -> Self {
+        PromptLimits::for_tokens(DEFAULT_MAX_TOKENS)
+    }
+}
+
+impl PromptLimits {
+    /// No bounds: what [`extract_prompt`] reads.
+    pub const UNLIMITED: PromptLimits = PromptLimits {
+        max_tokens: usize::MAX,
+        max_messages: usize::MAX,
+        max_parts: usize::MAX,
+        max_work: usize::MAX,
+        max_validated_bytes: usize::MAX,
+    };
+
+    /// The default bounds with prompts of at most `max_tokens` tokens.
+    pub fn for_tokens(max_tokens: usize) -> PromptLimits {
+        PromptLimits {
+            max_tokens,
+            max_messages: DEFAULT_MAX_MESSAGES,
+            max_parts: DEFAULT_MAX_PARTS,
+            max_work: DEFAULT_MAX_WORK,
+            max_validated_bytes: DEFAULT_MAX_VALIDATED_BYTES,
+        }
+    }
+}
+
+/// How much of a body's prompt [`extract_prompt_within`] read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// All of it.
+    Whole,
+    /// The bound stopped it: the pieces are the first ones of the canonical prefix.
+    Prefix(Bound),
+    /// The bound stopped it before the fields the prefix starts with were all found: the sink
+    /// must discard the pieces, the request has no prefix.
+    Unknown(Bound),
 }
 
 /// Why a body has no canonical prefix. Small and `Copy`: the request path counts these in a
@@ -211,7 +351,7 @@ pub fn extract_prompt(
     let mut entries = [0u64; STACK_ENTRIES];
     let mut arena = [0u8; STACK_ARENA];
     let mut record = Recording::new(body, &mut entries, &mut arena);
-    extract(endpoint, body, &mut record, sink)
+    extract(endpoint, body, &mut record, &PromptLimits::UNLIMITED, sink).map(|(form, _)| form)
 }
 
 /// [`extract_prompt`] recording into `scratch`, which holds the messages of a whole long
@@ -224,7 +364,21 @@ pub fn extract_prompt_with(
     sink: &mut impl PromptSink,
 ) -> Result<PromptForm, PromptError> {
     let mut record = Recording::new(body, &mut scratch.entries, &mut scratch.arena);
-    extract(endpoint, body, &mut record, sink)
+    extract(endpoint, body, &mut record, &PromptLimits::UNLIMITED, sink).map(|(form, _)| form)
+}
+
+/// [`extract_prompt_with`] within `limits`: stops at the first bound reached and says how much
+/// it read. Under every bound, the same pieces and result. With [`Extent::Unknown`] the sink
+/// must discard what it got, as on `Err`.
+pub fn extract_prompt_within(
+    endpoint: Endpoint,
+    body: &[u8],
+    scratch: &mut PromptScratch,
+    limits: &PromptLimits,
+    sink: &mut impl PromptSink,
+) -> Result<(PromptForm, Extent), PromptError> {
+    let mut record = Recording::new(body, &mut scratch.entries, &mut scratch.arena);
+    extract(endpoint, body, &mut record, limits, sink)
 }
 
 /// Recording space reused across requests (see [`extract_prompt_with`]); sized once.
@@ -252,25 +406,55 @@ fn extract(
     endpoint: Endpoint,
     body: &[u8],
     record: &mut Recording<'_, '_>,
+    limits: &PromptLimits,
     sink: &mut impl PromptSink,
-) -> Result<PromptForm, PromptError> {
-    let fields = top_level(endpoint, body, record, sink)?;
+) -> Result<(PromptForm, Extent), PromptError> {
+    let mut budget = Budget::new(limits);
+    let fields = match top_level(endpoint, body, record, &mut budget, sink) {
+        Ok(fields) => fields,
+        Err(e) => {
+            return match budget.stopped {
+                Some(bound) => Ok((PromptForm::Text, Extent::Unknown(bound))),
+                None => Err(e),
+            }
+        }
+    };
     if fields.tokens_emitted {
-        return Ok(PromptForm::Tokens);
+        let extent = budget.stopped.map_or(Extent::Whole, Extent::Prefix);
+        return Ok((PromptForm::Tokens, extent));
     }
     if endpoint == Endpoint::Completions && fields.prompt.is_none() {
         return Err(PromptError::MissingField("prompt"));
     }
+    budget.second_pass(record.complete);
+    let text = &mut Emitter {
+        sink,
+        budget: &mut budget,
+    };
+    let emitted = second_pass(endpoint, body, &fields, record, text);
+    match (budget.stopped, emitted) {
+        (Some(bound), _) => Ok((PromptForm::Text, Extent::Prefix(bound))),
+        (None, Ok(())) => Ok((PromptForm::Text, Extent::Whole)),
+        (None, Err(e)) => Err(e),
+    }
+}
 
-    let text = &mut |piece: &[u8]| sink.piece(Piece::Text(piece));
-    text(MODEL);
+/// Emits the canonical prefix from the positions the first pass found.
+fn second_pass(
+    endpoint: Endpoint,
+    body: &[u8],
+    fields: &TopLevel,
+    record: &Recording<'_, '_>,
+    text: &mut impl Reader,
+) -> Result<(), PromptError> {
+    text.emit(MODEL);
     if let Some(start) = fields.model {
         string_or_null(&mut Cursor::new(body, start), "model", text)?;
     }
     if let Some(start) = fields.cache_salt {
         let mut c = Cursor::new(body, start);
         if !c.null()? {
-            text(CACHE_SALT);
+            text.emit(CACHE_SALT);
             string_or_null(&mut c, "cache_salt", text)?;
         }
     }
@@ -280,8 +464,8 @@ fn extract(
             if c.peek_token()? != b'[' {
                 return Err(PromptError::WrongType("tools"));
             }
-            text(TOOLS);
-            c.value(1, text)?;
+            text.emit(TOOLS);
+            c.value_to(1, text)?;
         }
     }
     match endpoint {
@@ -291,8 +475,8 @@ fn extract(
                 .ok_or(PromptError::MissingField("messages"))?;
             if record.complete {
                 record.replay(text);
-                if let Some(at) = record.resume {
-                    messages_from(body, at, text)?;
+                if let Some((at, index)) = record.resume {
+                    messages_from(body, at, index, text)?;
                 }
             } else {
                 messages(body, start, text)?;
@@ -303,7 +487,293 @@ fn extract(
             text_prompt(body, start, text)?;
         }
     }
-    Ok(PromptForm::Text)
+    Ok(())
+}
+
+/// What an extraction may still do, shared by its two passes (see the module header).
+struct Budget {
+    limits: PromptLimits,
+    /// Token ids still to be read.
+    ids_left: usize,
+    /// Content parts and tool calls read.
+    parts: usize,
+    /// Pieces and members still to be read in this pass.
+    work_left: usize,
+    /// Bytes of values not read that may still be validated.
+    validate_left: usize,
+    /// The last values crossed with the structural skim, (start, end): a field read after the
+    /// ones that follow it is skipped once a pass, and both passes skip it.
+    skimmed: [(usize, usize); 2],
+    /// The bound that stopped the extraction; scanning ends at the next check.
+    stopped: Option<Bound>,
+}
+
+impl Budget {
+    fn new(limits: &PromptLimits) -> Budget {
+        Budget {
+            limits: *limits,
+            ids_left: limits.max_tokens,
+            parts: 0,
+            work_left: limits.max_work,
+            validate_left: limits.max_validated_bytes,
+            skimmed: [(usize::MAX, 0); 2],
+            stopped: None,
+        }
+    }
+
+    /// Fresh work for the second pass; the parts count carries over from the recorded messages
+    /// (and restarts when the second pass reads the messages from the first).
+    fn second_pass(&mut self, recorded: bool) {
+        self.work_left = self.limits.max_work;
+        if !recorded {
+            self.parts = 0;
+        }
+    }
+
+    /// Stops the extraction at `bound` (the first one reached stays); returns [`STOP`]. The
+    /// counters go to zero, so that every later piece, member or id takes the slow path, which
+    /// sees the stop.
+    #[cold]
+    fn stop(&mut self, bound: Bound) -> PromptError {
+        self.stopped.get_or_insert(bound);
+        self.work_left = 0;
+        self.ids_left = 0;
+        STOP
+    }
+
+    /// The first pass goes on after a bound stopped it in `messages`: the second pass reads
+    /// them again within the same bounds, and `TAIL_WORK` members are left for the fields
+    /// after the array (the first pass spends no ids of a chat).
+    fn resume_first_pass(&mut self) {
+        self.stopped = None;
+        self.work_left = TAIL_WORK * MEMBER_WORK;
+        self.ids_left = self.limits.max_tokens;
+    }
+
+    /// `units` of work: what the scanner charges ([`Emit::charge`]), a part, or
+    /// [`MEMBER_WORK`] a member read.
+    #[inline(always)]
+    fn work(&mut self, units: usize) -> Result<(), PromptError> {
+        match self.work_left.checked_sub(units) {
+            Some(left) => {
+                self.work_left = left;
+                Ok(())
+            }
+            None => Err(self.out_of_work()),
+        }
+    }
+
+    #[cold]
+    fn out_of_work(&mut self) -> PromptError {
+        if self.stopped.is_none() {
+            self.stop(Bound::Work);
+        }
+        STOP
+    }
+
+    #[inline]
+    fn message(&mut self, index: usize) -> Result<(), PromptError> {
+        if self.stopped.is_some() {
+            return Err(STOP);
+        }
+        if index >= self.limits.max_messages {
+            return Err(self.stop(Bound::Messages));
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn part(&mut self) -> Result<(), PromptError> {
+        self.work(1)?;
+        if self.parts >= self.limits.max_parts {
+            return Err(self.stop(Bound::Parts));
+        }
+        self.parts += 1;
+        Ok(())
+    }
+
+    /// Skips a value that is not emitted ([`Cursor::skip`], or [`Cursor::skim`] without
+    /// `check`) while validated bytes are left; a value longer than what is left is crossed
+    /// with the structural skim instead.
+    fn skip(&mut self, c: &mut Cursor<'_>, depth: usize, check: bool) -> Result<(), PromptError> {
+        if self.stopped.is_some() {
+            return Err(STOP);
+        }
+        c.skip_ws();
+        if self.validate_left == 0 {
+            return self.skim(c);
+        }
+        let start = c.pos;
+        let end = start.saturating_add(self.validate_left);
+        if end >= c.buf.len() {
+            let skipped = if check { c.skip(depth) } else { c.skim(depth) };
+            self.validate_left -= c.pos.saturating_sub(start).min(self.validate_left);
+            return skipped;
+        }
+        // Walked on a body cut where the allowance ends: running out of it is running out
+        // of the allowance.
+        let mut cut = Cursor::new(&c.buf[..end], start);
+        match if check {
+            cut.skip(depth)
+        } else {
+            cut.skim(depth)
+        } {
+            Ok(()) => {
+                c.pos = cut.pos;
+                self.validate_left -= cut.pos - start;
+                Ok(())
+            }
+            Err(PromptError::Truncated) => {
+                self.validate_left = 0;
+                self.skim(c)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Cursor::skim_fast`], remembering where the value ends.
+    fn skim(&mut self, c: &mut Cursor<'_>) -> Result<(), PromptError> {
+        let start = c.pos;
+        if let Some(&(_, end)) = self.skimmed.iter().find(|(at, _)| *at == start) {
+            c.pos = end;
+            return Ok(());
+        }
+        c.skim_fast()?;
+        self.skimmed = [(start, c.pos), self.skimmed[0]];
+        Ok(())
+    }
+}
+
+/// What the readers of messages, parts and calls emit into: an [`Emit`] that also counts
+/// messages, parts and members and skips what is not read. Closures count nothing.
+trait Reader: Emit {
+    /// Before message `index` of `messages`.
+    #[inline(always)]
+    fn message(&mut self, _index: usize) -> Result<(), PromptError> {
+        Ok(())
+    }
+
+    /// Before a content part or a tool call.
+    #[inline(always)]
+    fn part(&mut self) -> Result<(), PromptError> {
+        Ok(())
+    }
+
+    /// Before each member of an object.
+    #[inline(always)]
+    fn member(&mut self) -> Result<(), PromptError> {
+        Ok(())
+    }
+
+    /// Skips a value that is not emitted.
+    #[inline(always)]
+    fn skip(&mut self, c: &mut Cursor<'_>, depth: usize) -> Result<(), PromptError> {
+        c.skip(depth)
+    }
+}
+
+impl<F: FnMut(&[u8])> Reader for F {}
+
+/// The second pass's reader: pieces go to the sink, and where the scanner is charged (and
+/// where a member, a part or a message starts) the budget and the sink's fullness are checked.
+struct Emitter<'a, S: PromptSink> {
+    sink: &'a mut S,
+    budget: &'a mut Budget,
+}
+
+impl<S: PromptSink> Emitter<'_, S> {
+    /// Ok while the sink wants more text.
+    #[inline(always)]
+    fn room(&mut self) -> Result<(), PromptError> {
+        if self.sink.full() {
+            return Err(self.budget.stop(Bound::Tokens));
+        }
+        Ok(())
+    }
+}
+
+impl<S: PromptSink> Emit for Emitter<'_, S> {
+    #[inline(always)]
+    fn emit(&mut self, piece: &[u8]) {
+        self.sink.piece(Piece::Text(piece));
+    }
+
+    #[inline(always)]
+    fn charge(&mut self, units: usize) -> bool {
+        self.budget.work(units).is_ok() && self.room().is_ok()
+    }
+
+    #[inline(always)]
+    fn stopped(&self) -> bool {
+        self.budget.stopped.is_some()
+    }
+}
+
+impl<S: PromptSink> Reader for Emitter<'_, S> {
+    #[inline(always)]
+    fn message(&mut self, index: usize) -> Result<(), PromptError> {
+        self.budget.message(index)?;
+        self.room()
+    }
+
+    #[inline(always)]
+    fn part(&mut self) -> Result<(), PromptError> {
+        self.budget.part()?;
+        self.room()
+    }
+
+    #[inline(always)]
+    fn member(&mut self) -> Result<(), PromptError> {
+        self.budget.work(MEMBER_WORK)?;
+        self.room()
+    }
+
+    fn skip(&mut self, c: &mut Cursor<'_>, depth: usize) -> Result<(), PromptError> {
+        self.budget.skip(c, depth, true)
+    }
+}
+
+/// The first pass's reader: pieces of messages go into the recording while the budget lasts
+/// (the sink is the second pass's).
+struct Recorder<'r, 's, 'b> {
+    record: &'r mut Recording<'s, 'b>,
+    budget: &'r mut Budget,
+    /// Where the message ends, once its members are all read (the fields read after them
+    /// come from their own cursors).
+    message_end: Option<usize>,
+}
+
+impl Emit for Recorder<'_, '_, '_> {
+    #[inline(always)]
+    fn emit(&mut self, piece: &[u8]) {
+        self.record.push(piece);
+    }
+
+    #[inline(always)]
+    fn charge(&mut self, units: usize) -> bool {
+        self.budget.work(units).is_ok()
+    }
+
+    #[inline(always)]
+    fn stopped(&self) -> bool {
+        self.budget.stopped.is_some()
+    }
+}
+
+impl Reader for Recorder<'_, '_, '_> {
+    #[inline(always)]
+    fn part(&mut self) -> Result<(), PromptError> {
+        self.budget.part()
+    }
+
+    #[inline(always)]
+    fn member(&mut self) -> Result<(), PromptError> {
+        self.budget.work(MEMBER_WORK)
+    }
+
+    fn skip(&mut self, c: &mut Cursor<'_>, depth: usize) -> Result<(), PromptError> {
+        self.budget.skip(c, depth, true)
+    }
 }
 
 /// The canonical pieces of `messages`, recorded during the first pass so that the second pass
@@ -323,9 +793,10 @@ struct Recording<'s, 'b> {
     /// the barrier are about to be moved as a unit).
     barrier: usize,
     overflowed: bool,
-    /// The recorded pieces are those of all messages but the ones from this position on.
+    /// The recorded pieces are those of all messages but the ones from this position on
+    /// (and this index in the array).
     complete: bool,
-    resume: Option<usize>,
+    resume: Option<(usize, usize)>,
 }
 
 const INLINE: u64 = 1 << 63;
@@ -428,14 +899,19 @@ impl<'s, 'b> Recording<'s, 'b> {
         }
     }
 
-    fn replay(&self, text: &mut impl FnMut(&[u8])) {
+    /// Emits the recorded pieces (their scanning was charged in the first pass; a full sink
+    /// stops the second pass at its next check after them).
+    fn replay(&self, text: &mut impl Reader) {
         for &entry in &self.entries[..self.len] {
+            if text.stopped() {
+                return;
+            }
             let start = (entry & 0xffff_ffff) as usize;
             let len = (entry >> 32 & LEN_MASK) as usize;
             if entry & INLINE == 0 {
-                text(&self.body[start..start + len]);
+                text.emit(&self.body[start..start + len]);
             } else {
-                text(&self.arena[start..start + len]);
+                text.emit(&self.arena[start..start + len]);
             }
         }
     }
@@ -449,43 +925,82 @@ const DENSE_SLACK: usize = 2048;
 
 /// First pass over `messages` (the cursor on its value): records its pieces where it can, and
 /// otherwise (any error, any value that is not an array of messages) skims it exactly as
-/// without recording, leaving the error to the second pass.
-fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result<(), PromptError> {
+/// without recording, leaving the error to the second pass. A bound reached in message `k`
+/// keeps the messages before it (the second pass reads on from `k`, within the same bounds)
+/// and crosses the rest of the array with the structural skim.
+fn record_messages(
+    c: &mut Cursor<'_>,
+    record: &mut Recording<'_, '_>,
+    budget: &mut Budget,
+) -> Result<(), PromptError> {
     let start = c.pos;
     if record.usable() {
+        // Where the structural skim starts when a bound stopped the array: at the message it
+        // stopped in, or after it when it was read to its end.
+        let mut stopped_at = None;
         let recorded = (|| {
             if c.peek_token()? != b'[' {
                 return Err(PromptError::WrongType("messages"));
             }
             let mut dense = false;
-            c.array(1, |c, _| {
+            c.array(1, |c, index| {
+                if index >= budget.limits.max_messages {
+                    stopped_at = Some(c.pos);
+                    record.resume.get_or_insert((c.pos, index));
+                    return Err(budget.stop(Bound::Messages));
+                }
                 if record.resume.is_none() && dense {
                     // Escape-dense text: a piece every few bytes costs more to record and
                     // replay than a second scan, so the rest is scanned again.
-                    record.resume = Some(c.pos);
+                    record.resume = Some((c.pos, index));
                 }
                 if record.resume.is_some() {
-                    return c.skim(MESSAGE_DEPTH - 1);
+                    return budget.skip(c, MESSAGE_DEPTH - 1, false);
                 }
-                let (at, len, arena_len) = (c.pos, record.len, record.arena_len);
+                let (at, len, arena_len, parts) =
+                    (c.pos, record.len, record.arena_len, budget.parts);
                 // The last entry may grow by merging with this message's first piece.
                 let last = len.checked_sub(1).map(|i| record.entries[i]);
-                let result = message_recorded(c, record);
-                if record.overflowed {
-                    // Out of space: keep the messages before this one.
+                let mut rec = Recorder {
+                    record,
+                    budget,
+                    message_end: None,
+                };
+                let result = message_recorded(c, &mut rec);
+                let message_end = rec.message_end;
+                if record.overflowed || budget.stopped.is_some() {
+                    // Out of space, or a bound: keep the messages before this one.
                     record.len = len;
                     record.arena_len = arena_len;
                     if let Some(last) = last {
                         record.entries[len - 1] = last;
                     }
-                    record.resume = Some(at);
+                    budget.parts = parts;
+                    record.resume = Some((at, index));
+                    if budget.stopped.is_some() {
+                        stopped_at = Some(message_end.unwrap_or(at));
+                        return Err(STOP);
+                    }
+                    if let (Ok(()), Some(end)) = (&result, message_end) {
+                        // Read to its end already (so skimming it would find it valid).
+                        c.pos = end;
+                        return Ok(());
+                    }
                     c.pos = at;
-                    return c.skim(MESSAGE_DEPTH - 1);
+                    return budget.skip(c, MESSAGE_DEPTH - 1, false);
                 }
                 dense = record.len * DENSE_BYTES > c.pos - start + DENSE_SLACK;
                 result
             })
         })();
+        if let Some(at) = stopped_at {
+            // Past the bound: on to the end of the array, and a little work for the fields
+            // after it. (A skim that finds no end leaves the stop, and so no prefix.)
+            c.pos = scan::close_levels(c.buf, at, 1)?;
+            budget.resume_first_pass();
+            record.complete = true;
+            return Ok(());
+        }
         if recorded.is_ok() {
             record.complete = true;
             return Ok(());
@@ -495,9 +1010,10 @@ fn record_messages(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result
         record.barrier = 0;
         record.resume = None;
         record.overflowed = false;
+        budget.parts = 0;
         c.pos = start;
     }
-    c.skim(1)
+    budget.skip(c, 1, false)
 }
 
 /// Where the top-level values the prefix is built from start.
@@ -519,13 +1035,14 @@ fn top_level(
     endpoint: Endpoint,
     body: &[u8],
     record: &mut Recording<'_, '_>,
+    budget: &mut Budget,
     sink: &mut impl PromptSink,
 ) -> Result<TopLevel, PromptError> {
     let mut c = Cursor::new(body, 0);
     if c.peek_token()? != b'{' {
         // Distinguish "some other JSON" from "not JSON at all" for the metric.
         let at = c.pos;
-        c.skip(0)?;
+        budget.skip(&mut c, 0, true)?;
         c.skip_ws();
         return Err(if c.pos == body.len() {
             PromptError::NotAnObject
@@ -536,7 +1053,8 @@ fn top_level(
         });
     }
     let mut fields = TopLevel::default();
-    c.object(0, |c, key| {
+    let members = c.object(0, |c, key| {
+        budget.work(MEMBER_WORK)?;
         c.skip_ws();
         let slot = match key {
             b"model" => Some((&mut fields.model, "model")),
@@ -556,23 +1074,28 @@ fn top_level(
                 && prompt_form(c.buf, c.pos)? == PromptForm::Tokens
             {
                 fields.tokens_emitted = true;
-                return token_prompt(c, sink);
+                return token_prompt_within(c, budget, sink);
             }
             // The big values the second pass reads in full (escapes included) are only skimmed
             // here; the rest is checked now, whatever the second pass does.
             if endpoint == Endpoint::ChatCompletions && name == "messages" {
-                return record_messages(c, record);
+                return record_messages(c, record, budget);
             }
             let reread = match endpoint {
                 Endpoint::ChatCompletions => matches!(name, "messages" | "tools"),
                 Endpoint::Completions => name == "prompt",
             };
             if reread {
-                return c.skim(1);
+                return budget.skip(c, 1, false);
             }
         }
-        c.skip(1)
-    })?;
+        budget.skip(c, 1, true)
+    });
+    match members {
+        // A token prompt needs nothing else from the body.
+        Err(_) if fields.tokens_emitted && budget.stopped.is_some() => return Ok(fields),
+        result => result?,
+    }
     c.skip_ws();
     if c.pos != body.len() {
         return Err(c.syntax());
@@ -584,10 +1107,10 @@ fn top_level(
 fn string_or_null(
     c: &mut Cursor<'_>,
     field: &'static str,
-    text: &mut impl FnMut(&[u8]),
+    text: &mut impl Reader,
 ) -> Result<(), PromptError> {
     match c.peek_token()? {
-        b'"' => c.string(text),
+        b'"' => c.string_to(text),
         b'n' => c.null().map(|_| ()),
         _ => Err(PromptError::WrongType(field)),
     }
@@ -648,19 +1171,30 @@ const MESSAGE_FIELDS: usize = 5;
 /// Depth of a message object's values: top object (1) > messages array (2) > message (3).
 const MESSAGE_DEPTH: usize = 3;
 
-fn messages(body: &[u8], start: usize, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+fn messages(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
     let mut c = Cursor::new(body, start);
     if c.peek_token()? != b'[' {
         return Err(PromptError::WrongType("messages"));
     }
-    c.array(1, |c, _| message(c, text))
+    c.array(1, |c, index| {
+        text.message(index)?;
+        message(c, text)
+    })
 }
 
-/// The messages from one at `at` (after `[` or a comma) to the end of the array.
-fn messages_from(body: &[u8], at: usize, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+/// The messages from the one at `at` (after `[` or a comma), message `index` of the array, to
+/// the end of the array.
+fn messages_from(
+    body: &[u8],
+    at: usize,
+    mut index: usize,
+    text: &mut impl Reader,
+) -> Result<(), PromptError> {
     let mut c = Cursor::new(body, at);
     loop {
+        text.message(index)?;
         message(&mut c, text)?;
+        index += 1;
         match c.peek_token()? {
             b',' => c.pos += 1,
             b']' => return Ok(()),
@@ -681,20 +1215,21 @@ fn message_key(key: &[u8]) -> Option<(usize, &'static str)> {
     })
 }
 
-fn message(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+fn message(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), PromptError> {
     if c.peek_token()? != b'{' {
         return Err(PromptError::WrongType("messages[]"));
     }
     let mut stages = Stages::<MESSAGE_FIELDS>::new();
     c.object(MESSAGE_DEPTH - 1, |c, key| {
+        text.member()?;
         c.skip_ws();
         let Some((stage, name)) = message_key(key) else {
-            return c.skip(MESSAGE_DEPTH);
+            return text.skip(c, MESSAGE_DEPTH);
         };
         if stages.arrive(stage, c.pos, name)? {
             message_field(c, stage, text)
         } else {
-            c.skip(MESSAGE_DEPTH)
+            text.skip(c, MESSAGE_DEPTH)
         }
     })?;
     if stages.next == M_ROLE && stages.pending[M_ROLE].is_none() {
@@ -711,17 +1246,18 @@ fn message(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Promp
 /// scanned and its entries are moved behind the role's once the role is read, instead of
 /// being skipped and scanned again. The same pieces as [`message`] whenever it succeeds; on an
 /// error the caller falls back to the plain reading, which reports it.
-fn message_recorded(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Result<(), PromptError> {
+fn message_recorded(c: &mut Cursor<'_>, rec: &mut Recorder<'_, '_, '_>) -> Result<(), PromptError> {
     if c.peek_token()? != b'{' {
         return Err(PromptError::WrongType("messages[]"));
     }
     let mut stages = Stages::<MESSAGE_FIELDS>::new();
-    // Entries `first..end` of `record` hold a content read before the role.
+    // Entries `first..end` of the recording hold a content read before the role.
     let mut early: Option<(usize, usize)> = None;
     c.object(MESSAGE_DEPTH - 1, |c, key| {
+        rec.member()?;
         c.skip_ws();
         let Some((stage, name)) = message_key(key) else {
-            return c.skip(MESSAGE_DEPTH);
+            return rec.skip(c, MESSAGE_DEPTH);
         };
         if stage == M_CONTENT && early.is_some() {
             return Err(PromptError::DuplicateKey(name));
@@ -731,31 +1267,28 @@ fn message_recorded(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Resul
             && stages.pending[M_CONTENT].is_none()
             && c.peek()? == b'"'
         {
-            let first = record.seal();
-            c.string(&mut |piece: &[u8]| record.push(piece))?;
-            early = Some((first, record.seal()));
+            let first = rec.record.seal();
+            c.string_to(rec)?;
+            early = Some((first, rec.record.seal()));
             return Ok(());
         }
         if stages.arrive(stage, c.pos, name)? {
-            message_field(c, stage, &mut |piece: &[u8]| record.push(piece))?;
+            message_field(c, stage, rec)?;
             if let (M_ROLE, Some((first, end))) = (stage, early) {
-                record.move_behind(first, end);
+                rec.record.move_behind(first, end);
                 stages.next = M_TOOL_CALLS;
             }
             Ok(())
         } else {
-            c.skip(MESSAGE_DEPTH)
+            rec.skip(c, MESSAGE_DEPTH)
         }
     })?;
+    rec.message_end = Some(c.pos);
     if stages.next == M_ROLE && stages.pending[M_ROLE].is_none() {
         return Err(PromptError::MissingField("messages[].role"));
     }
     for (stage, pos) in stages.leftovers() {
-        message_field(
-            &mut Cursor::new(c.buf, pos),
-            stage,
-            &mut |piece: &[u8]| record.push(piece),
-        )?;
+        message_field(&mut Cursor::new(c.buf, pos), stage, rec)?;
     }
     Ok(())
 }
@@ -764,20 +1297,20 @@ fn message_recorded(c: &mut Cursor<'_>, record: &mut Recording<'_, '_>) -> Resul
 fn message_field(
     c: &mut Cursor<'_>,
     stage: usize,
-    text: &mut impl FnMut(&[u8]),
+    text: &mut impl Reader,
 ) -> Result<(), PromptError> {
     match stage {
         M_ROLE => {
             if c.peek_token()? != b'"' {
                 return Err(PromptError::WrongType("messages[].role"));
             }
-            text(ROLE);
-            c.string(text)?;
-            text(END);
+            text.emit(ROLE);
+            c.string_to(text)?;
+            text.emit(END);
             Ok(())
         }
         M_CONTENT => match c.peek_token()? {
-            b'"' => c.string(text),
+            b'"' => c.string_to(text),
             b'n' => c.null().map(|_| ()),
             b'[' => {
                 let mut text_parts = 0usize;
@@ -802,10 +1335,10 @@ fn message_field(
             if c.peek_token()? != b'"' {
                 return Err(PromptError::WrongType(field));
             }
-            text(marker);
-            c.string(text)
+            text.emit(marker);
+            c.string_to(text)
         }
-        _ => c.skip(MESSAGE_DEPTH),
+        _ => text.skip(c, MESSAGE_DEPTH),
     }
 }
 
@@ -824,8 +1357,9 @@ const PART_DEPTH: usize = MESSAGE_DEPTH + 2;
 fn content_part(
     c: &mut Cursor<'_>,
     text_parts: &mut usize,
-    text: &mut impl FnMut(&[u8]),
+    text: &mut impl Reader,
 ) -> Result<(), PromptError> {
+    text.part()?;
     let part_start = c.pos;
     if c.peek_token()? != b'{' {
         return Err(PromptError::WrongType("messages[].content[]"));
@@ -835,6 +1369,7 @@ fn content_part(
     let mut image_at = None;
     let mut streamed = false;
     c.object(PART_DEPTH - 1, |c, key| {
+        text.member()?;
         c.skip_ws();
         match key {
             b"type" => {
@@ -871,7 +1406,7 @@ fn content_part(
                     streamed = true;
                     part_text(c, text_parts, text)
                 } else {
-                    c.skip(PART_DEPTH)
+                    text.skip(c, PART_DEPTH)
                 }
             }
             b"image_url" => {
@@ -879,9 +1414,9 @@ fn content_part(
                     return Err(PromptError::DuplicateKey("messages[].content[].image_url"));
                 }
                 image_at = Some(c.pos);
-                c.skip(PART_DEPTH)
+                text.skip(c, PART_DEPTH)
             }
-            _ => c.skip(PART_DEPTH),
+            _ => text.skip(c, PART_DEPTH),
         }
     })?;
     let buf = c.buf;
@@ -907,8 +1442,8 @@ fn content_part(
             image_url(&mut Cursor::new(buf, at), text)?;
         }
         _ => {
-            text(OTHER_PART);
-            Cursor::new(buf, part_start).value(PART_DEPTH - 1, text)?;
+            text.emit(OTHER_PART);
+            Cursor::new(buf, part_start).value_to(PART_DEPTH - 1, text)?;
         }
     }
     Ok(())
@@ -918,31 +1453,32 @@ fn content_part(
 fn part_text(
     c: &mut Cursor<'_>,
     text_parts: &mut usize,
-    text: &mut impl FnMut(&[u8]),
+    text: &mut impl Reader,
 ) -> Result<(), PromptError> {
     if c.peek_token()? != b'"' {
         return Err(PromptError::WrongType("messages[].content[].text"));
     }
     if *text_parts > 0 {
-        text(PART_SEPARATOR);
+        text.emit(PART_SEPARATOR);
     }
     *text_parts += 1;
-    c.string(text)
+    c.string_to(text)
 }
 
 /// `image_url`: `{"url": ..., "detail": ...}` or a bare URL string.
-fn image_url(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+fn image_url(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), PromptError> {
     const FIELD: &str = "messages[].content[].image_url.url";
     match c.peek_token()? {
         b'"' => {
-            text(IMAGE_URL);
-            c.string(text)?;
-            text(END);
+            text.emit(IMAGE_URL);
+            c.string_to(text)?;
+            text.emit(END);
             Ok(())
         }
         b'{' => {
             let mut url_at = None;
             c.object(PART_DEPTH, |c, key| {
+                text.member()?;
                 c.skip_ws();
                 if key == b"url" {
                     if url_at.is_some() {
@@ -950,16 +1486,16 @@ fn image_url(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Pro
                     }
                     url_at = Some(c.pos);
                 }
-                c.skip(PART_DEPTH + 1)
+                text.skip(c, PART_DEPTH + 1)
             })?;
             let at = url_at.ok_or(PromptError::MissingField(FIELD))?;
             let mut u = Cursor::new(c.buf, at);
             if u.peek_token()? != b'"' {
                 return Err(PromptError::WrongType(FIELD));
             }
-            text(IMAGE_URL);
-            u.string(text)?;
-            text(END);
+            text.emit(IMAGE_URL);
+            u.string_to(text)?;
+            text.emit(END);
             Ok(())
         }
         _ => Err(PromptError::WrongType("messages[].content[].image_url")),
@@ -974,12 +1510,14 @@ const F_ARGUMENTS: usize = 1;
 const CALL_DEPTH: usize = MESSAGE_DEPTH + 2;
 
 /// One element of `tool_calls`: `\0tool_call\0<name>\0<arguments>`.
-fn tool_call(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+fn tool_call(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), PromptError> {
+    text.part()?;
     if c.peek_token()? != b'{' {
         return Err(PromptError::WrongType("messages[].tool_calls[]"));
     }
     let mut function_at = None;
     c.object(CALL_DEPTH - 1, |c, key| {
+        text.member()?;
         c.skip_ws();
         if key == b"function" {
             if function_at.is_some() {
@@ -989,10 +1527,10 @@ fn tool_call(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Pro
             }
             function_at = Some(c.pos);
             // Emitted from here: nothing else of the call is part of the prefix.
-            text(TOOL_CALL);
+            text.emit(TOOL_CALL);
             function(c, text)
         } else {
-            c.skip(CALL_DEPTH)
+            text.skip(c, CALL_DEPTH)
         }
     })?;
     if function_at.is_none() {
@@ -1004,23 +1542,24 @@ fn tool_call(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Pro
 }
 
 /// A tool call's `function`: name, then arguments (a string, or any JSON canonicalised).
-fn function(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+fn function(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), PromptError> {
     const DEPTH: usize = CALL_DEPTH + 1;
     if c.peek_token()? != b'{' {
         return Err(PromptError::WrongType("messages[].tool_calls[].function"));
     }
     let mut stages = Stages::<2>::new();
     c.object(DEPTH - 1, |c, key| {
+        text.member()?;
         c.skip_ws();
         let (stage, name) = match key {
             b"name" => (F_NAME, "messages[].tool_calls[].function.name"),
             b"arguments" => (F_ARGUMENTS, "messages[].tool_calls[].function.arguments"),
-            _ => return c.skip(DEPTH),
+            _ => return text.skip(c, DEPTH),
         };
         if stages.arrive(stage, c.pos, name)? {
             function_field(c, stage, text)
         } else {
-            c.skip(DEPTH)
+            text.skip(c, DEPTH)
         }
     })?;
     if stages.next == F_NAME && stages.pending[F_NAME].is_none() {
@@ -1037,7 +1576,7 @@ fn function(c: &mut Cursor<'_>, text: &mut impl FnMut(&[u8])) -> Result<(), Prom
 fn function_field(
     c: &mut Cursor<'_>,
     stage: usize,
-    text: &mut impl FnMut(&[u8]),
+    text: &mut impl Reader,
 ) -> Result<(), PromptError> {
     if stage == F_NAME {
         if c.peek_token()? != b'"' {
@@ -1045,13 +1584,13 @@ fn function_field(
                 "messages[].tool_calls[].function.name",
             ));
         }
-        c.string(text)?;
-        text(END);
+        c.string_to(text)?;
+        text.emit(END);
         Ok(())
     } else if c.peek_token()? == b'"' {
-        c.string(text)
+        c.string_to(text)
     } else {
-        c.value(CALL_DEPTH + 1, text)
+        c.value_to(CALL_DEPTH + 1, text)
     }
 }
 
@@ -1075,38 +1614,78 @@ fn prompt_form(body: &[u8], start: usize) -> Result<PromptForm, PromptError> {
 }
 
 /// A text `prompt`: one string or a list of strings, each as `\0prompt\0<text>`.
-fn text_prompt(body: &[u8], start: usize, text: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+fn text_prompt(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
     let mut c = Cursor::new(body, start);
     if c.peek_token()? == b'"' {
-        text(PROMPT);
-        return c.string(text);
+        text.emit(PROMPT);
+        return c.string_to(text);
     }
     c.array(1, |c, _| {
         if c.peek_token()? != b'"' {
             return Err(PromptError::WrongType("prompt[]"));
         }
-        text(PROMPT);
-        c.string(text)
+        text.emit(PROMPT);
+        c.string_to(text)
     })
 }
 
-/// A token `prompt` at the cursor: a list of ids, or a list of lists of which the first is
-/// used (the others are checked). Leaves the cursor after the value.
+/// [`token_prompt_within`] without bounds.
+#[cfg(test)]
 fn token_prompt(c: &mut Cursor<'_>, sink: &mut impl PromptSink) -> Result<(), PromptError> {
+    token_prompt_within(c, &mut Budget::new(&PromptLimits::UNLIMITED), sink)
+}
+
+/// A token `prompt` at the cursor: a list of ids, or a list of lists of which the first is
+/// used (the others are checked). Leaves the cursor after the value. Every id read counts
+/// against the budget's ids, the unused lists' too.
+fn token_prompt_within(
+    c: &mut Cursor<'_>,
+    budget: &mut Budget,
+    sink: &mut impl PromptSink,
+) -> Result<(), PromptError> {
     let mut probe = Cursor::new(c.buf, c.pos);
     probe.skip_ws();
     probe.pos += 1;
     let nested = probe.peek_token()? == b'[';
-    c.array(1, |c, index| {
-        if (c.peek_token()? == b'[') != nested {
-            return Err(PromptError::WrongType("prompt[]"));
-        }
-        if !nested {
-            sink.piece(Piece::Token(token_id(c)?));
+    let ids = budget.ids_left;
+    if !nested {
+        // The common form, as `Cursor::array` reads it, in one loop.
+        c.expect(b'[')?;
+        if c.peek_token()? == b']' {
+            c.pos += 1;
             return Ok(());
+        }
+        let mut index = 0usize;
+        loop {
+            if c.peek_token()? == b'[' {
+                return Err(PromptError::WrongType("prompt[]"));
+            }
+            if index >= ids {
+                return Err(budget.stop(Bound::Tokens));
+            }
+            sink.piece(Piece::Token(token_id(c)?));
+            index += 1;
+            match c.peek_token()? {
+                b',' => c.pos += 1,
+                b']' => {
+                    c.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(c.syntax()),
+            }
+        }
+    }
+    // Ids of the lists before this one.
+    let mut read = 0usize;
+    c.array(1, |c, index| {
+        if c.peek_token()? != b'[' {
+            return Err(PromptError::WrongType("prompt[]"));
         }
         let mut count = 0usize;
         c.array(2, |c, _| {
+            if read + count >= ids {
+                return Err(budget.stop(Bound::Tokens));
+            }
             count += 1;
             let id = token_id(c)?;
             if index == 0 {
@@ -1117,6 +1696,7 @@ fn token_prompt(c: &mut Cursor<'_>, sink: &mut impl PromptSink) -> Result<(), Pr
         if count == 0 {
             return Err(PromptError::EmptyPrompt);
         }
+        read += count;
         Ok(())
     })
 }

@@ -6,6 +6,10 @@
 //! allocates. Nesting is tracked in a `u64` bit stack (one bit per level: object or array), which
 //! is why the depth limit is [`MAX_DEPTH`] = 64 levels.
 //!
+//! What kvlb decides not to read (past a bound of the extraction) is crossed with
+//! [`close_levels`], a structural skim from bit masks that validates nothing, ten to a hundred
+//! times faster than the validating scan on structure-dense input.
+//!
 //! Strictness follows RFC 8259 where it is cheap: control bytes inside strings, bad escapes,
 //! malformed numbers and trailing bytes are errors. Bytes >= 0x80 are passed through unchecked
 //! (invalid UTF-8 hashes as the bytes it is; equal bytes still hash equal).
@@ -14,6 +18,38 @@ use super::PromptError;
 
 /// Deepest nesting of arrays and objects accepted, counting the top-level object as 1.
 pub const MAX_DEPTH: usize = 64;
+
+/// Where decoded pieces go. Any `FnMut(&[u8])` closure is one that never stops. The bounded
+/// extraction's sinks are charged for the scanner's work as it goes, where it checks anyway:
+/// once per 64-byte stretch of a string that is not plain text (1 + its escapes), once per
+/// token of a canonical value. They say when a bound was reached, and the scanner then stops
+/// with [`STOP`].
+pub trait Emit {
+    fn emit(&mut self, piece: &[u8]);
+
+    /// `units` of scanning done; false: stop.
+    #[inline(always)]
+    fn charge(&mut self, _units: usize) -> bool {
+        true
+    }
+
+    /// True once the pieces are no longer wanted.
+    #[inline(always)]
+    fn stopped(&self) -> bool {
+        false
+    }
+}
+
+impl<F: FnMut(&[u8])> Emit for F {
+    #[inline(always)]
+    fn emit(&mut self, piece: &[u8]) {
+        self(piece)
+    }
+}
+
+/// What a scan returns when its [`Emit`] stopped it: the caller that set the bound knows it
+/// from its own state and reads this as "stopped", never as a cut-short body.
+pub const STOP: PromptError = PromptError::Truncated;
 
 /// One 64-byte stretch of a string: bit i of each mask describes byte i.
 struct ChunkMasks {
@@ -83,6 +119,34 @@ fn is_plain(chunk: &[u8; 64]) -> bool {
 fn is_plain(chunk: &[u8; 64]) -> bool {
     let m = classify_bytewise(chunk);
     m.quote | m.backslash | m.control == 0
+}
+
+/// The end of the run of ASCII digits at `i` (16 bytes a step: a hostile number is as long as
+/// the body).
+#[inline]
+fn digits_end(buf: &[u8], mut i: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        while i + 16 <= buf.len() {
+            // Safety: SSE2 is in the x86_64 baseline; the load reads bytes i..i + 16 of `buf`.
+            let digits = unsafe {
+                let v = _mm_loadu_si128(buf.as_ptr().add(i) as *const __m128i);
+                let offset = _mm_sub_epi8(v, _mm_set1_epi8(b'0' as i8));
+                let nine = _mm_set1_epi8(9);
+                // A digit is 0..=9 after the subtraction: max(d, 9) == 9, unsigned.
+                _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(offset, nine), nine)) as u32
+            };
+            if digits != 0xffff {
+                return i + (!digits).trailing_zeros() as usize;
+            }
+            i += 16;
+        }
+    }
+    while matches!(buf.get(i), Some(b'0'..=b'9')) {
+        i += 1;
+    }
+    i
 }
 
 /// Where the first quote, backslash or control byte of `bytes` is (short strings: object keys).
@@ -190,6 +254,206 @@ unsafe fn skip_plain_chunks_avx2(buf: &[u8], mut pos: usize) -> usize {
 #[inline(always)]
 fn classify(chunk: &[u8; 64]) -> ChunkMasks {
     classify_bytewise(chunk)
+}
+
+/// One 64-byte stretch as the structural skim sees it: bit i of each mask describes byte i.
+struct StructureMasks {
+    quote: u64,
+    backslash: u64,
+    /// `[` or `{`.
+    open: u64,
+    /// `]` or `}`.
+    close: u64,
+}
+
+/// Classifies 64 bytes for [`close_levels`] (SSE2). `[` and `{` are the bytes that OR 0x20
+/// makes `{`, `]` and `}` those it makes `}`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn classify_structure(chunk: &[u8; 64]) -> StructureMasks {
+    use std::arch::x86_64::*;
+    let (mut quote, mut backslash, mut open, mut close) = (0u64, 0u64, 0u64, 0u64);
+    // Safety: SSE2 is in the x86_64 baseline; each unaligned load reads bytes 16*i..16*i+16 of
+    // the 64-byte array.
+    unsafe {
+        let quotes = _mm_set1_epi8(b'"' as i8);
+        let backslashes = _mm_set1_epi8(b'\\' as i8);
+        let case = _mm_set1_epi8(0x20);
+        let opens = _mm_set1_epi8(b'{' as i8);
+        let closes = _mm_set1_epi8(b'}' as i8);
+        for i in 0..4 {
+            let v = _mm_loadu_si128(chunk.as_ptr().add(16 * i) as *const __m128i);
+            let folded = _mm_or_si128(v, case);
+            let mask = |m: __m128i| _mm_movemask_epi8(m) as u16 as u64;
+            quote |= mask(_mm_cmpeq_epi8(v, quotes)) << (16 * i);
+            backslash |= mask(_mm_cmpeq_epi8(v, backslashes)) << (16 * i);
+            open |= mask(_mm_cmpeq_epi8(folded, opens)) << (16 * i);
+            close |= mask(_mm_cmpeq_epi8(folded, closes)) << (16 * i);
+        }
+    }
+    StructureMasks {
+        quote,
+        backslash,
+        open,
+        close,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn classify_structure(chunk: &[u8; 64]) -> StructureMasks {
+    classify_structure_bytewise(chunk)
+}
+
+/// The portable structure classifier (and the reference the SSE2 one is tested against).
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+fn classify_structure_bytewise(chunk: &[u8; 64]) -> StructureMasks {
+    let (mut quote, mut backslash, mut open, mut close) = (0u64, 0u64, 0u64, 0u64);
+    for (i, &b) in chunk.iter().enumerate() {
+        quote |= ((b == b'"') as u64) << i;
+        backslash |= ((b == b'\\') as u64) << i;
+        open |= (matches!(b, b'[' | b'{') as u64) << i;
+        close |= (matches!(b, b']' | b'}') as u64) << i;
+    }
+    StructureMasks {
+        quote,
+        backslash,
+        open,
+        close,
+    }
+}
+
+/// Bit i of the result is the XOR of bits 0..=i of `x`: from a mask of string quotes, the bytes
+/// inside strings (each opening quote included, each closing one not).
+#[inline(always)]
+fn prefix_xor(mut x: u64) -> u64 {
+    x ^= x << 1;
+    x ^= x << 2;
+    x ^= x << 4;
+    x ^= x << 8;
+    x ^= x << 16;
+    x ^= x << 32;
+    x
+}
+
+/// The structural skim: from `pos`, outside any string and inside `levels` open arrays or
+/// objects, the position just after the bracket that closes the outermost of them. 64 bytes
+/// a step with bit masks (strings found from unescaped quotes, brackets in strings ignored,
+/// long strings crossed as [`Cursor::string`] crosses them), 0.03-0.3 ns a byte, against 3-9
+/// for the validating scan on structure-dense bodies. Nothing is validated (a `]` may close a
+/// `{`): it is for what kvlb has decided not to read. Running out of body is
+/// [`PromptError::Truncated`].
+pub fn close_levels(buf: &[u8], pos: usize, levels: usize) -> Result<usize, PromptError> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("popcnt")
+        {
+            // Safety: the CPU supports AVX2 and POPCNT, checked just above.
+            return unsafe { close_levels_avx2(buf, pos, levels) };
+        }
+    }
+    close_levels_with(buf, pos, levels, classify_structure)
+}
+
+/// [`close_levels`] with 32-byte compares and the POPCNT instruction (the baseline build counts
+/// bits in software).
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,popcnt")]
+unsafe fn close_levels_avx2(buf: &[u8], pos: usize, levels: usize) -> Result<usize, PromptError> {
+    close_levels_with(buf, pos, levels, |chunk| {
+        // Safety: this function only runs where AVX2 is supported.
+        unsafe { classify_structure_avx2(chunk) }
+    })
+}
+
+/// [`classify_structure`] with AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn classify_structure_avx2(chunk: &[u8; 64]) -> StructureMasks {
+    use std::arch::x86_64::*;
+    let quotes = _mm256_set1_epi8(b'"' as i8);
+    let backslashes = _mm256_set1_epi8(b'\\' as i8);
+    let case = _mm256_set1_epi8(0x20);
+    let opens = _mm256_set1_epi8(b'{' as i8);
+    let closes = _mm256_set1_epi8(b'}' as i8);
+    let (mut quote, mut backslash, mut open, mut close) = (0u64, 0u64, 0u64, 0u64);
+    for half in 0..2 {
+        // Safety: the unaligned load reads bytes 32*half..32*half+32 of the 64-byte array.
+        let v = unsafe { _mm256_loadu_si256(chunk.as_ptr().add(32 * half) as *const __m256i) };
+        let folded = _mm256_or_si256(v, case);
+        let mask = |m: __m256i| _mm256_movemask_epi8(m) as u32 as u64;
+        quote |= mask(_mm256_cmpeq_epi8(v, quotes)) << (32 * half);
+        backslash |= mask(_mm256_cmpeq_epi8(v, backslashes)) << (32 * half);
+        open |= mask(_mm256_cmpeq_epi8(folded, opens)) << (32 * half);
+        close |= mask(_mm256_cmpeq_epi8(folded, closes)) << (32 * half);
+    }
+    StructureMasks {
+        quote,
+        backslash,
+        open,
+        close,
+    }
+}
+
+#[inline(always)]
+fn close_levels_with(
+    buf: &[u8],
+    mut pos: usize,
+    levels: usize,
+    classify: impl Fn(&[u8; 64]) -> StructureMasks,
+) -> Result<usize, PromptError> {
+    let mut depth = levels as u64;
+    let mut carry = 0u64;
+    // All ones while the previous stretch ended inside a string.
+    let mut in_string = 0u64;
+    let mut padded = [b' '; 64];
+    loop {
+        if in_string != 0 && carry == 0 {
+            // Inside a string: long plain runs go by at the speed of the string scanner.
+            pos = skip_plain_chunks(buf, pos);
+        }
+        let (chunk, valid) = chunk_at(buf, pos, &mut padded);
+        let m = classify(chunk);
+        let escaped = if m.backslash | carry == 0 {
+            0
+        } else {
+            escapes(m.backslash, &mut carry).0
+        };
+        let inside = prefix_xor(m.quote & !escaped) ^ in_string;
+        in_string = ((inside as i64) >> 63) as u64;
+        let valid_mask = if valid >= 64 { !0 } else { (1u64 << valid) - 1 };
+        let open = m.open & !inside & valid_mask;
+        let close = m.close & !inside & valid_mask;
+        let closes = close.count_ones() as u64;
+        if closes >= depth {
+            // The depth may reach zero here: at the first close where the closes so far
+            // outnumber the opens before it by `depth`.
+            let mut left = close;
+            while left != 0 {
+                let i = left.trailing_zeros();
+                left &= left - 1;
+                let below = (1u64 << i) - 1;
+                let opened = (open & below).count_ones() as u64;
+                let closed = (close & below).count_ones() as u64 + 1;
+                if closed == depth + opened {
+                    return Ok(pos + i as usize + 1);
+                }
+            }
+        }
+        depth = depth + open.count_ones() as u64 - closes;
+        if valid < 64 {
+            return Err(PromptError::Truncated);
+        }
+        pos += 64;
+    }
 }
 
 /// The portable classifier (and the reference the SSE2 one is tested against).
@@ -343,6 +607,11 @@ impl<'a> Cursor<'a> {
     /// 64 bytes at a time: plain runs go out as borrowed slices of the body, each escape is
     /// decoded on its own; the closing quote is found from bit masks, without a branch per byte.
     pub fn string(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        self.string_to(emit)
+    }
+
+    /// [`Cursor::string`] into an [`Emit`], which may stop it (with [`STOP`]).
+    pub fn string_to(&mut self, emit: &mut impl Emit) -> Result<(), PromptError> {
         if self.peek_token()? != b'"' {
             return Err(self.syntax());
         }
@@ -368,14 +637,16 @@ impl<'a> Cursor<'a> {
                 return Err(PromptError::Syntax { offset: at });
             }
             let mut starts = starts & inside;
+            let mut units = 1;
             while starts != 0 {
                 let at = chunk_pos + starts.trailing_zeros() as usize;
                 starts &= starts - 1;
+                units += 1;
                 if at < run {
                     continue; // the second half of a surrogate pair, decoded with the first
                 }
                 if at > run {
-                    emit(&buf[run..at]);
+                    emit.emit(&buf[run..at]);
                 }
                 self.pos = at;
                 self.escape(emit)?;
@@ -384,7 +655,7 @@ impl<'a> Cursor<'a> {
             if let Some(end) = closing {
                 let end = chunk_pos + end;
                 if end > run {
-                    emit(&buf[run..end]);
+                    emit.emit(&buf[run..end]);
                 }
                 self.pos = end + 1;
                 return Ok(());
@@ -393,13 +664,17 @@ impl<'a> Cursor<'a> {
                 self.pos = buf.len();
                 return Err(PromptError::Truncated);
             }
+            if !emit.charge(units) {
+                self.pos = chunk_pos;
+                return Err(STOP);
+            }
             chunk_pos += 64;
         }
     }
 
     /// Decodes the escape at the cursor (on its backslash).
     #[inline]
-    fn escape(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+    fn escape(&mut self, emit: &mut impl Emit) -> Result<(), PromptError> {
         let Some(&e) = self.buf.get(self.pos + 1) else {
             return Err(PromptError::Truncated);
         };
@@ -411,7 +686,7 @@ impl<'a> Cursor<'a> {
             self.pos += 1;
             return Err(self.syntax());
         }
-        emit(&[decoded]);
+        emit.emit(&[decoded]);
         self.pos += 2;
         Ok(())
     }
@@ -493,7 +768,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// `\uXXXX`, with surrogate pairs joined; a lone surrogate becomes U+FFFD.
-    fn unicode_escape(&mut self, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+    fn unicode_escape(&mut self, emit: &mut impl Emit) -> Result<(), PromptError> {
         let unit = self.code_unit(self.pos)?;
         self.pos += 6;
         let mut out = [0u8; 4];
@@ -509,16 +784,16 @@ impl<'a> Cursor<'a> {
                         let c =
                             0x10000 + (((unit as u32) - 0xD800) << 10) + ((low as u32) - 0xDC00);
                         let c = char::from_u32(c).unwrap_or('\u{FFFD}');
-                        emit(utf8(c, &mut out));
+                        emit.emit(utf8(c, &mut out));
                         return Ok(());
                     }
                 }
-                emit(REPLACEMENT);
+                emit.emit(REPLACEMENT);
             }
-            0xDC00..=0xDFFF => emit(REPLACEMENT),
+            0xDC00..=0xDFFF => emit.emit(REPLACEMENT),
             _ => {
                 let c = char::from_u32(unit as u32).unwrap_or('\u{FFFD}');
-                emit(utf8(c, &mut out));
+                emit.emit(utf8(c, &mut out));
             }
         }
         Ok(())
@@ -531,12 +806,7 @@ impl<'a> Cursor<'a> {
         let start = self.pos;
         let mut i = start;
         let at = |i: usize| buf.get(i).copied();
-        let digits = |mut i: usize| {
-            while matches!(at(i), Some(b'0'..=b'9')) {
-                i += 1;
-            }
-            i
-        };
+        let digits = |i: usize| digits_end(buf, i);
         if at(i) == Some(b'-') {
             i += 1;
         }
@@ -608,11 +878,18 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// Walks one whole value, validating it, with `depth` levels already open around it. With
-    /// `emit`, the value is written canonically: structural tokens, strings (decoded, between
-    /// quote marks), numbers and literals as written, whitespace dropped. Iterative: hostile
-    /// nesting fails at [`MAX_DEPTH`] without growing the call stack.
+    /// [`Cursor::value_to`] with a closure (which never stops it).
+    #[cfg(test)]
     pub fn value(&mut self, depth: usize, emit: &mut impl FnMut(&[u8])) -> Result<(), PromptError> {
+        self.value_to(depth, emit)
+    }
+
+    /// Walks one whole value, validating it, with `depth` levels already open around it, and
+    /// writes it canonically into `emit`: structural tokens, strings (decoded, between quote
+    /// marks), numbers and literals as written, whitespace dropped. Iterative: hostile nesting
+    /// fails at [`MAX_DEPTH`] without growing the call stack. An `emit` that stops ends it
+    /// with [`STOP`].
+    pub fn value_to(&mut self, depth: usize, emit: &mut impl Emit) -> Result<(), PromptError> {
         self.walk::<true, true>(depth, emit)
     }
 
@@ -620,26 +897,56 @@ impl<'a> Cursor<'a> {
     /// but not decoded.
     #[inline]
     pub fn skip(&mut self, depth: usize) -> Result<(), PromptError> {
-        self.walk::<false, true>(depth, &mut |_| {})
+        self.walk::<false, true>(depth, &mut |_: &[u8]| {})
     }
 
     /// Skips one value checking its structure but not its escapes: for a first pass over values
     /// that the second pass reads (and so checks) in full.
     #[inline]
     pub fn skim(&mut self, depth: usize) -> Result<(), PromptError> {
-        self.walk::<false, false>(depth, &mut |_| {})
+        self.walk::<false, false>(depth, &mut |_: &[u8]| {})
+    }
+
+    /// Moves over one value with the structural skim ([`close_levels`]) where it is an array
+    /// or an object; a string is skimmed as by [`Cursor::skim`], a number or literal runs to the
+    /// next delimiter (found with `memchr`). Validates nothing, nesting included.
+    pub fn skim_fast(&mut self) -> Result<(), PromptError> {
+        match self.peek_token()? {
+            b'"' => self.skip_string::<false>(),
+            b'[' | b'{' => {
+                self.pos = close_levels(self.buf, self.pos + 1, 1)?;
+                Ok(())
+            }
+            _ => {
+                // Up to the delimiter after it, whitespace before that left out.
+                let rest = self.buf.get(self.pos..).unwrap_or(&[]);
+                let Some(delimiter) = memchr::memchr3(b',', b']', b'}', rest) else {
+                    self.pos = self.buf.len();
+                    return Err(PromptError::Truncated);
+                };
+                let value = rest[..delimiter].trim_ascii_end();
+                if value.is_empty() {
+                    return Err(self.syntax());
+                }
+                self.pos += value.len();
+                Ok(())
+            }
+        }
     }
 
     /// [`Cursor::value`] (`EMIT`) or [`Cursor::skip`].
     fn walk<const EMIT: bool, const CHECK_ESCAPES: bool>(
         &mut self,
         depth: usize,
-        emit: &mut impl FnMut(&[u8]),
+        emit: &mut impl Emit,
     ) -> Result<(), PromptError> {
         // Bit i of `objects` is set when open level i (relative to this value) is an object.
         let mut objects: u64 = 0;
         let mut open = 0usize;
         loop {
+            if EMIT && !emit.charge(1) {
+                return Err(STOP);
+            }
             // Expecting a value.
             match self.peek_token()? {
                 c @ (b'{' | b'[') => {
@@ -648,11 +955,11 @@ impl<'a> Cursor<'a> {
                     }
                     self.pos += 1;
                     let is_object = c == b'{';
-                    emit(if is_object { b"{" } else { b"[" });
+                    emit.emit(if is_object { b"{" } else { b"[" });
                     let close = if is_object { b'}' } else { b']' };
                     if self.peek_token()? == close {
                         self.pos += 1;
-                        emit(if is_object { b"}" } else { b"]" });
+                        emit.emit(if is_object { b"}" } else { b"]" });
                     } else {
                         if is_object {
                             objects |= 1 << open;
@@ -668,15 +975,21 @@ impl<'a> Cursor<'a> {
                 }
                 b'"' => {
                     if EMIT {
-                        emit(b"\"");
-                        self.string(emit)?;
-                        emit(b"\"");
+                        emit.emit(b"\"");
+                        self.string_to(emit)?;
+                        emit.emit(b"\"");
                     } else {
                         self.skip_string::<CHECK_ESCAPES>()?;
                     }
                 }
-                b'-' | b'0'..=b'9' => emit(self.number()?),
-                b't' | b'f' | b'n' => emit(self.literal()?),
+                b'-' | b'0'..=b'9' => {
+                    let number = self.number()?;
+                    emit.emit(number)
+                }
+                b't' | b'f' | b'n' => {
+                    let literal = self.literal()?;
+                    emit.emit(literal)
+                }
                 _ => return Err(self.syntax()),
             }
             // After a value: close containers or move to the next element.
@@ -688,7 +1001,7 @@ impl<'a> Cursor<'a> {
                 match self.peek_token()? {
                     b',' => {
                         self.pos += 1;
-                        emit(b",");
+                        emit.emit(b",");
                         if in_object {
                             self.key::<EMIT, CHECK_ESCAPES>(emit)?;
                         }
@@ -696,12 +1009,12 @@ impl<'a> Cursor<'a> {
                     }
                     b'}' if in_object => {
                         self.pos += 1;
-                        emit(b"}");
+                        emit.emit(b"}");
                         open -= 1;
                     }
                     b']' if !in_object => {
                         self.pos += 1;
-                        emit(b"]");
+                        emit.emit(b"]");
                         open -= 1;
                     }
                     _ => return Err(self.syntax()),
@@ -713,17 +1026,17 @@ impl<'a> Cursor<'a> {
     /// An object key and its colon, emitted canonically.
     fn key<const EMIT: bool, const CHECK_ESCAPES: bool>(
         &mut self,
-        emit: &mut impl FnMut(&[u8]),
+        emit: &mut impl Emit,
     ) -> Result<(), PromptError> {
         if EMIT {
-            emit(b"\"");
-            self.string(emit)?;
-            emit(b"\"");
+            emit.emit(b"\"");
+            self.string_to(emit)?;
+            emit.emit(b"\"");
         } else {
             self.skip_string::<CHECK_ESCAPES>()?;
         }
         self.expect(b':')?;
-        emit(b":");
+        emit.emit(b":");
         Ok(())
     }
 
@@ -1200,6 +1513,136 @@ mod tests {
         ] {
             assert!(canon(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn structure_classifiers_agree_with_the_bytewise_one() {
+        let mut chunk = [0u8; 64];
+        let mut x = 0x0bad_cafe_f00d_d00du64;
+        for round in 0..2000 {
+            for b in chunk.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = if round % 2 == 0 {
+                    x as u8
+                } else {
+                    [b'"', b'\\', b'[', b']', b'{', b'}', 0x5b | 0x80, b'a'][x as usize % 8]
+                };
+            }
+            let slow = classify_structure_bytewise(&chunk);
+            let mut fast = vec![classify_structure(&chunk)];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // Safety: the CPU supports AVX2.
+                fast.push(unsafe { classify_structure_avx2(&chunk) });
+            }
+            for m in fast {
+                assert_eq!(m.quote, slow.quote);
+                assert_eq!(m.backslash, slow.backslash);
+                assert_eq!(m.open, slow.open);
+                assert_eq!(m.close, slow.close);
+            }
+        }
+    }
+
+    /// Random valid JSON: nesting, strings with escapes, brackets and quotes inside strings,
+    /// long plain runs, whitespace.
+    fn random_json(x: &mut u64, depth: usize, out: &mut String) {
+        fn step(x: &mut u64) -> u64 {
+            *x ^= *x << 13;
+            *x ^= *x >> 7;
+            *x ^= *x << 17;
+            *x
+        }
+        let mut next = || step(x);
+        match next() % if depth > 6 { 3 } else { 6 } {
+            0 => out.push_str(["0", "-1.5e3", "true", "null", "12345"][next() as usize % 5]),
+            1 | 2 => {
+                out.push('"');
+                for _ in 0..next() % 12 {
+                    out.push_str(
+                        [
+                            "a", "[", "]", "{", "}", "\\\"", "\\\\", "\\n", "\\u005b", " ",
+                            "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
+                        ][next() as usize % 11],
+                    );
+                }
+                out.push('"');
+            }
+            3 | 4 => {
+                out.push('[');
+                for i in 0..step(x) % 5 {
+                    if i > 0 {
+                        out.push_str(if step(x).is_multiple_of(2) {
+                            ","
+                        } else {
+                            " ,\n "
+                        });
+                    }
+                    random_json(x, depth + 1, out);
+                }
+                out.push(']');
+            }
+            _ => {
+                out.push('{');
+                for i in 0..step(x) % 5 {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(["\"k\"", "\"a]\"", "\"\\\"}\""][step(x) as usize % 3]);
+                    out.push_str(if step(x).is_multiple_of(2) {
+                        ":"
+                    } else {
+                        " : "
+                    });
+                    random_json(x, depth + 1, out);
+                }
+                out.push('}');
+            }
+        }
+    }
+
+    #[test]
+    fn the_structural_skim_ends_values_where_the_scanner_does() {
+        let mut x = 0x1357_9bdf_2468_ace0u64;
+        let mut containers = 0;
+        for _ in 0..20_000 {
+            let mut json = String::new();
+            random_json(&mut x, 0, &mut json);
+            json.push_str(" ,\"after\"");
+            let mut walked = Cursor::new(json.as_bytes(), 0);
+            walked.skip(0).unwrap_or_else(|e| panic!("{json}: {e:?}"));
+            let mut skimmed = Cursor::new(json.as_bytes(), 0);
+            skimmed
+                .skim_fast()
+                .unwrap_or_else(|e| panic!("{json}: {e:?}"));
+            assert_eq!(skimmed.pos, walked.pos, "{json}");
+            if matches!(json.as_bytes()[0], b'[' | b'{') {
+                // The portable classifier in the same loop (the dispatch may take AVX2).
+                let portable = close_levels_with(json.as_bytes(), 1, 1, classify_structure);
+                assert_eq!(portable, Ok(walked.pos), "{json}");
+                containers += 1;
+            }
+            // Cut anywhere inside the value: the skim runs out of body.
+            if walked.pos > 1 {
+                let cut = (x as usize) % (walked.pos - 1) + 1;
+                if matches!(json.as_bytes()[0], b'[' | b'{' | b'"') {
+                    let mut short = Cursor::new(&json.as_bytes()[..cut], 0);
+                    assert_eq!(
+                        short.skim_fast(),
+                        Err(PromptError::Truncated),
+                        "{json} cut {cut}"
+                    );
+                }
+            }
+        }
+        assert!(containers > 5000, "{containers}");
+        // From inside an array, past its closing bracket.
+        let body = br#"[{"a":"]}"},[1,[2]],"x\"]"] , 3]"#;
+        assert_eq!(close_levels(body, 1, 1), Ok(body.len() - 5));
+        assert_eq!(close_levels(body, 1, 2), Ok(body.len()));
+        assert_eq!(close_levels(body, 1, 3), Err(PromptError::Truncated));
     }
 
     #[test]

@@ -953,3 +953,339 @@ fn recording_path_equals_the_two_pass_reference() {
     }
     assert!(ok > 2000, "{ok} bodies extracted");
 }
+
+/// What a bounded extraction produced: its result and the concatenated pieces (kept on
+/// `Unknown` too, to look at; a caller discards them).
+type Bounded = (Result<(PromptForm, Extent), PromptError>, Vec<u8>, Vec<u32>);
+
+fn within(
+    endpoint: Endpoint,
+    body: &[u8],
+    scratch: &mut PromptScratch,
+    limits: &PromptLimits,
+) -> Bounded {
+    let mut text = Vec::new();
+    let mut tokens = Vec::new();
+    let result = extract_prompt_within(
+        endpoint,
+        body,
+        scratch,
+        limits,
+        &mut |p: Piece<'_>| match p {
+            Piece::Text(b) => text.extend_from_slice(b),
+            Piece::Token(t) => tokens.push(t),
+        },
+    );
+    (result, text, tokens)
+}
+
+#[test]
+fn bodies_under_the_bounds_read_as_without_them() {
+    let mut rng = Rng(0xB0DE_D0E5_0F0B_0DE5);
+    let mut scratches: Vec<PromptScratch> = [0, 3, 17, 8192]
+        .into_iter()
+        .map(PromptScratch::new)
+        .collect();
+    let limits = PromptLimits::default();
+    let mut ok = 0;
+    for _ in 0..4000 {
+        let body = random_body(&mut rng);
+        let body = body.as_bytes();
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            let reference =
+                extracted_with(|mut s| reference_extract_prompt(endpoint, body, &mut s));
+            for scratch in scratches.iter_mut() {
+                let (result, text, tokens) = within(endpoint, body, scratch, &limits);
+                let result = result.map(|(form, extent)| {
+                    assert_eq!(extent, Extent::Whole, "{}", String::from_utf8_lossy(body));
+                    form
+                });
+                let got = match result {
+                    Ok(form) => (Ok(form), text, tokens),
+                    Err(e) => (Err(e), Vec::new(), Vec::new()),
+                };
+                assert_eq!(got, reference, "{}", String::from_utf8_lossy(body));
+            }
+            ok += reference.0.is_ok() as usize;
+        }
+    }
+    assert!(ok > 1500, "{ok} bodies extracted");
+}
+
+#[test]
+fn a_bound_cuts_the_canonical_prefix_and_nothing_else() {
+    let mut rng = Rng(0x0C07_5407_7B0D_1E55);
+    let mut scratches: Vec<PromptScratch> = [0, 2, 9, 8192]
+        .into_iter()
+        .map(PromptScratch::new)
+        .collect();
+    let mut seen = [0usize; 6];
+    for round in 0..6000 {
+        let body = random_body(&mut rng);
+        let body = body.as_bytes();
+        let pick = |rng: &mut Rng, options: &[usize]| options[rng.next() as usize % options.len()];
+        let limits = PromptLimits {
+            max_tokens: pick(&mut rng, &[1, 3, 10, 40, 150, usize::MAX]),
+            max_messages: pick(&mut rng, &[0, 1, 2, 4, usize::MAX]),
+            max_parts: pick(&mut rng, &[0, 1, 3, usize::MAX]),
+            max_work: pick(&mut rng, &[0, 5, 20, 80, 400, usize::MAX]),
+            max_validated_bytes: pick(&mut rng, &[0, 4, 30, usize::MAX]),
+        };
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            let reference =
+                extracted_with(|mut s| reference_extract_prompt(endpoint, body, &mut s));
+            let scratch = &mut scratches[round % 4];
+            let (result, text, tokens) = within(endpoint, body, scratch, &limits);
+            let shown = || format!("{limits:?} {endpoint:?} {}", String::from_utf8_lossy(body));
+            let (Ok(form), want_text, want_tokens) = &reference else {
+                // An invalid body may be read up to a bound before its error: nothing to check
+                // but that the extraction ends.
+                seen[5] += 1;
+                continue;
+            };
+            match result {
+                Ok((got, Extent::Whole)) => {
+                    assert_eq!(got, *form, "{}", shown());
+                    assert_eq!(&text, want_text, "{}", shown());
+                    assert_eq!(&tokens, want_tokens, "{}", shown());
+                    seen[0] += 1;
+                }
+                Ok((got, Extent::Prefix(bound))) => {
+                    assert_eq!(got, *form, "{}", shown());
+                    assert!(
+                        want_text.starts_with(&text),
+                        "{bound:?} {:?} {}",
+                        String::from_utf8_lossy(&text),
+                        shown()
+                    );
+                    assert!(want_tokens.starts_with(&tokens), "{bound:?} {}", shown());
+                    if bound == Bound::Tokens {
+                        // Text stops at the token bound only when its sink is full (these
+                        // closures never are).
+                        assert_eq!(*form, PromptForm::Tokens, "{}", shown());
+                        assert!(tokens.len() <= limits.max_tokens, "{}", shown());
+                    }
+                    seen[1 + (bound == Bound::Tokens) as usize] += 1;
+                }
+                Ok((_, Extent::Unknown(_))) => seen[3] += 1,
+                Err(e) => panic!("a valid body failed within bounds: {e:?} {}", shown()),
+            }
+            if limits.max_validated_bytes < body.len() {
+                seen[4] += 1;
+            }
+        }
+    }
+    // Every outcome came up often.
+    assert!(seen.iter().all(|&n| n > 30), "{seen:?}");
+}
+
+/// `n` one-letter user messages, then `tail` (the top-level members after `messages`).
+fn many_messages(n: usize, head: &str, tail: &str) -> String {
+    let messages = vec![r#"{"role":"user","content":"a"}"#; n].join(",");
+    format!(r#"{{{head}"messages":[{messages}]{tail}}}"#)
+}
+
+#[test]
+fn fields_after_a_cut_message_array_are_still_found() {
+    let limits = PromptLimits {
+        max_messages: 100,
+        ..PromptLimits::default()
+    };
+    let fields =
+        r#""model":"m","cache_salt":"s","tools":[{"type":"function","function":{"name":"f"}}]"#;
+    let mut scratch = PromptScratch::new(8192);
+    // The bound's prefix: the same fields and exactly the first 100 messages.
+    let (want, want_text, _) = within(
+        Endpoint::ChatCompletions,
+        many_messages(100, &format!("{fields},"), "").as_bytes(),
+        &mut scratch,
+        &PromptLimits::UNLIMITED,
+    );
+    assert_eq!(want, Ok((PromptForm::Text, Extent::Whole)));
+    for body in [
+        many_messages(5000, "", &format!(",{fields}")),
+        many_messages(5000, &format!("{fields},"), ""),
+        many_messages(
+            5000,
+            r#""model":"m","#,
+            r#","cache_salt":"s","tools":[{"type":"function","function":{"name":"f"}}],"stream":true"#,
+        ),
+    ] {
+        for pieces in [0, 5, 8192] {
+            let (got, text, _) = within(
+                Endpoint::ChatCompletions,
+                body.as_bytes(),
+                &mut PromptScratch::new(pieces),
+                &limits,
+            );
+            assert_eq!(
+                got,
+                Ok((PromptForm::Text, Extent::Prefix(Bound::Messages))),
+                "{pieces}"
+            );
+            assert_eq!(text, want_text, "{pieces}");
+        }
+    }
+    // The rest of the body is skimmed, not validated...
+    let broken =
+        many_messages(5000, "", r#","model":"m""#).replacen(r#""a"}]"#, r#""a\q",tru}]"#, 1);
+    assert!(matches!(chat_err(&broken), PromptError::Syntax { .. }));
+    let (got, ..) = within(
+        Endpoint::ChatCompletions,
+        broken.as_bytes(),
+        &mut scratch,
+        &limits,
+    );
+    assert_eq!(got.map(|(_, e)| e), Ok(Extent::Prefix(Bound::Messages)));
+    // ...but a body that ends inside it has no prefix.
+    let cut = many_messages(5000, r#""model":"m","#, "");
+    let (got, ..) = within(
+        Endpoint::ChatCompletions,
+        &cut.as_bytes()[..cut.len() - 3],
+        &mut scratch,
+        &limits,
+    );
+    assert_eq!(
+        got,
+        Ok((PromptForm::Text, Extent::Unknown(Bound::Messages)))
+    );
+}
+
+#[test]
+fn a_bound_before_the_fields_leaves_no_prefix() {
+    let members: String = (0..10_000).map(|i| format!(r#""k{i}":{i},"#)).collect();
+    let body = format!(r#"{{{members}"model":"m","messages":[{{"role":"user","content":"a"}}]}}"#);
+    let limits = PromptLimits {
+        max_work: 1000,
+        ..PromptLimits::default()
+    };
+    let (got, ..) = within(
+        Endpoint::ChatCompletions,
+        body.as_bytes(),
+        &mut PromptScratch::new(64),
+        &limits,
+    );
+    assert_eq!(got, Ok((PromptForm::Text, Extent::Unknown(Bound::Work))));
+    let (got, ..) = within(
+        Endpoint::ChatCompletions,
+        body.as_bytes(),
+        &mut PromptScratch::new(64),
+        &PromptLimits::default(),
+    );
+    assert_eq!(got, Ok((PromptForm::Text, Extent::Whole)));
+}
+
+#[test]
+fn token_ids_and_text_stop_at_the_token_bound() {
+    let limits = PromptLimits::for_tokens(1000);
+    let mut scratch = PromptScratch::new(64);
+    let ids: Vec<String> = (0..5000).map(|i| i.to_string()).collect();
+    for body in [
+        format!(r#"{{"prompt":[{}],"model":"m"}}"#, ids.join(",")),
+        format!(r#"{{"prompt":[[{}],[1]],"model":"m"}}"#, ids.join(",")),
+    ] {
+        let (got, text, tokens) = within(
+            Endpoint::Completions,
+            body.as_bytes(),
+            &mut scratch,
+            &limits,
+        );
+        assert_eq!(got, Ok((PromptForm::Tokens, Extent::Prefix(Bound::Tokens))));
+        assert!(text.is_empty());
+        assert_eq!(tokens, (0..1000).collect::<Vec<u32>>());
+    }
+    // Text stops once its sink is full, at the next check: a 64-byte stretch of a string, a
+    // member, a message (`prefix` takes exactly the blocks it wants). Messages the first pass
+    // recorded are replayed whole (a cheap copy of at most the scratch's pieces): plain text
+    // is read to its end, escape-dense text (scanned again) stops.
+    struct Capped(Vec<u8>);
+    impl PromptSink for Capped {
+        fn piece(&mut self, piece: Piece<'_>) {
+            if let Piece::Text(b) = piece {
+                self.0.extend_from_slice(b);
+            }
+        }
+        fn full(&self) -> bool {
+            self.0.len() >= 4000
+        }
+    }
+    for content in [
+        "x".repeat(10_000),
+        "\\n".repeat(10_000),
+        "é\\u00e9".repeat(3000),
+    ] {
+        for body in [
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}},{{"role":"user","content":"{content}"}}]}}"#
+            ),
+            format!(
+                r#"{{"messages":[{{"content":"{content}","role":"user"}},{{"role":"user","content":"{content}"}}],"model":"m"}}"#
+            ),
+        ] {
+            let (_, whole, _) = within(
+                Endpoint::ChatCompletions,
+                body.as_bytes(),
+                &mut scratch,
+                &PromptLimits::UNLIMITED,
+            );
+            let mut sink = Capped(Vec::new());
+            let got = extract_prompt_within(
+                Endpoint::ChatCompletions,
+                body.as_bytes(),
+                &mut scratch,
+                &limits,
+                &mut sink,
+            );
+            let text = sink.0;
+            let want = if content.contains('\\') {
+                Extent::Prefix(Bound::Tokens)
+            } else {
+                Extent::Whole
+            };
+            assert_eq!(got, Ok((PromptForm::Text, want)), "{body:.60}");
+            assert!(text.len() >= 4000, "{} bytes: {body:.60}", text.len());
+            assert_eq!(
+                text.len() < whole.len(),
+                want != Extent::Whole,
+                "{} bytes: {body:.60}",
+                text.len()
+            );
+            assert!(whole.starts_with(&text), "{body:.60}");
+        }
+    }
+}
+
+#[test]
+fn dense_text_stops_at_the_work_bound() {
+    let limits = PromptLimits {
+        max_work: 10_000,
+        ..PromptLimits::default()
+    };
+    let mut scratch = PromptScratch::new(8192);
+    let escapes = "\\t".repeat(100_000);
+    let zeros = vec!["0"; 100_000].join(",");
+    for body in [
+        format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{escapes}"}}]}}"#),
+        format!(r#"{{"messages":[{{"role":"user","content":"{escapes}"}}],"model":"m"}}"#),
+        format!(r#"{{"model":"m","tools":[{zeros}],"messages":[]}}"#),
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"x","v":[{zeros}]}}]}}]}}"#
+        ),
+    ] {
+        // A unit of work delivers at most two pieces (a run and an escape, a value and a comma).
+        let mut pieces = 0usize;
+        let got = extract_prompt_within(
+            Endpoint::ChatCompletions,
+            body.as_bytes(),
+            &mut scratch,
+            &limits,
+            &mut |_: Piece<'_>| pieces += 1,
+        );
+        assert_eq!(
+            got,
+            Ok((PromptForm::Text, Extent::Prefix(Bound::Work))),
+            "{body:.60}"
+        );
+        assert!(pieces <= 2 * 10_000 + 8, "{pieces} pieces: {body:.60}");
+    }
+}

@@ -34,6 +34,8 @@ pub struct Shared {
     pub routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
     /// How prompts are cut into prefix blocks.
     pub prefix: crate::prefix::PrefixConfig,
+    /// How much of a prompt a worker reads (`max_prompt_tokens`, fixed at start).
+    pub prompt_limits: crate::prompt::PromptLimits,
     pub loads: Vec<ReplicaLoad>,
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
@@ -56,6 +58,12 @@ impl Shared {
     ) -> Shared {
         let n = cfg.max_replicas.max(cfg.replicas.len());
         let workers = (0..cfg.workers).map(|_| WorkerStats::new(n)).collect();
+        // Room for the blocks of the longest prompt read, in the finer (token-mode) blocks.
+        let mut prefix = crate::prefix::PrefixConfig::default();
+        prefix.max_blocks = cfg
+            .max_prompt_tokens
+            .div_ceil(prefix.token_block_size as usize)
+            .clamp(1, 1 << 20);
         let fleet = crate::fleet::Fleet::new(n);
         for r in &cfg.replicas {
             fleet
@@ -67,7 +75,8 @@ impl Shared {
             residency,
             offload_residency: None,
             routing_logs,
-            prefix: crate::prefix::PrefixConfig::default(),
+            prefix,
+            prompt_limits: crate::prompt::PromptLimits::for_tokens(cfg.max_prompt_tokens),
             loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
             workers,
             draining: AtomicBool::new(false),
@@ -109,6 +118,9 @@ impl Shared {
             .as_millis() as u64
     }
 }
+
+/// A worker logs prompts cut short by a bound at most this often.
+const TRUNCATED_LOG_EVERY_MS: u64 = 10_000;
 
 /// Most idle upstream connections kept per replica per worker.
 const MAX_IDLE_UPSTREAM: usize = 256;
@@ -180,6 +192,10 @@ pub struct Worker {
     free_idle: RefCell<Vec<usize>>,
     pub open: Cell<usize>,
     pub draining: Cell<bool>,
+    /// When a prompt cut short by a bound was last logged (ms since start), and how many were
+    /// cut since.
+    truncated_logged: Cell<Option<u64>>,
+    truncated_since: Cell<u64>,
     /// This worker's access log (None: off).
     pub access_log: RefCell<Option<crate::access_log::AccessLog>>,
 }
@@ -431,13 +447,27 @@ impl Choice {
 }
 
 impl Worker {
-    /// Hash the prompt's prefix blocks into the worker's buffers (no allocation in text mode).
-    /// False when the body is not a prompt; malformed prompts are counted by kind. With a
-    /// tokenizer configured, chat and text completions prompts are hashed as the engine's
-    /// token ids (`crate::tokenize`); a request it cannot tokenize is counted and hashed as text.
+    /// Hash the prompt's prefix blocks into the worker's buffers (no allocation in text mode),
+    /// reading at most `shared.prompt_limits` of it. False when the body is not a prompt, or a
+    /// bound stopped it before the fields its prefix starts with; malformed prompts are counted
+    /// by kind, prompts cut short by bound (and logged now and then). With a tokenizer
+    /// configured, chat and text completions prompts read whole are hashed as the engine's
+    /// token ids (`crate::tokenize`); a request it cannot tokenize is counted and hashed as
+    /// text.
     pub fn hash_prompt(&self, path: &[u8], body: &[u8]) -> bool {
+        use crate::prompt::Extent;
         let mut prefix = self.prefix.borrow_mut();
-        if let Some(tokenizer) = &self.shared.cfg().token_mode {
+        let text = crate::prefix::hash_request_within(
+            path,
+            body,
+            &self.shared.prefix,
+            &self.shared.prompt_limits,
+            &mut prefix,
+        );
+        // Rendering and tokenizing cost far more a byte than reading: only a prompt read whole
+        // within the bounds is tokenized.
+        let whole = text.is_ok() && prefix.extent == Extent::Whole;
+        if let (true, Some(tokenizer)) = (whole, &self.shared.cfg().token_mode) {
             let mut scratch = self.tokens.borrow_mut();
             let scratch = &mut *scratch;
             match tokenizer
@@ -455,8 +485,18 @@ impl Worker {
                 }
             }
         }
-        match crate::prefix::hash_request(path, body, &self.shared.prefix, &mut prefix) {
-            Ok(()) => true,
+        match text {
+            Ok(()) => match prefix.extent {
+                Extent::Whole => true,
+                Extent::Prefix(bound) => {
+                    self.prompt_truncated(bound, Some(prefix.hashes.len()), body.len());
+                    true
+                }
+                Extent::Unknown(bound) => {
+                    self.prompt_truncated(bound, None, body.len());
+                    false
+                }
+            },
             Err(crate::prompt::PromptError::NotAPromptPath) => false,
             Err(e) => {
                 let labels = crate::metrics::PROMPT_ERRORS;
@@ -466,6 +506,42 @@ impl Worker {
                 false
             }
         }
+    }
+
+    /// Counts a prompt that `bound` cut short (`blocks` hashed before it, or None: no prefix),
+    /// and says so on stderr at most every [`TRUNCATED_LOG_EVERY_MS`].
+    fn prompt_truncated(&self, bound: crate::prompt::Bound, blocks: Option<usize>, body: usize) {
+        use crate::prompt::Bound;
+        let i = Bound::ALL.iter().position(|b| *b == bound).unwrap_or(0);
+        crate::metrics::add(&self.stats().prompt_truncated[i], 1);
+        let now = self.shared.now_ms();
+        let since = self.truncated_since.get() + 1;
+        let due = self
+            .truncated_logged
+            .get()
+            .is_none_or(|t| now.saturating_sub(t) >= TRUNCATED_LOG_EVERY_MS);
+        if !due {
+            self.truncated_since.set(since);
+            return;
+        }
+        self.truncated_logged.set(Some(now));
+        self.truncated_since.set(0);
+        let limits = &self.shared.prompt_limits;
+        let what = match bound {
+            Bound::Tokens => format!("max_prompt_tokens ({})", limits.max_tokens),
+            Bound::Messages => format!("the message bound ({})", limits.max_messages),
+            Bound::Parts => format!("the content part bound ({})", limits.max_parts),
+            Bound::Work => "the work bound (escape- or structure-dense JSON)".to_string(),
+        };
+        let routed = match blocks {
+            Some(n) => format!("routed on the {n} blocks before it"),
+            None => "routed by load (the fields its prefix starts with were not found)".to_string(),
+        };
+        eprintln!(
+            "kvlb: worker {}: a {body}-byte prompt was read up to {what}, {routed}; \
+             {since} cut short since the last such line (kvlb_prompt_truncated_total)",
+            self.id
+        );
     }
 
     /// Ask the policy for one of the candidates `fill_candidates` left (at least one), and
@@ -615,6 +691,8 @@ pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd
         free_idle: RefCell::new(Vec::new()),
         open: Cell::new(0),
         draining: Cell::new(false),
+        truncated_logged: Cell::new(None),
+        truncated_since: Cell::new(0),
         access_log: RefCell::new(open_access_log(id, &shared.cfg())),
         shared,
     });
