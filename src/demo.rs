@@ -13,24 +13,74 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const HELP: &str = "usage: kvlb demo [options]
+/// Compare routing policies on a simulated fleet, end to end.
+///
+/// Starts a simulated fleet (`kvlb replica --count N`) and, for each policy in turn, `kvlb
+/// serve` in front of it; replays agent-style sessions through it with streaming requests and
+/// prints time to first token and the replicas' prefix-cache hit rate per policy, side by side
+/// with round-robin measured in the same run.
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlb demo",
+    args_override_self = true,
+    mut_args = crate::cli::hyphen_values
+)]
+pub struct Opts {
+    /// Simulated replicas
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = crate::cli::int::<usize, 1, 64>)]
+    pub replicas: usize,
+    /// Agent sessions
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = crate::cli::int::<usize, 1, 10_000>)]
+    pub sessions: usize,
+    /// Turns per session
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = crate::cli::int::<usize, 1, 100>)]
+    pub turns: usize,
+    /// Sessions in flight at once
+    #[arg(long, value_name = "N", default_value_t = 12,
+          value_parser = crate::cli::int::<usize, 1, 1024>)]
+    pub concurrency: usize,
+    /// Simulated engine speed-up
+    #[arg(long, value_name = "X", default_value_t = 10.0, value_parser = time_scale)]
+    pub time_scale: f64,
+    /// Comma-separated policies
+    #[arg(long, value_name = "LIST", default_value = "cache_aware,round_robin,least_loaded",
+          value_parser = policy_list)]
+    pub policies: PolicyList,
+    /// Print every request: session, turn, replica, TTFT and kvlb's decision
+    #[arg(long)]
+    pub verbose: bool,
+}
 
-  --replicas N        simulated replicas (default 4)
-  --sessions N        agent sessions (default 32)
-  --turns N           turns per session (default 5)
-  --concurrency N     sessions in flight at once (default 12)
-  --time-scale X      simulated engine speed-up (default 10)
-  --policies LIST     comma-separated policies (default: cache_aware,round_robin,least_loaded)
-  --verbose           print every request: session, turn, replica, TTFT and kvlb's decision";
+/// A list of policy names (a type of its own so that clap parses `--policies` as one value,
+/// not as a repeatable flag).
+pub type PolicyList = Vec<String>;
 
-struct Opts {
-    replicas: usize,
-    sessions: usize,
-    turns: usize,
-    concurrency: usize,
-    time_scale: f64,
-    policies: Vec<String>,
-    verbose: bool,
+fn time_scale(v: &str) -> Result<f64, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|x| *x > 0.0 && *x <= 1000.0)
+        .ok_or_else(|| "expected a number in (0, 1000]".to_string())
+}
+
+fn policy_list(v: &str) -> Result<PolicyList, String> {
+    let list: Vec<String> = v.split(',').map(|s| s.trim().to_string()).collect();
+    if let Some(bad) = list
+        .iter()
+        .find(|p| crate::config::PolicyName::parse(p).is_none())
+    {
+        return Err(format!(
+            "unknown policy {bad:?}; one of {}",
+            crate::config::PolicyName::NAMES
+        ));
+    }
+    Ok(list)
+}
+
+/// Parse `kvlb demo` flags (without the `demo` word). `--help` comes back as an error of kind
+/// `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
+pub fn parse(args: &[String]) -> Result<Opts, clap::Error> {
+    crate::cli::parse("kvlb demo", args, |_: &Opts| Ok(()))
 }
 
 struct Proc(Child);
@@ -51,81 +101,10 @@ impl Drop for Proc {
     }
 }
 
-fn parse(args: &[String]) -> Result<Option<Opts>, String> {
-    let mut o = Opts {
-        replicas: 4,
-        sessions: 32,
-        turns: 5,
-        concurrency: 12,
-        time_scale: 10.0,
-        policies: vec![
-            "cache_aware".into(),
-            "round_robin".into(),
-            "least_loaded".into(),
-        ],
-        verbose: false,
-    };
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        if flag == "-h" || flag == "--help" {
-            println!("{HELP}");
-            return Ok(None);
-        }
-        if flag == "--verbose" {
-            o.verbose = true;
-            i += 1;
-            continue;
-        }
-        let v = args.get(i + 1).ok_or(format!("{flag} needs a value"))?;
-        let num = |max: usize| -> Result<usize, String> {
-            v.parse::<usize>()
-                .ok()
-                .filter(|n| (1..=max).contains(n))
-                .ok_or(format!("{flag} {v:?}: expected a number from 1 to {max}"))
-        };
-        match flag {
-            "--replicas" => o.replicas = num(64)?,
-            "--sessions" => o.sessions = num(10_000)?,
-            "--turns" => o.turns = num(100)?,
-            "--concurrency" => o.concurrency = num(1024)?,
-            "--time-scale" => {
-                o.time_scale = v
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|x| *x > 0.0 && *x <= 1000.0)
-                    .ok_or(format!(
-                        "--time-scale {v:?}: expected a number in (0, 1000]"
-                    ))?
-            }
-            "--policies" => {
-                o.policies = v.split(',').map(|s| s.trim().to_string()).collect();
-                if let Some(bad) = o
-                    .policies
-                    .iter()
-                    .find(|p| crate::config::PolicyName::parse(p).is_none())
-                {
-                    return Err(format!(
-                        "--policies: unknown policy {bad:?}; one of {}",
-                        crate::config::PolicyName::NAMES
-                    ));
-                }
-            }
-            _ => return Err(format!("unknown flag {flag}\n\n{HELP}")),
-        }
-        i += 2;
-    }
-    Ok(Some(o))
-}
-
 pub fn main(args: Vec<String>) -> i32 {
     let opts = match parse(&args) {
-        Ok(Some(o)) => o,
-        Ok(None) => return 0,
-        Err(e) => {
-            eprintln!("kvlb demo: {e}");
-            return 2;
-        }
+        Ok(o) => o,
+        Err(e) => return crate::cli::exit_status(&e),
     };
     match run(&opts) {
         Ok(()) => 0,
@@ -433,4 +412,49 @@ fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, St
         content,
         decision,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn flags_defaults_repeats_and_errors() {
+        // clap checks its definition in debug builds (`cargo test` without --release).
+        <Opts as clap::CommandFactory>::command().debug_assert();
+        let o = parse(&[]).unwrap();
+        assert_eq!(
+            (o.replicas, o.sessions, o.turns, o.concurrency, o.time_scale),
+            (4, 32, 5, 12, 10.0)
+        );
+        assert_eq!(o.policies, ["cache_aware", "round_robin", "least_loaded"]);
+        assert!(!o.verbose);
+        let o = parse(&args(
+            "--replicas 2 --replicas=3 --policies round_robin --time-scale 1000 --verbose",
+        ))
+        .unwrap();
+        assert_eq!((o.replicas, o.time_scale, o.verbose), (3, 1000.0, true));
+        assert_eq!(o.policies, ["round_robin"]);
+        for (bad, flag, value) in [
+            ("--replicas 65", "--replicas", "65"),
+            ("--sessions 0", "--sessions", "0"),
+            ("--turns many", "--turns", "many"),
+            ("--concurrency -3", "--concurrency", "-3"),
+            ("--time-scale 1001", "--time-scale", "1001"),
+            ("--time-scale nan", "--time-scale", "nan"),
+            ("--policies cache_aware,best", "--policies", "best"),
+            ("--policies cache_aware,", "--policies", "\"\""),
+            ("--bogus 1", "--bogus", "--bogus"),
+            ("--turns", "--turns", "value is required"),
+        ] {
+            let e = parse(&args(bad)).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains(value), "{bad}: {e}");
+        }
+        let e = parse(&args("--help")).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
 }

@@ -7,6 +7,7 @@
 pub mod access_log;
 pub mod admin;
 pub mod alloc;
+pub mod cli;
 pub mod config;
 pub mod control;
 pub mod demo;

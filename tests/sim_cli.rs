@@ -218,7 +218,7 @@ fn simulate_rejects_bad_input_with_a_message() {
     .unwrap();
     let bad = bad.to_str().unwrap().to_string();
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![
-        (vec![], 2, "--trace is required"),
+        (vec![], 2, "not provided:\n  --trace <SPEC>"),
         (
             vec!["--trace", "gen:agent-sessions", "--policies", "fastest"],
             2,
@@ -227,7 +227,7 @@ fn simulate_rejects_bad_input_with_a_message() {
         (
             vec!["--trace", "gen:agent-sessions", "--replicas", "0"],
             2,
-            "--replicas \"0\"",
+            "invalid value '0' for '--replicas <N>'",
         ),
         (
             vec!["--trace", "gen:agent-sessions", "--speedup", "-1"],
@@ -248,7 +248,7 @@ fn simulate_rejects_bad_input_with_a_message() {
         (
             vec!["--trace", "gen:agent-sessions", "--bogus", "1"],
             2,
-            "unknown option",
+            "unexpected argument '--bogus'",
         ),
     ];
     for (args, code, message) in cases {

@@ -28,185 +28,129 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use summary::{ReplaySummary, RequestRecord};
 
-const HELP: &str = "usage: kvlb replay --target URL --trace FILE|gen:NAME [options]
-       kvlb replay report [--title T] [--kvlb LABEL] [--baseline LABEL] [--failed LABEL=WHY]...
-                          [--json FILE] [--plot FILE.svg] SUMMARY.json...
-
-Replays a request trace through the balancer at URL (http://HOST:PORT) in real time: each
-request leaves at its trace arrival time divided by --speedup, streams its answer, and its
-time to first token (first SSE event) and end-to-end time are measured.
-
-  --target URL          the balancer (or one replica) to send to
-  --trace SPEC          Mooncake JSONL or Azure CSV file, or gen:shared-prefix, gen:agent-sessions
-  --start S             skip requests arriving before S trace seconds (default 0)
-  --duration S          only requests arriving within S trace seconds after --start
-  --limit N             at most N requests (after --start / --duration)
-  --speedup X           divide arrival times by X (default 1)
-  --time-scale X        the replicas' --time-scale: reported times are wall seconds times X, in
-                        the simulated engine's seconds (default 1: wall seconds)
-  --api chat|completions  /v1/chat/completions (default) or /v1/completions
-  --prompt text|token-ids  prompts as text (default) or, for completions, as the token ids the
-                        replicas' tokenizer gives that text
-  --max-output N        cap each request's output tokens (default: the trace's)
-  --model NAME          the model field (default sim)
-  --replica URL         a replica behind the balancer (repeatable): its /metrics is read before
-                        and after, giving requests, prompt tokens computed and hit rate per replica
-  --label NAME          the name in the summary (default: the target URL)
-  --json FILE           write the summary as JSON (- for stdout)
-  --timeout S           per-request limit in wall seconds (default 600)
-  --seed N              generator seed (default 1)
-  --quiet               no progress lines
-
-report: reads summaries written by --json, prints them side by side with the ratios of --kvlb
-(default: the first) to --baseline (default: a label containing round_robin) and to the best
-of the others (lowest p99 TTFT), and writes the combined JSON and an SVG (TTFT CDF per
-balancer, prompt tokens computed per replica). --failed names a balancer that could not run.";
+const AFTER_HELP: &str = "\
+Summaries side by side:
+kvlb replay report [--title T] [--kvlb LABEL] [--baseline LABEL] [--failed LABEL=WHY]...
+                   [--json FILE] [--plot FILE.svg] SUMMARY.json...
+  reads summaries written by --json, prints them side by side with the ratios of --kvlb
+  (default: the first) to --baseline (default: a label containing round_robin) and to the best
+  of the others (lowest p99 TTFT), and writes the combined JSON and an SVG (TTFT CDF per
+  balancer, prompt tokens computed per replica). --failed names a balancer that could not run.";
 
 /// `--api`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
 pub enum Api {
+    /// /v1/chat/completions
     Chat,
+    /// /v1/completions
     Completions,
 }
 
 /// `--prompt`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
 pub enum PromptForm {
+    /// the prompt as text
     Text,
+    /// for completions, the token ids the replicas' tokenizer gives that text
     TokenIds,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+/// Replay a request trace through a balancer, live, and measure what its clients get.
+///
+/// Replays a request trace through the balancer at URL (http://HOST:PORT) in real time: each
+/// request leaves at its trace arrival time divided by --speedup, streams its answer, and its
+/// time to first token (first SSE event) and end-to-end time are measured.
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlb replay",
+    after_help = AFTER_HELP,
+    args_override_self = true,
+    mut_args = crate::cli::hyphen_values
+)]
 pub struct Options {
+    /// The balancer (or one replica) to send to
+    #[arg(long, value_name = "URL", value_parser = http_url)]
     pub target: String,
+    /// Mooncake JSONL or Azure CSV file, or gen:shared-prefix, gen:agent-sessions
+    #[arg(long, value_name = "SPEC", value_parser = crate::cli::non_empty)]
     pub trace: String,
+    /// Skip requests arriving before S trace seconds
+    #[arg(long = "start", value_name = "S", default_value_t = 0.0,
+          value_parser = crate::cli::non_negative)]
     pub start_s: f64,
+    /// Only requests arriving within S trace seconds after --start
+    #[arg(long = "duration", value_name = "S", value_parser = crate::cli::positive)]
     pub duration_s: Option<f64>,
+    /// At most N requests (after --start / --duration)
+    #[arg(long, value_name = "N", value_parser = crate::cli::int::<usize, 1, { u32::MAX as u64 }>)]
     pub limit: Option<usize>,
+    /// Divide arrival times by X
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = crate::cli::positive)]
     pub speedup: f64,
+    /// The replicas' --time-scale: reported times are wall seconds times X, in the simulated
+    /// engine's seconds (1: wall seconds)
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = crate::cli::positive)]
     pub time_scale: f64,
+    /// The API to call
+    #[arg(long, value_enum, default_value_t = Api::Chat)]
     pub api: Api,
+    /// Prompts as text or, for completions, as token ids
+    #[arg(long, value_enum, default_value_t = PromptForm::Text)]
     pub prompt: PromptForm,
+    /// Cap each request's output tokens (default: the trace's)
+    #[arg(long, value_name = "N", value_parser = crate::cli::int::<u32, 1, { u32::MAX as u64 }>)]
     pub max_output: Option<u32>,
+    /// The model field
+    #[arg(long, value_name = "NAME", default_value = "sim")]
     pub model: String,
+    /// A replica behind the balancer (repeatable): its /metrics is read before and after,
+    /// giving requests, prompt tokens computed and hit rate per replica
+    #[arg(long = "replica", value_name = "URL", value_parser = http_url)]
     pub replicas: Vec<String>,
+    /// The name in the summary (default: the target URL)
+    #[arg(long, value_name = "NAME")]
     pub label: Option<String>,
+    /// Write the summary as JSON (- for stdout)
+    #[arg(long, value_name = "FILE")]
     pub json: Option<String>,
+    /// Per-request limit in wall seconds
+    #[arg(long = "timeout", value_name = "S", default_value_t = 600.0,
+          value_parser = crate::cli::positive)]
     pub timeout_s: f64,
+    /// Generator seed
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = crate::cli::int::<u64, 0, { u64::MAX }>)]
     pub seed: u64,
+    /// No progress lines
+    #[arg(long)]
     pub quiet: bool,
 }
 
-fn positive(flag: &str, v: &str) -> Result<f64, String> {
-    v.parse::<f64>()
-        .ok()
-        .filter(|x| x.is_finite() && *x > 0.0)
-        .ok_or(format!("{flag} {v:?}: expected a number above 0"))
+/// `--target`, `--replica`: http://HOST:PORT (resolved now, to check it), without a trailing /.
+fn http_url(v: &str) -> Result<String, String> {
+    client::base_addr(v).map_err(|e| match e.strip_prefix(&format!("{v:?}: ")) {
+        Some(why) => why.to_string(),
+        None => e,
+    })?;
+    Ok(v.trim_end_matches('/').to_string())
 }
 
-/// Parse `kvlb replay` flags; `Ok(None)` for `--help`.
-pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
-    let mut o = Options {
-        target: String::new(),
-        trace: String::new(),
-        start_s: 0.0,
-        duration_s: None,
-        limit: None,
-        speedup: 1.0,
-        time_scale: 1.0,
-        api: Api::Chat,
-        prompt: PromptForm::Text,
-        max_output: None,
-        model: "sim".into(),
-        replicas: Vec::new(),
-        label: None,
-        json: None,
-        timeout_s: 600.0,
-        seed: 1,
-        quiet: false,
-    };
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "--quiet" => {
-                o.quiet = true;
-                i += 1;
-                continue;
-            }
-            _ => {}
+impl Options {
+    /// The checks across flags; the error names the flags.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.prompt == PromptForm::TokenIds && self.api == Api::Chat {
+            return Err(
+                "--prompt token-ids needs --api completions (chat messages are text)".into(),
+            );
         }
-        let v = args
-            .get(i + 1)
-            .ok_or(format!("{flag} needs a value (see kvlb replay --help)"))?;
-        let whole = |max: u64| -> Result<u64, String> {
-            v.parse::<u64>()
-                .ok()
-                .filter(|n| (1..=max).contains(n))
-                .ok_or(format!(
-                    "{flag} {v:?}: expected a whole number from 1 to {max}"
-                ))
-        };
-        match flag {
-            "--target" => {
-                client::base_addr(v).map_err(|e| format!("--target {e}"))?;
-                o.target = v.trim_end_matches('/').to_string();
-            }
-            "--trace" => o.trace = v.clone(),
-            "--start" => {
-                o.start_s = v
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|x| x.is_finite() && *x >= 0.0)
-                    .ok_or(format!("--start {v:?}: expected seconds, 0 or more"))?
-            }
-            "--duration" => o.duration_s = Some(positive(flag, v)?),
-            "--limit" => o.limit = Some(whole(u32::MAX as u64)? as usize),
-            "--speedup" => o.speedup = positive(flag, v)?,
-            "--time-scale" => o.time_scale = positive(flag, v)?,
-            "--api" => {
-                o.api = match v.as_str() {
-                    "chat" => Api::Chat,
-                    "completions" => Api::Completions,
-                    _ => return Err(format!("--api {v:?}: expected chat or completions")),
-                }
-            }
-            "--prompt" => {
-                o.prompt = match v.as_str() {
-                    "text" => PromptForm::Text,
-                    "token-ids" => PromptForm::TokenIds,
-                    _ => return Err(format!("--prompt {v:?}: expected text or token-ids")),
-                }
-            }
-            "--max-output" => o.max_output = Some(whole(u32::MAX as u64)? as u32),
-            "--model" => o.model = v.clone(),
-            "--replica" => {
-                client::base_addr(v).map_err(|e| format!("--replica {e}"))?;
-                o.replicas.push(v.trim_end_matches('/').to_string());
-            }
-            "--label" => o.label = Some(v.clone()),
-            "--json" => o.json = Some(v.clone()),
-            "--timeout" => o.timeout_s = positive(flag, v)?,
-            "--seed" => {
-                o.seed = v
-                    .parse()
-                    .map_err(|_| format!("--seed {v:?}: expected a whole number"))?
-            }
-            other => return Err(format!("unknown option {other:?} (see kvlb replay --help)")),
-        }
-        i += 2;
+        Ok(())
     }
-    if o.target.is_empty() {
-        return Err("--target URL is required (the balancer, http://HOST:PORT)".into());
-    }
-    if o.trace.is_empty() {
-        return Err("--trace is required (a file, gen:shared-prefix or gen:agent-sessions)".into());
-    }
-    if o.prompt == PromptForm::TokenIds && o.api == Api::Chat {
-        return Err("--prompt token-ids needs --api completions (chat messages are text)".into());
-    }
-    Ok(Some(o))
+}
+
+/// Parse `kvlb replay` flags (without the `replay` word). `--help` comes back as an error of
+/// kind `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
+pub fn parse_args(args: &[String]) -> Result<Options, clap::Error> {
+    crate::cli::parse("kvlb replay", args, Options::validate)
 }
 
 /// The requests of the trace slice `o` asks for, arrivals rebased to the slice's start (trace
@@ -417,15 +361,8 @@ pub fn main(args: Vec<String>) -> i32 {
         return summary::report_main(&args[1..]);
     }
     let o = match parse_args(&args) {
-        Ok(Some(o)) => o,
-        Ok(None) => {
-            println!("{HELP}");
-            return 0;
-        }
-        Err(e) => {
-            eprintln!("kvlb replay: {e}");
-            return 2;
-        }
+        Ok(o) => o,
+        Err(e) => return crate::cli::exit_status(&e),
     };
     let s = match run(&o) {
         Ok(s) => s,
@@ -457,10 +394,11 @@ mod tests {
 
     #[test]
     fn flags_parse_and_bad_ones_are_named() {
+        // clap checks its definition in debug builds (`cargo test` without --release).
+        <Options as clap::CommandFactory>::command().debug_assert();
         let o = parse_args(&args(
             "--target http://127.0.0.1:9/ --trace gen:shared-prefix --speedup 4 --replica http://127.0.0.1:10 --api completions --prompt token-ids",
         ))
-        .unwrap()
         .unwrap();
         assert_eq!(o.target, "http://127.0.0.1:9");
         assert_eq!(o.speedup, 4.0);
@@ -481,12 +419,46 @@ mod tests {
             ("--target http://127.0.0.1:9 --trace x --bogus 1", "--bogus"),
             (
                 "--target http://127.0.0.1:9 --trace x --limit",
-                "needs a value",
+                "a value is required for '--limit",
+            ),
+            (
+                "--target http://127.0.0.1:9 --trace x --replica http://h/p",
+                "'http://h/p' for '--replica <URL>': expected http://HOST:PORT with no path",
+            ),
+            (
+                "--target http://127.0.0.1:9 --trace x --timeout -1",
+                "'-1' for '--timeout <S>'",
+            ),
+            (
+                "--target http://127.0.0.1:9 --trace x --start -1",
+                "'-1' for '--start <S>'",
             ),
         ] {
-            let e = parse_args(&args(bad)).unwrap_err();
+            let e = parse_args(&args(bad)).unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
         }
+        // Defaults, and repeats: --replica adds up, any other flag's last value wins.
+        let o = parse_args(&args("--target http://127.0.0.1:9 --trace x")).unwrap();
+        assert_eq!((o.start_s, o.duration_s, o.limit), (0.0, None, None));
+        assert_eq!(
+            (o.speedup, o.time_scale, o.timeout_s, o.seed),
+            (1.0, 1.0, 600.0, 1)
+        );
+        assert_eq!(
+            (o.api, o.prompt, o.max_output),
+            (Api::Chat, PromptForm::Text, None)
+        );
+        assert_eq!(o.model, "sim");
+        assert!(o.replicas.is_empty() && o.label.is_none() && o.json.is_none() && !o.quiet);
+        let o = parse_args(&args(
+            "--target http://127.0.0.1:9 --trace x --replica http://127.0.0.1:1 --replica=http://127.0.0.1:2/ --speedup 2 --speedup 3 --quiet",
+        ))
+        .unwrap();
+        assert_eq!(o.replicas, ["http://127.0.0.1:1", "http://127.0.0.1:2"]);
+        assert_eq!(o.speedup, 3.0);
+        assert!(o.quiet);
+        let e = parse_args(&args("--help")).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
     }
 
     #[test]
@@ -494,7 +466,6 @@ mod tests {
         let mut o = parse_args(&args(
             "--target http://127.0.0.1:9 --trace gen:shared-prefix --start 10 --duration 5",
         ))
-        .unwrap()
         .unwrap();
         let reqs = select_requests(&o).unwrap();
         assert!(!reqs.is_empty());

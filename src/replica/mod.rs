@@ -28,15 +28,8 @@ fn shifted(base: SocketAddr, i: u32) -> SocketAddr {
 /// Entry point of `kvlb replica ARGS`; returns the process exit status.
 pub fn main(args: Vec<String>) -> i32 {
     let flags = match flags::parse(&args) {
-        Ok(flags::Parsed::Run(f)) => f,
-        Ok(flags::Parsed::Help) => {
-            println!("{}", flags::help());
-            return 0;
-        }
-        Err(e) => {
-            eprintln!("kvlb replica: {e}");
-            return 2;
-        }
+        Ok(f) => f,
+        Err(e) => return crate::cli::exit_status(&e),
     };
     if let Some(path) = &flags.tokenizer {
         let template = flags.chat_template.as_deref().map(std::path::Path::new);
@@ -82,7 +75,7 @@ pub fn main(args: Vec<String>) -> i32 {
                 }
             }
         };
-        let mut engine = flags.engine.clone();
+        let mut engine = flags.engine.config();
         engine.hash_seed = xxhash_rust::xxh3::xxh3_64_with_seed(&i.to_le_bytes(), flags.seed);
         let id_seed = xxhash_rust::xxh3::xxh3_64_with_seed(b"response-ids", flags.seed ^ i as u64);
         let replica = Replica::new(

@@ -28,29 +28,7 @@ use std::time::Instant;
 /// Most replicas a simulated fleet may have.
 pub const MAX_REPLICAS: u64 = 256;
 
-const HELP: &str = "usage: kvlb simulate --trace FILE|gen:NAME [options]
-
-  --trace SPEC        Mooncake JSONL or Azure CSV file, or a generator:
-                      gen:shared-prefix, gen:agent-sessions
-  --replicas N        simulated replicas (default 4)
-  --speedup X         divide inter-arrival times by X (default 1)
-  --policies LIST     comma-separated policies (default: all of them)
-  --limit N           only the first N requests of the trace
-  --seed N            seed for generators and policy random numbers (default 1)
-  --residency SOURCE  what cache_aware learns residency from (default routing):
-                      routing         its own routing decisions alone
-                      events          routing and the engines' KV events
-                      events-pending  as events, and a block routed to a replica since
-                                      its last BlockStored there survives a BlockRemoved
-                                      (the request waiting there will store it again)
-  --host-kv-tokens N  per replica, a host-memory KV tier of N tokens (CPU offloading;
-                      default 0 = none): computed blocks are kept in host memory and a
-                      prefix the GPU evicted is loaded back instead of recomputed
-  --host-load-s-per-token X
-                      seconds per token to load KV back from the host tier (default 4e-6)
-  --json              print a JSON array, one object per policy, instead of a table
-  --plot FILE.svg     write the TTFT CDF and per-replica prefill work as an SVG
-
+const AFTER_HELP: &str = "\
 policies: round_robin, random, least_loaded, power_of_two, consistent_hash,
           sglang_cache_aware, cache_aware
 
@@ -67,132 +45,113 @@ one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Pe
   max_mean_load        the busiest replica's prefill_tokens over the mean (1 = even)
 Requests the engine refuses (prompt over the context limit) count as rejected.";
 
-#[derive(Debug, Clone, PartialEq)]
+/// `--policies`' default: every policy, in report order.
+static ALL_POLICIES: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| fleet::POLICY_NAMES.join(","));
+
+/// A list of policy names (a type of its own so that clap parses `--policies` as one value,
+/// not as a repeatable flag).
+pub type PolicyList = Vec<String>;
+
+/// Simulate a fleet of `kvlb replica` engines behind each routing policy on a request trace.
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlb simulate",
+    after_help = AFTER_HELP,
+    args_override_self = true,
+    mut_args = crate::cli::hyphen_values
+)]
 pub struct Options {
+    /// Mooncake JSONL or Azure CSV file, or a generator: gen:shared-prefix, gen:agent-sessions
+    #[arg(long, value_name = "SPEC", value_parser = crate::cli::non_empty)]
     pub trace: String,
+    /// Simulated replicas
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = crate::cli::int::<usize, 1, MAX_REPLICAS>)]
     pub replicas: usize,
+    /// Divide inter-arrival times by X
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = crate::cli::positive)]
     pub speedup: f64,
-    pub policies: Vec<String>,
+    /// Comma-separated policies (default: all of them)
+    #[arg(long, value_name = "LIST", value_parser = policy_list,
+          default_value = ALL_POLICIES.as_str(), hide_default_value = true)]
+    pub policies: PolicyList,
+    /// Only the first N requests of the trace
+    #[arg(long, value_name = "N", value_parser = crate::cli::int::<usize, 1, { u32::MAX as u64 }>)]
     pub limit: Option<usize>,
+    /// Seed for generators and policy random numbers
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = crate::cli::int::<u64, 0, { u64::MAX }>)]
     pub seed: u64,
+    /// Print a JSON array, one object per policy, instead of a table
+    #[arg(long)]
     pub json: bool,
+    /// Write the TTFT CDF and per-replica prefill work as an SVG
+    #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<String>,
+    /// What cache_aware learns residency from
+    #[arg(long, value_name = "SOURCE", default_value = "routing", value_parser = residency())]
     pub residency: fleet::ResidencySource,
-    /// Per replica: host KV tier tokens (0 = none).
+    /// Per replica, a host-memory KV tier of N tokens (CPU offloading; 0 = none): computed
+    /// blocks are kept in host memory and a prefix the GPU evicted is loaded back instead of
+    /// recomputed
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = host_kv_tokens)]
     pub host_kv_tokens: u64,
+    /// Seconds per token to load KV back from the host tier
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().host_load_s_per_token,
+          value_parser = crate::cli::non_negative)]
     pub host_load_s_per_token: f64,
 }
 
-/// Parse the command line; `Ok(None)` for `--help`.
-pub fn parse_args(args: &[String]) -> Result<Option<Options>, String> {
-    let mut o = Options {
-        trace: String::new(),
-        replicas: 4,
-        speedup: 1.0,
-        policies: fleet::POLICY_NAMES.iter().map(|s| s.to_string()).collect(),
-        limit: None,
-        seed: 1,
-        json: false,
-        plot: None,
-        residency: fleet::ResidencySource::Routing,
-        host_kv_tokens: 0,
-        host_load_s_per_token: EngineConfig::default().host_load_s_per_token,
+fn policy_list(v: &str) -> Result<PolicyList, String> {
+    let list: Vec<String> = v
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if list.is_empty() {
+        return Err("expected at least one policy".into());
+    }
+    for p in &list {
+        if !fleet::POLICY_NAMES.contains(&p.as_str()) {
+            return Err(format!(
+                "unknown policy {p:?}; known: {}",
+                fleet::POLICY_NAMES.join(", ")
+            ));
+        }
+    }
+    Ok(list)
+}
+
+fn host_kv_tokens(v: &str) -> Result<u64, String> {
+    v.parse::<u64>()
+        .ok()
+        .filter(|&n| n == 0 || (16..=1 << 40).contains(&n))
+        .ok_or_else(|| "expected 0 (none) or a whole number of tokens from 16 to 2^40".to_string())
+}
+
+/// `--residency`: the names of `fleet::ResidencySource`, each with its help.
+fn residency() -> impl clap::builder::TypedValueParser<Value = fleet::ResidencySource> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    let help = |s: fleet::ResidencySource| match s {
+        fleet::ResidencySource::Routing => "its own routing decisions alone",
+        fleet::ResidencySource::Events => "routing and the engines' KV events",
+        fleet::ResidencySource::EventsPending => {
+            "as events, and a block routed to a replica since its last BlockStored there \
+             survives a BlockRemoved (the request waiting there will store it again)"
+        }
     };
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "--json" => {
-                o.json = true;
-                i += 1;
-                continue;
-            }
-            _ => {}
-        }
-        let v = args
-            .get(i + 1)
-            .ok_or(format!("{flag} needs a value (see kvlb simulate --help)"))?;
-        let count = |max: u64| -> Result<u64, String> {
-            v.parse::<u64>()
-                .ok()
-                .filter(|n| (1..=max).contains(n))
-                .ok_or(format!(
-                    "{flag} {v:?}: expected a whole number from 1 to {max}"
-                ))
-        };
-        match flag {
-            "--trace" => o.trace = v.clone(),
-            "--replicas" => o.replicas = count(MAX_REPLICAS)? as usize,
-            "--speedup" => {
-                o.speedup = v
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|x| x.is_finite() && *x > 0.0)
-                    .ok_or(format!("--speedup {v:?}: expected a number above 0"))?
-            }
-            "--policies" => {
-                let list: Vec<String> = v
-                    .split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect();
-                if list.is_empty() {
-                    return Err("--policies is empty".into());
-                }
-                for p in &list {
-                    if !fleet::POLICY_NAMES.contains(&p.as_str()) {
-                        return Err(format!(
-                            "--policies: unknown policy {p:?}; known: {}",
-                            fleet::POLICY_NAMES.join(", ")
-                        ));
-                    }
-                }
-                o.policies = list;
-            }
-            "--limit" => o.limit = Some(count(u32::MAX as u64)? as usize),
-            "--seed" => {
-                o.seed = v
-                    .parse()
-                    .map_err(|_| format!("--seed {v:?}: expected a whole number"))?
-            }
-            "--plot" => o.plot = Some(v.clone()),
-            "--host-kv-tokens" => {
-                o.host_kv_tokens = v
-                    .parse::<u64>()
-                    .ok()
-                    .filter(|&n| n == 0 || (16..=1 << 40).contains(&n))
-                    .ok_or(format!(
-                        "--host-kv-tokens {v:?}: expected 0 (none) or a whole number of tokens from 16 to 2^40"
-                    ))?
-            }
-            "--host-load-s-per-token" => {
-                o.host_load_s_per_token = v
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|x| x.is_finite() && *x >= 0.0)
-                    .ok_or(format!(
-                        "--host-load-s-per-token {v:?}: expected a number of seconds >= 0"
-                    ))?
-            }
-            "--residency" => {
-                o.residency = fleet::ResidencySource::parse(v).ok_or(format!(
-                    "--residency {v:?}: expected one of {}",
-                    fleet::ResidencySource::NAMES.join(", ")
-                ))?
-            }
-            other => {
-                return Err(format!(
-                    "unknown option {other:?} (see kvlb simulate --help)"
-                ))
-            }
-        }
-        i += 2;
-    }
-    if o.trace.is_empty() {
-        return Err("--trace is required (a file, gen:shared-prefix or gen:agent-sessions)".into());
-    }
-    Ok(Some(o))
+    PossibleValuesParser::new(fleet::ResidencySource::NAMES.iter().map(|name| {
+        let source = fleet::ResidencySource::parse(name).expect("a listed name parses");
+        PossibleValue::new(*name).help(help(source))
+    }))
+    .map(|name| fleet::ResidencySource::parse(&name).expect("a possible value parses"))
+}
+
+/// Parse the command line (without the `simulate` word). `--help` comes back as an error of
+/// kind `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
+pub fn parse_args(args: &[String]) -> Result<Options, clap::Error> {
+    crate::cli::parse("kvlb simulate", args, |_: &Options| Ok(()))
 }
 
 /// Every policy's results, in the order of `Options::policies`.
@@ -247,15 +206,8 @@ pub fn run(o: &Options) -> Result<Runs, String> {
 
 pub fn main(args: Vec<String>) -> i32 {
     let o = match parse_args(&args) {
-        Ok(Some(o)) => o,
-        Ok(None) => {
-            println!("{HELP}");
-            return 0;
-        }
-        Err(e) => {
-            eprintln!("kvlb simulate: {e}");
-            return 2;
-        }
+        Ok(o) => o,
+        Err(e) => return crate::cli::exit_status(&e),
     };
     let started = Instant::now();
     let Runs {
@@ -319,14 +271,10 @@ mod tests {
 
     #[test]
     fn residency_source_is_parsed_and_checked() {
-        let o = parse_args(&args(&["--trace", "gen:agent-sessions"]))
-            .unwrap()
-            .unwrap();
+        let o = parse_args(&args(&["--trace", "gen:agent-sessions"])).unwrap();
         assert_eq!(o.residency, fleet::ResidencySource::Routing);
         for name in fleet::ResidencySource::NAMES {
-            let o = parse_args(&args(&["--trace", "x", "--residency", name]))
-                .unwrap()
-                .unwrap();
+            let o = parse_args(&args(&["--trace", "x", "--residency", name])).unwrap();
             assert_eq!(o.residency.name(), *name);
         }
         let o = parse_args(&args(&[
@@ -337,7 +285,6 @@ mod tests {
             "--host-load-s-per-token",
             "1e-6",
         ]))
-        .unwrap()
         .unwrap();
         assert_eq!(
             (o.host_kv_tokens, o.host_load_s_per_token),
@@ -348,13 +295,75 @@ mod tests {
             ["--host-kv-tokens", "-1"],
             ["--host-load-s-per-token", "nan"],
         ] {
-            let e = parse_args(&args(&["--trace", "x", bad[0], bad[1]])).unwrap_err();
+            let e = parse_args(&args(&["--trace", "x", bad[0], bad[1]]))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(bad[0]) && e.contains(bad[1]), "{e}");
         }
-        let e = parse_args(&args(&["--trace", "x", "--residency", "oracle"])).unwrap_err();
+        let e = parse_args(&args(&["--trace", "x", "--residency", "oracle"]))
+            .unwrap_err()
+            .to_string();
         assert!(
-            e.contains("--residency \"oracle\": expected one of routing, events, events-pending"),
+            e.contains("'oracle' for '--residency <SOURCE>'")
+                && e.contains("[possible values: routing, events, events-pending]"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn flags_defaults_repeats_and_errors() {
+        // clap checks its definition in debug builds (`cargo test` without --release).
+        <Options as clap::CommandFactory>::command().debug_assert();
+        let o = parse_args(&args(&["--trace", "gen:shared-prefix"])).unwrap();
+        assert_eq!((o.replicas, o.speedup, o.seed, o.limit), (4, 1.0, 1, None));
+        assert_eq!(o.policies, fleet::POLICY_NAMES.to_vec());
+        for p in fleet::POLICY_NAMES {
+            assert!(AFTER_HELP.contains(p), "the help's policy list lacks {p}");
+        }
+        assert!(!o.json && o.plot.is_none() && o.host_kv_tokens == 0);
+        assert_eq!(
+            o.host_load_s_per_token,
+            EngineConfig::default().host_load_s_per_token
+        );
+        let o = parse_args(&args(&[
+            "--trace",
+            "a",
+            "--trace",
+            "b",
+            "--policies",
+            "random",
+            "--policies",
+            " cache_aware, round_robin,",
+            "--json",
+            "--json",
+            "--limit",
+            "9",
+        ]))
+        .unwrap();
+        assert_eq!(o.trace, "b", "the last value wins");
+        assert_eq!(o.policies, ["cache_aware", "round_robin"]);
+        assert!(o.json);
+        assert_eq!(o.limit, Some(9));
+        for (bad, flag, value) in [
+            (&["--replicas", "0"][..], "--replicas", "0"),
+            (&["--replicas", "257"], "--replicas", "257"),
+            (&["--speedup", "-2"], "--speedup", "-2"),
+            (&["--policies", "best"], "--policies", "best"),
+            (&["--policies", ","], "--policies", ","),
+            (&["--seed", "x"], "--seed", "x"),
+            (&["--limit"], "--limit", "value is required"),
+            (&["--bogus", "1"], "--bogus", "--bogus"),
+        ] {
+            let mut a = args(&["--trace", "x"]);
+            a.extend(args(bad));
+            let e = parse_args(&a).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains(value), "{bad:?}: {e}");
+        }
+        let e = parse_args(&args(&["--replicas", "2"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--trace"), "{e}");
+        let e = parse_args(&args(&["--help"])).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
     }
 }
