@@ -1,0 +1,782 @@
+//! Every `kvlb serve` setting, declared once: a field of `ServeSettings` is a flag (clap,
+//! `--kebab-case` of its name) and a key of the TOML file (serde, its name), its doc comment is
+//! the help text and the configuration reference (docs/configuration.md, generated from it by
+//! `reference_markdown`), and its type is its validation (`values`). `apply` writes a layer of
+//! given settings into a `ServeConfig`: the file, then the environment, then the flags.
+
+use super::values::{
+    one_or_many, Addr, Cores, DnsServer, DnsSource, Dur, DurOrOff, Fraction, ListenerTable,
+    NonNegative, OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch,
+    UrlPath, Weight, Whole,
+};
+use super::{
+    bad, check_admin_token, load_token_mode, ApiKeys, ConfigError, L4Forwarding, ListenerMode,
+    PolicyName, ServeConfig, ENV_ADMIN_TOKEN, ENV_API_KEYS, MAX_PROMPT_TOKENS, MIN_PROMPT_TOKENS,
+};
+use clap::{Args, CommandFactory, Parser};
+use serde::Deserialize;
+
+/// Most replica slots (`max_replicas`).
+const MAX_SLOTS: u64 = crate::residency::MAX_REPLICAS as u64;
+const MIN_PROMPT: u64 = MIN_PROMPT_TOKENS as u64;
+const MAX_PROMPT: u64 = MAX_PROMPT_TOKENS as u64;
+
+/// The load balancer: sends each request to the replica where its first token comes soonest.
+#[derive(Parser, Deserialize, Default, Debug, Clone, PartialEq)]
+#[command(
+    name = "kvlb serve",
+    disable_version_flag = true,
+    args_override_self = true,
+    after_long_help = "Environment: KVLB_ADMIN_TOKEN (the admin token) and KVLB_API_KEYS (client \
+API keys, separated by commas) apply over the file and under the flags, so that secrets need not \
+appear on a command line.\n\nSIGHUP (or POST /reload on the admin listener) rereads the \
+configuration: replicas, policy, limits, timeouts and health settings change without dropping \
+connections or requests; listen, workers, cores, admin, max_replicas and max_prompt_tokens need \
+a restart."
+)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeSettings {
+    /// TOML file holding these settings under their file keys; flags override it.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<String>,
+
+    /// A client listener, repeatable (e.g. 0.0.0.0:8080); port 0 picks one port, shared by
+    /// all workers.
+    ///
+    /// In the file a list of addresses (L7); `[[listener]]` tables give each its own mode.
+    /// Flags replace the file's listeners.
+    #[arg(long, value_name = "ADDR")]
+    #[serde(deserialize_with = "one_or_many")]
+    pub listen: Vec<Addr>,
+
+    /// Mode of the --listen addresses: l7 proxies each request; l4 routes a connection's first
+    /// request, then joins the sockets (default: l7).
+    #[arg(long, value_name = "l7|l4")]
+    #[serde(skip)]
+    pub mode: Option<ListenerMode>,
+
+    /// How L4 connections move bytes once joined: io_uring splice, or a BPF sockmap program
+    /// in the kernel (default: splice).
+    #[arg(long, value_name = "splice|sockmap")]
+    pub l4_forwarding: Option<L4Forwarding>,
+
+    /// L7: response bodies with at least SIZE still to send move replica to client by splice
+    /// instead of through user space (default: off).
+    #[arg(long, value_name = "SIZE")]
+    pub splice_responses_from: Option<SizeOrOff>,
+
+    /// A replica, repeatable: its base URL (http://10.0.0.5:8000), with options after commas.
+    ///
+    /// Options: kv_capacity_tokens=N, its KV cache in tokens (default 400000);
+    /// kv_offload_capacity_tokens=N, its offloaded tier (CPU, disk; default 8x
+    /// kv_capacity_tokens); kv_events=tcp://HOST:PORT, its KV event publisher;
+    /// kv_replay=tcp://HOST:PORT, its replay endpoint; metrics=on|off, poll its /metrics
+    /// (default: on with kv_events); max_in_flight=N, its own limit of requests in flight. In
+    /// the file `[[replica]]` tables with `url` and these keys. Flags replace the file's
+    /// replicas. Responses name the URL in x-kvlb-replica.
+    #[arg(long, value_name = "URL[,OPTION=VALUE...]")]
+    pub replica: Vec<ReplicaSpec>,
+
+    /// Routing policy: cache_aware, round_robin, least_loaded, power_of_two, consistent_hash
+    /// (bounded-load hashing of the first block) or random (default: cache_aware).
+    #[arg(long, value_name = "NAME")]
+    pub policy: Option<PolicyName>,
+
+    /// Add x-kvlb-decision to responses: matched tokens, estimates, the reason of the choice
+    /// (default: false).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub explain: Option<Switch>,
+
+    /// Worker threads, 1 to 1024 (default: one per core).
+    #[arg(long, value_name = "N")]
+    pub workers: Option<Whole<1, 1024>>,
+
+    /// Cores of the workers, e.g. 0, 2-5, 0,2; worker i runs on the i-th (default: worker i on
+    /// core i).
+    #[arg(long, value_name = "LIST")]
+    pub cores: Option<Cores>,
+
+    /// Admin listener: /metrics, /healthz, /replicas, /reload (default: 127.0.0.1:9100).
+    #[arg(long, value_name = "ADDR")]
+    pub admin: Option<Addr>,
+
+    /// Request head limit; 431 beyond (default: 64KiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_header_bytes: Option<Size>,
+
+    /// Request body limit; 413 beyond (default: 64MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_body_bytes: Option<Size>,
+
+    /// Most bytes the request bodies in flight may hold, over all workers (a worker's share:
+    /// this divided among them, at least one max_body_bytes); beyond, 503 with Retry-After
+    /// before the body is read, counted in kvlb_body_memory_refused_total. Bodies up to 16 KiB
+    /// take none of it (default: 1GiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_body_memory: Option<Size>,
+
+    /// Client connections per worker; 503 beyond (default: 65536).
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<Whole<1, { u64::MAX }>>,
+
+    /// Time to receive a whole request once its first byte arrived; 408 beyond (default: 30s).
+    #[arg(long, value_name = "DUR")]
+    pub client_timeout: Option<Dur>,
+
+    /// Keep-alive idle time between requests (default: 60s).
+    #[arg(long, value_name = "DUR")]
+    pub idle_timeout: Option<Dur>,
+
+    /// Replica connect timeout (default: 3s).
+    #[arg(long, value_name = "DUR")]
+    pub connect_timeout: Option<Dur>,
+
+    /// From sending a request to the replica's response head; 504 beyond (default: 300s).
+    #[arg(long, value_name = "DUR")]
+    pub upstream_timeout: Option<Dur>,
+
+    /// How long SIGTERM waits for in-flight requests (default: 30s).
+    #[arg(long, value_name = "DUR")]
+    pub drain_timeout: Option<Dur>,
+
+    /// How often each replica's GET /metrics is polled (default: 1s).
+    #[arg(long, value_name = "DUR")]
+    pub metrics_interval: Option<Dur>,
+
+    /// No events and no metrics from a replica this long: its residency is dropped and it is
+    /// shown as stale (default: 30s).
+    #[arg(long, value_name = "DUR")]
+    pub telemetry_stale_after: Option<Dur>,
+
+    /// With KV events, blocks kvlb only assumed from its own routing are dropped once this old
+    /// unless events confirmed them (default: 120s).
+    #[arg(long, value_name = "DUR")]
+    pub routed_guess_ttl: Option<Dur>,
+
+    /// With KV events, a routed request's blocks outlive a BlockRemoved until the replica stores
+    /// them again, at most this long; 0 or off: a removal always wins (default: off).
+    #[arg(long, value_name = "DUR")]
+    pub routed_pending_ttl: Option<DurOrOff>,
+
+    /// Active health check path on every replica (default: /health).
+    #[arg(long, value_name = "PATH")]
+    pub health_path: Option<UrlPath>,
+
+    /// Active health check period; 0 or off: no active checks (default: 2s).
+    #[arg(long, value_name = "DUR")]
+    pub health_interval: Option<DurOrOff>,
+
+    /// Active health check timeout (default: 1s).
+    #[arg(long, value_name = "DUR")]
+    pub health_timeout: Option<Dur>,
+
+    /// Failed checks in a row that take a replica out (default: 2).
+    #[arg(long, value_name = "N")]
+    pub unhealthy_after: Option<Whole<1, 1_000_000>>,
+
+    /// Passed checks in a row that put it back (default: 2).
+    #[arg(long, value_name = "N")]
+    pub healthy_after: Option<Whole<1, 1_000_000>>,
+
+    /// Transport failures in a row (connect error, reset, timeout, immediate 503) that eject a
+    /// replica for fail_timeout; 0: never (default: 3).
+    #[arg(long, value_name = "N")]
+    pub max_fails: Option<Whole<0, 1_000_000>>,
+
+    /// How long an ejected replica is skipped (default: 10s).
+    #[arg(long, value_name = "DUR")]
+    pub fail_timeout: Option<Dur>,
+
+    /// A replica back from ejection or newly added gets traffic gradually over this long; 0 or
+    /// off: at once (default: 10s).
+    #[arg(long, value_name = "DUR")]
+    pub slow_start: Option<DurOrOff>,
+
+    /// Other replicas tried after a connect failure or an immediate 503, before anything
+    /// reached the client (default: 1).
+    #[arg(long, value_name = "N")]
+    pub retries: Option<Whole<0, 1_000_000>>,
+
+    /// Replica slots: the most replicas at once, reloads, admin additions and DNS included
+    /// (default: 64).
+    #[arg(long, value_name = "N")]
+    pub max_replicas: Option<Whole<1, MAX_SLOTS>>,
+
+    /// Bearer token the admin API's changing endpoints require (default: they are disabled).
+    ///
+    /// Visible in ps on a command line: prefer --admin-token-file or KVLB_ADMIN_TOKEN.
+    #[arg(long, value_name = "TOKEN")]
+    pub admin_token: Option<Secret>,
+
+    /// The admin token, read from FILE (e.g. a systemd credential, %d/admin_token).
+    #[arg(long, value_name = "FILE")]
+    pub admin_token_file: Option<String>,
+
+    /// Replicas from DNS, repeatable: dns://NAME:PORT (A/AAAA) or dns+srv://NAME (SRV), with
+    /// options after commas: interval=5s, family=ipv4, and the replica options with {host}
+    /// (e.g. kv_events=tcp://{host}:5557).
+    #[arg(long, value_name = "SOURCE")]
+    #[serde(deserialize_with = "one_or_many")]
+    pub replica_dns: Vec<DnsSource>,
+
+    /// A resolver for replica_dns, IP[:PORT], repeatable (default: those of /etc/resolv.conf).
+    #[arg(long = "dns-server", value_name = "ADDR")]
+    #[serde(deserialize_with = "one_or_many")]
+    pub dns_servers: Vec<DnsServer>,
+
+    /// Client API keys, one per line (# comments): requests without `Authorization: Bearer
+    /// <key>` get 401, decided on the request head (no 100 Continue, no body read without a
+    /// key). Also KVLB_API_KEYS in the environment (default: no check).
+    #[arg(long, value_name = "FILE")]
+    pub api_keys_file: Option<String>,
+
+    /// Answered 200 by kvlb itself on the client listeners, without an API key, while it runs
+    /// (draining too); off forwards the path (default: /healthz).
+    #[arg(long, value_name = "PATH")]
+    pub liveness_path: Option<ProbePath>,
+
+    /// The same, 503 while draining or with no replica available (default: /readyz).
+    #[arg(long, value_name = "PATH")]
+    pub readiness_path: Option<ProbePath>,
+
+    /// Requests in flight per replica; 0: no limit; a replica's own max_in_flight wins
+    /// (default: 0).
+    #[arg(long, value_name = "N")]
+    pub max_in_flight: Option<Whole<0, 1_000_000>>,
+
+    /// Requests that may wait while every replica is at its limit; beyond, 429 with
+    /// Retry-After (default: 1024).
+    #[arg(long, value_name = "N")]
+    pub queue_size: Option<Whole<0, 1_000_000>>,
+
+    /// Longest wait in that queue before 429 (default: 30s).
+    #[arg(long, value_name = "DUR")]
+    pub queue_timeout: Option<Dur>,
+
+    /// A Hugging Face tokenizer.json: chat and text completions prompts are hashed as the
+    /// engine's token ids, so blocks match its KV events. Without it, prompts are hashed over
+    /// their text.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<String>,
+
+    /// The model's tokenizer_config.json (chat_template, bos/eos) or a .jinja template
+    /// (default: the one beside the tokenizer).
+    #[arg(long, value_name = "PATH")]
+    pub chat_template: Option<String>,
+
+    /// One JSON line per L7 request appended to PATH, reopened on reload for log rotation; off:
+    /// none (default: off).
+    #[arg(long, value_name = "PATH")]
+    pub access_log: Option<OffOrPath>,
+
+    /// Prompts are read for routing up to N tokens (4 canonical bytes a token in text mode):
+    /// the longest context of the fleet's models; fixed at start (default: 1048576).
+    #[arg(long, value_name = "N")]
+    pub max_prompt_tokens: Option<Whole<MIN_PROMPT, MAX_PROMPT>>,
+
+    /// File only: `[[listener]]` tables, `address = "HOST:PORT"` and `mode = "l7" | "l4"`.
+    #[arg(skip)]
+    pub listener: Vec<ListenerTable>,
+
+    /// File only: client API keys as a list (prefer api_keys_file or KVLB_API_KEYS).
+    #[arg(skip)]
+    pub api_keys: Vec<Secret>,
+
+    /// The cost model of cache_aware: `[cost_model]` in the file.
+    #[command(
+        flatten,
+        next_help_heading = "Cost model of cache_aware ([cost_model] in the file)"
+    )]
+    pub cost_model: CostSettings,
+}
+
+/// `[cost_model]`: the timing of the replicas and how cache_aware weighs a hit.
+#[derive(clap::Args, Deserialize, Default, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostSettings {
+    /// Shorter prefix matches count as none (default: 256).
+    #[arg(long, value_name = "N")]
+    pub min_match_tokens: Option<Whole<0, { u32::MAX as u64 }>>,
+
+    /// Weight of a request's prefill against queueing; 1 = plain TTFT (default: 2).
+    #[arg(long, value_name = "X")]
+    pub recompute_weight: Option<Weight>,
+
+    /// Added to recompute_weight per request waiting for its first token beyond one (fleet
+    /// average): a backlogged fleet follows the cache harder; 0: off (default: 0.1).
+    #[arg(long, value_name = "X")]
+    pub backlog_weight: Option<NonNegative>,
+
+    /// Prompt tokens a queued request another sender put on a replica stands for (from its
+    /// /metrics) (default: 1024).
+    #[arg(long, value_name = "N")]
+    pub foreign_request_tokens: Option<Whole<0, { u32::MAX as u64 }>>,
+
+    /// KV usage from which a replica's cache hits count for less, 0 to 1 (default: 0.9).
+    #[arg(long, value_name = "F")]
+    pub kv_evict_from: Option<Fraction>,
+
+    /// Share of a hit that still counts at 100% KV usage, 0 to 1 (default: 0.5).
+    #[arg(long, value_name = "F")]
+    pub kv_hit_keep_at_full: Option<Fraction>,
+
+    /// Loading a prefix back from an offloaded tier (CPU, disk) as a fraction of recomputing
+    /// it: 0 = as good as a GPU hit, 1 = no hit (default: 0.25).
+    #[arg(long, value_name = "F")]
+    pub offload_load_cost: Option<Fraction>,
+
+    /// Prefill time of a request: a + b x tokens + c x tokens^2, seconds (default: 0.008,
+    /// an 8B model on one H100).
+    #[arg(long, value_name = "SECONDS")]
+    pub prefill_a_s: Option<Seconds>,
+
+    /// Per prompt token (default: 0.00003).
+    #[arg(long, value_name = "SECONDS")]
+    pub prefill_b_s: Option<Seconds>,
+
+    /// Per prompt token squared (default: 0.000000001).
+    #[arg(long, value_name = "SECONDS")]
+    pub prefill_c_s: Option<Seconds>,
+
+    /// Decode step time: base + per sequence x running + per context token x their tokens,
+    /// seconds (default: 0.008).
+    #[arg(long, value_name = "SECONDS")]
+    pub decode_base_s: Option<Seconds>,
+
+    /// Per running sequence (default: 0.00003).
+    #[arg(long, value_name = "SECONDS")]
+    pub decode_per_seq_s: Option<Seconds>,
+
+    /// Per context token of the running sequences (default: 0.00000005).
+    #[arg(long, value_name = "SECONDS")]
+    pub decode_per_ctx_token_s: Option<Seconds>,
+}
+
+/// Settings whose key exists only in the file (`#[arg(skip)]` above): their doc, for the
+/// reference. A test checks this list against the fields serde reads.
+pub(super) const FILE_ONLY: &[(&str, &str)] = &[
+    (
+        "listener",
+        "`[[listener]]` tables, `address = \"HOST:PORT\"` and `mode = \"l7\" | \"l4\"` (default l7): listeners with their own mode, beside `listen`.",
+    ),
+    (
+        "api_keys",
+        "client API keys as a list of strings (prefer `api_keys_file` or `KVLB_API_KEYS`: a key written here is readable by whoever can read the file).",
+    ),
+];
+
+/// Where a layer of settings comes from: errors name its keys as it spells them.
+#[derive(Clone, Copy, PartialEq)]
+enum Layer {
+    File,
+    Flags,
+}
+
+impl Layer {
+    fn name(self, key: &str) -> String {
+        match self {
+            Layer::File => key.to_string(),
+            Layer::Flags => format!("--{}", key.replace('_', "-")),
+        }
+    }
+}
+
+/// Reads a file into `path`'s settings; errors name the path, the key and the value.
+fn read_file(path: &str) -> Result<ServeSettings, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("--config {path:?}: cannot read: {e}")))?;
+    parse_toml(&text).map_err(|e| ConfigError(format!("{path}: {}", e.0)))
+}
+
+fn parse_toml(text: &str) -> Result<ServeSettings, ConfigError> {
+    serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = inner.message().trim_end();
+        ConfigError(match path.as_str() {
+            "." => format!("not valid TOML: {inner}"),
+            // A value's parser wrote `"value": why`.
+            _ if msg.starts_with('"') => format!("{path} = {msg}"),
+            _ => format!("{path}: {msg}"),
+        })
+    })
+}
+
+/// Load a TOML file into `cfg` (without the checks across settings of `from_args`).
+pub fn load_file(cfg: &mut ServeConfig, path: &str) -> Result<(), ConfigError> {
+    read_file(path)?.apply(cfg, Layer::File)
+}
+
+/// Apply a TOML text to `cfg` (without the checks across settings of `from_args`).
+pub fn apply_toml(cfg: &mut ServeConfig, text: &str) -> Result<(), ConfigError> {
+    parse_toml(text)?.apply(cfg, Layer::File)
+}
+
+fn secret(layer: Layer, key: &str, v: &str) -> Result<String, ConfigError> {
+    check_admin_token(&layer.name(key), v)
+}
+
+fn read_secret_file(layer: Layer, key: &str, path: &str) -> Result<String, ConfigError> {
+    let name = layer.name(key);
+    std::fs::read_to_string(path).map_err(|e| bad(&name, path, &format!("cannot read: {e}")))
+}
+
+impl ServeSettings {
+    /// Writes every setting this layer gives into `cfg`; lists replace the earlier layers'.
+    fn apply(self, cfg: &mut ServeConfig, layer: Layer) -> Result<(), ConfigError> {
+        let s = self;
+        if !s.listen.is_empty() || !s.listener.is_empty() {
+            let mode = s.mode.unwrap_or(ListenerMode::L7);
+            cfg.listen = s.listen.iter().map(|a| a.0).collect();
+            cfg.listen_modes = vec![mode; s.listen.len()];
+            for l in &s.listener {
+                cfg.listen.push(l.address.0);
+                cfg.listen_modes.push(l.mode.unwrap_or(ListenerMode::L7));
+            }
+        } else if s.mode.is_some() {
+            return Err(ConfigError(
+                "--mode applies to the --listen addresses on the command line; give --listen ADDR too (or mode = \"l4\" in a [[listener]] table)".into(),
+            ));
+        }
+        set(&mut cfg.l4_forwarding, s.l4_forwarding);
+        set(
+            &mut cfg.splice_responses_from,
+            s.splice_responses_from.map(|v| v.0),
+        );
+        if !s.replica.is_empty() {
+            cfg.replicas = s.replica.into_iter().map(|r| r.0).collect();
+        }
+        set(&mut cfg.policy, s.policy);
+        set(&mut cfg.explain, s.explain.map(|v| v.0));
+        set(&mut cfg.workers, s.workers.map(|v| v.0 as usize));
+        if let Some(c) = s.cores {
+            cfg.cores = Some(c.0);
+        }
+        set(&mut cfg.admin, s.admin.map(|v| v.0));
+        let l = &mut cfg.limits;
+        set(&mut l.max_header_bytes, s.max_header_bytes.map(|v| v.0));
+        set(&mut l.max_body_bytes, s.max_body_bytes.map(|v| v.0));
+        set(&mut l.max_body_memory, s.max_body_memory.map(|v| v.0));
+        set(
+            &mut l.max_connections,
+            s.max_connections.map(|v| v.0 as usize),
+        );
+        let t = &mut cfg.timeouts;
+        set(&mut t.client, s.client_timeout.map(|v| v.0));
+        set(&mut t.idle, s.idle_timeout.map(|v| v.0));
+        set(&mut t.connect, s.connect_timeout.map(|v| v.0));
+        set(&mut t.upstream, s.upstream_timeout.map(|v| v.0));
+        set(&mut t.drain, s.drain_timeout.map(|v| v.0));
+        let t = &mut cfg.telemetry;
+        set(&mut t.metrics_interval, s.metrics_interval.map(|v| v.0));
+        set(&mut t.stale_after, s.telemetry_stale_after.map(|v| v.0));
+        set(&mut t.routed_guess_ttl, s.routed_guess_ttl.map(|v| v.0));
+        set(&mut t.routed_pending_ttl, s.routed_pending_ttl.map(|v| v.0));
+        let h = &mut cfg.health;
+        set(&mut h.path, s.health_path.map(|v| v.0));
+        set(&mut h.interval, s.health_interval.map(|v| v.0));
+        set(&mut h.timeout, s.health_timeout.map(|v| v.0));
+        set(
+            &mut h.unhealthy_after,
+            s.unhealthy_after.map(|v| v.0 as u32),
+        );
+        set(&mut h.healthy_after, s.healthy_after.map(|v| v.0 as u32));
+        set(&mut h.max_fails, s.max_fails.map(|v| v.0 as u32));
+        set(&mut h.fail_timeout, s.fail_timeout.map(|v| v.0));
+        set(&mut h.slow_start, s.slow_start.map(|v| v.0));
+        set(&mut h.retries, s.retries.map(|v| v.0 as u32));
+        set(&mut cfg.max_replicas, s.max_replicas.map(|v| v.0 as usize));
+        if let Some(path) = &s.admin_token_file {
+            let text = read_secret_file(layer, "admin_token_file", path)?;
+            cfg.admin_token = Some(
+                secret(layer, "admin_token_file", text.trim())
+                    .map_err(|e| ConfigError(e.0.replace("<hidden>", &format!("{path:?}"))))?,
+            );
+        } else if let Some(token) = &s.admin_token {
+            cfg.admin_token = Some(secret(layer, "admin_token", &token.0)?);
+            if layer == Layer::Flags {
+                eprintln!("kvlb: warning: --admin-token on the command line is visible to every local user (ps, /proc); use --admin-token-file FILE or {ENV_ADMIN_TOKEN} instead");
+            }
+        }
+        if !s.replica_dns.is_empty() {
+            cfg.replica_dns = s.replica_dns.into_iter().map(|v| v.0).collect();
+        }
+        if !s.dns_servers.is_empty() {
+            cfg.dns_servers = s.dns_servers.into_iter().map(|v| v.0).collect();
+        }
+        if let Some(path) = &s.api_keys_file {
+            let key = layer.name("api_keys_file");
+            let text = read_secret_file(layer, "api_keys_file", path)?;
+            let mut keys = ApiKeys::default();
+            for line in text.lines().map(str::trim) {
+                if !line.is_empty() && !line.starts_with('#') {
+                    keys.add(&key, line)?;
+                }
+            }
+            if keys.is_empty() {
+                return Err(bad(&key, path, "the file holds no key"));
+            }
+            cfg.api_keys = keys;
+        } else if !s.api_keys.is_empty() {
+            let mut keys = ApiKeys::default();
+            for k in &s.api_keys {
+                keys.add("api_keys", &k.0)?;
+            }
+            cfg.api_keys = keys;
+        }
+        if let Some(p) = s.liveness_path {
+            cfg.probes.liveness = p.0;
+        }
+        if let Some(p) = s.readiness_path {
+            cfg.probes.readiness = p.0;
+        }
+        set(&mut cfg.max_in_flight, s.max_in_flight.map(|v| v.0 as u32));
+        set(&mut cfg.queue_size, s.queue_size.map(|v| v.0 as u32));
+        set(&mut cfg.queue_timeout, s.queue_timeout.map(|v| v.0));
+        if let Some(p) = s.tokenizer {
+            cfg.tokenizer = Some(p);
+        }
+        if let Some(p) = s.chat_template {
+            cfg.chat_template = Some(p);
+        }
+        if let Some(p) = s.access_log {
+            cfg.access_log = p.0;
+        }
+        set(
+            &mut cfg.max_prompt_tokens,
+            s.max_prompt_tokens.map(|v| v.0 as usize),
+        );
+        let c = s.cost_model;
+        let m = &mut cfg.cost_model;
+        set(
+            &mut m.min_match_tokens,
+            c.min_match_tokens.map(|v| v.0 as u32),
+        );
+        set(&mut m.recompute_weight, c.recompute_weight.map(|v| v.0));
+        set(&mut m.backlog_weight, c.backlog_weight.map(|v| v.0));
+        set(
+            &mut m.foreign_request_tokens,
+            c.foreign_request_tokens.map(|v| v.0 as u32),
+        );
+        set(&mut m.kv_evict_from, c.kv_evict_from.map(|v| v.0));
+        set(
+            &mut m.kv_hit_keep_at_full,
+            c.kv_hit_keep_at_full.map(|v| v.0),
+        );
+        set(&mut m.offload_load_cost, c.offload_load_cost.map(|v| v.0));
+        set(&mut m.prefill_a_s, c.prefill_a_s.map(|v| v.0));
+        set(&mut m.prefill_b_s, c.prefill_b_s.map(|v| v.0));
+        set(&mut m.prefill_c_s, c.prefill_c_s.map(|v| v.0));
+        set(&mut m.decode_base_s, c.decode_base_s.map(|v| v.0));
+        set(&mut m.decode_per_seq_s, c.decode_per_seq_s.map(|v| v.0));
+        set(
+            &mut m.decode_per_ctx_token_s,
+            c.decode_per_ctx_token_s.map(|v| v.0),
+        );
+        Ok(())
+    }
+}
+
+fn set<T>(slot: &mut T, v: Option<T>) {
+    if let Some(v) = v {
+        *slot = v;
+    }
+}
+
+/// Secrets from the environment: over the file, under the flags.
+fn apply_env(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
+    if let Ok(v) = std::env::var(ENV_ADMIN_TOKEN) {
+        if !v.is_empty() {
+            cfg.admin_token = Some(check_admin_token(ENV_ADMIN_TOKEN, v.trim())?);
+        }
+    }
+    if let Ok(v) = std::env::var(ENV_API_KEYS) {
+        let mut keys = ApiKeys::default();
+        for k in v
+            .split([',', '\n'])
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+        {
+            keys.add(ENV_API_KEYS, k)?;
+        }
+        if !keys.is_empty() {
+            cfg.api_keys = keys;
+        }
+    }
+    Ok(())
+}
+
+/// The flags of `kvlb serve ARGS`; Err(None): help was printed.
+fn parse_flags(args: &[String]) -> Result<ServeSettings, Option<ConfigError>> {
+    match ServeSettings::try_parse_from(
+        std::iter::once("kvlb serve".to_string()).chain(args.iter().cloned()),
+    ) {
+        Ok(s) => Ok(s),
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
+            print!("{}", e.render());
+            Err(None)
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let text = text.strip_prefix("error: ").unwrap_or(&text);
+            Err(Some(ConfigError(text.trim_end().to_string())))
+        }
+    }
+}
+
+/// What the command line asked for, over the file it names and the environment, checked
+/// across settings. Err(None): --help was printed.
+pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
+    let flags = parse_flags(args)?;
+    let mut cfg = ServeConfig::default();
+    if let Some(path) = &flags.config {
+        read_file(path)
+            .map_err(Some)?
+            .apply(&mut cfg, Layer::File)
+            .map_err(|e| Some(ConfigError(format!("{path}: {}", e.0))))?;
+    }
+    apply_env(&mut cfg).map_err(Some)?;
+    flags.apply(&mut cfg, Layer::Flags).map_err(Some)?;
+    validate(&mut cfg).map_err(Some)?;
+    Ok(cfg)
+}
+
+/// The checks across settings, and what loading them needs (tokenizer, access log).
+fn validate(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
+    if cfg.listen.is_empty() {
+        return Err(ConfigError(
+            "no listener: give --listen ADDR or listen = [\"ADDR\"] in the file".into(),
+        ));
+    }
+    if cfg.limits.max_body_memory < cfg.limits.max_body_bytes {
+        return Err(ConfigError(format!(
+            "max_body_memory = {}: below max_body_bytes = {}, a body of the allowed size could never be taken; raise max_body_memory or lower max_body_bytes",
+            cfg.limits.max_body_memory, cfg.limits.max_body_bytes
+        )));
+    }
+    if cfg.replicas.len() > cfg.max_replicas {
+        return Err(ConfigError(format!(
+            "max_replicas = {}: {} replicas are configured; raise max_replicas",
+            cfg.max_replicas,
+            cfg.replicas.len()
+        )));
+    }
+    load_token_mode(cfg)?;
+    if let Some(path) = &cfg.access_log {
+        crate::access_log::open(path).map_err(|e| {
+            ConfigError(format!(
+                "access_log = {path:?}: cannot open it for appending: {e}"
+            ))
+        })?;
+    }
+    let mut urls: Vec<&str> = cfg
+        .replicas
+        .iter()
+        .map(|r| r.url.trim_end_matches('/'))
+        .collect();
+    urls.sort_unstable();
+    if let Some(w) = urls.windows(2).find(|w| w[0] == w[1]) {
+        return Err(ConfigError(format!("replica = {:?}: listed twice", w[0])));
+    }
+    Ok(())
+}
+
+/// The configuration reference (docs/configuration.md, between its generated markers): one
+/// row per setting, from the declaration above.
+pub fn reference_markdown() -> String {
+    let cost: Vec<String> = CostSettings::augment_args(clap::Command::new("cost"))
+        .get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect();
+    let skipped = ["config", "mode"];
+    let mut out = String::from("| flag | file key | what it does |\n|---|---|---|\n");
+    let cmd = ServeSettings::command();
+    for a in cmd.get_arguments() {
+        let id = a.get_id().as_str();
+        let Some(long) = a.get_long() else { continue };
+        if long == "help" {
+            continue;
+        }
+        let value = a
+            .get_value_names()
+            .map(|v| format!(" {}", v[0]))
+            .unwrap_or_default();
+        let value = if a.get_num_args().is_some_and(|n| n.min_values() == 0) {
+            format!("[={}]", value.trim())
+        } else {
+            value
+        };
+        let key = if skipped.contains(&id) {
+            "(flag only)".to_string()
+        } else if cost.iter().any(|c| c == id) {
+            format!("`[cost_model]` `{id}`")
+        } else {
+            format!("`{id}`")
+        };
+        let help = a
+            .get_long_help()
+            .or(a.get_help())
+            .map(|h| h.to_string())
+            .unwrap_or_default();
+        let flag = format!("--{long}{value}").replace('|', "\\|");
+        out.push_str(&format!("| `{flag}` | {key} | {} |\n", one_line(&help)));
+    }
+    for (key, doc) in FILE_ONLY {
+        out.push_str(&format!("| (file only) | `{key}` | {doc} |\n"));
+    }
+    out.push_str(&format!(
+        "| (environment) | `{ENV_ADMIN_TOKEN}` | the admin token, over the file and under the flags |\n| (environment) | `{ENV_API_KEYS}` | client API keys separated by commas, over the file and under the flags |\n"
+    ));
+    out
+}
+
+fn one_line(text: &str) -> String {
+    text.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace('|', "\\|")
+}
+
+/// The field names serde reads for `T` (the file's keys), for the tests.
+#[cfg(test)]
+pub(super) fn serde_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+    use serde::de::{self, Visitor};
+    struct Capture(std::cell::Cell<&'static [&'static str]>);
+    #[derive(Debug)]
+    struct Stop;
+    impl std::fmt::Display for Stop {
+        fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("stop")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl de::Error for Stop {
+        fn custom<M: std::fmt::Display>(_: M) -> Stop {
+            Stop
+        }
+    }
+    impl<'de> de::Deserializer<'de> for &Capture {
+        type Error = Stop;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Stop> {
+            self.0.set(fields);
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let c = Capture(std::cell::Cell::new(&[]));
+    let _ = T::deserialize(&c);
+    c.0.get()
+}

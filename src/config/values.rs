@@ -1,0 +1,454 @@
+//! The value types of settings. Each parses from a flag's text (`FromStr`, whose error says
+//! what is expected; clap adds the flag and the value) and from a TOML value (a string, a
+//! number or a boolean, read as that text; the error adds the value and serde_path_to_error
+//! the key). One parser per kind of value, so a flag and its file key can never disagree.
+
+use super::{
+    check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
+    parse_duration_or_off, parse_probe_path, parse_replica_flag, parse_replica_url, parse_size,
+    parse_switch, parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, PolicyName,
+    ReplicaConfig,
+};
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+fn why(e: ConfigError) -> String {
+    e.0
+}
+
+/// Reads a scalar TOML value as the text a flag would carry.
+struct Text;
+
+impl<'de> Visitor<'de> for Text {
+    type Value = String;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, a number or true/false")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
+        Ok(v)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+}
+
+/// A file value through the type's `FromStr`: `"value": why` on error.
+fn from_text<'de, D: Deserializer<'de>, T: FromStr<Err = String>>(d: D) -> Result<T, D::Error> {
+    let text = d.deserialize_any(Text)?;
+    text.parse()
+        .map_err(|why: String| de::Error::custom(format!("{text:?}: {why}")))
+}
+
+macro_rules! deserialize_from_text {
+    ($($t:ty),* $(,)?) => {$(
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                from_text(d)
+            }
+        }
+    )*};
+}
+
+deserialize_from_text!(
+    Addr,
+    Dur,
+    DurOrOff,
+    Size,
+    SizeOrOff,
+    Seconds,
+    Weight,
+    NonNegative,
+    Fraction,
+    Switch,
+    Cores,
+    PolicyName,
+    ListenerMode,
+    L4Forwarding,
+    ZmqEndpoint,
+    ReplicaUrl,
+    UrlPath,
+    ProbePath,
+    OffOrPath,
+    DnsSource,
+    DnsServer,
+    Secret,
+);
+
+impl<'de, const MIN: u64, const MAX: u64> Deserialize<'de> for Whole<MIN, MAX> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        from_text(d)
+    }
+}
+
+/// `HOST:PORT` (a name is resolved once, at load).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Addr(pub SocketAddr);
+
+impl FromStr for Addr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Addr, String> {
+        parse_addr("", s).map(Addr).map_err(why)
+    }
+}
+
+/// `500ms`, `10s`, `2m`, `1h` or seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dur(pub Duration);
+
+impl FromStr for Dur {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Dur, String> {
+        parse_duration("", s).map(Dur).map_err(why)
+    }
+}
+
+/// A duration, or `0` / `off` for none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DurOrOff(pub Duration);
+
+impl FromStr for DurOrOff {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DurOrOff, String> {
+        parse_duration_or_off("", s).map(DurOrOff).map_err(why)
+    }
+}
+
+/// `65536`, `64KiB`, `8MiB`, `1GiB`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Size(pub usize);
+
+impl FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Size, String> {
+        parse_size("", s).map(Size).map_err(why)
+    }
+}
+
+/// A size, or `0` / `off` for never.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SizeOrOff(pub usize);
+
+impl FromStr for SizeOrOff {
+    type Err = String;
+    fn from_str(s: &str) -> Result<SizeOrOff, String> {
+        match s.trim() {
+            "0" | "off" => Ok(SizeOrOff(0)),
+            _ => parse_size("", s)
+                .map(SizeOrOff)
+                .map_err(|e| format!("{}, or 0 / off", e.0)),
+        }
+    }
+}
+
+/// A whole number from MIN to MAX.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Whole<const MIN: u64, const MAX: u64>(pub u64);
+
+impl<const MIN: u64, const MAX: u64> FromStr for Whole<MIN, MAX> {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|n| (MIN..=MAX).contains(n))
+            .map(Whole)
+            .ok_or_else(|| match MAX {
+                u64::MAX => format!("expected a whole number >= {MIN}"),
+                _ => format!("expected a whole number from {MIN} to {MAX}"),
+            })
+    }
+}
+
+macro_rules! real {
+    ($(#[$doc:meta])* $name:ident, $ok:expr, $why:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub struct $name(pub f64);
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<$name, String> {
+                let ok: fn(f64) -> bool = $ok;
+                s.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && ok(*x))
+                    .map($name)
+                    .ok_or_else(|| $why.to_string())
+            }
+        }
+    };
+}
+
+real!(
+    /// Seconds of a cost model term, >= 0.
+    Seconds,
+    |x| x >= 0.0,
+    "expected seconds >= 0, e.g. 0.0000335"
+);
+real!(
+    /// A weight > 0.
+    Weight,
+    |x| x > 0.0,
+    "expected a number > 0 (1 = plain TTFT)"
+);
+real!(
+    /// A number >= 0.
+    NonNegative,
+    |x| x >= 0.0,
+    "expected a number >= 0 (0 = off)"
+);
+real!(
+    /// A fraction from 0 to 1.
+    Fraction,
+    |x| (0.0..=1.0).contains(&x),
+    "expected a fraction from 0 to 1"
+);
+
+/// `true`/`false` (also `on`/`off`, `yes`/`no`, `1`/`0`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Switch(pub bool);
+
+impl FromStr for Switch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Switch, String> {
+        parse_switch("", s).map(Switch).map_err(why)
+    }
+}
+
+/// A core list: `0`, `2-5`, `0,2`, `0-1,4`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cores(pub Vec<usize>);
+
+impl FromStr for Cores {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Cores, String> {
+        parse_cores("", s).map(Cores).map_err(why)
+    }
+}
+
+impl FromStr for PolicyName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PolicyName, String> {
+        PolicyName::parse(s).ok_or_else(|| format!("unknown policy; one of {}", PolicyName::NAMES))
+    }
+}
+
+impl FromStr for ListenerMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ListenerMode, String> {
+        ListenerMode::parse("", s).map_err(why)
+    }
+}
+
+impl FromStr for L4Forwarding {
+    type Err = String;
+    fn from_str(s: &str) -> Result<L4Forwarding, String> {
+        L4Forwarding::parse("", s).map_err(why)
+    }
+}
+
+/// `tcp://HOST:PORT`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ZmqEndpoint(pub String);
+
+impl FromStr for ZmqEndpoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ZmqEndpoint, String> {
+        parse_zmq_endpoint("", s).map(ZmqEndpoint).map_err(why)
+    }
+}
+
+/// A replica's `http://HOST:PORT` alone (a `[[replica]]` table's `url`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaUrl(pub ReplicaConfig);
+
+impl FromStr for ReplicaUrl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ReplicaUrl, String> {
+        parse_replica_url("", s).map(ReplicaUrl).map_err(why)
+    }
+}
+
+/// A replica: `URL[,OPTION=VALUE...]` on the command line, a `[[replica]]` table in the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaSpec(pub ReplicaConfig);
+
+impl FromStr for ReplicaSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ReplicaSpec, String> {
+        parse_replica_flag("", s).map(ReplicaSpec).map_err(why)
+    }
+}
+
+/// A `[[replica]]` table; its keys are the options of `--replica URL,OPTION=VALUE`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplicaTable {
+    url: ReplicaUrl,
+    kv_capacity_tokens: Option<Whole<1, { u64::MAX }>>,
+    kv_offload_capacity_tokens: Option<Whole<1, { u64::MAX }>>,
+    kv_events: Option<ZmqEndpoint>,
+    kv_replay: Option<ZmqEndpoint>,
+    metrics: Option<Switch>,
+    max_in_flight: Option<Whole<0, 1_000_000>>,
+}
+
+impl<'de> Deserialize<'de> for ReplicaSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Table;
+        impl<'de> Visitor<'de> for Table {
+            type Value = ReplicaSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a [[replica]] table with url = \"http://HOST:PORT\"")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, map: M) -> Result<ReplicaSpec, M::Error> {
+                let t = ReplicaTable::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let mut r = t.url.0;
+                if let Some(n) = t.kv_capacity_tokens {
+                    r.kv_capacity_tokens = n.0;
+                }
+                r.kv_offload_capacity_tokens = t.kv_offload_capacity_tokens.map(|n| n.0);
+                r.kv_events = t.kv_events.map(|e| e.0);
+                r.kv_replay = t.kv_replay.map(|e| e.0);
+                r.metrics = t.metrics.map(|m| m.0);
+                r.max_in_flight = t.max_in_flight.map(|n| n.0 as u32);
+                super::check_replay("", &r).map_err(|e| de::Error::custom(e.0))?;
+                Ok(ReplicaSpec(r))
+            }
+        }
+        d.deserialize_map(Table)
+    }
+}
+
+/// A `[[listener]]` table.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTable {
+    /// `HOST:PORT`.
+    pub address: Addr,
+    /// `l7` (the default) or `l4`.
+    pub mode: Option<ListenerMode>,
+}
+
+/// An absolute path such as `/health`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UrlPath(pub String);
+
+impl FromStr for UrlPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<UrlPath, String> {
+        if !s.starts_with('/') || s.bytes().any(|b| b <= b' ' || b == 0x7f) {
+            return Err("expected an absolute path such as /health".into());
+        }
+        Ok(UrlPath(s.to_string()))
+    }
+}
+
+/// A path kvlb answers itself, or `off`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbePath(pub Option<String>);
+
+impl FromStr for ProbePath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ProbePath, String> {
+        parse_probe_path("", s).map(ProbePath).map_err(why)
+    }
+}
+
+/// A file path, or `off` (or empty) for none.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffOrPath(pub Option<String>);
+
+impl FromStr for OffOrPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<OffOrPath, String> {
+        Ok(OffOrPath(match s.trim() {
+            "" | "off" => None,
+            path => Some(path.to_string()),
+        }))
+    }
+}
+
+/// A DNS replica source: `dns://NAME:PORT` or `dns+srv://NAME`, with options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DnsSource(pub String);
+
+impl FromStr for DnsSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DnsSource, String> {
+        check_dns_source("", s).map_err(why)?;
+        Ok(DnsSource(s.to_string()))
+    }
+}
+
+/// A resolver: `IP[:PORT]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DnsServer(pub String);
+
+impl FromStr for DnsServer {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DnsServer, String> {
+        check_dns_server("", s).map_err(why)?;
+        Ok(DnsServer(s.to_string()))
+    }
+}
+
+/// A secret (admin token, API key): checked where it is applied, so that no error echoes it.
+#[derive(Clone, PartialEq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<hidden>)")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Secret, String> {
+        Ok(Secret(s.to_string()))
+    }
+}
+
+/// A file list that may also be written as one string: `listen = "0.0.0.0:8000"`.
+pub fn one_or_many<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct List<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for List<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of strings, or one string")
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(x) = seq.next_element()? {
+                out.push(x);
+            }
+            Ok(out)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Vec<T>, E> {
+            T::deserialize(de::value::StrDeserializer::<E>::new(v)).map(|x| vec![x])
+        }
+    }
+    d.deserialize_any(List(std::marker::PhantomData))
+}
