@@ -36,8 +36,9 @@
 # keys out (as vLLM 0.33 writes them: KV_EVENTS_FORMAT=map) and positional arrays
 # (KV_EVENTS_FORMAT=array); kvlb reads all three.
 #
-# Environment: TRACE (the Mooncake conversation trace), START (0), DURATION (75), LOAD (1),
-# TIME_SCALE (5), REPLICAS (4), MAX_OUTPUT (cap output tokens; default the trace's),
+# Environment: TRACE (traces/mooncake_conversation_trace.jsonl; a relative path is taken from
+# the checkout's root), START (0), DURATION (75), LOAD (1), TIME_SCALE (5), REPLICAS (4),
+# MAX_OUTPUT (cap output tokens; default the trace's),
 # BALANCERS (all six), ROUNDS (1), WARMUP (15: wall seconds of warm-up traffic through the fresh
 # fleet before any measurement, from trace second WARMUP_START, 3000), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
 # use instead of building target/release/kvlb), RESULTS_NAME (e2e-peers), KVLB_ARGS (more
@@ -51,7 +52,7 @@ ROOT=$PWD
 # shellcheck source=bench/lib/packages.sh
 source bench/lib/packages.sh
 
-TRACE=${TRACE:-$ROOT/../shared/traces/mooncake_conversation_trace.jsonl}
+TRACE=${TRACE:-traces/mooncake_conversation_trace.jsonl}
 START=${START:-0}
 DURATION=${DURATION:-75}
 DURATION=${DURATION%s}
@@ -107,7 +108,7 @@ for b in $BALANCERS; do
     esac
 done
 if [ ! -r "$TRACE" ]; then
-    echo "error: TRACE=$TRACE is not readable (see ../shared/traces/README.md)" >&2
+    echo "error: TRACE=$TRACE is not readable (see traces/README.md)" >&2
     exit 2
 fi
 if [ "$PIN" = 1 ] && { [ "$FLEET_CORE" -ge "$(nproc)" ] || [ "$BALANCER_CORE" -ge "$(nproc)" ]; }; then

@@ -7,7 +7,8 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-const TRACES: &str = "/work/shared/traces";
+/// The traces shipped with the repository (`traces/README.md`).
+const TRACES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
 
 fn kvlb(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvlb"))
@@ -17,14 +18,15 @@ fn kvlb(args: &[&str]) -> Output {
         .expect("run kvlb simulate")
 }
 
-fn trace(name: &str) -> Option<String> {
+/// A trace's path; it is part of the checkout, so a missing one fails the test.
+fn trace(name: &str) -> String {
     let p = PathBuf::from(TRACES).join(name);
-    if p.exists() {
-        Some(p.to_string_lossy().into_owned())
-    } else {
-        eprintln!("skipped: {} is not here", p.display());
-        None
-    }
+    assert!(
+        p.is_file(),
+        "{} is missing (see traces/README.md)",
+        p.display()
+    );
+    p.to_string_lossy().into_owned()
 }
 
 /// Run with `--json` and return the parsed array, after checking the exit status.
@@ -95,9 +97,7 @@ fn policies(v: &[Value]) -> Vec<String> {
 
 #[test]
 fn simulate_mooncake_slice_reports_every_policy() {
-    let Some(t) = trace("mooncake_conversation_trace.jsonl") else {
-        return;
-    };
+    let t = trace("mooncake_conversation_trace.jsonl");
     let (v, _) = json(&["--trace", &t, "--limit", "500", "--speedup", "2"]);
     let names = policies(&v);
     for p in [
@@ -187,9 +187,7 @@ fn simulate_policy_subset_table_and_plot() {
 
 #[test]
 fn simulate_azure_trace_shares_nothing() {
-    let Some(t) = trace("azure_llm_2023_code.csv") else {
-        return;
-    };
+    let t = trace("azure_llm_2023_code.csv");
     let (v, _) = json(&[
         "--trace",
         &t,

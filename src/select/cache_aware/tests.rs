@@ -536,41 +536,47 @@ fn a_hot_preamble_spreads_as_its_load_needs() {
     );
 }
 
-/// The Mooncake conversation trace (`/work/shared/traces/`), each 512-token block id expanded
-/// into eight 64-token blocks, arrivals compressed `speedup` times. None when it is missing.
-fn mooncake(speedup: f64) -> Option<Vec<SimRequest>> {
-    let path = "/work/shared/traces/mooncake_conversation_trace.jsonl";
-    let text = std::fs::read_to_string(path).ok()?;
-    let mut out = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        let at_s = v["timestamp"].as_f64()? / 1000.0 / speedup;
-        let mut blocks = Vec::new();
-        for id in v["hash_ids"].as_array()? {
-            let id = id.as_u64()?;
-            for j in 0..8 {
-                blocks.push(chain(id, j));
-            }
+/// The Mooncake conversation trace (`traces/` in the checkout), each 512-token block id
+/// expanded into eight 64-token blocks, arrivals compressed `speedup` times.
+fn mooncake(speedup: f64) -> Vec<SimRequest> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/traces/mooncake_conversation_trace.jsonl"
+    );
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(session, line)| {
+            mooncake_request(line, session, speedup)
+                .unwrap_or_else(|| panic!("{path}: not a Mooncake request: {line}"))
+        })
+        .collect()
+}
+
+fn mooncake_request(line: &str, session: usize, speedup: f64) -> Option<SimRequest> {
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    let at_s = v["timestamp"].as_f64()? / 1000.0 / speedup;
+    let mut blocks = Vec::new();
+    for id in v["hash_ids"].as_array()? {
+        let id = id.as_u64()?;
+        for j in 0..8 {
+            blocks.push(chain(id, j));
         }
-        let session = out.len();
-        out.push(SimRequest {
-            at_s,
-            session,
-            turn: 0,
-            blocks,
-        });
     }
-    Some(out)
+    Some(SimRequest {
+        at_s,
+        session,
+        turn: 0,
+        blocks,
+    })
 }
 
 #[test]
 #[ignore = "replays the 12k-request Mooncake trace: run with --ignored --nocapture"]
 fn mooncake_conversation_trace() {
     for speedup in [1.0, 2.0] {
-        let Some(requests) = mooncake(speedup) else {
-            println!("trace not found, skipped");
-            return;
-        };
+        let requests = mooncake(speedup);
         let ours = run_cache_aware(4, &requests, CacheAwareConfig::default(), 8);
         let least = run_baseline(4, &requests, &mut LeastLoaded::new(0), 8);
         let (idx, _) = fleet(4);
