@@ -64,6 +64,8 @@
 //! `reported` adds what the replicas say of themselves (scraped queue and KV usage) to the
 //! load kvlb counts, so several kvlb instances in front of one fleet see each other's work.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 pub mod reported;
 
 pub use reported::ReportedLoad;

@@ -3,6 +3,8 @@
 //! either maps tagged by "type" with nil optional keys left out, or positional arrays with the
 //! tag first; or, for decoders that require every key, maps with the nil keys written out.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use super::{EventFormat, KvEvent, KvEventBatch};
 use rmp::encode as mp;
 

@@ -47,6 +47,8 @@
 //! JSON-escaped code (an escape every 18 bytes), slower to decode. The counting allocator sees
 //! zero allocations over 1000 warm requests.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 mod block_hash;
 #[cfg(test)]
 mod tests;

@@ -82,6 +82,8 @@
 //! ([`Extent::Unknown`]). Bodies under every bound give exactly what they gave before;
 //! [`extract_prompt`] and [`extract_prompt_with`] have no bounds.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 mod scan;
 #[cfg(test)]
 pub(crate) mod tests;

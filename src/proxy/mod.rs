@@ -7,6 +7,8 @@
 //! Buffers come from the worker's pool and go back to it, so a warm keep-alive connection
 //! allocates nothing per request.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};

@@ -59,6 +59,8 @@
 //! all with 16 or 64 replicas (shared table 32 MiB), 144 MiB with 256 (table 80 MiB).
 //! `ResidencyIndex::bytes` and `table_bytes` report it for metrics.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 mod index;
 mod table;
 

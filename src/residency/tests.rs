@@ -1,5 +1,7 @@
 //! Property tests of the residency index against a brute-force model, with a seeded RNG.
 
+#![allow(clippy::disallowed_methods, reason = "the tests time the index")]
+
 use super::*;
 
 /// splitmix64: the tests' seeded source of randomness.

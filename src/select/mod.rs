@@ -3,6 +3,8 @@
 //! choice. Each worker owns its policy instance (`&mut self`, no sharing, no locks); the loads
 //! they read are counted across workers by the caller.
 
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
 mod cache_aware;
 mod consistent_hash;
 mod least_loaded;
