@@ -3,8 +3,8 @@
 //! left out of the help fails here), and a bad value exits 2 with an error naming the flag and
 //! the value.
 //!
-//! To cover another subcommand (`serve`, once it has a clap definition), add a test that calls
-//! `help_lists_every_flag` with its `clap::Command` and `bad_value_is_named` with one bad value.
+//! Each subcommand has a test calling `help_lists_every_flag` with its `clap::Command` and
+//! `bad_value_is_named` with one bad value.
 
 use clap::CommandFactory;
 use std::process::{Command, Output};
@@ -64,6 +64,17 @@ fn bad_value_is_named(sub: &str, args: &[&str], flag: &str, value: &str) {
     assert!(
         err.contains(flag) && err.contains(value),
         "kvlb {all:?}: the error names neither {flag} nor {value:?}: {err}"
+    );
+}
+
+#[test]
+fn serve_help_and_a_bad_value() {
+    help_lists_every_flag(kvlb::config::ServeSettings::command(), "serve");
+    bad_value_is_named(
+        "serve",
+        &["--listen", "127.0.0.1:0", "--client-timeout", "forever"],
+        "--client-timeout",
+        "forever",
     );
 }
 
