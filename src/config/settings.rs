@@ -425,87 +425,138 @@ fn read_secret_file(layer: Layer, key: &str, path: &str) -> Result<String, Confi
 impl ServeSettings {
     /// Writes every setting this layer gives into `cfg`; lists replace the earlier layers'.
     fn apply(self, cfg: &mut ServeConfig, layer: Layer) -> Result<(), ConfigError> {
-        let s = self;
-        if !s.listen.is_empty() || !s.listener.is_empty() {
-            let mode = s.mode.unwrap_or(ListenerMode::L7);
-            cfg.listen = s.listen.iter().map(|a| a.0).collect();
-            cfg.listen_modes = vec![mode; s.listen.len()];
-            for l in &s.listener {
+        // Every field by name: a setting added to the declaration and not applied here does not
+        // compile (an unused binding is denied by the lint gate).
+        let ServeSettings {
+            config: _,
+            listen,
+            mode,
+            l4_forwarding,
+            splice_responses_from,
+            replica,
+            policy,
+            explain,
+            workers,
+            cores,
+            admin,
+            max_header_bytes,
+            max_body_bytes,
+            max_body_memory,
+            max_connections,
+            client_timeout,
+            idle_timeout,
+            connect_timeout,
+            upstream_timeout,
+            drain_timeout,
+            metrics_interval,
+            telemetry_stale_after,
+            routed_guess_ttl,
+            routed_pending_ttl,
+            health_path,
+            health_interval,
+            health_timeout,
+            unhealthy_after,
+            healthy_after,
+            max_fails,
+            fail_timeout,
+            slow_start,
+            retries,
+            max_replicas,
+            admin_token,
+            admin_token_file,
+            replica_dns,
+            dns_servers,
+            api_keys_file,
+            liveness_path,
+            readiness_path,
+            max_in_flight,
+            queue_size,
+            queue_timeout,
+            tokenizer,
+            chat_template,
+            access_log,
+            max_prompt_tokens,
+            listener,
+            api_keys,
+            cost_model,
+        } = self;
+        if !listen.is_empty() || !listener.is_empty() {
+            let mode = mode.unwrap_or(ListenerMode::L7);
+            cfg.listen = listen.iter().map(|a| a.0).collect();
+            cfg.listen_modes = vec![mode; listen.len()];
+            for l in &listener {
                 cfg.listen.push(l.address.0);
                 cfg.listen_modes.push(l.mode.unwrap_or(ListenerMode::L7));
             }
-        } else if s.mode.is_some() {
+        } else if mode.is_some() {
             return Err(ConfigError(
                 "--mode applies to the --listen addresses on the command line; give --listen ADDR too (or mode = \"l4\" in a [[listener]] table)".into(),
             ));
         }
-        set(&mut cfg.l4_forwarding, s.l4_forwarding);
+        set(&mut cfg.l4_forwarding, l4_forwarding);
         set(
             &mut cfg.splice_responses_from,
-            s.splice_responses_from.map(|v| v.0),
+            splice_responses_from.map(|v| v.0),
         );
-        if !s.replica.is_empty() {
-            cfg.replicas = s.replica.into_iter().map(|r| r.0).collect();
+        if !replica.is_empty() {
+            cfg.replicas = replica.into_iter().map(|r| r.0).collect();
         }
-        set(&mut cfg.policy, s.policy);
-        set(&mut cfg.explain, s.explain.map(|v| v.0));
-        set(&mut cfg.workers, s.workers.map(|v| v.0 as usize));
-        if let Some(c) = s.cores {
+        set(&mut cfg.policy, policy);
+        set(&mut cfg.explain, explain.map(|v| v.0));
+        set(&mut cfg.workers, workers.map(|v| v.0 as usize));
+        if let Some(c) = cores {
             cfg.cores = Some(c.0);
         }
-        set(&mut cfg.admin, s.admin.map(|v| v.0));
+        set(&mut cfg.admin, admin.map(|v| v.0));
         let l = &mut cfg.limits;
-        set(&mut l.max_header_bytes, s.max_header_bytes.map(|v| v.0));
-        set(&mut l.max_body_bytes, s.max_body_bytes.map(|v| v.0));
-        set(&mut l.max_body_memory, s.max_body_memory.map(|v| v.0));
+        set(&mut l.max_header_bytes, max_header_bytes.map(|v| v.0));
+        set(&mut l.max_body_bytes, max_body_bytes.map(|v| v.0));
+        set(&mut l.max_body_memory, max_body_memory.map(|v| v.0));
         set(
             &mut l.max_connections,
-            s.max_connections.map(|v| v.0 as usize),
+            max_connections.map(|v| v.0 as usize),
         );
         let t = &mut cfg.timeouts;
-        set(&mut t.client, s.client_timeout.map(|v| v.0));
-        set(&mut t.idle, s.idle_timeout.map(|v| v.0));
-        set(&mut t.connect, s.connect_timeout.map(|v| v.0));
-        set(&mut t.upstream, s.upstream_timeout.map(|v| v.0));
-        set(&mut t.drain, s.drain_timeout.map(|v| v.0));
+        set(&mut t.client, client_timeout.map(|v| v.0));
+        set(&mut t.idle, idle_timeout.map(|v| v.0));
+        set(&mut t.connect, connect_timeout.map(|v| v.0));
+        set(&mut t.upstream, upstream_timeout.map(|v| v.0));
+        set(&mut t.drain, drain_timeout.map(|v| v.0));
         let t = &mut cfg.telemetry;
-        set(&mut t.metrics_interval, s.metrics_interval.map(|v| v.0));
-        set(&mut t.stale_after, s.telemetry_stale_after.map(|v| v.0));
-        set(&mut t.routed_guess_ttl, s.routed_guess_ttl.map(|v| v.0));
-        set(&mut t.routed_pending_ttl, s.routed_pending_ttl.map(|v| v.0));
+        set(&mut t.metrics_interval, metrics_interval.map(|v| v.0));
+        set(&mut t.stale_after, telemetry_stale_after.map(|v| v.0));
+        set(&mut t.routed_guess_ttl, routed_guess_ttl.map(|v| v.0));
+        set(&mut t.routed_pending_ttl, routed_pending_ttl.map(|v| v.0));
         let h = &mut cfg.health;
-        set(&mut h.path, s.health_path.map(|v| v.0));
-        set(&mut h.interval, s.health_interval.map(|v| v.0));
-        set(&mut h.timeout, s.health_timeout.map(|v| v.0));
-        set(
-            &mut h.unhealthy_after,
-            s.unhealthy_after.map(|v| v.0 as u32),
-        );
-        set(&mut h.healthy_after, s.healthy_after.map(|v| v.0 as u32));
-        set(&mut h.max_fails, s.max_fails.map(|v| v.0 as u32));
-        set(&mut h.fail_timeout, s.fail_timeout.map(|v| v.0));
-        set(&mut h.slow_start, s.slow_start.map(|v| v.0));
-        set(&mut h.retries, s.retries.map(|v| v.0 as u32));
-        set(&mut cfg.max_replicas, s.max_replicas.map(|v| v.0 as usize));
-        if let Some(path) = &s.admin_token_file {
+        set(&mut h.path, health_path.map(|v| v.0));
+        set(&mut h.interval, health_interval.map(|v| v.0));
+        set(&mut h.timeout, health_timeout.map(|v| v.0));
+        set(&mut h.unhealthy_after, unhealthy_after.map(|v| v.0 as u32));
+        set(&mut h.healthy_after, healthy_after.map(|v| v.0 as u32));
+        set(&mut h.max_fails, max_fails.map(|v| v.0 as u32));
+        set(&mut h.fail_timeout, fail_timeout.map(|v| v.0));
+        set(&mut h.slow_start, slow_start.map(|v| v.0));
+        set(&mut h.retries, retries.map(|v| v.0 as u32));
+        set(&mut cfg.max_replicas, max_replicas.map(|v| v.0 as usize));
+        if let Some(path) = &admin_token_file {
             let text = read_secret_file(layer, "admin_token_file", path)?;
             cfg.admin_token = Some(
                 secret(layer, "admin_token_file", text.trim())
                     .map_err(|e| ConfigError(e.0.replace("<hidden>", &format!("{path:?}"))))?,
             );
-        } else if let Some(token) = &s.admin_token {
+        } else if let Some(token) = &admin_token {
             cfg.admin_token = Some(secret(layer, "admin_token", &token.0)?);
             if layer == Layer::Flags {
                 eprintln!("kvlb: warning: --admin-token on the command line is visible to every local user (ps, /proc); use --admin-token-file FILE or {ENV_ADMIN_TOKEN} instead");
             }
         }
-        if !s.replica_dns.is_empty() {
-            cfg.replica_dns = s.replica_dns.into_iter().map(|v| v.0).collect();
+        if !replica_dns.is_empty() {
+            cfg.replica_dns = replica_dns.into_iter().map(|v| v.0).collect();
         }
-        if !s.dns_servers.is_empty() {
-            cfg.dns_servers = s.dns_servers.into_iter().map(|v| v.0).collect();
+        if !dns_servers.is_empty() {
+            cfg.dns_servers = dns_servers.into_iter().map(|v| v.0).collect();
         }
-        if let Some(path) = &s.api_keys_file {
+        if let Some(path) = &api_keys_file {
             let key = layer.name("api_keys_file");
             let text = read_secret_file(layer, "api_keys_file", path)?;
             let mut keys = ApiKeys::default();
@@ -518,61 +569,72 @@ impl ServeSettings {
                 return Err(bad(&key, path, "the file holds no key"));
             }
             cfg.api_keys = keys;
-        } else if !s.api_keys.is_empty() {
+        } else if !api_keys.is_empty() {
             let mut keys = ApiKeys::default();
-            for k in &s.api_keys {
+            for k in &api_keys {
                 keys.add("api_keys", &k.0)?;
             }
             cfg.api_keys = keys;
         }
-        if let Some(p) = s.liveness_path {
+        if let Some(p) = liveness_path {
             cfg.probes.liveness = p.0;
         }
-        if let Some(p) = s.readiness_path {
+        if let Some(p) = readiness_path {
             cfg.probes.readiness = p.0;
         }
-        set(&mut cfg.max_in_flight, s.max_in_flight.map(|v| v.0 as u32));
-        set(&mut cfg.queue_size, s.queue_size.map(|v| v.0 as u32));
-        set(&mut cfg.queue_timeout, s.queue_timeout.map(|v| v.0));
-        if let Some(p) = s.tokenizer {
+        set(&mut cfg.max_in_flight, max_in_flight.map(|v| v.0 as u32));
+        set(&mut cfg.queue_size, queue_size.map(|v| v.0 as u32));
+        set(&mut cfg.queue_timeout, queue_timeout.map(|v| v.0));
+        if let Some(p) = tokenizer {
             cfg.tokenizer = Some(p);
         }
-        if let Some(p) = s.chat_template {
+        if let Some(p) = chat_template {
             cfg.chat_template = Some(p);
         }
-        if let Some(p) = s.access_log {
+        if let Some(p) = access_log {
             cfg.access_log = p.0;
         }
         set(
             &mut cfg.max_prompt_tokens,
-            s.max_prompt_tokens.map(|v| v.0 as usize),
+            max_prompt_tokens.map(|v| v.0 as usize),
         );
-        let c = s.cost_model;
+        let CostSettings {
+            min_match_tokens,
+            recompute_weight,
+            backlog_weight,
+            foreign_request_tokens,
+            kv_evict_from,
+            kv_hit_keep_at_full,
+            offload_load_cost,
+            prefill_a_s,
+            prefill_b_s,
+            prefill_c_s,
+            decode_base_s,
+            decode_per_seq_s,
+            decode_per_ctx_token_s,
+        } = cost_model;
         let m = &mut cfg.cost_model;
         set(
             &mut m.min_match_tokens,
-            c.min_match_tokens.map(|v| v.0 as u32),
+            min_match_tokens.map(|v| v.0 as u32),
         );
-        set(&mut m.recompute_weight, c.recompute_weight.map(|v| v.0));
-        set(&mut m.backlog_weight, c.backlog_weight.map(|v| v.0));
+        set(&mut m.recompute_weight, recompute_weight.map(|v| v.0));
+        set(&mut m.backlog_weight, backlog_weight.map(|v| v.0));
         set(
             &mut m.foreign_request_tokens,
-            c.foreign_request_tokens.map(|v| v.0 as u32),
+            foreign_request_tokens.map(|v| v.0 as u32),
         );
-        set(&mut m.kv_evict_from, c.kv_evict_from.map(|v| v.0));
-        set(
-            &mut m.kv_hit_keep_at_full,
-            c.kv_hit_keep_at_full.map(|v| v.0),
-        );
-        set(&mut m.offload_load_cost, c.offload_load_cost.map(|v| v.0));
-        set(&mut m.prefill_a_s, c.prefill_a_s.map(|v| v.0));
-        set(&mut m.prefill_b_s, c.prefill_b_s.map(|v| v.0));
-        set(&mut m.prefill_c_s, c.prefill_c_s.map(|v| v.0));
-        set(&mut m.decode_base_s, c.decode_base_s.map(|v| v.0));
-        set(&mut m.decode_per_seq_s, c.decode_per_seq_s.map(|v| v.0));
+        set(&mut m.kv_evict_from, kv_evict_from.map(|v| v.0));
+        set(&mut m.kv_hit_keep_at_full, kv_hit_keep_at_full.map(|v| v.0));
+        set(&mut m.offload_load_cost, offload_load_cost.map(|v| v.0));
+        set(&mut m.prefill_a_s, prefill_a_s.map(|v| v.0));
+        set(&mut m.prefill_b_s, prefill_b_s.map(|v| v.0));
+        set(&mut m.prefill_c_s, prefill_c_s.map(|v| v.0));
+        set(&mut m.decode_base_s, decode_base_s.map(|v| v.0));
+        set(&mut m.decode_per_seq_s, decode_per_seq_s.map(|v| v.0));
         set(
             &mut m.decode_per_ctx_token_s,
-            c.decode_per_ctx_token_s.map(|v| v.0),
+            decode_per_ctx_token_s.map(|v| v.0),
         );
         Ok(())
     }
