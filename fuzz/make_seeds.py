@@ -6,6 +6,9 @@ HTTP request heads with every framing, chunked bodies, OpenAI completions and ch
 KV event batches in every engine variant (map and positional events, unsigned, signed and
 32-byte digest hashes, map and positional batches). Standard library only: msgpack is written
 by hand below.
+
+DNS responses: A, AAAA, CNAME, SRV with its additionals, EDNS, NXDOMAIN, truncated, and hostile
+ones (compression loops, pointers past the end, counts and rdlengths the packet cannot hold).
 """
 import json
 import os
@@ -155,3 +158,73 @@ write("prompt", "completions_list", b"\x02" + b'{"prompt":["a","b\\n"],"model":"
 write("prompt", "completions_tokens", b"\x04" + b'{"model":"m","prompt":[1,2,3,4294967295]}')
 write("prompt", "completions_token_lists", b"\x06" + b'{"model":"m","prompt":[[1,2],[3]]}')
 write("prompt", "lone_surrogate", b"\x01" + b'{"model":"m","messages":[{"role":"user","content":"\\ud800x"}]}')
+
+# --- DNS responses (the packet only: the check asks the question the packet answers) ------
+def dns_name(n):
+    out = b""
+    for label in n.split("."):
+        out += bytes([len(label)]) + label.encode()
+    return out + b"\x00"
+
+
+def dns_header(flags, qd, an, ns, ar, qid=0x1234):
+    return struct.pack(">HHHHHH", qid, flags, qd, an, ns, ar)
+
+
+def dns_question(name, qtype):
+    return dns_name(name) + struct.pack(">HH", qtype, 1)
+
+
+def dns_rr(owner, rtype, rdata, ttl=30, rclass=1):
+    return owner + struct.pack(">HHIH", rtype, rclass, ttl, len(rdata)) + rdata
+
+
+Q12 = b"\xc0\x0c"  # a pointer to the question name at offset 12
+a_resp = dns_header(0x8180, 1, 2, 0, 0) + dns_question("svc.local", 1)
+a_resp += dns_rr(Q12, 1, bytes([10, 0, 0, 1])) + dns_rr(Q12, 1, bytes([10, 0, 0, 2]))
+write("dns", "a_two", a_resp)
+aaaa = dns_header(0x8180, 1, 1, 0, 0) + dns_question("svc.local", 28)
+aaaa += dns_rr(Q12, 28, bytes(15) + b"\x01")
+write("dns", "aaaa", aaaa)
+# CNAME to a name whose A record follows, the target named by a pointer into the CNAME data.
+cname = dns_header(0x8180, 1, 2, 0, 0) + dns_question("www.example.org", 1)
+cname_at = len(cname) + 12
+cname += dns_rr(Q12, 5, b"\x04edge" + b"\xc0\x10")
+cname += dns_rr(bytes([0xC0, cname_at]), 1, bytes([192, 0, 2, 9]))
+write("dns", "cname_chain", cname)
+# SRV with its targets' addresses in the additional section (what kvlb's discovery asks).
+srv = dns_header(0x8180, 1, 2, 0, 2) + dns_question("_http._tcp.vllm.default.svc", 33)
+t0 = len(srv) + 12 + 6
+srv += dns_rr(Q12, 33, struct.pack(">HHH", 10, 5, 8000) + dns_name("pod-0.vllm.default.svc"))
+t1 = len(srv) + 12 + 6
+srv += dns_rr(Q12, 33, struct.pack(">HHH", 10, 5, 8000) + b"\x05pod-1\xc0" + bytes([t0 + 6]))
+srv += dns_rr(bytes([0xC0, t0]), 1, bytes([10, 1, 0, 5]))
+srv += dns_rr(bytes([0xC0, t1]), 28, bytes(range(16)))
+write("dns", "srv_additional", srv)
+write("dns", "nxdomain", dns_header(0x8183, 1, 0, 1, 0) + dns_question("gone.local", 1)
+      + dns_rr(Q12, 6, b"\x00\x00" + bytes(20)))
+write("dns", "servfail", dns_header(0x8182, 1, 0, 0, 0) + dns_question("x.local", 1))
+write("dns", "truncated", dns_header(0x8380, 1, 9, 0, 0) + dns_question("big.local", 1) + b"\xff" * 5)
+opt = dns_header(0x8180, 1, 1, 0, 1) + dns_question("svc.local", 1)
+opt += dns_rr(Q12, 1, bytes([10, 0, 0, 3])) + b"\x00" + struct.pack(">HHIH", 41, 1232, 0, 0)
+write("dns", "edns_opt", opt)
+write("dns", "upper_case", dns_header(0x8180, 1, 1, 0, 0) + dns_question("SVC.Local", 1)
+      + dns_rr(Q12, 1, bytes([10, 0, 0, 4]))) 
+# Hostile: a pointer to itself, a label then a pointer back to it (a loop through a backward
+# pointer), two pointers to each other, a pointer past the end, counts the packet cannot
+# hold, rdlength past the end, A data of 5 bytes, a long chain of pointers.
+base = dns_header(0x8180, 1, 1, 0, 0) + dns_question("a.local", 1)
+here = len(base)
+write("dns", "pointer_self", base + bytes([0xC0, here]) + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
+write("dns", "pointer_loop_label", base + bytes([1, ord("x"), 0xC0, here]) + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
+write("dns", "pointer_pair", base + bytes([0xC0, here + 2, 0xC0, here]) + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
+write("dns", "pointer_past_end", base + b"\xff\xff" + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
+write("dns", "counts_too_big", dns_header(0x8180, 1, 0xFFFF, 0xFFFF, 0xFFFF) + dns_question("a.local", 1))
+write("dns", "rdlength_huge", base + Q12 + struct.pack(">HHIH", 1, 1, 1, 0xFFFF) + bytes(4))
+write("dns", "a_five_bytes", base + dns_rr(Q12, 1, bytes(5)))
+chain = base
+for i in range(40):
+    chain += bytes([0xC0, 12]) if i == 0 else bytes([0xC0, len(chain) - 2])
+write("dns", "pointer_chain_40", chain + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
+write("dns", "label_type_0x40", base + b"\x41\x00" + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
+write("dns", "query_not_response", dns_header(0x0100, 1, 0, 0, 0) + dns_question("a.local", 1))

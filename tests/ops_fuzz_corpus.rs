@@ -53,3 +53,8 @@ fn prompt_corpus() {
 fn kv_events_corpus() {
     assert!(replay("kv_events", checks::kv_events) > 0);
 }
+
+#[test]
+fn dns_corpus() {
+    assert!(replay("dns", checks::dns) > 0);
+}

@@ -8,7 +8,12 @@
 //! - `prompt`: extraction with the stack's recording space and with any `PromptScratch` size
 //!   agree exactly, a body yields text or tokens as its form says, and an accepted body is JSON
 //!   (checked against serde_json);
-//! - `kv_events`: a decoded batch re-encoded in either event format decodes to the same batch.
+//! - `kv_events`: a decoded batch re-encoded in either event format decodes to the same batch;
+//! - `dns`: a DNS response parses to exactly the records an independent reading finds (names
+//!   read at every offset agree with one that follows pointers anywhere and detects loops, so
+//!   a compression loop or a pointer past the end is an error), each address is its record's
+//!   bytes, work is bounded by the packet's size, and the same packet is refused as the answer
+//!   to another id, name or type.
 //!
 //! Included by `tests/ops_fuzz_corpus.rs` too (as a module, by path): it uses only kvlb's own
 //! dependencies.
@@ -402,5 +407,309 @@ pub fn kv_events(data: &[u8]) {
             comparable(&batch),
             "{format:?}: a re-encoded batch decodes differently"
         );
+    }
+}
+
+// --- dns -------------------------------------------------------------------------------------
+
+/// How an independent reading of a name (RFC 1035 4.1.4: a pointer may go anywhere in the
+/// message) ends. kvlb's `read_name` must give the same name and end, or an error where this
+/// says kvlb refuses.
+#[derive(Debug, PartialEq, Eq)]
+enum RefName {
+    /// The name, the offset after its bytes at the start, and whether kvlb refuses it anyway:
+    /// a pointer that does not point before itself, or more pointers than kvlb follows.
+    Read(String, usize, bool),
+    /// A pointer chain that comes back to a pointer already followed.
+    Loop,
+    /// Runs past the packet, a reserved label type, a bad label byte, longer than 255 bytes.
+    Bad,
+}
+
+/// Pointers kvlb follows within one name at most (`MAX_POINTER_JUMPS` in dns.rs).
+const DNS_MAX_JUMPS: usize = 32;
+
+fn ref_read_name(p: &[u8], start: usize) -> RefName {
+    let (mut name, mut pos, mut end) = (String::new(), start, None);
+    let mut followed: Vec<usize> = Vec::new();
+    let mut wire_len = 1;
+    let mut refused = false;
+    loop {
+        let Some(&len) = p.get(pos) else {
+            return RefName::Bad;
+        };
+        let len = len as usize;
+        match len >> 6 {
+            0 if len == 0 => return RefName::Read(name, end.unwrap_or(pos + 1), refused),
+            0 => {
+                wire_len += len + 1;
+                let Some(label) = p.get(pos + 1..pos + 1 + len) else {
+                    return RefName::Bad;
+                };
+                if wire_len > 255 || !label.iter().all(|b| b.is_ascii_graphic() && *b != b'.') {
+                    return RefName::Bad;
+                }
+                if !name.is_empty() {
+                    name.push('.');
+                }
+                name.extend(label.iter().map(|b| b.to_ascii_lowercase() as char));
+                pos += 1 + len;
+            }
+            3 => {
+                let Some(&low) = p.get(pos + 1) else {
+                    return RefName::Bad;
+                };
+                if followed.contains(&pos) {
+                    return RefName::Loop;
+                }
+                followed.push(pos);
+                let target = ((len & 0x3F) << 8) | low as usize;
+                refused |= target >= pos || followed.len() > DNS_MAX_JUMPS;
+                if followed.len() > DNS_MAX_JUMPS {
+                    // kvlb has given up by now: no need to walk the chain to its end.
+                    return RefName::Read(name, 0, true);
+                }
+                end.get_or_insert(pos + 2);
+                pos = target;
+            }
+            _ => return RefName::Bad,
+        }
+    }
+}
+
+/// Reads the name at `at` with kvlb's `read_name` and checks it against the independent
+/// reading: the result they agree on (None: an error).
+fn dns_name_at(p: &[u8], at: usize) -> Option<(String, usize)> {
+    let theirs = kvlb::discovery::dns::read_name(p, at);
+    match ref_read_name(p, at) {
+        RefName::Read(name, end, false) => {
+            assert_eq!(
+                theirs,
+                Ok((name.clone(), end)),
+                "name at {at}: kvlb reads it differently"
+            );
+            Some((name, end))
+        }
+        why => {
+            assert!(
+                theirs.is_err(),
+                "name at {at} ({why:?}): kvlb accepted it as {theirs:?}"
+            );
+            None
+        }
+    }
+}
+
+fn dns_be16(p: &[u8], at: usize) -> Option<u16> {
+    p.get(at..at + 2).map(|b| u16::from_be_bytes([b[0], b[1]]))
+}
+
+/// The response kvlb must make of `p` as the answer to `id`/`qname`/`qtype`, with the offset of
+/// each A and AAAA record's data; or what kind of refusal.
+#[derive(Debug, PartialEq, Eq)]
+enum DnsRefusal {
+    Id,
+    NotResponse,
+    Question,
+    Malformed,
+}
+
+type DnsExpected = (kvlb::discovery::dns::Message, Vec<usize>);
+
+fn ref_parse_dns(p: &[u8], id: u16, qname: &str, qtype: u16) -> Result<DnsExpected, DnsRefusal> {
+    use kvlb::discovery::dns::{Message, RData, Record};
+    use DnsRefusal::*;
+    if p.len() < 12 {
+        return Err(Malformed);
+    }
+    if dns_be16(p, 0) != Some(id) {
+        return Err(Id);
+    }
+    let flags = dns_be16(p, 2).unwrap();
+    if flags & 0x8000 == 0 || (flags >> 11) & 0xF != 0 {
+        return Err(NotResponse);
+    }
+    let count = |at| dns_be16(p, at).unwrap() as usize;
+    if count(4) != 1 {
+        return Err(Question);
+    }
+    let (an, ns, ar) = (count(6), count(8), count(10));
+    let (name, pos) = dns_name_at(p, 12).ok_or(Malformed)?;
+    let want = kvlb::discovery::dns::normalize_name(qname).map_err(|_| Malformed)?;
+    if name != want {
+        return Err(Question);
+    }
+    if dns_be16(p, pos).ok_or(Malformed)? != qtype || dns_be16(p, pos + 2).ok_or(Malformed)? != 1 {
+        return Err(Question);
+    }
+    let mut msg = Message {
+        rcode: (flags & 0xF) as u8,
+        truncated: flags & 0x0200 != 0,
+        ..Message::default()
+    };
+    let mut data_at = Vec::new();
+    if msg.truncated {
+        return Ok((msg, data_at));
+    }
+    let mut pos = pos + 4;
+    if (an + ns + ar) * 11 > p.len() - pos {
+        return Err(Malformed);
+    }
+    for i in 0..an + ns + ar {
+        let (name, after) = dns_name_at(p, pos).ok_or(Malformed)?;
+        let field = |k: usize| dns_be16(p, after + k).ok_or(Malformed);
+        let (rtype, class) = (field(0)?, field(2)?);
+        let ttl = ((field(4)? as u32) << 16) | field(6)? as u32;
+        let (rd, rdlen) = (after + 10, field(8)? as usize);
+        let end = rd + rdlen;
+        if end > p.len() {
+            return Err(Malformed);
+        }
+        pos = end;
+        if class != 1 || rtype == 41 {
+            continue;
+        }
+        let data = match (rtype, rdlen) {
+            (1, 4) => RData::A(<[u8; 4]>::try_from(&p[rd..end]).unwrap().into()),
+            (28, 16) => RData::Aaaa(<[u8; 16]>::try_from(&p[rd..end]).unwrap().into()),
+            (1 | 28, _) => return Err(Malformed),
+            (5, _) => match dns_name_at(p, rd) {
+                Some((target, after)) if after == end => RData::Cname(target),
+                _ => return Err(Malformed),
+            },
+            (33, 7..) => match dns_name_at(p, rd + 6) {
+                Some((target, after)) if after == end => RData::Srv {
+                    priority: dns_be16(p, rd).unwrap(),
+                    weight: dns_be16(p, rd + 2).unwrap(),
+                    port: dns_be16(p, rd + 4).unwrap(),
+                    target,
+                },
+                _ => return Err(Malformed),
+            },
+            (33, _) => return Err(Malformed),
+            (t, _) => RData::Other(t),
+        };
+        let record = Record { name, ttl, data };
+        if i < an {
+            msg.answers.push(record);
+            data_at.push(rd);
+        } else if i >= an + ns {
+            msg.additionals.push(record);
+            data_at.push(rd);
+        }
+    }
+    Ok((msg, data_at))
+}
+
+fn dns_refusal(e: &kvlb::discovery::dns::DnsError) -> DnsRefusal {
+    use kvlb::discovery::dns::DnsError;
+    match e {
+        DnsError::IdMismatch { .. } => DnsRefusal::Id,
+        DnsError::NotResponse => DnsRefusal::NotResponse,
+        DnsError::QuestionMismatch => DnsRefusal::Question,
+        DnsError::Malformed(..) | DnsError::BadName(..) => DnsRefusal::Malformed,
+        other => panic!("parse_response gave an exchange error: {other:?}"),
+    }
+}
+
+/// One name different from `name` that is still a valid name: its first letter changed.
+fn other_name(name: &str) -> String {
+    let mut other = name.to_string();
+    let first = if name.starts_with('x') { "y" } else { "x" };
+    other.replace_range(..1, first);
+    other
+}
+
+pub fn dns(p: &[u8]) {
+    use kvlb::discovery::dns::{self, DnsError, RData};
+    // Ask the question the packet answers when it names one kvlb could ask, so that parsing
+    // goes past the question; else a fixed one it must refuse unless the packet asks it.
+    let id = dns_be16(p, 0).unwrap_or(0);
+    let asked = (p.len() >= 12).then(|| dns_name_at(p, 12)).flatten();
+    let (qname, qtype) = match asked {
+        Some((n, end)) if dns::normalize_name(&n).is_ok_and(|v| v == n) => {
+            (n, dns_be16(p, end).unwrap_or(dns::TYPE_A))
+        }
+        _ => ("svc.local".to_string(), dns::TYPE_SRV),
+    };
+    // A name at every offset of the packet's first 600 bytes (each is a place a record name
+    // or a pointer could sit): compression loops and pointers past the end give errors.
+    for at in 0..p.len().min(600) {
+        dns_name_at(p, at);
+    }
+
+    let got = dns::parse_response(p, id, &qname, qtype);
+    let want = ref_parse_dns(p, id, &qname, qtype);
+    let msg = match (&got, want) {
+        (Ok(msg), Ok((expected, data_at))) => {
+            assert_eq!(msg, &expected, "records differ from an independent reading");
+            // Every address is the 4 or 16 bytes of its record's data in the packet.
+            for (rec, &at) in msg.answers.iter().chain(&msg.additionals).zip(&data_at) {
+                match rec.data {
+                    RData::A(a) => assert_eq!(&p[at..at + 4], &a.octets()),
+                    RData::Aaaa(a) => assert_eq!(&p[at..at + 16], &a.octets()),
+                    _ => {}
+                }
+            }
+            msg
+        }
+        (Err(e), Err(why)) => {
+            assert_eq!(dns_refusal(e), why, "refused for another reason: {e}");
+            return;
+        }
+        (got, want) => panic!("kvlb: {got:?}; independent reading: {want:?}"),
+    };
+    // Bounded work by construction: each record takes at least 11 bytes of the packet.
+    assert!((msg.answers.len() + msg.additionals.len()) * 11 <= p.len());
+    assert!(!msg.truncated || (msg.answers.is_empty() && msg.additionals.is_empty()));
+
+    // The same packet is no answer to another id, name or type.
+    let wrong_id = id ^ 0x5a5a;
+    assert_eq!(
+        dns::parse_response(p, wrong_id, &qname, qtype),
+        Err(DnsError::IdMismatch {
+            expected: wrong_id,
+            got: id
+        })
+    );
+    assert_eq!(
+        dns::parse_response(p, id, &other_name(&qname), qtype),
+        Err(DnsError::QuestionMismatch),
+        "answer to {qname:?} taken for another name's"
+    );
+    assert_eq!(
+        dns::parse_response(p, id, &qname, qtype ^ 0x0100),
+        Err(DnsError::QuestionMismatch),
+        "answer to type {qtype} taken for another type's"
+    );
+
+    // What discovery does with it: the addresses found (through CNAMEs, from SRV targets in
+    // the additional section) are those of the message's records.
+    let all: Vec<std::net::IpAddr> = msg
+        .answers
+        .iter()
+        .chain(&msg.additionals)
+        .filter_map(|r| match r.data {
+            RData::A(a) => Some(a.into()),
+            RData::Aaaa(a) => Some(a.into()),
+            _ => None,
+        })
+        .collect();
+    let mut names = vec![qname.clone()];
+    if let Ok(srvs) = dns::follow(&msg.answers, &qname, dns::TYPE_SRV) {
+        names.extend(srvs.iter().filter_map(|r| match &r.data {
+            RData::Srv { target, .. } => Some(target.clone()),
+            _ => None,
+        }));
+    }
+    for name in names.iter().take(16) {
+        for records in [&msg.answers, &msg.additionals] {
+            if let Ok(found) = dns::addresses(records, name) {
+                assert!(
+                    found.iter().all(|a| all.contains(a)),
+                    "address from nowhere"
+                );
+            }
+        }
     }
 }
