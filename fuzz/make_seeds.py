@@ -9,6 +9,10 @@ by hand below.
 
 DNS responses: A, AAAA, CNAME, SRV with its additionals, EDNS, NXDOMAIN, truncated, and hostile
 ones (compression loops, pointers past the end, counts and rdlengths the packet cannot hold).
+
+ZMTP streams from a PUB peer (ZMTP 3.0 and 3.1 handshakes, KV event messages, commands), and
+hostile ones (frame sizes of 2^63 and around the message bound, malformed commands, reserved
+flags).
 """
 import json
 import os
@@ -228,3 +232,61 @@ for i in range(40):
 write("dns", "pointer_chain_40", chain + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
 write("dns", "label_type_0x40", base + b"\x41\x00" + struct.pack(">HHIH", 1, 1, 1, 4) + bytes(4))
 write("dns", "query_not_response", dns_header(0x0100, 1, 0, 0, 0) + dns_question("a.local", 1))
+
+# --- ZMTP (first byte: bit 0 = the check writes a PUB peer's handshake first, bit 1 = its
+# minor version, bit 2 = recycle messages, bits 4-7 = how many piece sizes follow) ----------
+def zmtp_frame(body, more=False, command=False):
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) > 255:
+        return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+def zmtp_command(name, data=b""):
+    return zmtp_frame(bytes([len(name)]) + name + data, command=True)
+
+
+def zmtp_message(*frames):
+    return b"".join(zmtp_frame(f, more=i < len(frames) - 1) for i, f in enumerate(frames))
+
+
+def zmtp_greeting(minor=1):
+    return b"\xff" + bytes(7) + b"\x01\x7f" + bytes([3, minor]) + b"NULL" + bytes(16) + b"\x01" + bytes(31)
+
+
+def zmtp_ready(socket_type, identity=None):
+    props = b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    if identity is not None:
+        props += b"\x08Identity" + struct.pack(">I", len(identity)) + identity
+    return zmtp_command(b"READY", props)
+
+
+event = mp([TS, [stored_map], 0])
+kv_msg = zmtp_message(b"kv@pod-0@model", struct.pack(">Q", 7), event)
+big_msg = zmtp_message(b"kv@pod-0@model", struct.pack(">Q", 8), bytes(range(256)) * 3)
+raw_hs = zmtp_greeting() + zmtp_ready(b"PUB")
+write("zmtp", "raw_handshake_events", b"\x30\x00\x05\x10" + raw_hs + kv_msg + big_msg)
+write("zmtp", "raw_xpub_zmtp30", b"\x00" + zmtp_greeting(0) + zmtp_ready(b"XPUB", b"") + kv_msg)
+write("zmtp", "raw_wrong_peer", b"\x00" + zmtp_greeting() + zmtp_ready(b"ROUTER") + kv_msg)
+write("zmtp", "raw_plain_mechanism", b"\x00" + zmtp_greeting()[:12] + b"PLAIN" + bytes(15) + bytes(32) + zmtp_ready(b"PUB"))
+write("zmtp", "raw_error_command", b"\x00" + zmtp_greeting() + zmtp_command(b"ERROR", b"\x04nope"))
+write("zmtp", "events_pieces", b"\x21\x00\x02" + kv_msg + big_msg + kv_msg)
+write("zmtp", "events_recycled", b"\x45\x00\x00\x00\x07" + kv_msg * 3 + big_msg)
+write("zmtp", "ping_subscribe_cancel", b"\x13\x03" + zmtp_command(b"PING", b"\x00\x0actx")
+      + zmtp_command(b"SUBSCRIBE", b"kv@") + zmtp_command(b"CANCEL", b"kv@") + kv_msg)
+write("zmtp", "command_between_frames", b"\x01" + zmtp_frame(b"kv@x", more=True)
+      + zmtp_command(b"PING", b"\x00\x01") + zmtp_frame(b"data"))
+# Hostile: announced sizes of 2^63, just over and just under the 256 MiB message bound,
+# a message growing over the bound, a command with MORE, an empty command, a command whose
+# name runs past its frame, reserved flag bits, a partial frame at the end.
+write("zmtp", "long_2_63", b"\x01" + b"\x02" + struct.pack(">Q", 1 << 63) + b"x" * 16)
+write("zmtp", "long_over_bound", b"\x01" + b"\x02" + struct.pack(">Q", (256 << 20) + 1) + b"x" * 16)
+write("zmtp", "long_under_bound", b"\x11\x00" + b"\x02" + struct.pack(">Q", 256 << 20) + b"x" * 16)
+write("zmtp", "long_200mib_partial", b"\x21\xff\x07" + b"\x03" + struct.pack(">Q", 200 << 20) + b"y" * 600)
+write("zmtp", "message_over_bound", b"\x01" + b"\x03" + struct.pack(">Q", 4) + b"abcd" + b"\x02" + struct.pack(">Q", 256 << 20))
+write("zmtp", "command_more", b"\x01" + b"\x05\x05\x04PING")
+write("zmtp", "command_empty", b"\x01" + b"\x04\x00")
+write("zmtp", "command_name_past_frame", b"\x01" + b"\x04\x03\x09ab")
+write("zmtp", "reserved_flags", b"\x01" + b"\x08\x01x")
+write("zmtp", "partial_frame", b"\x01" + kv_msg + b"\x00\x20short")
+write("zmtp", "long_command_2_63", b"\x00" + zmtp_greeting() + b"\x06" + struct.pack(">Q", (1 << 63) + 5) + b"READY")

@@ -58,3 +58,8 @@ fn kv_events_corpus() {
 fn dns_corpus() {
     assert!(replay("dns", checks::dns) > 0);
 }
+
+#[test]
+fn zmtp_corpus() {
+    assert!(replay("zmtp", checks::zmtp) > 0);
+}

@@ -13,7 +13,11 @@
 //!   read at every offset agree with one that follows pointers anywhere and detects loops, so
 //!   a compression loop or a pointer past the end is an error), each address is its record's
 //!   bytes, work is bounded by the packet's size, and the same packet is refused as the answer
-//!   to another id, name or type.
+//!   to another id, name or type;
+//! - `zmtp`: the SUB side reads a peer's bytes (greeting, READY, frames) the same whether they
+//!   arrive at once or in pieces, exactly as an independent frame reader does, refuses frames
+//!   over the message bound, and allocates in proportion to what arrived, not to a size a
+//!   frame header announces.
 //!
 //! Included by `tests/ops_fuzz_corpus.rs` too (as a module, by path): it uses only kvlb's own
 //! dependencies.
@@ -712,4 +716,245 @@ pub fn dns(p: &[u8]) {
             }
         }
     }
+}
+
+// --- zmtp ------------------------------------------------------------------------------------
+
+/// The largest single allocation made since the last reset, kept by a fuzz target's counting
+/// allocator (`fuzz_targets/zmtp.rs`); left at 0 where none counts (the corpus replay test),
+/// which makes the memory check below a no-op there.
+pub static LARGEST_ALLOCATION: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// Largest message a peer may send (`zmtp::wire::MAX_MESSAGE_BYTES`).
+const ZMTP_MAX_MESSAGE: u64 = kvlb::zmtp::wire::MAX_MESSAGE_BYTES as u64;
+
+/// How a read of a peer's bytes ended, after the messages and commands it gave.
+#[derive(Debug, PartialEq, Eq)]
+enum ZmtpEnd {
+    /// The bytes ran out (in the middle of a frame, or between frames).
+    Waiting,
+    /// A protocol error: the connection is dropped.
+    Refused(String),
+}
+
+/// What kvlb's SUB side made of `wire`: its first `handshake_len` bytes arrive before the
+/// handshake, the rest after it in pieces of the given sizes (cycled). The handshake's error
+/// if it failed, else what came after it. PINGs are answered as `SubClient::recv` does;
+/// `recycle`: each message is handed back, as a subscriber that recycles does.
+fn zmtp_read(
+    wire: &[u8],
+    handshake_len: usize,
+    pieces: &[usize],
+    recycle: bool,
+) -> Result<(Vec<kvlb::zmtp::wire::Incoming>, ZmtpEnd), String> {
+    use kvlb::zmtp::wire::{Connection, Incoming};
+    use std::io::Write;
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    use std::time::{Duration, Instant};
+
+    let (ours, mut peer) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+    // Safety: the descriptor is a connected stream socket that nothing else owns; a TcpStream
+    // over it only reads, writes, polls and (failing harmlessly) sets TCP_NODELAY.
+    let stream = unsafe { std::net::TcpStream::from_raw_fd(ours.into_raw_fd()) };
+    let (handshake, rest) = wire.split_at(handshake_len.min(wire.len()));
+    peer.write_all(handshake).expect("write to socketpair");
+    // With every handshake byte already there, a zero timeout only cuts a short handshake.
+    let mut conn = Connection::handshake(stream, false, "SUB", &["PUB", "XPUB"], Duration::ZERO)
+        .map_err(|e| e.to_string())?;
+    let mut got = Vec::new();
+    let mut at = 0;
+    let mut sizes = pieces.iter().copied().cycle();
+    loop {
+        // Everything sent so far has arrived: read it all (a deadline already past only stops
+        // the read once the socket is empty).
+        loop {
+            match conn.read_incoming(Some(Instant::now())) {
+                Ok(Some(incoming)) => {
+                    if let Incoming::Command { name, data } = &incoming {
+                        if name == b"PING" {
+                            conn.answer_ping(data).expect("answer PING");
+                        }
+                    }
+                    match incoming {
+                        Incoming::Message(m) if recycle => {
+                            got.push(Incoming::Message(m.clone()));
+                            conn.recycle(m);
+                        }
+                        other => got.push(other),
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => return Ok((got, ZmtpEnd::Refused(e.to_string()))),
+            }
+        }
+        if at == rest.len() {
+            return Ok((got, ZmtpEnd::Waiting));
+        }
+        let n = sizes.next().unwrap_or(rest.len()).clamp(1, rest.len() - at);
+        peer.write_all(&rest[at..at + n])
+            .expect("write to socketpair");
+        at += n;
+    }
+}
+
+/// An independent reading of the frames after the handshake (ZMTP 3.1 section 2.3.2, kvlb's
+/// message bound): the messages and commands, and whether it ends refused.
+fn ref_zmtp_frames(mut b: &[u8]) -> (Vec<kvlb::zmtp::wire::Incoming>, bool) {
+    use kvlb::zmtp::wire::Incoming;
+    let mut out = Vec::new();
+    let mut partial: Vec<Vec<u8>> = Vec::new();
+    loop {
+        if b.len() < 2 {
+            return (out, false);
+        }
+        let flags = b[0];
+        if flags & !0x07 != 0 {
+            return (out, true);
+        }
+        let (header, size) = if flags & 0x02 != 0 {
+            let Some(s) = b.get(1..9) else {
+                return (out, false);
+            };
+            (9, u64::from_be_bytes(s.try_into().unwrap()))
+        } else {
+            (2, b[1] as u64)
+        };
+        let pending: u64 = partial.iter().map(|f| f.len() as u64).sum();
+        if size > ZMTP_MAX_MESSAGE - pending {
+            return (out, true);
+        }
+        let Some(body) = b.get(header..header + size as usize) else {
+            return (out, false);
+        };
+        b = &b[header + size as usize..];
+        if flags & 0x04 != 0 {
+            // A command: never MORE; a name length, the name, data.
+            let ok = flags & 0x01 == 0 && !body.is_empty() && body.len() > body[0] as usize;
+            if !ok {
+                return (out, true);
+            }
+            let n = body[0] as usize;
+            out.push(Incoming::Command {
+                name: body[1..1 + n].to_vec(),
+                data: body[1 + n..].to_vec(),
+            });
+            continue;
+        }
+        partial.push(body.to_vec());
+        if flags & 0x01 == 0 {
+            out.push(Incoming::Message(std::mem::take(&mut partial)));
+        }
+    }
+}
+
+/// Bytes a frame at the start of `b` takes (header and body), as far as `b` goes.
+fn zmtp_frame_len(b: &[u8]) -> usize {
+    let size = match b {
+        [f, rest @ ..] if f & 0x02 != 0 => rest.get(..8).map_or(0, |s| {
+            u64::from_be_bytes(s.try_into().unwrap()).saturating_add(9)
+        }),
+        [_, s, ..] => *s as u64 + 2,
+        _ => 0,
+    };
+    size.min(b.len() as u64) as usize
+}
+
+/// A peer's greeting and READY as a ZMTP 3.x PUB socket sends them.
+fn zmtp_pub_handshake(minor: u8) -> Vec<u8> {
+    let mut out = kvlb::zmtp::wire::greeting(true).to_vec();
+    out[11] = minor;
+    let mut props = vec![11];
+    props.extend_from_slice(b"Socket-Type");
+    props.extend_from_slice(&3u32.to_be_bytes());
+    props.extend_from_slice(b"PUB");
+    out.extend(kvlb::zmtp::wire::encode_command("READY", &props));
+    out
+}
+
+/// Input: a byte of choices (bit 0: the rest is what follows a PUB peer's handshake, which
+/// the check writes, bit 1: its ZMTP minor version, bit 2: recycle messages, bits 4-7: how
+/// many piece sizes follow), the piece sizes (each byte + 1), then the peer's bytes.
+pub fn zmtp(data: &[u8]) {
+    use std::sync::atomic::Ordering;
+    let Some((&choice, rest)) = data.split_first() else {
+        return;
+    };
+    let n_sizes = ((choice >> 4) as usize).min(rest.len());
+    let (sizes, bytes) = rest.split_at(n_sizes);
+    let mut pieces: Vec<usize> = sizes.iter().map(|&s| s as usize + 1).collect();
+    if pieces.is_empty() {
+        pieces.push(1 + bytes.len() / 3);
+    }
+    let (wire, handshake_len) = if choice & 1 != 0 {
+        let mut w = zmtp_pub_handshake(choice >> 1 & 1);
+        let n = w.len();
+        w.extend_from_slice(bytes);
+        (w, n)
+    } else {
+        // The greeting and the first frame (READY, or whatever the peer sends instead).
+        let hs = 64 + bytes.get(64..).map_or(0, zmtp_frame_len);
+        (bytes.to_vec(), hs.min(bytes.len()))
+    };
+    let recycle = choice & 4 != 0;
+
+    // All of it at once (the handshake reads it all), then in pieces after the handshake.
+    LARGEST_ALLOCATION.store(0, Ordering::Relaxed);
+    let whole = zmtp_read(&wire, wire.len(), &[1], recycle);
+    let largest = LARGEST_ALLOCATION.swap(0, Ordering::Relaxed);
+    // Memory follows what the peer sent, not what it announced: a frame header claiming 2^63
+    // (or 200 MiB) bytes allocates nothing until they come.
+    let bound = 4 * wire.len() + (256 << 10);
+    assert!(
+        largest <= bound,
+        "{} bytes from the peer made kvlb allocate {largest} bytes at once",
+        wire.len()
+    );
+    let split = zmtp_read(&wire, handshake_len, &pieces, recycle);
+    // A handshake that fails fails either way, though not always for the same reason: with
+    // only its own bytes there, a first frame that is no command runs out instead.
+    if whole.is_ok() || split.is_ok() {
+        assert_eq!(
+            whole, split,
+            "the same bytes in pieces of {pieces:?} read differently"
+        );
+    }
+    let largest = LARGEST_ALLOCATION.swap(0, Ordering::Relaxed);
+    assert!(
+        largest <= bound,
+        "in pieces: allocated {largest} bytes at once"
+    );
+
+    let Ok((got, end)) = whole else {
+        return;
+    };
+    // A handshake kvlb accepted was a ZMTP 3 greeting with the NULL mechanism and a READY
+    // from a PUB or XPUB socket.
+    let g = &wire[..64];
+    assert!(
+        g[0] == 0xFF && g[9] & 1 == 1 && g[10] >= 3,
+        "greeting accepted: {g:?}"
+    );
+    assert!(
+        &g[12..16] == b"NULL" && g[16] == 0,
+        "mechanism accepted: {g:?}"
+    );
+    let (first, _) = ref_zmtp_frames(&wire[64..handshake_len]);
+    match first.as_slice() {
+        [kvlb::zmtp::wire::Incoming::Command { name, data }] if name == b"READY" => {
+            let props = kvlb::zmtp::wire::parse_properties(data).expect("READY metadata");
+            assert!(props.iter().any(
+                |(n, v)| n.eq_ignore_ascii_case("socket-type") && (v == b"PUB" || v == b"XPUB")
+            ));
+        }
+        other => panic!("handshake accepted with {other:?} for READY"),
+    }
+    // After it, exactly the frames an independent reading finds.
+    let (want, refused) = ref_zmtp_frames(&wire[handshake_len..]);
+    assert_eq!(got, want, "messages differ from an independent reading");
+    assert_eq!(
+        matches!(end, ZmtpEnd::Refused(_)),
+        refused,
+        "kvlb ended {end:?}"
+    );
 }
