@@ -2,7 +2,7 @@
 //! and write the head kvlb sends to the client (hop-by-hop fields dropped, `x-kvlb-replica`
 //! added).
 
-use super::request::has_token;
+use super::request::{has_token, parse_content_length};
 use super::{field, Field};
 use std::mem::MaybeUninit;
 
@@ -84,10 +84,7 @@ pub fn parse_response(
     for (h, kind) in resp.headers.iter().zip(kinds.iter_mut()) {
         *kind = field(h.name);
         if *kind == Field::ContentLength {
-            let v = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-                .ok_or(ResponseError::Invalid)?;
+            let v = parse_content_length(h.value).map_err(|_| ResponseError::Invalid)?;
             if content_length.is_some_and(|c| c != v) {
                 return Err(ResponseError::Invalid);
             }
@@ -253,6 +250,40 @@ mod tests {
         assert!(s.contains("X-Keep: 2"));
         assert!(!s.contains("X-Hop"));
         assert!(!s.to_ascii_lowercase().contains("keep-alive"));
+    }
+
+    /// `(body, reusable, client head)` of a replica's head, for a plain HTTP/1.1 client.
+    fn framed(raw: &[u8]) -> Result<(ResponseBody, bool, String), ResponseError> {
+        let mut out = Vec::new();
+        let r = parse_response(raw, 8192, "r", &client(), &mut out)?;
+        Ok((r.body, r.reusable, String::from_utf8(out).unwrap()))
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/cl_plus_sign, cl_nbsp): a Content-Length
+    /// of `+3`, or `3` then a no-break space, was read as 3 (Rust's integer parsing and
+    /// Unicode trimming) and forwarded as it was, so the client saw a length it may read
+    /// otherwise or refuse. Content-Length is digits only, as for requests.
+    #[test]
+    fn content_length_is_digits_only() {
+        for v in [
+            "+3",
+            "3\u{a0}",
+            "0x3",
+            "3 3",
+            "-3",
+            "",
+            "3,3",
+            "99999999999999999999",
+        ] {
+            let raw = format!("HTTP/1.1 200 OK\r\nContent-Length: {v}\r\n\r\nabc");
+            assert_eq!(
+                framed(raw.as_bytes()).unwrap_err(),
+                ResponseError::Invalid,
+                "{v:?}"
+            );
+        }
+        let ok = framed(b"HTTP/1.1 200 OK\r\nContent-Length: \t003 \r\n\r\nabc").unwrap();
+        assert_eq!(ok.0, ResponseBody::Length(3));
     }
 
     #[test]
