@@ -75,7 +75,9 @@ pub fn parse_response(
     let status = resp.code.unwrap_or(0);
     let minor = resp.version.unwrap_or(1);
     let mut content_length: Option<u64> = None;
-    let mut chunked = false;
+    // Transfer-Encoding fields seen, and the last coding they list (all make one list).
+    let mut te_seen = false;
+    let mut te_final: &[u8] = &[];
     let mut conn_close = minor == 0;
     // Each field named once, for both passes; Connection-named fields are hop-by-hop too.
     let mut kinds = [Field::Other; MAX_HEADERS];
@@ -90,8 +92,12 @@ pub fn parse_response(
             }
             content_length = Some(v);
         } else if *kind == Field::TransferEncoding {
-            if has_token(h.value, "chunked") {
-                chunked = true;
+            te_seen = true;
+            for coding in h.value.split(|b| *b == b',') {
+                let coding = coding.trim_ascii();
+                if !coding.is_empty() {
+                    te_final = coding;
+                }
             }
         } else if *kind == Field::Connection {
             if has_token(h.value, "close") {
@@ -108,11 +114,16 @@ pub fn parse_response(
             }
         }
     }
+    // RFC 9112 section 6.3: Transfer-Encoding overrides Content-Length, and delimits the body
+    // by chunks only when chunked is its final coding; otherwise the body ends at close.
+    let chunked = te_seen && te_final.eq_ignore_ascii_case(b"chunked");
     let body =
         if client.head_request || (100..200).contains(&status) || status == 204 || status == 304 {
             ResponseBody::None
         } else if chunked {
             ResponseBody::Chunked
+        } else if te_seen {
+            ResponseBody::UntilClose
         } else if let Some(n) = content_length {
             ResponseBody::Length(n)
         } else {
@@ -143,7 +154,7 @@ pub fn parse_response(
                 | Field::Te
                 | Field::Trailer
         ) || (kind == Field::TransferEncoding && (dechunk || !chunked))
-            || (kind == Field::ContentLength && chunked)
+            || (kind == Field::ContentLength && te_seen)
             || named[..n_named]
                 .iter()
                 .any(|x| x.eq_ignore_ascii_case(n.as_bytes()));
@@ -284,6 +295,36 @@ mod tests {
         }
         let ok = framed(b"HTTP/1.1 200 OK\r\nContent-Length: \t003 \r\n\r\nabc").unwrap();
         assert_eq!(ok.0, ResponseBody::Length(3));
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/te_not_chunked_with_cl,
+    /// te_chunked_not_final): `Transfer-Encoding: gzip` with a Content-Length was framed by
+    /// the length, the connection kept for the next response (the rest of a close-delimited
+    /// body would have been read as that); `chunked, gzip` was framed by chunks while the
+    /// client, told `chunked, gzip`, reads until close. RFC 9112 section 6.3: Transfer-Encoding
+    /// overrides Content-Length, and only a final chunked delimits by chunks.
+    #[test]
+    fn transfer_encoding_frames_by_its_final_coding() {
+        let (body, reusable, head) =
+            framed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\nxx")
+                .unwrap();
+        assert_eq!((body, reusable), (ResponseBody::UntilClose, false));
+        assert!(!head.contains("Content-Length") && head.contains("connection: close"));
+        let (body, reusable, head) =
+            framed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n").unwrap();
+        assert_eq!((body, reusable), (ResponseBody::UntilClose, false));
+        assert!(head.contains("connection: close"), "{head}");
+        for te in [
+            "gzip, chunked",
+            "gzip\r\nTransfer-Encoding: chunked",
+            "chunked ,",
+        ] {
+            let raw =
+                format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\nContent-Length: 9\r\n\r\n");
+            let (body, reusable, head) = framed(raw.as_bytes()).unwrap();
+            assert_eq!((body, reusable), (ResponseBody::Chunked, true), "{te:?}");
+            assert!(!head.contains("Content-Length"), "{head}");
+        }
     }
 
     #[test]
