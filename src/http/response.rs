@@ -78,7 +78,8 @@ pub fn parse_response(
     // Transfer-Encoding fields seen, and the last coding they list (all make one list).
     let mut te_seen = false;
     let mut te_final: &[u8] = &[];
-    let mut conn_close = minor == 0;
+    let mut close_token = false;
+    let mut keep_alive_token = false;
     // Each field named once, for both passes; Connection-named fields are hop-by-hop too.
     let mut kinds = [Field::Other; MAX_HEADERS];
     let mut named: [&[u8]; 16] = [&[]; 16];
@@ -100,11 +101,8 @@ pub fn parse_response(
                 }
             }
         } else if *kind == Field::Connection {
-            if has_token(h.value, "close") {
-                conn_close = true;
-            } else if minor == 0 && has_token(h.value, "keep-alive") {
-                conn_close = false;
-            }
+            close_token |= has_token(h.value, "close");
+            keep_alive_token |= has_token(h.value, "keep-alive");
             for t in h.value.split(|b| *b == b',') {
                 let t = t.trim_ascii();
                 if !t.is_empty() && n_named < named.len() {
@@ -129,6 +127,9 @@ pub fn parse_response(
         } else {
             ResponseBody::UntilClose
         };
+    // Close wins over keep-alive; HTTP/1.0 keeps alive only when asked, and never after a
+    // Transfer-Encoding (RFC 9112 section 6.1: its framing is not to be trusted).
+    let conn_close = close_token || (minor == 0 && (!keep_alive_token || te_seen));
     let reusable = !conn_close && body != ResponseBody::UntilClose;
 
     out.clear();
@@ -325,6 +326,25 @@ mod tests {
             assert_eq!((body, reusable), (ResponseBody::Chunked, true), "{te:?}");
             assert!(!head.contains("Content-Length"), "{head}");
         }
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/close_then_keep_alive, http10_te): an
+    /// HTTP/1.0 response with `Connection: close` and then `Connection: keep-alive` kept the
+    /// connection, and so did one with Transfer-Encoding (RFC 9112 section 6.1: close after).
+    #[test]
+    fn close_wins_over_keep_alive() {
+        let r = framed(b"HTTP/1.0 200 OK\r\nConnection: close\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n");
+        assert!(!r.unwrap().1);
+        let r = framed(
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert_eq!(r.unwrap().0, ResponseBody::Chunked);
+        let r = framed(
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert!(!r.unwrap().1);
+        let r = framed(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n");
+        assert!(r.unwrap().1);
     }
 
     #[test]
