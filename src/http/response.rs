@@ -156,9 +156,12 @@ pub fn parse_response(
                 | Field::Trailer
         ) || (kind == Field::TransferEncoding && (dechunk || !chunked))
             || (kind == Field::ContentLength && te_seen)
-            || named[..n_named]
-                .iter()
-                .any(|x| x.eq_ignore_ascii_case(n.as_bytes()));
+            // A replica naming a framing field in Connection does not strip it: the client
+            // frames the body by the head kvlb writes.
+            || (!matches!(kind, Field::ContentLength | Field::TransferEncoding)
+                && named[..n_named]
+                    .iter()
+                    .any(|x| x.eq_ignore_ascii_case(n.as_bytes())));
         if hop {
             continue;
         }
@@ -345,6 +348,29 @@ mod tests {
         assert!(!r.unwrap().1);
         let r = framed(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n");
         assert!(r.unwrap().1);
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/connection_names_cl): `Connection:
+    /// Content-Length` made kvlb drop the Content-Length from the client's head while it
+    /// relayed exactly that many bytes and kept the client's connection: the client, seeing
+    /// no length, waited for a close that never came.
+    #[test]
+    fn connection_does_not_strip_framing_fields() {
+        let (body, _, head) = framed(
+            b"HTTP/1.1 200 OK\r\nConnection: Content-Length, X-A\r\nX-A: 1\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .unwrap();
+        assert_eq!(body, ResponseBody::Length(2));
+        assert!(
+            head.contains("Content-Length: 2") && !head.contains("X-A"),
+            "{head}"
+        );
+        let (body, _, head) = framed(
+            b"HTTP/1.1 200 OK\r\nConnection: transfer-encoding\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(body, ResponseBody::Chunked);
+        assert!(head.contains("Transfer-Encoding: chunked"), "{head}");
     }
 
     #[test]
