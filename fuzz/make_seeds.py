@@ -13,6 +13,10 @@ ones (compression loops, pointers past the end, counts and rdlengths the packet 
 ZMTP streams from a PUB peer (ZMTP 3.0 and 3.1 handshakes, KV event messages, commands), and
 hostile ones (frame sizes of 2^63 and around the message bound, malformed commands, reserved
 flags).
+
+Replica response heads of every framing, and the conflicting ones (duplicate or odd
+Content-Length, Transfer-Encoding with a Content-Length or without a final chunked, HTTP/1.0
+keep-alive with Transfer-Encoding, framing fields named in Connection).
 """
 import json
 import os
@@ -290,3 +294,39 @@ write("zmtp", "command_name_past_frame", b"\x01" + b"\x04\x03\x09ab")
 write("zmtp", "reserved_flags", b"\x01" + b"\x08\x01x")
 write("zmtp", "partial_frame", b"\x01" + kv_msg + b"\x00\x20short")
 write("zmtp", "long_command_2_63", b"\x00" + zmtp_greeting() + b"\x06" + struct.pack(">Q", (1 << 63) + 5) + b"READY")
+
+# --- HTTP response heads (first byte: bit 0 = HEAD request, bit 1 = client closes, bit 2 =
+# HTTP/1.0 client, bits 3-4 = head size limit 16/256/8192/1 MiB) ----------------------------
+responses = {
+    "cl": b"\x10HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{\"ok\": true}\n",
+    "chunked_sse": b"\x10HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n6\r\ndata: \r\n0\r\n\r\n",
+    "chunked_http10_client": b"\x14HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    "until_close": b"\x10HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nbody",
+    "http10_keep_alive": b"\x10HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok",
+    "continue_then_ok": b"\x10HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+    "no_content": b"\x10HTTP/1.1 204 No Content\r\nContent-Length: 10\r\n\r\n",
+    "not_modified": b"\x10HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+    "head_request": b"\x11HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n",
+    "hop_by_hop": b"\x12HTTP/1.1 503 Service Unavailable\r\nKeep-Alive: timeout=5\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\nTE: trailers\r\nTrailer: x\r\nUpgrade: h2c\r\nProxy-Connection: close\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n",
+    "dup_cl_same": b"\x10HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+    "dup_cl_conflict": b"\x10HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    "cl_list": b"\x10HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc",
+    "cl_plus_sign": b"\x10HTTP/1.1 200 OK\r\nContent-Length: +3\r\n\r\nabc",
+    "cl_and_te": b"\x10HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "te_gzip_chunked": b"\x10HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    "te_chunked_gzip": b"\x10HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\nxx",
+    "te_gzip_and_cl": b"\x10HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\nxx",
+    "te_two_fields": b"\x10HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "http10_te": b"\x10HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "connection_names_cl": b"\x10HTTP/1.1 200 OK\r\nConnection: Content-Length\r\nContent-Length: 2\r\n\r\nok",
+    "close_then_keep_alive": b"\x10HTTP/1.0 200 OK\r\nConnection: close\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n",
+    "no_reason": b"\x10HTTP/1.1 200\r\nContent-Length: 0\r\n\r\n",
+    "bare_lf": b"\x10HTTP/1.1 200 OK\nContent-Length: 1\n\nx",
+    "partial": b"\x10HTTP/1.1 200 OK\r\nContent-Len",
+    "too_large": b"\x00HTTP/1.1 200 OK\r\nX-Padding: aaaaaaaaaaaaaaaa\r\n",
+    "obs_fold": b"\x10HTTP/1.1 200 OK\r\nX: a\r\n b\r\nContent-Length: 0\r\n\r\n",
+    "status_999": b"\x10HTTP/1.1 999 Odd\r\nContent-Length: 0\r\n\r\n",
+    "replica_header_echo": b"\x10HTTP/1.1 200 OK\r\nx-kvlb-replica: evil\r\nContent-Length: 0\r\n\r\n",
+}
+for name, data in responses.items():
+    write("http_response", name, data)

@@ -63,3 +63,8 @@ fn dns_corpus() {
 fn zmtp_corpus() {
     assert!(replay("zmtp", checks::zmtp) > 0);
 }
+
+#[test]
+fn http_response_corpus() {
+    assert!(replay("http_response", checks::http_response) > 0);
+}

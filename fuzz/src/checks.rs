@@ -17,7 +17,12 @@
 //! - `zmtp`: the SUB side reads a peer's bytes (greeting, READY, frames) the same whether they
 //!   arrive at once or in pieces, exactly as an independent frame reader does, refuses frames
 //!   over the message bound, and allocates in proportion to what arrived, not to a size a
-//!   frame header announces.
+//!   frame header announces;
+//! - `http_response`: a replica's response head is framed as RFC 9112 section 6.3 says (one
+//!   valid Content-Length or refused, Transfer-Encoding over it, chunked only as the final
+//!   coding, no body for HEAD, 1xx, 204, 304), agrees with httparse on the head, and the head
+//!   kvlb writes to the client parses, has no hop-by-hop field and frames the body as kvlb
+//!   relays it.
 //!
 //! Included by `tests/ops_fuzz_corpus.rs` too (as a module, by path): it uses only kvlb's own
 //! dependencies.
@@ -957,4 +962,244 @@ pub fn zmtp(data: &[u8]) {
         refused,
         "kvlb ended {end:?}"
     );
+}
+
+// --- http_response ---------------------------------------------------------------------------
+
+/// What a replica's response head says about its framing (RFC 9112 section 6.3), read
+/// from httparse's fields independently of kvlb.
+struct ResponseModel {
+    /// A Content-Length that is not digits, or two that differ: the response is refused.
+    invalid_length: bool,
+    content_length: Option<u64>,
+    /// Transfer-Encoding present, and its final coding (all fields make one list).
+    te_seen: bool,
+    te_final: Vec<u8>,
+    close_token: bool,
+    keep_alive_token: bool,
+    /// The first 16 names listed in Connection (kvlb drops up to 16 such fields).
+    named: Vec<Vec<u8>>,
+}
+
+fn trim_ows(v: &[u8]) -> &[u8] {
+    let s = v
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\t'))
+        .unwrap_or(v.len());
+    let e = v
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t'))
+        .map_or(s, |e| e + 1);
+    &v[s..e]
+}
+
+fn response_model(headers: &[httparse::Header<'_>]) -> ResponseModel {
+    let mut m = ResponseModel {
+        invalid_length: false,
+        content_length: None,
+        te_seen: false,
+        te_final: Vec::new(),
+        close_token: false,
+        keep_alive_token: false,
+        named: Vec::new(),
+    };
+    for h in headers {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            // 1*DIGIT (RFC 9110 section 8.6), at most 19 of them as for requests.
+            let v = trim_ows(h.value);
+            if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+                m.invalid_length = true;
+                continue;
+            }
+            let n = std::str::from_utf8(v).unwrap().parse::<u64>().unwrap();
+            if m.content_length.is_some_and(|c| c != n) {
+                m.invalid_length = true;
+            }
+            m.content_length = Some(n);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            m.te_seen = true;
+            for coding in h.value.split(|b| *b == b',').map(trim_ows) {
+                if !coding.is_empty() {
+                    m.te_final = coding.to_vec();
+                }
+            }
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for t in h.value.split(|b| *b == b',').map(trim_ows) {
+                m.close_token |= t.eq_ignore_ascii_case(b"close");
+                m.keep_alive_token |= t.eq_ignore_ascii_case(b"keep-alive");
+                if !t.is_empty() && m.named.len() < 16 {
+                    m.named.push(t.to_vec());
+                }
+            }
+        }
+    }
+    m
+}
+
+/// Input: a byte of choices (bit 0: the request was HEAD, bit 1: the client connection
+/// closes, bit 2: the client speaks HTTP/1.0, bits 3-4: the head size limit), then what the
+/// replica sent.
+pub fn http_response(data: &[u8]) {
+    use kvlb::http::response::{parse_response, ClientFraming, ResponseBody, ResponseError};
+    const REPLICA: &str = "http://10.0.0.7:8000";
+    let Some((&choice, buf)) = data.split_first() else {
+        return;
+    };
+    let client = ClientFraming {
+        head_request: choice & 1 != 0,
+        close: choice & 2 != 0,
+        http10: choice & 4 != 0,
+    };
+    let max_head = [16, 256, 8192, 1 << 20][(choice >> 3) as usize % 4];
+    let mut out = Vec::new();
+    let got = parse_response(buf, max_head, REPLICA, &client, &mut out);
+
+    let mut fields = [httparse::EMPTY_HEADER; 128];
+    let mut resp = httparse::Response::new(&mut fields);
+    let head_len = match resp.parse(buf) {
+        Err(e) => {
+            assert_eq!(got.err(), Some(ResponseError::Invalid), "httparse: {e}");
+            return;
+        }
+        Ok(httparse::Status::Partial) => {
+            let want = if buf.len() > max_head {
+                ResponseError::TooLarge
+            } else {
+                ResponseError::Partial
+            };
+            assert_eq!(got.err(), Some(want), "an incomplete head");
+            return;
+        }
+        Ok(httparse::Status::Complete(n)) => n,
+    };
+    let m = response_model(resp.headers);
+    if m.invalid_length {
+        assert_eq!(
+            got.err(),
+            Some(ResponseError::Invalid),
+            "an invalid or conflicting Content-Length accepted: {:?}",
+            String::from_utf8_lossy(&buf[..head_len])
+        );
+        return;
+    }
+    let head = got.unwrap_or_else(|e| {
+        panic!(
+            "refused ({e:?}) a head httparse reads: {:?}",
+            String::from_utf8_lossy(&buf[..head_len])
+        )
+    });
+    let status = resp.code.unwrap();
+    assert!(head.head_len == head_len && head.head_len <= buf.len());
+    assert_eq!(head.status, status);
+
+    // The framing RFC 9112 section 6.3 gives, in its order: no body for HEAD, 1xx, 204, 304;
+    // Transfer-Encoding over Content-Length, chunked only as the final coding, else until
+    // close; then Content-Length; else until close.
+    let chunked = m.te_final.eq_ignore_ascii_case(b"chunked");
+    let body = if client.head_request || (100..200).contains(&status) || matches!(status, 204 | 304)
+    {
+        ResponseBody::None
+    } else if m.te_seen && chunked {
+        ResponseBody::Chunked
+    } else if m.te_seen {
+        ResponseBody::UntilClose
+    } else if let Some(n) = m.content_length {
+        ResponseBody::Length(n)
+    } else {
+        ResponseBody::UntilClose
+    };
+    let shown = || String::from_utf8_lossy(&buf[..head_len]).into_owned();
+    assert_eq!(head.body, body, "framing of {:?}", shown());
+    // HTTP/1.0 closes unless it asks to keep alive, and always with Transfer-Encoding
+    // (RFC 9112 section 6.1); close wins over keep-alive.
+    let minor = resp.version.unwrap();
+    let close = m.close_token || (minor == 0 && (!m.keep_alive_token || m.te_seen));
+    assert_eq!(
+        head.reusable,
+        !close && body != ResponseBody::UntilClose,
+        "reuse of the replica connection after {:?}",
+        shown()
+    );
+
+    // The head kvlb writes to the client: HTTP/1.1, the same status and reason, no hop-by-hop
+    // field, and framed as kvlb relays the body.
+    let mut out_fields = [httparse::EMPTY_HEADER; 140];
+    let mut again = httparse::Response::new(&mut out_fields);
+    assert_eq!(
+        again.parse(&out),
+        Ok(httparse::Status::Complete(out.len())),
+        "the client's head does not parse: {:?}",
+        String::from_utf8_lossy(&out)
+    );
+    assert_eq!((again.code, again.version), (Some(status), Some(1)));
+    assert_eq!(again.reason, Some(resp.reason.unwrap_or("")));
+    let dechunk = client.http10 && body == ResponseBody::Chunked;
+    let client_close = client.close || body == ResponseBody::UntilClose || dechunk;
+    let out_text = || String::from_utf8_lossy(&out).into_owned();
+    for h in again.headers.iter() {
+        let n = h.name.as_bytes();
+        for hop in ["keep-alive", "proxy-connection", "upgrade", "te", "trailer"] {
+            assert!(!n.eq_ignore_ascii_case(hop.as_bytes()), "{hop} forwarded");
+        }
+        if n.eq_ignore_ascii_case(b"connection") {
+            let want: &[u8] = if client_close {
+                b"close"
+            } else {
+                b"keep-alive"
+            };
+            assert_eq!(h.value, want, "a Connection field not kvlb's own");
+        }
+        // Framing fields stay whatever Connection names; kvlb's own Connection is checked above.
+        let kept = n.eq_ignore_ascii_case(b"content-length")
+            || n.eq_ignore_ascii_case(b"transfer-encoding")
+            || n.eq_ignore_ascii_case(b"connection");
+        assert!(
+            kept || !m.named.iter().any(|x| x.eq_ignore_ascii_case(n)),
+            "a field named in Connection forwarded: {}",
+            out_text()
+        );
+        if n.eq_ignore_ascii_case(b"content-length") {
+            assert!(
+                matches!(body, ResponseBody::Length(_) | ResponseBody::None),
+                "a {body:?} response also claims a length: {}",
+                out_text()
+            );
+        }
+    }
+    assert!(again
+        .headers
+        .iter()
+        .any(|h| h.name == "x-kvlb-replica" && h.value == REPLICA.as_bytes()));
+    // kvlb's own reading of that head frames the body as kvlb sends it.
+    if resp.headers.len() + 2 <= 128 {
+        let plain = ClientFraming {
+            head_request: client.head_request,
+            close: false,
+            http10: false,
+        };
+        let mut ignored = Vec::new();
+        let seen = parse_response(&out, usize::MAX, REPLICA, &plain, &mut ignored)
+            .unwrap_or_else(|e| panic!("kvlb refuses its own head ({e:?}): {}", out_text()));
+        let want = if dechunk {
+            ResponseBody::UntilClose
+        } else {
+            body
+        };
+        assert_eq!(seen.body, want, "the client frames {}", out_text());
+        assert_eq!(
+            seen.reusable,
+            !client_close,
+            "the client's reuse: {}",
+            out_text()
+        );
+    }
+    // The body after a chunked head, as the relay reads it.
+    if body == ResponseBody::Chunked {
+        let rest = &buf[head_len..];
+        let mut dec = kvlb::http::chunked::ChunkedDecoder::new();
+        if let Ok(used) = dec.feed(rest, |s, e| assert!(s <= e && e <= rest.len())) {
+            assert!(used <= rest.len());
+        }
+    }
 }
