@@ -19,7 +19,7 @@ seconds=${1:-${KVLB_FUZZ_SECONDS:-20}}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(http_request chunked prompt kv_events)
+    targets=(http_request chunked prompt kv_events dns zmtp http_response)
 fi
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
     export PATH="$HOME/.cargo/bin:$PATH"

@@ -53,3 +53,18 @@ fn prompt_corpus() {
 fn kv_events_corpus() {
     assert!(replay("kv_events", checks::kv_events) > 0);
 }
+
+#[test]
+fn dns_corpus() {
+    assert!(replay("dns", checks::dns) > 0);
+}
+
+#[test]
+fn zmtp_corpus() {
+    assert!(replay("zmtp", checks::zmtp) > 0);
+}
+
+#[test]
+fn http_response_corpus() {
+    assert!(replay("http_response", checks::http_response) > 0);
+}

@@ -94,7 +94,7 @@ fn trim_ows(v: &[u8]) -> &[u8] {
     &v[s..e]
 }
 
-fn parse_content_length(v: &[u8]) -> Result<u64, HttpError> {
+pub(super) fn parse_content_length(v: &[u8]) -> Result<u64, HttpError> {
     let v = trim_ows(v);
     if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
         return Err(HttpError::InvalidContentLength);

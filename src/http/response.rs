@@ -2,7 +2,7 @@
 //! and write the head kvlb sends to the client (hop-by-hop fields dropped, `x-kvlb-replica`
 //! added).
 
-use super::request::has_token;
+use super::request::{has_token, parse_content_length};
 use super::{field, Field};
 use std::mem::MaybeUninit;
 
@@ -75,8 +75,11 @@ pub fn parse_response(
     let status = resp.code.unwrap_or(0);
     let minor = resp.version.unwrap_or(1);
     let mut content_length: Option<u64> = None;
-    let mut chunked = false;
-    let mut conn_close = minor == 0;
+    // Transfer-Encoding fields seen, and the last coding they list (all make one list).
+    let mut te_seen = false;
+    let mut te_final: &[u8] = &[];
+    let mut close_token = false;
+    let mut keep_alive_token = false;
     // Each field named once, for both passes; Connection-named fields are hop-by-hop too.
     let mut kinds = [Field::Other; MAX_HEADERS];
     let mut named: [&[u8]; 16] = [&[]; 16];
@@ -84,24 +87,22 @@ pub fn parse_response(
     for (h, kind) in resp.headers.iter().zip(kinds.iter_mut()) {
         *kind = field(h.name);
         if *kind == Field::ContentLength {
-            let v = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-                .ok_or(ResponseError::Invalid)?;
+            let v = parse_content_length(h.value).map_err(|_| ResponseError::Invalid)?;
             if content_length.is_some_and(|c| c != v) {
                 return Err(ResponseError::Invalid);
             }
             content_length = Some(v);
         } else if *kind == Field::TransferEncoding {
-            if has_token(h.value, "chunked") {
-                chunked = true;
+            te_seen = true;
+            for coding in h.value.split(|b| *b == b',') {
+                let coding = coding.trim_ascii();
+                if !coding.is_empty() {
+                    te_final = coding;
+                }
             }
         } else if *kind == Field::Connection {
-            if has_token(h.value, "close") {
-                conn_close = true;
-            } else if minor == 0 && has_token(h.value, "keep-alive") {
-                conn_close = false;
-            }
+            close_token |= has_token(h.value, "close");
+            keep_alive_token |= has_token(h.value, "keep-alive");
             for t in h.value.split(|b| *b == b',') {
                 let t = t.trim_ascii();
                 if !t.is_empty() && n_named < named.len() {
@@ -111,16 +112,24 @@ pub fn parse_response(
             }
         }
     }
+    // RFC 9112 section 6.3: Transfer-Encoding overrides Content-Length, and delimits the body
+    // by chunks only when chunked is its final coding; otherwise the body ends at close.
+    let chunked = te_seen && te_final.eq_ignore_ascii_case(b"chunked");
     let body =
         if client.head_request || (100..200).contains(&status) || status == 204 || status == 304 {
             ResponseBody::None
         } else if chunked {
             ResponseBody::Chunked
+        } else if te_seen {
+            ResponseBody::UntilClose
         } else if let Some(n) = content_length {
             ResponseBody::Length(n)
         } else {
             ResponseBody::UntilClose
         };
+    // Close wins over keep-alive; HTTP/1.0 keeps alive only when asked, and never after a
+    // Transfer-Encoding (RFC 9112 section 6.1: its framing is not to be trusted).
+    let conn_close = close_token || (minor == 0 && (!keep_alive_token || te_seen));
     let reusable = !conn_close && body != ResponseBody::UntilClose;
 
     out.clear();
@@ -146,10 +155,13 @@ pub fn parse_response(
                 | Field::Te
                 | Field::Trailer
         ) || (kind == Field::TransferEncoding && (dechunk || !chunked))
-            || (kind == Field::ContentLength && chunked)
-            || named[..n_named]
-                .iter()
-                .any(|x| x.eq_ignore_ascii_case(n.as_bytes()));
+            || (kind == Field::ContentLength && te_seen)
+            // A replica naming a framing field in Connection does not strip it: the client
+            // frames the body by the head kvlb writes.
+            || (!matches!(kind, Field::ContentLength | Field::TransferEncoding)
+                && named[..n_named]
+                    .iter()
+                    .any(|x| x.eq_ignore_ascii_case(n.as_bytes())));
         if hop {
             continue;
         }
@@ -253,6 +265,112 @@ mod tests {
         assert!(s.contains("X-Keep: 2"));
         assert!(!s.contains("X-Hop"));
         assert!(!s.to_ascii_lowercase().contains("keep-alive"));
+    }
+
+    /// `(body, reusable, client head)` of a replica's head, for a plain HTTP/1.1 client.
+    fn framed(raw: &[u8]) -> Result<(ResponseBody, bool, String), ResponseError> {
+        let mut out = Vec::new();
+        let r = parse_response(raw, 8192, "r", &client(), &mut out)?;
+        Ok((r.body, r.reusable, String::from_utf8(out).unwrap()))
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/cl_plus_sign, cl_nbsp): a Content-Length
+    /// of `+3`, or `3` then a no-break space, was read as 3 (Rust's integer parsing and
+    /// Unicode trimming) and forwarded as it was, so the client saw a length it may read
+    /// otherwise or refuse. Content-Length is digits only, as for requests.
+    #[test]
+    fn content_length_is_digits_only() {
+        for v in [
+            "+3",
+            "3\u{a0}",
+            "0x3",
+            "3 3",
+            "-3",
+            "",
+            "3,3",
+            "99999999999999999999",
+        ] {
+            let raw = format!("HTTP/1.1 200 OK\r\nContent-Length: {v}\r\n\r\nabc");
+            assert_eq!(
+                framed(raw.as_bytes()).unwrap_err(),
+                ResponseError::Invalid,
+                "{v:?}"
+            );
+        }
+        let ok = framed(b"HTTP/1.1 200 OK\r\nContent-Length: \t003 \r\n\r\nabc").unwrap();
+        assert_eq!(ok.0, ResponseBody::Length(3));
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/te_not_chunked_with_cl,
+    /// te_chunked_not_final): `Transfer-Encoding: gzip` with a Content-Length was framed by
+    /// the length, the connection kept for the next response (the rest of a close-delimited
+    /// body would have been read as that); `chunked, gzip` was framed by chunks while the
+    /// client, told `chunked, gzip`, reads until close. RFC 9112 section 6.3: Transfer-Encoding
+    /// overrides Content-Length, and only a final chunked delimits by chunks.
+    #[test]
+    fn transfer_encoding_frames_by_its_final_coding() {
+        let (body, reusable, head) =
+            framed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\nxx")
+                .unwrap();
+        assert_eq!((body, reusable), (ResponseBody::UntilClose, false));
+        assert!(!head.contains("Content-Length") && head.contains("connection: close"));
+        let (body, reusable, head) =
+            framed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n").unwrap();
+        assert_eq!((body, reusable), (ResponseBody::UntilClose, false));
+        assert!(head.contains("connection: close"), "{head}");
+        for te in [
+            "gzip, chunked",
+            "gzip\r\nTransfer-Encoding: chunked",
+            "chunked ,",
+        ] {
+            let raw =
+                format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\nContent-Length: 9\r\n\r\n");
+            let (body, reusable, head) = framed(raw.as_bytes()).unwrap();
+            assert_eq!((body, reusable), (ResponseBody::Chunked, true), "{te:?}");
+            assert!(!head.contains("Content-Length"), "{head}");
+        }
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/close_then_keep_alive, http10_te): an
+    /// HTTP/1.0 response with `Connection: close` and then `Connection: keep-alive` kept the
+    /// connection, and so did one with Transfer-Encoding (RFC 9112 section 6.1: close after).
+    #[test]
+    fn close_wins_over_keep_alive() {
+        let r = framed(b"HTTP/1.0 200 OK\r\nConnection: close\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n");
+        assert!(!r.unwrap().1);
+        let r = framed(
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert_eq!(r.unwrap().0, ResponseBody::Chunked);
+        let r = framed(
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert!(!r.unwrap().1);
+        let r = framed(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n");
+        assert!(r.unwrap().1);
+    }
+
+    /// Fuzz finding (fuzz/regressions/http_response/connection_names_cl): `Connection:
+    /// Content-Length` made kvlb drop the Content-Length from the client's head while it
+    /// relayed exactly that many bytes and kept the client's connection: the client, seeing
+    /// no length, waited for a close that never came.
+    #[test]
+    fn connection_does_not_strip_framing_fields() {
+        let (body, _, head) = framed(
+            b"HTTP/1.1 200 OK\r\nConnection: Content-Length, X-A\r\nX-A: 1\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .unwrap();
+        assert_eq!(body, ResponseBody::Length(2));
+        assert!(
+            head.contains("Content-Length: 2") && !head.contains("X-A"),
+            "{head}"
+        );
+        let (body, _, head) = framed(
+            b"HTTP/1.1 200 OK\r\nConnection: transfer-encoding\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(body, ResponseBody::Chunked);
+        assert!(head.contains("Transfer-Encoding: chunked"), "{head}");
     }
 
     #[test]

@@ -299,7 +299,9 @@ impl Connection {
     /// until `deadline`.
     fn fill_to(&mut self, n: usize, deadline: Option<Instant>) -> io::Result<bool> {
         while self.rend - self.rpos < n {
-            let want = n.max(READ_AHEAD);
+            // Room for `n`, but at most twice what has arrived: a frame's announced size (up
+            // to MAX_MESSAGE_BYTES) is no reason to allocate it before its bytes come.
+            let want = n.min((self.rend - self.rpos) * 2).max(READ_AHEAD);
             if self.rbuf.len() - self.rpos < want {
                 self.rbuf.copy_within(self.rpos..self.rend, 0);
                 self.rend -= self.rpos;
@@ -478,6 +480,64 @@ mod tests {
         let err = parse_greeting(&plain).unwrap_err().to_string();
         assert!(err.contains("PLAIN"), "{err}");
         assert!(parse_greeting(&[0u8; 64]).is_err());
+    }
+
+    /// A handshaken SUB connection and its PUB peer's end of the socket (the peer's greeting
+    /// and READY sent, kvlb's read back).
+    fn sub_and_peer() -> (Connection, TcpStream) {
+        use std::io::Read;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let mut props = vec![11];
+        props.extend_from_slice(b"Socket-Type");
+        props.extend_from_slice(&3u32.to_be_bytes());
+        props.extend_from_slice(b"PUB");
+        peer.write_all(&greeting(true)).unwrap();
+        peer.write_all(&encode_command("READY", &props)).unwrap();
+        let t = Duration::from_secs(5);
+        let conn = Connection::handshake(ours, false, "SUB", &["PUB"], t).unwrap();
+        let mut theirs = [0u8; 64];
+        peer.read_exact(&mut theirs).unwrap();
+        (conn, peer)
+    }
+
+    /// Fuzz finding (fuzz/regressions/zmtp/): a frame header announcing 200 MiB made the
+    /// reader allocate and zero 200 MiB on receiving those 9 bytes (and keep it for the
+    /// connection's life). The buffer now grows with what arrives; a large frame still reads
+    /// whole when it comes in pieces.
+    #[test]
+    fn announced_frame_size_is_not_allocated_up_front() {
+        let soon = || Some(Instant::now() + Duration::from_millis(20));
+        let (mut conn, mut peer) = sub_and_peer();
+        peer.write_all(&[FLAG_LONG]).unwrap();
+        peer.write_all(&(200u64 << 20).to_be_bytes()).unwrap();
+        assert_eq!(conn.read_incoming(soon()).unwrap(), None);
+        assert!(
+            conn.rbuf.len() <= READ_AHEAD,
+            "{} bytes held",
+            conn.rbuf.len()
+        );
+
+        let (mut conn, mut peer) = sub_and_peer();
+        let body: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+        let wire = encode_message(&[&body]);
+        let mut sent = 0;
+        for piece in wire.chunks(64 << 10) {
+            assert_eq!(conn.read_incoming(soon()).unwrap(), None);
+            assert!(
+                conn.rbuf.len() <= 2 * sent + READ_AHEAD,
+                "{}",
+                conn.rbuf.len()
+            );
+            peer.write_all(piece).unwrap();
+            sent += piece.len();
+        }
+        let deadline = Some(Instant::now() + Duration::from_secs(5));
+        assert_eq!(
+            conn.read_incoming(deadline).unwrap(),
+            Some(Incoming::Message(vec![body]))
+        );
     }
 
     #[test]
