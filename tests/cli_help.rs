@@ -25,7 +25,7 @@ fn has_option_line(help: &str, flag: &str) -> bool {
         if short && t.get(2..).is_some_and(|rest| rest.starts_with(", ")) {
             t = &t[4..];
         }
-        t == flag || t.starts_with(&format!("{flag} "))
+        t == flag || t.starts_with(&format!("{flag} ")) || t.starts_with(&format!("{flag}[="))
     })
 }
 
@@ -126,9 +126,10 @@ fn demo_help_and_a_bad_value() {
 
 #[test]
 fn option_lines_are_told_from_mentions() {
-    let help = "  -h, --help  Print help\n      --duration <S>  after --start\n      --json\n";
+    let help = "  -h, --help  Print help\n      --duration <S>  after --start\n      --json\n      --explain[=<BOOL>]\n";
     assert!(has_option_line(help, "--help"));
     assert!(has_option_line(help, "--duration"));
+    assert!(has_option_line(help, "--explain"));
     assert!(has_option_line(help, "--json"));
     assert!(!has_option_line(help, "--start"));
     assert!(!has_option_line(help, "--dur"));
