@@ -50,12 +50,10 @@ pub fn int<T: TryFrom<u64>, const MIN: u64, const MAX: u64>(s: &str) -> Result<T
         .ok()
         .filter(|n| (MIN..=MAX).contains(n))
         .and_then(|n| T::try_from(n).ok())
-        .ok_or_else(|| {
-            if MIN == 0 && MAX == u64::MAX {
-                "expected a whole number".to_string()
-            } else {
-                format!("expected a whole number from {MIN} to {MAX}")
-            }
+        .ok_or_else(|| match (MIN, MAX) {
+            (0, u64::MAX) => "expected a whole number".to_string(),
+            (_, u64::MAX) => format!("expected a whole number >= {MIN}"),
+            _ => format!("expected a whole number from {MIN} to {MAX}"),
         })
 }
 
@@ -95,6 +93,10 @@ mod tests {
         assert_eq!(
             int::<u64, 0, { u64::MAX }>("x").unwrap_err(),
             "expected a whole number"
+        );
+        assert_eq!(
+            int::<u64, 1, { u64::MAX }>("0").unwrap_err(),
+            "expected a whole number >= 1"
         );
         assert_eq!(positive("2.5"), Ok(2.5));
         for bad in ["0", "-1", "nan", "inf", ""] {

@@ -463,6 +463,18 @@ impl ApiKeys {
         ok
     }
 
+    /// The keys of `list` (each checked; errors name `key`, never the key itself).
+    fn from_list<'a>(
+        key: &str,
+        list: impl IntoIterator<Item = &'a str>,
+    ) -> Result<ApiKeys, ConfigError> {
+        let mut keys = ApiKeys::default();
+        for k in list {
+            keys.add(key, k)?;
+        }
+        Ok(keys)
+    }
+
     fn add(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
         if v.len() < 8 || v.bytes().any(|b| !b.is_ascii_graphic()) {
             return Err(bad(

@@ -403,9 +403,12 @@ fn parse_toml(text: &str) -> Result<ServeSettings, ConfigError> {
     })
 }
 
-/// Load a TOML file into `cfg` (without the checks across settings of `from_args`).
+/// Load a TOML file into `cfg` (without the checks across settings of `from_args`); errors
+/// start with the file's path.
 pub fn load_file(cfg: &mut ServeConfig, path: &str) -> Result<(), ConfigError> {
-    read_file(path)?.apply(cfg, Layer::File)
+    read_file(path)?
+        .apply(cfg, Layer::File)
+        .map_err(|e| ConfigError(format!("{path}: {}", e.0)))
 }
 
 /// Apply a TOML text to `cfg` (without the checks across settings of `from_args`).
@@ -559,22 +562,15 @@ impl ServeSettings {
         if let Some(path) = &api_keys_file {
             let key = layer.name("api_keys_file");
             let text = read_secret_file(layer, "api_keys_file", path)?;
-            let mut keys = ApiKeys::default();
-            for line in text.lines().map(str::trim) {
-                if !line.is_empty() && !line.starts_with('#') {
-                    keys.add(&key, line)?;
-                }
-            }
+            let lines = text.lines().map(str::trim);
+            let keys =
+                ApiKeys::from_list(&key, lines.filter(|l| !l.is_empty() && !l.starts_with('#')))?;
             if keys.is_empty() {
                 return Err(bad(&key, path, "the file holds no key"));
             }
             cfg.api_keys = keys;
         } else if !api_keys.is_empty() {
-            let mut keys = ApiKeys::default();
-            for k in &api_keys {
-                keys.add("api_keys", &k.0)?;
-            }
-            cfg.api_keys = keys;
+            cfg.api_keys = ApiKeys::from_list("api_keys", api_keys.iter().map(|k| k.0.as_str()))?;
         }
         if let Some(p) = liveness_path {
             cfg.probes.liveness = p.0;
@@ -654,14 +650,8 @@ fn apply_env(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
         }
     }
     if let Ok(v) = std::env::var(ENV_API_KEYS) {
-        let mut keys = ApiKeys::default();
-        for k in v
-            .split([',', '\n'])
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-        {
-            keys.add(ENV_API_KEYS, k)?;
-        }
+        let list = v.split([',', '\n']).map(str::trim);
+        let keys = ApiKeys::from_list(ENV_API_KEYS, list.filter(|k| !k.is_empty()))?;
         if !keys.is_empty() {
             cfg.api_keys = keys;
         }
@@ -693,10 +683,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
     let flags = parse_flags(args)?;
     let mut cfg = ServeConfig::default();
     if let Some(path) = &flags.config {
-        read_file(path)
-            .map_err(Some)?
-            .apply(&mut cfg, Layer::File)
-            .map_err(|e| Some(ConfigError(format!("{path}: {}", e.0))))?;
+        load_file(&mut cfg, path).map_err(Some)?;
     }
     apply_env(&mut cfg).map_err(Some)?;
     flags.apply(&mut cfg, Layer::Flags).map_err(Some)?;

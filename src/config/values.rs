@@ -163,15 +163,7 @@ pub struct Whole<const MIN: u64, const MAX: u64>(pub u64);
 impl<const MIN: u64, const MAX: u64> FromStr for Whole<MIN, MAX> {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        s.trim()
-            .parse::<u64>()
-            .ok()
-            .filter(|n| (MIN..=MAX).contains(n))
-            .map(Whole)
-            .ok_or_else(|| match MAX {
-                u64::MAX => format!("expected a whole number >= {MIN}"),
-                _ => format!("expected a whole number from {MIN} to {MAX}"),
-            })
+        crate::cli::int::<u64, MIN, MAX>(s.trim()).map(Whole)
     }
 }
 
