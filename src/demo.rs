@@ -5,7 +5,7 @@
 //! by side with round-robin measured in the same run. Nothing to configure.
 
 use crate::replay::client::{self, http};
-use crate::replay::counters::ReplicaCounters;
+use crate::replay::counters::EngineCounters;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -256,7 +256,7 @@ fn fleet_counters(replicas: &[SocketAddr]) -> Result<(f64, f64), String> {
     let mut q = 0.0;
     let mut h = 0.0;
     for r in replicas {
-        let c = ReplicaCounters::fetch(*r)?;
+        let c = EngineCounters::fetch(*r)?;
         q += c.prefix_queries;
         h += c.prefix_hits;
     }

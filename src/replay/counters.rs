@@ -7,9 +7,10 @@ use super::client;
 use serde::Serialize;
 use std::net::SocketAddr;
 
-/// One replica's counters (cumulative since it started, or their difference over a replay).
+/// What one replica's engine counted: requests, prompt tokens, prefix-cache lookups and hits
+/// (cumulative since it started, or their difference over a replay).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct ReplicaCounters {
+pub struct EngineCounters {
     /// `vllm:request_success_total`, all finish reasons (aborts included).
     pub requests: f64,
     /// `vllm:prompt_tokens_total`.
@@ -20,10 +21,10 @@ pub struct ReplicaCounters {
     pub prefix_hits: f64,
 }
 
-impl ReplicaCounters {
+impl EngineCounters {
     /// Sum the counters in a `/metrics` text (every label set of each name).
-    pub fn parse(text: &str) -> ReplicaCounters {
-        let mut c = ReplicaCounters::default();
+    pub fn parse(text: &str) -> EngineCounters {
+        let mut c = EngineCounters::default();
         for line in text.lines() {
             if line.starts_with('#') {
                 continue;
@@ -48,17 +49,17 @@ impl ReplicaCounters {
     }
 
     /// GET `/metrics` of the replica at `addr`.
-    pub fn fetch(addr: SocketAddr) -> Result<ReplicaCounters, String> {
+    pub fn fetch(addr: SocketAddr) -> Result<EngineCounters, String> {
         let (status, body) = client::http(addr, "GET", "/metrics", b"")?;
         if status != 200 {
             return Err(format!("{addr}/metrics answered {status}"));
         }
-        Ok(ReplicaCounters::parse(&String::from_utf8_lossy(&body)))
+        Ok(EngineCounters::parse(&String::from_utf8_lossy(&body)))
     }
 
     /// `self - before`, counter by counter.
-    pub fn since(&self, before: &ReplicaCounters) -> ReplicaCounters {
-        ReplicaCounters {
+    pub fn since(&self, before: &EngineCounters) -> EngineCounters {
+        EngineCounters {
             requests: self.requests - before.requests,
             prompt_tokens: self.prompt_tokens - before.prompt_tokens,
             prefix_queries: self.prefix_queries - before.prefix_queries,
@@ -86,15 +87,15 @@ mod tests {
             vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m\"} 3.0\n\
             vllm:request_success_total_extra 9\n\
             vllm:prompt_tokens_total{engine=\"1\"} NaN\n";
-        let c = ReplicaCounters::parse(text);
+        let c = EngineCounters::parse(text);
         assert_eq!(c.requests, 5.0);
         assert_eq!(c.prompt_tokens, 1000.0);
         assert_eq!(c.computed_tokens(), 700.0);
-        let later = ReplicaCounters { requests: 7.0, ..c };
+        let later = EngineCounters { requests: 7.0, ..c };
         assert_eq!(later.since(&c).requests, 2.0);
         assert_eq!(
-            ReplicaCounters::parse("garbage\n{ 1"),
-            ReplicaCounters::default()
+            EngineCounters::parse("garbage\n{ 1"),
+            EngineCounters::default()
         );
     }
 }

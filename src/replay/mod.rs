@@ -22,7 +22,7 @@ pub mod counters;
 pub mod summary;
 
 use crate::sim::trace::{self, TraceRequest};
-use counters::ReplicaCounters;
+use counters::EngineCounters;
 use std::net::SocketAddr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -220,11 +220,11 @@ pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) 
     }
 }
 
-fn fetch_all(replicas: &[(String, SocketAddr)]) -> Result<Vec<ReplicaCounters>, String> {
+fn fetch_all(replicas: &[(String, SocketAddr)]) -> Result<Vec<EngineCounters>, String> {
     replicas
         .iter()
         .map(|(url, addr)| {
-            ReplicaCounters::fetch(*addr).map_err(|e| format!("--replica {url}: {e}"))
+            EngineCounters::fetch(*addr).map_err(|e| format!("--replica {url}: {e}"))
         })
         .collect()
 }
@@ -304,7 +304,7 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
     }
     let wall_s = started.elapsed().as_secs_f64();
     let after = fetch_all(&replicas)?;
-    let per_replica: Vec<(String, ReplicaCounters)> = replicas
+    let per_replica: Vec<(String, EngineCounters)> = replicas
         .iter()
         .zip(after.iter().zip(&before))
         .map(|((url, _), (a, b))| (url.clone(), a.since(b)))

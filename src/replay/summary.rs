@@ -8,7 +8,7 @@
 //! (`counters`); without `--replica` they are absent.
 
 use super::client::Streamed;
-use super::counters::ReplicaCounters;
+use super::counters::EngineCounters;
 use crate::sim::report::percentile;
 use crate::sim::trace::TraceRequest;
 use serde::{Deserialize, Serialize};
@@ -148,7 +148,7 @@ pub fn summarize(
     info: RunInfo,
     requests: &[TraceRequest],
     records: &[RequestRecord],
-    replicas: &[(String, ReplicaCounters)],
+    replicas: &[(String, EngineCounters)],
 ) -> ReplaySummary {
     let scale = info.time_scale;
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
@@ -565,7 +565,7 @@ mod tests {
         ];
         let mut records = vec![record(0, ttft), record(1, ttft * 2.0)];
         records.push(RequestRecord::failed(2, 0.0, "connect: refused".into()));
-        let c = |req: f64, q: f64, h: f64| ReplicaCounters {
+        let c = |req: f64, q: f64, h: f64| EngineCounters {
             requests: req,
             prompt_tokens: q,
             prefix_queries: q,

@@ -7,7 +7,7 @@
 //! Connections submit and cancel under the same mutex and wake the driver through a one-slot
 //! channel, so a request arriving at an idle engine starts at once.
 
-use super::metrics::{self, ReplicaCounters};
+use super::metrics::{self, RequestCounters};
 use crate::engine::{Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, RequestId};
 use crate::kv_events::publisher::KvEventPublisher;
 use crate::kv_events::{KvEvent, KvEventBatch};
@@ -60,7 +60,7 @@ struct Route {
 struct ReplicaState {
     engine: Engine,
     routes: HashMap<RequestId, Route>,
-    counters: ReplicaCounters,
+    counters: RequestCounters,
 }
 
 /// One simulated replica: engine, clock, routes, counters and event publisher.
@@ -109,7 +109,7 @@ impl Replica {
             state: Mutex::new(ReplicaState {
                 engine,
                 routes: HashMap::new(),
-                counters: ReplicaCounters::default(),
+                counters: RequestCounters::default(),
             }),
             wake_tx,
             wake_rx,

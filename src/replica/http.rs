@@ -1,7 +1,7 @@
 //! HTTP/1.1 framing of the replica's server over blocking std sockets: request heads (httparse),
 //! Content-Length and chunked request bodies, `Expect: 100-continue`, keep-alive and pipelining,
-//! and the bytes of responses (fixed-length and chunked). Hostile input becomes an `HttpError`
-//! with the status to answer, never a panic.
+//! and the bytes of responses (fixed-length and chunked). Hostile input becomes a
+//! `ReadRequestError` with the status to answer, never a panic.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -36,7 +36,7 @@ pub struct Request {
 
 /// Why no request could be read.
 #[derive(Debug)]
-pub enum HttpError {
+pub enum ReadRequestError {
     /// The peer closed the connection between requests (the normal end of keep-alive).
     Closed,
     /// Malformed, oversized or truncated: answer `status` with `message`, then close.
@@ -45,8 +45,8 @@ pub enum HttpError {
     Io(io::Error),
 }
 
-fn bad(status: u16, message: impl Into<String>) -> HttpError {
-    HttpError::Bad {
+fn bad(status: u16, message: impl Into<String>) -> ReadRequestError {
+    ReadRequestError::Bad {
         status,
         message: message.into(),
     }
@@ -87,7 +87,7 @@ impl Connection {
         }
     }
 
-    fn fill_in_request(&mut self, what: &str) -> Result<(), HttpError> {
+    fn fill_in_request(&mut self, what: &str) -> Result<(), ReadRequestError> {
         match self.fill() {
             Ok(0) => Err(bad(
                 400,
@@ -108,7 +108,7 @@ impl Connection {
                     ),
                 ))
             }
-            Err(e) => Err(HttpError::Io(e)),
+            Err(e) => Err(ReadRequestError::Io(e)),
         }
     }
 
@@ -124,7 +124,7 @@ impl Connection {
 
     /// Read the next request. Blocks without limit between requests; a started request must
     /// arrive within 30 s.
-    pub fn read_request(&mut self) -> Result<Request, HttpError> {
+    pub fn read_request(&mut self) -> Result<Request, ReadRequestError> {
         let mut timed = false;
         let (head_len, method, path, keep_alive, body_kind, expect_continue) = loop {
             if self.filled > 0 {
@@ -152,9 +152,9 @@ impl Connection {
             }
             if self.filled == 0 {
                 match self.fill() {
-                    Ok(0) => return Err(HttpError::Closed),
+                    Ok(0) => return Err(ReadRequestError::Closed),
                     Ok(_) => {}
-                    Err(e) => return Err(HttpError::Io(e)),
+                    Err(e) => return Err(ReadRequestError::Io(e)),
                 }
             } else {
                 self.fill_in_request("head")?;
@@ -180,14 +180,14 @@ impl Connection {
         head_len: usize,
         kind: BodyKind,
         expect_continue: bool,
-    ) -> Result<(Vec<u8>, usize), HttpError> {
+    ) -> Result<(Vec<u8>, usize), ReadRequestError> {
         let mut continued = false;
-        let mut send_continue = |conn: &mut Connection| -> Result<(), HttpError> {
+        let mut send_continue = |conn: &mut Connection| -> Result<(), ReadRequestError> {
             if expect_continue && !continued {
                 continued = true;
                 conn.stream
                     .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    .map_err(HttpError::Io)?;
+                    .map_err(ReadRequestError::Io)?;
             }
             Ok(())
         };
@@ -210,7 +210,7 @@ impl Connection {
                     }
                     let have = self.filled - head_len;
                     self.fill_in_request("body").map_err(|e| match e {
-                        HttpError::Bad { status: 400, .. } => bad(
+                        ReadRequestError::Bad { status: 400, .. } => bad(
                             400,
                             format!("incomplete request body: expected {len} bytes, got {have}"),
                         ),
@@ -351,7 +351,7 @@ enum BodyKind {
 
 type HeadFields = (Method, String, bool, BodyKind, bool);
 
-fn head_fields(req: &httparse::Request) -> Result<HeadFields, HttpError> {
+fn head_fields(req: &httparse::Request) -> Result<HeadFields, ReadRequestError> {
     let method = match req.method.unwrap_or("") {
         "GET" => Method::Get,
         "POST" => Method::Post,
@@ -505,7 +505,7 @@ mod tests {
         let r = conn.read_request().unwrap();
         assert_eq!((r.method, r.keep_alive), (Method::Get, false));
         drop(c);
-        assert!(matches!(conn.read_request(), Err(HttpError::Closed)));
+        assert!(matches!(conn.read_request(), Err(ReadRequestError::Closed)));
     }
 
     #[test]
@@ -515,7 +515,7 @@ mod tests {
             .unwrap();
         c.shutdown(std::net::Shutdown::Write).unwrap();
         match conn.read_request() {
-            Err(HttpError::Bad {
+            Err(ReadRequestError::Bad {
                 status: 400,
                 message,
             }) => assert!(message.contains("expected 10 bytes, got 3"), "{message}"),
@@ -525,28 +525,28 @@ mod tests {
         c.write_all(b"\x00\x01\x02garbage\r\n\r\n").unwrap();
         assert!(matches!(
             conn.read_request(),
-            Err(HttpError::Bad { status: 400, .. })
+            Err(ReadRequestError::Bad { status: 400, .. })
         ));
         let (mut c, mut conn) = pair();
         c.write_all(b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n")
             .unwrap();
         assert!(matches!(
             conn.read_request(),
-            Err(HttpError::Bad { status: 400, .. })
+            Err(ReadRequestError::Bad { status: 400, .. })
         ));
         let (mut c, mut conn) = pair();
         c.write_all(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
             .unwrap();
         assert!(matches!(
             conn.read_request(),
-            Err(HttpError::Bad { status: 400, .. })
+            Err(ReadRequestError::Bad { status: 400, .. })
         ));
         let (mut c, mut conn) = pair();
         c.write_all(b"POST / HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n")
             .unwrap();
         assert!(matches!(
             conn.read_request(),
-            Err(HttpError::Bad { status: 413, .. })
+            Err(ReadRequestError::Bad { status: 413, .. })
         ));
     }
 

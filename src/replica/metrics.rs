@@ -44,9 +44,10 @@ impl TtftHistogram {
     }
 }
 
-/// Counters the driver keeps beside the engine's own.
+/// The requests the replica served: how each finished and its time to first token. The driver
+/// keeps these beside the engine's own counters.
 #[derive(Debug, Clone, Default)]
-pub struct ReplicaCounters {
+pub struct RequestCounters {
     pub ttft: TtftHistogram,
     pub finished_stop: u64,
     pub finished_length: u64,
@@ -57,7 +58,7 @@ pub struct ReplicaCounters {
     pub host_kv_tier: bool,
 }
 
-impl ReplicaCounters {
+impl RequestCounters {
     pub fn finished(&mut self, reason: FinishReason) {
         match reason {
             FinishReason::Stop => self.finished_stop += 1,
@@ -89,7 +90,7 @@ fn escape_label(v: &str) -> String {
 }
 
 /// Render the metrics page of one replica.
-pub fn render(model: &str, stats: &EngineStats, counters: &ReplicaCounters) -> String {
+pub fn render(model: &str, stats: &EngineStats, counters: &RequestCounters) -> String {
     let m = escape_label(model);
     let labels = format!("engine=\"0\",model_name=\"{m}\"");
     let mut out = String::with_capacity(4096);
@@ -232,7 +233,7 @@ mod tests {
             generation_tokens_total: 7,
             requests_finished_total: 2,
         };
-        let mut c = ReplicaCounters::default();
+        let mut c = RequestCounters::default();
         c.ttft.observe(0.003);
         c.ttft.observe(0.3);
         c.ttft.observe(5000.0);

@@ -5,7 +5,7 @@
 //! each token; a client that goes away cancels its engine requests.
 
 use super::driver::Replica;
-use super::http::{self, Connection, HttpError, Method};
+use super::http::{self, Connection, Method, ReadRequestError};
 use super::openai::{
     self, ApiError, ChoiceResult, Endpoint, GenerationRequest, ResponseMeta, Usage,
 };
@@ -55,8 +55,8 @@ fn handle_connection(stream: TcpStream, replica: &Replica) {
     loop {
         let req = match conn.read_request() {
             Ok(r) => r,
-            Err(HttpError::Closed) | Err(HttpError::Io(_)) => return,
-            Err(HttpError::Bad { status, message }) => {
+            Err(ReadRequestError::Closed) | Err(ReadRequestError::Io(_)) => return,
+            Err(ReadRequestError::Bad { status, message }) => {
                 let kind = if status == 400 {
                     "BadRequestError"
                 } else {

@@ -180,7 +180,7 @@ pub struct Worker {
     bufs: RefCell<Vec<Vec<u8>>>,
     /// A buffer above `BUF_KEEP_MAX` was shrunk or freed since the last `give_back` tick.
     freed_large: Cell<bool>,
-    /// Request body bytes this worker's connections hold now (see `proxy::reserve_body`).
+    /// Request body bytes this worker's connections hold now (see `proxy::read::reserve_body`).
     pub body_reserved: Cell<usize>,
     pub candidates: RefCell<Vec<Candidate>>,
     pub spans: RefCell<Vec<(usize, usize)>>,

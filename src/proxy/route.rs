@@ -1,0 +1,232 @@
+//! Routing: kvlb's own probes (liveness, readiness), the choice of a replica and its
+//! concurrency slot, the bounded wait when every replica is at its limit, and the
+//! `x-kvlb-decision` line.
+
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use super::Conn;
+use crate::config::ReplicaConfig;
+use crate::http::request::{BodyFraming, Method, RequestHead};
+use crate::http::HttpError;
+use crate::metrics;
+use crate::rt::op;
+use crate::select::Decision;
+use crate::worker::Worker;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Write `x-kvlb-decision: ...\r\n` into `buf`; returns its length (0 if it does not fit).
+fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usize {
+    use std::io::Write;
+    let cap = buf.len();
+    let mut cur = std::io::Cursor::new(&mut buf[..]);
+    let runner_up_ms = if d.runner_up_ttft_s.is_finite() {
+        d.runner_up_ttft_s * 1e3
+    } else {
+        -1.0
+    };
+    let ok = write!(
+        cur,
+        "x-kvlb-decision: reason={}; matched_tokens={}; offloaded_blocks={}; prompt_tokens={}; ttft_ms={:.1}; runner_up_ttft_ms={:.1}; spilled={}\r\n",
+        d.reason.as_str(),
+        d.matched_tokens,
+        d.offloaded_blocks,
+        prompt_tokens,
+        d.ttft_s * 1e3,
+        runner_up_ms,
+        d.spilled
+    )
+    .is_ok();
+    let n = cur.position() as usize;
+    if ok && n < cap {
+        n
+    } else {
+        0
+    }
+}
+
+/// What kvlb answers to a probe of its own (`liveness_path`, `readiness_path`), if the
+/// request is one: GET or HEAD without a body.
+pub(super) fn probe_state(
+    w: &Worker,
+    cfg: &crate::config::ServeConfig,
+    conn: &Conn,
+    head: &RequestHead,
+) -> Option<ProbeState> {
+    if !matches!(head.method, Method::Get | Method::Head) || head.body != BodyFraming::None {
+        return None;
+    }
+    let target = &conn.cbuf[head.target.0..head.target.1];
+    let path = match memchr::memchr(b'?', target) {
+        Some(q) => &target[..q],
+        None => target,
+    };
+    let is = |p: &Option<String>| p.as_deref().is_some_and(|p| p.as_bytes() == path);
+    let state = if is(&cfg.probes.liveness) {
+        ProbeState::Live
+    } else if is(&cfg.probes.readiness) {
+        let now = w.shared.now_ms();
+        if w.draining.get() || w.shared.draining.load(Relaxed) {
+            ProbeState::Draining
+        } else if w.shared.fleet.slots().any(|(_, s)| s.available(now)) {
+            ProbeState::Ready
+        } else {
+            ProbeState::NoReplica
+        }
+    } else {
+        return None;
+    };
+    Some(state)
+}
+
+#[derive(Clone, Copy)]
+pub(super) enum ProbeState {
+    Live,
+    Ready,
+    Draining,
+    NoReplica,
+}
+
+impl ProbeState {
+    pub(super) fn status(self) -> u16 {
+        match self {
+            ProbeState::Live | ProbeState::Ready => 200,
+            ProbeState::Draining | ProbeState::NoReplica => 503,
+        }
+    }
+
+    /// The whole response, built once per process.
+    pub(super) fn response(self, head_only: bool) -> &'static [u8] {
+        static TABLE: std::sync::OnceLock<Vec<Vec<u8>>> = std::sync::OnceLock::new();
+        let table = TABLE.get_or_init(|| {
+            let mut t = Vec::new();
+            for (status, body) in [
+                ("200 OK", r#"{"status":"ok"}"#),
+                ("200 OK", r#"{"status":"ready"}"#),
+                ("503 Service Unavailable", r#"{"status":"draining"}"#),
+                ("503 Service Unavailable", r#"{"status":"no replica available"}"#),
+            ] {
+                for head_only in [false, true] {
+                    let mut r = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncache-control: no-store\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    if !head_only {
+                        r.push_str(body);
+                    }
+                    t.push(r.into_bytes());
+                }
+            }
+            t
+        });
+        &table[self as usize * 2 + head_only as usize]
+    }
+}
+
+/// Wait, in the bounded queue, until some replica not in `tried` is below its concurrency
+/// limit. Err: the 429 to answer (queue full, or waited `queue_timeout`).
+pub(super) async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(), HttpError> {
+    let cfg = w.cfg();
+    let queued = &w.shared.queued;
+    if queued.fetch_add(1, Relaxed) >= cfg.queue_size as u64 {
+        queued.fetch_sub(1, Relaxed);
+        return Err(HttpError::QueueFull);
+    }
+    metrics::add(&w.stats().queued, 1);
+    let deadline = crate::rt::now() + cfg.queue_timeout;
+    let mut pause = Duration::from_millis(1);
+    let result = loop {
+        op::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(8));
+        if w.fill_candidates(tried).0 > 0 {
+            break Ok(());
+        }
+        if crate::rt::now() >= deadline || w.draining.get() {
+            break Err(HttpError::QueueTimeout);
+        }
+    };
+    queued.fetch_sub(1, Relaxed);
+    result
+}
+
+pub(super) enum Route {
+    /// Send it there (its concurrency slot taken), with the explain line's length.
+    To(Routed, usize),
+    /// Every replica left is at its concurrency limit.
+    AllBusy,
+    /// No replica left to try.
+    NoneLeft,
+}
+
+/// Choose a replica for the request (not one of `tried`) and account for the decision.
+/// Returns None when no replica is left to try.
+pub(super) fn route(
+    w: &Worker,
+    conn: &mut Conn,
+    head: &RequestHead,
+    body_end: usize,
+    parsed: bool,
+    tried: &[usize],
+) -> Route {
+    let cfg = w.cfg();
+    match w.fill_candidates(tried) {
+        (0, 0) => return Route::NoneLeft,
+        (0, _) => return Route::AllBusy,
+        _ => {}
+    }
+    let choice = w.choose(
+        head.method,
+        &conn.cbuf[head.target.0..head.target.1],
+        &conn.cbuf[head.head_len..body_end],
+        body_end - head.head_len,
+        parsed,
+    );
+    let replica = choice.replica;
+    let slot = w.shared.fleet.slot(replica);
+    let epoch = slot.epoch.load(Relaxed);
+    // The slot was emptied since the candidates were read: nothing to send there.
+    let Some(spec) = slot.spec() else {
+        return Route::NoneLeft;
+    };
+    // Take a concurrency slot there; another worker may have taken the last one since the
+    // candidates were read.
+    let cap = match slot.max_in_flight.load(Relaxed) {
+        0 => cfg.max_in_flight,
+        c => c,
+    };
+    let in_flight = &w.shared.loads[replica].in_flight;
+    if in_flight.fetch_add(1, Relaxed) >= cap && cap > 0 {
+        in_flight.fetch_sub(1, Relaxed);
+        return Route::AllBusy;
+    }
+    let mut explain_len = 0;
+    if let (Some(d), true) = (choice.decision, cfg.explain) {
+        explain_len = write_decision(&mut conn.explain, &d, choice.prompt_tokens);
+    }
+    conn.log.reason = choice.decision.map(|d| d.reason.as_str());
+    conn.log.matched_tokens = choice.decision.map_or(0, |d| d.matched_tokens);
+    conn.log.prompt_tokens = choice.prompt_tokens;
+    Route::To(
+        Routed {
+            replica,
+            epoch,
+            spec,
+            prefill_tokens: choice.prefill_tokens(),
+            estimate_s: choice.estimate_s(),
+        },
+        explain_len,
+    )
+}
+
+/// Where a request goes and what kvlb expects of it there.
+pub(super) struct Routed {
+    pub(super) replica: usize,
+    /// The slot's epoch when routed (pooled connections must match it).
+    pub(super) epoch: u64,
+    pub(super) spec: Arc<ReplicaConfig>,
+    /// Prompt tokens the replica will compute (not resident there).
+    pub(super) prefill_tokens: u64,
+    /// cache_aware's time-to-first-token estimate, 0 when the policy makes none.
+    pub(super) estimate_s: f64,
+}
