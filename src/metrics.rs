@@ -106,9 +106,9 @@ impl Histogram {
     }
 }
 
-/// Per replica, per worker.
+/// One replica's counters in one worker's `WorkerStats` (the admin thread sums the workers).
 #[derive(Default)]
-pub struct ReplicaCounters {
+pub struct ReplicaStats {
     /// Responses by status class 1xx..5xx (index 0..4), as forwarded from the replica.
     pub responses: [AtomicU64; 5],
     /// Errors kvlb answered for this replica: 502, 504, and 503 after its 503 could not be
@@ -162,7 +162,7 @@ pub struct WorkerStats {
     pub prompt_errors: [AtomicU64; 8],
     /// Prompts a bound stopped, by `prompt::Bound` (`Bound::ALL` order).
     pub prompt_truncated: [AtomicU64; 4],
-    pub replicas: Vec<ReplicaCounters>,
+    pub replicas: Vec<ReplicaStats>,
 }
 
 pub const LOCAL_ERROR_CODES: [u16; 9] = [400, 401, 408, 413, 429, 431, 501, 503, 0];
@@ -191,7 +191,7 @@ impl WorkerStats {
             spills: AtomicU64::new(0),
             prompt_errors: Default::default(),
             prompt_truncated: Default::default(),
-            replicas: (0..replicas).map(|_| ReplicaCounters::default()).collect(),
+            replicas: (0..replicas).map(|_| ReplicaStats::default()).collect(),
         }
     }
 
@@ -204,10 +204,11 @@ impl WorkerStats {
     }
 }
 
-/// Shared by every worker: requests in flight at one replica.
+/// One replica's load gauges, shared by every worker: requests in flight, prefill queued,
+/// decoding (what `least_loaded`, `power_of_two` and `cache_aware` read).
 #[repr(align(128))]
 #[derive(Default)]
-pub struct ReplicaLoad {
+pub struct ReplicaGauges {
     pub in_flight: AtomicU32,
     /// Estimated prompt tokens routed here whose prefill has not finished (no first byte yet).
     pub queued_prefill_tokens: AtomicU64,
@@ -266,7 +267,7 @@ fn live(urls: &[String]) -> impl Iterator<Item = (usize, &String)> {
 }
 
 /// Prometheus text for the whole process. `replica_urls` has one entry per replica slot.
-pub fn render(workers: &[WorkerStats], loads: &[ReplicaLoad], replica_urls: &[String]) -> String {
+pub fn render(workers: &[WorkerStats], loads: &[ReplicaGauges], replica_urls: &[String]) -> String {
     let mut out = String::with_capacity(8192);
     let sum = |f: &dyn Fn(&WorkerStats) -> u64| -> u64 { workers.iter().map(f).sum() };
 

@@ -3,7 +3,7 @@
 //! nothing but read-mostly atomics (replica loads, drain flag) and their own stats blocks.
 
 use crate::config::ServeConfig;
-use crate::metrics::{ReplicaLoad, WorkerStats};
+use crate::metrics::{ReplicaGauges, WorkerStats};
 use crate::proxy;
 use crate::rt::{self, op};
 use crate::select::{self, Candidate, Policy, Rng};
@@ -36,7 +36,7 @@ pub struct Shared {
     pub prefix: crate::prefix::PrefixConfig,
     /// How much of a prompt a worker reads (`max_prompt_tokens`, fixed at start).
     pub prompt_limits: crate::prompt::PromptLimits,
-    pub loads: Vec<ReplicaLoad>,
+    pub loads: Vec<ReplicaGauges>,
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
     /// Requests waiting, across workers, for a replica below its concurrency limit.
@@ -77,7 +77,7 @@ impl Shared {
             routing_logs,
             prefix,
             prompt_limits: crate::prompt::PromptLimits::for_tokens(cfg.max_prompt_tokens),
-            loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
+            loads: (0..n).map(|_| ReplicaGauges::default()).collect(),
             workers,
             draining: AtomicBool::new(false),
             queued: std::sync::atomic::AtomicU64::new(0),
