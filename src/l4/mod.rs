@@ -19,9 +19,8 @@ use crate::config::L4Forwarding;
 use crate::http::request::{self, BodyFraming, Method};
 use crate::http::{write_error, HttpError};
 use crate::prompt::PromptError;
-pub(crate) use crate::proxy::InFlight;
 use crate::rt::op;
-use crate::worker::Worker;
+use crate::worker::{InFlight, Worker, SMALL_BODY};
 use std::fmt::Write as _;
 use std::io;
 use std::net::SocketAddr;
@@ -235,7 +234,7 @@ async fn first_request(
             // Body memory the body holds while it is received (as in L7, bodies up to
             // SMALL_BODY take none). Without room it is not waited for: the request is routed
             // by load and the replica gets the body as it comes.
-            let held = if n as usize > crate::proxy::SMALL_BODY {
+            let held = if n as usize > SMALL_BODY {
                 n as usize
             } else {
                 0

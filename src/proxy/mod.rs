@@ -17,14 +17,12 @@ use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
 use crate::select::Decision;
-use crate::worker::{Upstream, Worker};
-pub(crate) use in_flight::InFlight;
+use crate::worker::{InFlight, Upstream, Worker, SMALL_BODY};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
 use watch::ClientWatch;
 
-mod in_flight;
 mod watch;
 use crate::config::ReplicaConfig;
 use std::rc::Rc;
@@ -439,8 +437,6 @@ fn consume_request(conn: &mut Conn, req_end: usize) {
     }
 }
 
-/// Bodies up to this size live in a pooled buffer and hold no body memory.
-pub(crate) const SMALL_BODY: usize = 16 * 1024;
 /// What a chunked body reserves ahead of each receive.
 const CHUNKED_STEP: usize = 256 * 1024;
 

@@ -19,6 +19,13 @@ use std::sync::atomic::{
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod in_flight;
+pub(crate) use in_flight::InFlight;
+
+/// Request bodies up to this size live in a pooled buffer and hold no body memory (the L7
+/// path's `max_body_memory` accounting; the L4 mode reads first bodies by the same rule).
+pub(crate) const SMALL_BODY: usize = 16 * 1024;
+
 /// State every worker reads; written by the main and admin threads.
 pub struct Shared {
     /// The configuration in force; a reload swaps it whole (read with `cfg()`).
