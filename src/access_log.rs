@@ -11,6 +11,7 @@
 //! non-blocking, a worker never waits for it) drops what it held and counts the lines in
 //! `kvlb_access_log_dropped_lines_total`.
 
+use crate::metrics::{families, Collector, DescriptorEncoder};
 use std::cell::{Cell, RefCell};
 use std::io::{self, Write};
 use std::net::IpAddr;
@@ -29,23 +30,18 @@ const MAX_PATH: usize = 512;
 pub static LINES: AtomicU64 = AtomicU64::new(0);
 pub static DROPPED: AtomicU64 = AtomicU64::new(0);
 
-/// Appends the access log's counters in Prometheus text format.
-pub fn render_metrics(out: &mut String) {
-    use std::fmt::Write as _;
-    for (name, help, v) in [
-        (
-            "kvlb_access_log_lines_total",
-            "Access log lines written.",
-            &LINES,
-        ),
-        (
-            "kvlb_access_log_dropped_lines_total",
-            "Access log lines dropped because the write failed (disk full, pipe not read).",
-            &DROPPED,
-        ),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        let _ = writeln!(out, "{name} {}", v.load(Relaxed));
+/// The access log's counters on /metrics (registered by the admin listener).
+#[derive(Debug)]
+pub struct AccessLogMetrics;
+
+impl Collector for AccessLogMetrics {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+        families::ACCESS_LOG_LINES
+            .describe(&mut enc)?
+            .counter(&[], LINES.load(Relaxed))?;
+        families::ACCESS_LOG_DROPPED_LINES
+            .describe(&mut enc)?
+            .counter(&[], DROPPED.load(Relaxed))
     }
 }
 

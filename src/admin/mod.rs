@@ -21,14 +21,15 @@
 //! request runs on a helper thread with a full-size stack, as reloading parses the
 //! configuration and may load a tokenizer and compile a chat template.
 
+mod metrics;
+
 use crate::control::Control;
 use crate::log_limit::LogLimit;
-use crate::metrics;
 use crate::worker::Shared;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::{AcqRel, Relaxed};
-use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,10 +51,10 @@ struct Admin {
     control: Arc<Control>,
     /// Connections being served (each holds a `Place`).
     open: AtomicUsize,
-    /// Connections answered 503 by the accept thread.
-    refused: AtomicU64,
-    /// Connections closed because their request or reply ran out of time.
-    timed_out: AtomicU64,
+    /// Refused and timed-out connections, shown on /metrics.
+    counters: Arc<metrics::AdminCounters>,
+    /// Every family /metrics shows, encoded on each scrape.
+    registry: crate::metrics::Registry,
     refused_log: LogLimit,
     timeout_log: LogLimit,
 }
@@ -76,12 +77,14 @@ fn log_limited(limit: &LogLimit, line: impl FnOnce() -> String) {
 }
 
 pub fn spawn(listener: TcpListener, shared: Arc<Shared>, control: Arc<Control>) {
+    let counters = Arc::new(metrics::AdminCounters::default());
+    let registry = metrics::registry(&shared, &counters);
     let admin = Arc::new(Admin {
         shared,
         control,
         open: AtomicUsize::new(0),
-        refused: AtomicU64::new(0),
-        timed_out: AtomicU64::new(0),
+        counters,
+        registry,
         refused_log: LogLimit::new(),
         timeout_log: LogLimit::new(),
     });
@@ -137,7 +140,7 @@ fn accept_loop(listener: TcpListener, admin: Arc<Admin>) {
 /// Answers 503 (`why` its message) and closes, from the accept thread: non-blocking, never
 /// waiting on the client.
 fn refuse(s: &TcpStream, peer: SocketAddr, admin: &Admin, why: &str) {
-    admin.refused.fetch_add(1, Relaxed);
+    admin.counters.refused.fetch_add(1, Relaxed);
     log_limited(&admin.refused_log, || {
         format!("connection from {peer} refused: {why}")
     });
@@ -214,7 +217,7 @@ fn write_by(s: &TcpStream, mut bytes: &[u8], deadline: Instant) -> Result<(), St
 /// One connection, on its own thread: one request, one reply, close.
 fn serve(s: &TcpStream, peer: SocketAddr, accepted: Instant, admin: &Admin) {
     let timed_out = |what: &str| {
-        admin.timed_out.fetch_add(1, Relaxed);
+        admin.counters.timed_out.fetch_add(1, Relaxed);
         log_limited(&admin.timeout_log, || {
             format!("connection from {peer} timed out: {what}")
         });
@@ -521,61 +524,11 @@ fn route(method: &str, path: &str, auth: Option<&str>, body: &[u8], admin: &Admi
 fn get(path: &str, admin: &Admin) -> Reply {
     let shared = &*admin.shared;
     match path {
-        "/metrics" => {
-            let urls: Vec<String> = (0..shared.fleet.capacity())
-                .map(|i| {
-                    shared
-                        .fleet
-                        .slot(i)
-                        .spec()
-                        .map(|r| r.url.clone())
-                        .unwrap_or_default()
-                })
-                .collect();
-            let mut text = metrics::render(&shared.workers, &shared.loads, &urls);
-            let draining = shared.draining.load(Relaxed) as u8;
-            text.push_str("# HELP kvlb_draining 1 while kvlb drains after SIGTERM.\n# TYPE kvlb_draining gauge\n");
-            text.push_str(&format!("kvlb_draining {draining}\n"));
-            text.push_str("# HELP kvlb_queue_waiting Requests waiting for a replica below its concurrency limit.\n# TYPE kvlb_queue_waiting gauge\n");
-            text.push_str(&format!(
-                "kvlb_queue_waiting {}\n",
-                shared.queued.load(Relaxed)
-            ));
-            metrics::scalar(
-                &mut text,
-                "kvlb_body_memory_bytes",
-                "gauge",
-                "Request body bytes held now, over all workers (bounded by max_body_memory).",
-                shared.body_memory.load(Relaxed) as u64,
-            );
-            let queued: u64 = shared.workers.iter().map(|w| w.queued.load(Relaxed)).sum();
-            text.push_str("# HELP kvlb_queued_total Requests that waited in the queue.\n# TYPE kvlb_queued_total counter\n");
-            text.push_str(&format!("kvlb_queued_total {queued}\n"));
-            metrics::scalar(
-                &mut text,
-                "kvlb_admin_connections_refused_total",
-                "counter",
-                "Admin connections answered 503 at once (at the limit of connections served at once, or no thread for them).",
-                admin.refused.load(Relaxed),
-            );
-            metrics::scalar(
-                &mut text,
-                "kvlb_admin_connections_timed_out_total",
-                "counter",
-                "Admin connections closed because their request did not arrive, or their reply was not taken, in time.",
-                admin.timed_out.load(Relaxed),
-            );
-            let now = shared.now_ms();
-            text.push_str("# HELP kvlb_replica_up 1 while the replica takes new requests (active, not ejected, passing health checks).\n# TYPE kvlb_replica_up gauge\n");
-            for (i, url) in urls.iter().enumerate() {
-                if !url.is_empty() {
-                    let up = shared.fleet.slot(i).available(now) as u8;
-                    text.push_str(&format!("kvlb_replica_up{{replica=\"{url}\"}} {up}\n"));
-                }
-            }
-            crate::telemetry::render_metrics(shared, &mut text);
-            (200, "text/plain; version=0.0.4", text)
-        }
+        "/metrics" => (
+            200,
+            crate::metrics::CONTENT_TYPE,
+            crate::metrics::render(&admin.registry),
+        ),
         "/healthz" => {
             if shared.draining.load(Relaxed) {
                 (503, "application/json", r#"{"status":"draining"}"#.into())

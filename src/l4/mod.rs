@@ -18,11 +18,10 @@ pub mod sockmap;
 use crate::config::L4Forwarding;
 use crate::http::request::{self, BodyFraming, Method};
 use crate::http::{write_error, HttpError};
+use crate::metrics::{families, Collector, DescriptorEncoder};
 use crate::prompt::PromptError;
-pub(crate) use crate::proxy::InFlight;
 use crate::rt::op;
-use crate::worker::Worker;
-use std::fmt::Write as _;
+use crate::worker::{InFlight, Worker, SMALL_BODY};
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
@@ -31,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 /// How long a replica that refused a connection is skipped (as on the L7 path).
-/// Process-wide L4 counters, rendered into /metrics by `render_metrics`.
+/// Process-wide L4 counters, on /metrics through `L4Metrics`.
 pub struct L4Stats {
     /// Connections joined, by how: splice, sockmap.
     pub joined: [AtomicU64; 2],
@@ -55,38 +54,30 @@ pub static STATS: L4Stats = L4Stats {
     sockmap_join_failures: AtomicU64::new(0),
 };
 
-/// Prometheus text of the L4 mode, appended to /metrics.
-pub fn render_metrics(out: &mut String) {
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_connections_total L4 connections joined to a replica, by forwarding.\n# TYPE kvlb_l4_connections_total counter"
-    );
-    for (i, how) in ["splice", "sockmap"].iter().enumerate() {
-        let v = STATS.joined[i].load(Relaxed);
-        let _ = writeln!(out, "kvlb_l4_connections_total{{forwarding=\"{how}\"}} {v}");
+/// The L4 mode's figures on /metrics (registered by the admin listener).
+#[derive(Debug)]
+pub struct L4Metrics;
+
+impl Collector for L4Metrics {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let mut joined = families::L4_CONNECTIONS.describe(&mut enc)?;
+        for (i, how) in ["splice", "sockmap"].iter().enumerate() {
+            joined.counter(&[how], STATS.joined[i].load(Relaxed))?;
+        }
+        families::L4_ACTIVE_CONNECTIONS
+            .describe(&mut enc)?
+            .gauge(&[], STATS.active.load(Relaxed))?;
+        families::L4_ABORTED_CONNECTIONS
+            .describe(&mut enc)?
+            .counter(&[], STATS.aborted.load(Relaxed))?;
+        let mut bytes = families::L4_BYTES.describe(&mut enc)?;
+        bytes.counter(&["to_replica"], STATS.bytes_up.load(Relaxed))?;
+        bytes.counter(&["to_client"], STATS.bytes_down.load(Relaxed))?;
+        families::L4_SOCKMAP_JOIN_FAILURES
+            .describe(&mut enc)?
+            .counter(&[], STATS.sockmap_join_failures.load(Relaxed))?;
+        sockmap::encode_metrics(&mut enc)
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_active_connections L4 connections joined now.\n# TYPE kvlb_l4_active_connections gauge\nkvlb_l4_active_connections {}",
-        STATS.active.load(Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_aborted_connections_total L4 connections ended by a reset or error.\n# TYPE kvlb_l4_aborted_connections_total counter\nkvlb_l4_aborted_connections_total {}",
-        STATS.aborted.load(Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_bytes_total Bytes forwarded on joined L4 connections (sockmap: counted by the BPF program).\n# TYPE kvlb_l4_bytes_total counter\nkvlb_l4_bytes_total{{direction=\"to_replica\"}} {}\nkvlb_l4_bytes_total{{direction=\"to_client\"}} {}",
-        STATS.bytes_up.load(Relaxed),
-        STATS.bytes_down.load(Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_sockmap_join_failures_total Sockmap joins refused by the kernel (socket closing); those connections used splice.\n# TYPE kvlb_l4_sockmap_join_failures_total counter\nkvlb_l4_sockmap_join_failures_total {}",
-        STATS.sockmap_join_failures.load(Relaxed)
-    );
-    sockmap::render_metrics(out);
 }
 
 /// The forwarding L4 connections of this process really use: `requested`, unless it is
@@ -235,7 +226,7 @@ async fn first_request(
             // Body memory the body holds while it is received (as in L7, bodies up to
             // SMALL_BODY take none). Without room it is not waited for: the request is routed
             // by load and the replica gets the body as it comes.
-            let held = if n as usize > crate::proxy::SMALL_BODY {
+            let held = if n as usize > SMALL_BODY {
                 n as usize
             } else {
                 0

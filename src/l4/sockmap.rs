@@ -17,13 +17,13 @@
 //! - A socket already closing cannot be inserted: the connection then uses splice.
 
 use super::{InFlight, Moved};
+use crate::metrics::{families, DescriptorEncoder};
 use crate::rt::op;
 use crate::rt::select::{select, Either};
 use crate::worker::Worker;
 use aya::maps::{HashMap, MapData, SockHash};
 use aya::programs::SkSkb;
 use aya::Ebpf;
-use std::fmt::Write as _;
 use std::io;
 use std::os::fd::RawFd;
 use std::pin::pin;
@@ -148,8 +148,9 @@ fn load() -> Result<Sockmap, String> {
     })
 }
 
-/// Sockmap lines of /metrics: whether the program is loaded and how many sockets the maps hold.
-pub fn render_metrics(out: &mut String) {
+/// The sockmap families of /metrics: whether the program is loaded and how many sockets
+/// the maps hold.
+pub(super) fn encode_metrics(enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
     let loaded = SOCKMAP.get().and_then(|s| s.as_ref());
     let (socks, peers) = match loaded {
         Some(s) => {
@@ -161,20 +162,16 @@ pub fn render_metrics(out: &mut String) {
         }
         None => (0, 0),
     };
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_sockmap_loaded Whether the sockmap program is loaded and attached (its BPF program id in the label).\n# TYPE kvlb_l4_sockmap_loaded gauge\nkvlb_l4_sockmap_loaded{{program_id=\"{}\"}} {}",
-        loaded.map(|s| s.program_id).unwrap_or(0),
-        loaded.is_some() as u8
-    );
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_sockmap_sockets Sockets in the sockmap now (two per joined connection).\n# TYPE kvlb_l4_sockmap_sockets gauge\nkvlb_l4_sockmap_sockets {socks}"
-    );
-    let _ = writeln!(
-        out,
-        "# HELP kvlb_l4_sockmap_peers Peer entries in the sockmap program's pair map now.\n# TYPE kvlb_l4_sockmap_peers gauge\nkvlb_l4_sockmap_peers {peers}"
-    );
+    let program_id = loaded.map(|s| s.program_id).unwrap_or(0).to_string();
+    families::L4_SOCKMAP_LOADED
+        .describe(enc)?
+        .gauge(&[&program_id], loaded.is_some() as u64)?;
+    families::L4_SOCKMAP_SOCKETS
+        .describe(enc)?
+        .gauge(&[], socks as u64)?;
+    families::L4_SOCKMAP_PEERS
+        .describe(enc)?
+        .gauge(&[], peers as u64)
 }
 
 /// The kernel's cookie of a socket (what the program sees as bpf_get_socket_cookie).

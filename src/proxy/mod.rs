@@ -24,11 +24,9 @@ use crate::http::request::{self, Method};
 use crate::http::HttpError;
 use crate::metrics;
 use crate::rt::op;
-use crate::worker::Worker;
+use crate::worker::{InFlight, Worker};
 use forward::{fail, forward, rebuild_upstream_head, Forwarded};
-pub(crate) use in_flight::InFlight;
 use log::{log_request, LogState};
-pub(crate) use read::SMALL_BODY;
 use read::{
     body_in_hand, consume_request, read_body, recv_client, refuse_request, refuse_unread,
     release_body, send_local_error,
@@ -43,7 +41,6 @@ use std::time::{Duration, Instant};
 use watch::ClientWatch;
 
 mod forward;
-mod in_flight;
 mod log;
 mod read;
 mod relay;

@@ -12,7 +12,7 @@ use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::HttpError;
 use crate::metrics;
 use crate::rt::op;
-use crate::worker::Worker;
+use crate::worker::{Worker, SMALL_BODY};
 use std::io;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -42,8 +42,6 @@ pub(super) fn consume_request(conn: &mut Conn, req_end: usize) {
     }
 }
 
-/// Bodies up to this size live in a pooled buffer and hold no body memory.
-pub(crate) const SMALL_BODY: usize = 16 * 1024;
 /// What a chunked body reserves ahead of each receive.
 const CHUNKED_STEP: usize = 256 * 1024;
 

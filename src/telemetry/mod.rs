@@ -62,8 +62,8 @@ mod tests;
 pub use feed::ResidencyFeed;
 
 use crate::kv_events::Medium;
+use crate::metrics::{families, Collector, DescriptorEncoder, Family, Kind};
 use crate::worker::Shared;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -372,90 +372,80 @@ pub fn stop_all(shared: &Shared) {
     }
 }
 
-/// A Prometheus series: name, type, help, and the value of one replica at `now_ms`.
-type Series = (
-    &'static str,
-    &'static str,
-    &'static str,
-    fn(&ReplicaTelemetry, u64) -> Option<f64>,
-);
+/// A value of one replica's series at `now_ms`: whole (counts) or not (fractions, seconds).
+enum Value {
+    Whole(u64),
+    Real(f64),
+}
 
-/// Append the per-replica telemetry gauges to a Prometheus text exposition.
-pub fn render_metrics(shared: &Shared, out: &mut String) {
-    let now = shared.now_ms();
-    let series: [Series; 10] = [
-        (
-            "kvlb_replica_running",
-            "gauge",
-            "Requests running on the replica, as its /metrics reports.",
-            |t, _| known(t.running.load(Relaxed)),
-        ),
-        (
-            "kvlb_replica_waiting",
-            "gauge",
-            "Requests waiting on the replica, as its /metrics reports.",
-            |t, _| known(t.waiting.load(Relaxed)),
-        ),
-        (
-            "kvlb_replica_kv_usage",
-            "gauge",
-            "KV cache usage of the replica (0..1), as its /metrics reports.",
-            |t, _| known(t.kv_usage_milli.load(Relaxed)).map(|v| v / 1000.0),
-        ),
-        (
-            "kvlb_replica_telemetry_age_seconds",
-            "gauge",
-            "Seconds since the replica's last KV event batch or metrics scrape.",
-            |t, now| t.age_s(now),
-        ),
-        (
-            "kvlb_replica_telemetry_stale",
-            "gauge",
-            "1 while the replica's residency is dropped for stale telemetry.",
-            |t, _| Some(t.stale() as u8 as f64),
-        ),
-        (
-            "kvlb_replica_kv_events_total",
-            "counter",
-            "KV cache events applied from the replica.",
-            |t, _| Some(t.events_seen.load(Relaxed) as f64),
-        ),
-        (
-            "kvlb_replica_kv_event_gaps_total",
-            "counter",
-            "Sequence gaps in the replica's KV event stream.",
-            |t, _| Some(t.gaps.load(Relaxed) as f64),
-        ),
-        (
-            "kvlb_replica_kv_event_restarts_total",
-            "counter",
-            "Times the replica's KV event sequence went backwards (engine restart).",
-            |t, _| Some(t.restarts.load(Relaxed) as f64),
-        ),
-        (
-            "kvlb_replica_kv_offloaded_blocks_total",
-            "counter",
-            "Blocks the replica stored on a tier other than GPU.",
-            |t, _| Some(t.offloaded_blocks.load(Relaxed) as f64),
-        ),
-        (
-            "kvlb_replica_kv_offload_resident_blocks",
-            "gauge",
-            "Blocks kvlb believes the replica holds in an offloaded tier (CPU, disk) now.",
-            |t, _| Some(t.offload_resident_blocks.load(Relaxed) as f64),
-        ),
-    ];
-    for (name, kind, help, value) in series {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (r, slot) in shared.fleet.slots() {
-            let Some(replica) = slot.spec() else { continue };
-            if let Some(v) = value(&shared.telemetry[r], now) {
-                let _ = writeln!(out, "{name}{{replica=\"{}\"}} {v}", replica.url);
-            }
-        }
+/// A family of per-replica series and how to read it from one replica's telemetry.
+type Series = (&'static Family, fn(&ReplicaTelemetry, u64) -> Option<Value>);
+
+/// The per-replica telemetry families on /metrics (registered by the admin listener).
+pub struct TelemetryMetrics(pub Arc<Shared>);
+
+impl std::fmt::Debug for TelemetryMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TelemetryMetrics")
     }
 }
 
-fn known(v: u64) -> Option<f64> {
-    (v != UNKNOWN).then_some(v as f64)
+impl Collector for TelemetryMetrics {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let shared = &*self.0;
+        let now = shared.now_ms();
+        let series: [Series; 10] = [
+            (&families::REPLICA_RUNNING, |t, _| {
+                known(t.running.load(Relaxed)).map(Value::Whole)
+            }),
+            (&families::REPLICA_WAITING, |t, _| {
+                known(t.waiting.load(Relaxed)).map(Value::Whole)
+            }),
+            (&families::REPLICA_KV_USAGE, |t, _| {
+                known(t.kv_usage_milli.load(Relaxed)).map(|v| Value::Real(v as f64 / 1000.0))
+            }),
+            (&families::REPLICA_TELEMETRY_AGE, |t, now| {
+                t.age_s(now).map(Value::Real)
+            }),
+            (&families::REPLICA_TELEMETRY_STALE, |t, _| {
+                Some(Value::Whole(t.stale() as u64))
+            }),
+            (&families::REPLICA_KV_EVENTS, |t, _| {
+                Some(Value::Whole(t.events_seen.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_GAPS, |t, _| {
+                Some(Value::Whole(t.gaps.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_RESTARTS, |t, _| {
+                Some(Value::Whole(t.restarts.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_OFFLOADED_BLOCKS, |t, _| {
+                Some(Value::Whole(t.offloaded_blocks.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS, |t, _| {
+                Some(Value::Whole(t.offload_resident_blocks.load(Relaxed)))
+            }),
+        ];
+        for (family, value) in series {
+            let mut samples = family.describe(&mut enc)?;
+            for (r, slot) in shared.fleet.slots() {
+                let Some(replica) = slot.spec() else { continue };
+                let labels = [replica.url.as_str()];
+                match value(&shared.telemetry[r], now) {
+                    None => {}
+                    Some(Value::Real(v)) => samples.gauge_f64(&labels, v)?,
+                    Some(Value::Whole(v)) if family.kind() == Kind::Counter => {
+                        samples.counter(&labels, v)?
+                    }
+                    Some(Value::Whole(v)) => samples.gauge(&labels, v)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `v` unless it is `UNKNOWN`.
+fn known(v: u64) -> Option<u64> {
+    (v != UNKNOWN).then_some(v)
 }

@@ -43,6 +43,7 @@ pub mod fixture;
 mod tests;
 
 use crate::lru::LruList;
+use crate::metrics::{families, Collector, DescriptorEncoder};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
@@ -63,34 +64,21 @@ pub static SEGMENT_HITS: AtomicU64 = AtomicU64::new(0);
 /// Segments the tokenizer had to encode.
 pub static SEGMENT_MISSES: AtomicU64 = AtomicU64::new(0);
 
-/// Appends the token-mode counters in Prometheus text format.
-pub fn render_metrics(out: &mut String) {
-    use std::fmt::Write;
-    let lines: [(&str, &str, &AtomicU64); 4] = [
-        (
-            "kvlb_tokenized_requests_total",
-            "Requests hashed in token mode with the configured tokenizer and chat template.",
-            &TOKENIZED_REQUESTS,
-        ),
-        (
-            "kvlb_tokenize_errors_total",
-            "Requests the tokenizer or chat template could not handle; hashed in text mode.",
-            &TOKENIZE_ERRORS,
-        ),
-        (
-            "kvlb_tokenize_segment_hits_total",
-            "Prompt segments (between special tokens) whose ids came from the worker's cache.",
-            &SEGMENT_HITS,
-        ),
-        (
-            "kvlb_tokenize_segment_misses_total",
-            "Prompt segments the tokenizer encoded.",
-            &SEGMENT_MISSES,
-        ),
-    ];
-    for (name, help, v) in lines {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        let _ = writeln!(out, "{name} {}", v.load(Relaxed));
+/// The token-mode counters on /metrics (registered by the admin listener).
+#[derive(Debug)]
+pub struct TokenizeMetrics;
+
+impl Collector for TokenizeMetrics {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {
+        for (family, v) in [
+            (&families::TOKENIZED_REQUESTS, &TOKENIZED_REQUESTS),
+            (&families::TOKENIZE_ERRORS, &TOKENIZE_ERRORS),
+            (&families::TOKENIZE_SEGMENT_HITS, &SEGMENT_HITS),
+            (&families::TOKENIZE_SEGMENT_MISSES, &SEGMENT_MISSES),
+        ] {
+            family.describe(&mut enc)?.counter(&[], v.load(Relaxed))?;
+        }
+        Ok(())
     }
 }
 

@@ -3,7 +3,7 @@
 //! nothing but read-mostly atomics (replica loads, drain flag) and their own stats blocks.
 
 use crate::config::ServeConfig;
-use crate::metrics::{ReplicaLoad, WorkerStats};
+use crate::metrics::{ReplicaGauges, WorkerStats};
 use crate::proxy;
 use crate::rt::{self, op};
 use crate::select::{self, Candidate, Policy, Rng};
@@ -18,6 +18,13 @@ use std::sync::atomic::{
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod in_flight;
+pub(crate) use in_flight::InFlight;
+
+/// Request bodies up to this size live in a pooled buffer and hold no body memory (the L7
+/// path's `max_body_memory` accounting; the L4 mode reads first bodies by the same rule).
+pub(crate) const SMALL_BODY: usize = 16 * 1024;
 
 /// State every worker reads; written by the main and admin threads.
 pub struct Shared {
@@ -36,7 +43,7 @@ pub struct Shared {
     pub prefix: crate::prefix::PrefixConfig,
     /// How much of a prompt a worker reads (`max_prompt_tokens`, fixed at start).
     pub prompt_limits: crate::prompt::PromptLimits,
-    pub loads: Vec<ReplicaLoad>,
+    pub loads: Vec<ReplicaGauges>,
     pub workers: Vec<WorkerStats>,
     pub draining: AtomicBool,
     /// Requests waiting, across workers, for a replica below its concurrency limit.
@@ -77,7 +84,7 @@ impl Shared {
             routing_logs,
             prefix,
             prompt_limits: crate::prompt::PromptLimits::for_tokens(cfg.max_prompt_tokens),
-            loads: (0..n).map(|_| ReplicaLoad::default()).collect(),
+            loads: (0..n).map(|_| ReplicaGauges::default()).collect(),
             workers,
             draining: AtomicBool::new(false),
             queued: std::sync::atomic::AtomicU64::new(0),

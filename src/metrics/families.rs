@@ -1,0 +1,402 @@
+//! Every metric family kvlb exposes on /metrics, declared once: name (as exposed, counters
+//! ending `_total`), label names, help. Only this module can declare a family (`Family`'s
+//! constructors are private to `metrics`), and a collector can only write samples through a
+//! family declared here. `ALL` lists them in /metrics order; `tests/metrics_exposition.rs`
+//! checks a live /metrics against it, and docs/metrics.md names each one.
+
+use super::encode::Family;
+
+// The data plane: per replica, per worker (summed over the workers' `WorkerStats`).
+pub static REQUESTS: Family = Family::counter(
+    "kvlb_requests_total",
+    &["replica", "status"],
+    "Responses forwarded from replicas, by replica and status class.",
+);
+pub static RETRIES: Family = Family::counter(
+    "kvlb_retries_total",
+    &["replica"],
+    "Requests that failed on a replica at connect time or with an immediate 503 and were tried on another.",
+);
+pub static EJECTIONS: Family = Family::counter(
+    "kvlb_ejections_total",
+    &["replica"],
+    "Times a replica was ejected after consecutive transport failures (passive health).",
+);
+pub static LOCAL_RESPONSES: Family = Family::counter(
+    "kvlb_local_responses_total",
+    &["status"],
+    "Error responses kvlb answered itself, by status.",
+);
+pub static CLIENT_ABORTS: Family = Family::counter(
+    "kvlb_client_aborts_total",
+    &["replica"],
+    "Requests whose client went away before the response completed; the replica request was cancelled.",
+);
+pub static CUT_RESPONSES: Family = Family::counter(
+    "kvlb_cut_responses_total",
+    &["replica", "cause"],
+    "Responses cut short by the replica after their head reached the client (the client's connection is closed), by cause: closed (before the body's end), reset (a receive error), malformed (invalid chunked framing or more bytes than declared).",
+);
+pub static REPLICA_IN_FLIGHT: Family = Family::gauge(
+    "kvlb_replica_in_flight",
+    &["replica"],
+    "Requests in flight per replica, across workers.",
+);
+pub static REPLICA_QUEUED_PREFILL_TOKENS: Family = Family::gauge(
+    "kvlb_replica_queued_prefill_tokens",
+    &["replica"],
+    "Estimated prompt tokens routed to each replica and not yet prefilled (no first byte yet).",
+);
+pub static REPLICA_DECODING: Family = Family::gauge(
+    "kvlb_replica_decoding",
+    &["replica"],
+    "Requests past their first byte (decoding) per replica.",
+);
+pub static WORKER_IN_FLIGHT: Family = Family::gauge(
+    "kvlb_worker_in_flight",
+    &["worker"],
+    "Requests in flight per worker.",
+);
+pub static WORKER_CONNECTIONS: Family = Family::gauge(
+    "kvlb_worker_connections",
+    &["worker"],
+    "Open client connections per worker.",
+);
+pub static WORKER_ACCEPTED: Family = Family::counter(
+    "kvlb_worker_accepted_total",
+    &["worker"],
+    "Client connections accepted per worker.",
+);
+pub static WORKER_REQUESTS: Family = Family::counter(
+    "kvlb_worker_requests_total",
+    &["worker"],
+    "Requests handled per worker.",
+);
+pub static WORKER_ALLOCATIONS: Family = Family::counter(
+    "kvlb_worker_allocations_total",
+    &["worker"],
+    "Heap allocations made by each worker thread (flat under steady keep-alive traffic).",
+);
+pub static WORKER_RECV_THROTTLED: Family = Family::counter(
+    "kvlb_worker_recv_throttled_total",
+    &["worker"],
+    "Client or replica receives paused because kvlb could not pass the bytes on as fast as they came (the rest waited in the socket).",
+);
+pub static SPLICED_RESPONSE_BYTES: Family = Family::counter(
+    "kvlb_spliced_response_bytes_total",
+    &["worker"],
+    "L7 response body bytes moved replica -> client by splice, never entering user space.",
+);
+pub static BODY_MEMORY_REFUSED: Family = Family::counter(
+    "kvlb_body_memory_refused_total",
+    &["worker"],
+    "Requests refused with 503 before their body was read because the bodies in flight held max_body_memory (or the worker's share of it).",
+);
+pub static WORKER_RECV_BUFFER_SHORTAGES: Family = Family::counter(
+    "kvlb_worker_recv_buffer_shortages_total",
+    &["worker"],
+    "Receives that found the worker's provided-buffer ring empty and fell back to a single-shot receive.",
+);
+pub static BYTES: Family = Family::counter(
+    "kvlb_bytes_total",
+    &["replica", "direction"],
+    "Bytes exchanged with replicas.",
+);
+pub static UPSTREAM_CONNECTIONS: Family = Family::counter(
+    "kvlb_upstream_connections_total",
+    &["replica", "kind"],
+    "Replica connections used: new (connect) or reused from the keep-alive pool.",
+);
+pub static TIME_TO_FIRST_BYTE: Family = Family::histogram(
+    "kvlb_time_to_first_byte_seconds",
+    "From the request fully received to the replica's first response byte.",
+);
+pub static TIME_TO_FIRST_TOKEN: Family = Family::histogram(
+    "kvlb_time_to_first_token_seconds",
+    "From the request fully received to the replica's first response body byte.",
+);
+pub static ESTIMATED_TTFT: Family = Family::histogram(
+    "kvlb_estimated_ttft_seconds",
+    "cache_aware's time-to-first-token estimate for the replica it chose.",
+);
+pub static TTFT_OBSERVED_OVER_ESTIMATED: Family = Family::histogram(
+    "kvlb_ttft_observed_over_estimated",
+    "Observed time to first token divided by cache_aware's estimate (1 = exact).",
+);
+pub static MATCHED_PREFIX_TOKENS: Family = Family::histogram(
+    "kvlb_matched_prefix_tokens",
+    "Prompt tokens cache_aware counted as resident on the replica it chose.",
+);
+pub static DECISIONS: Family = Family::counter(
+    "kvlb_decisions_total",
+    &["reason"],
+    "cache_aware decisions by reason: cache (a resident prefix won), load (queues decided), fallback (no prefix).",
+);
+pub static HOT_PREFIX_SPILLS: Family = Family::counter(
+    "kvlb_hot_prefix_spills_total",
+    &[],
+    "Requests whose hit on a hot prefix was ignored because its holder was saturated.",
+);
+pub static UNPARSED_PROMPTS: Family = Family::counter(
+    "kvlb_unparsed_prompts_total",
+    &["reason"],
+    "Bodies on a prompt path that were not a prompt kvlb could read; routed by load.",
+);
+pub static PROMPT_TRUNCATED: Family = Family::counter(
+    "kvlb_prompt_truncated_total",
+    &["reason"],
+    "Prompts whose reading stopped at a bound (max_prompt_tokens, messages, parts, work); routed on the blocks read before it, or by load when the bound came before the fields they start with.",
+);
+pub static REQUEST_DURATION: Family = Family::histogram(
+    "kvlb_request_duration_seconds",
+    "From the request fully received to the response fully sent.",
+);
+
+// Process-wide figures of the data plane, outside `WorkerStats`.
+pub static DRAINING: Family =
+    Family::gauge("kvlb_draining", &[], "1 while kvlb drains after SIGTERM.");
+pub static QUEUE_WAITING: Family = Family::gauge(
+    "kvlb_queue_waiting",
+    &[],
+    "Requests waiting for a replica below its concurrency limit.",
+);
+pub static BODY_MEMORY_BYTES: Family = Family::gauge(
+    "kvlb_body_memory_bytes",
+    &[],
+    "Request body bytes held now, over all workers (bounded by max_body_memory).",
+);
+pub static QUEUED: Family = Family::counter(
+    "kvlb_queued_total",
+    &[],
+    "Requests that waited in the queue.",
+);
+pub static REPLICA_UP: Family = Family::gauge(
+    "kvlb_replica_up",
+    &["replica"],
+    "1 while the replica takes new requests (active, not ejected, passing health checks).",
+);
+
+// L4 mode (`l4`, `l4::sockmap`).
+pub static L4_CONNECTIONS: Family = Family::counter(
+    "kvlb_l4_connections_total",
+    &["forwarding"],
+    "L4 connections joined to a replica, by forwarding.",
+);
+pub static L4_ACTIVE_CONNECTIONS: Family = Family::gauge(
+    "kvlb_l4_active_connections",
+    &[],
+    "L4 connections joined now.",
+);
+pub static L4_ABORTED_CONNECTIONS: Family = Family::counter(
+    "kvlb_l4_aborted_connections_total",
+    &[],
+    "L4 connections ended by a reset or error.",
+);
+pub static L4_BYTES: Family = Family::counter(
+    "kvlb_l4_bytes_total",
+    &["direction"],
+    "Bytes forwarded on joined L4 connections (sockmap: counted by the BPF program).",
+);
+pub static L4_SOCKMAP_JOIN_FAILURES: Family = Family::counter(
+    "kvlb_l4_sockmap_join_failures_total",
+    &[],
+    "Sockmap joins refused by the kernel (socket closing); those connections used splice.",
+);
+pub static L4_SOCKMAP_LOADED: Family = Family::gauge(
+    "kvlb_l4_sockmap_loaded",
+    &["program_id"],
+    "Whether the sockmap program is loaded and attached (its BPF program id in the label).",
+);
+pub static L4_SOCKMAP_SOCKETS: Family = Family::gauge(
+    "kvlb_l4_sockmap_sockets",
+    &[],
+    "Sockets in the sockmap now (two per joined connection).",
+);
+pub static L4_SOCKMAP_PEERS: Family = Family::gauge(
+    "kvlb_l4_sockmap_peers",
+    &[],
+    "Peer entries in the sockmap program's pair map now.",
+);
+
+// Token mode (`tokenize`).
+pub static TOKENIZED_REQUESTS: Family = Family::counter(
+    "kvlb_tokenized_requests_total",
+    &[],
+    "Requests hashed in token mode with the configured tokenizer and chat template.",
+);
+pub static TOKENIZE_ERRORS: Family = Family::counter(
+    "kvlb_tokenize_errors_total",
+    &[],
+    "Requests the tokenizer or chat template could not handle; hashed in text mode.",
+);
+pub static TOKENIZE_SEGMENT_HITS: Family = Family::counter(
+    "kvlb_tokenize_segment_hits_total",
+    &[],
+    "Prompt segments (between special tokens) whose ids came from the worker's cache.",
+);
+pub static TOKENIZE_SEGMENT_MISSES: Family = Family::counter(
+    "kvlb_tokenize_segment_misses_total",
+    &[],
+    "Prompt segments the tokenizer encoded.",
+);
+
+// The access log (`access_log`).
+pub static ACCESS_LOG_LINES: Family = Family::counter(
+    "kvlb_access_log_lines_total",
+    &[],
+    "Access log lines written.",
+);
+pub static ACCESS_LOG_DROPPED_LINES: Family = Family::counter(
+    "kvlb_access_log_dropped_lines_total",
+    &[],
+    "Access log lines dropped because the write failed (disk full, pipe not read).",
+);
+
+// The process's own resources (`metrics::process`).
+pub static PROCESS_OPEN_FDS: Family =
+    Family::gauge("kvlb_process_open_fds", &[], "Open file descriptors.");
+pub static PROCESS_MAX_FDS: Family = Family::gauge(
+    "kvlb_process_max_fds",
+    &[],
+    "The open file descriptor limit (soft).",
+);
+pub static PROCESS_RESIDENT_MEMORY: Family = Family::gauge(
+    "kvlb_process_resident_memory_bytes",
+    &[],
+    "Resident memory size in bytes.",
+);
+pub static PROCESS_THREADS: Family =
+    Family::gauge("kvlb_process_threads", &[], "OS threads in the process.");
+
+// The admin listener itself (`admin`).
+pub static ADMIN_CONNECTIONS_REFUSED: Family = Family::counter(
+    "kvlb_admin_connections_refused_total",
+    &[],
+    "Admin connections answered 503 at once (at the limit of connections served at once, or no thread for them).",
+);
+pub static ADMIN_CONNECTIONS_TIMED_OUT: Family = Family::counter(
+    "kvlb_admin_connections_timed_out_total",
+    &[],
+    "Admin connections closed because their request did not arrive, or their reply was not taken, in time.",
+);
+
+// What each replica reports of itself (`telemetry`).
+pub static REPLICA_RUNNING: Family = Family::gauge(
+    "kvlb_replica_running",
+    &["replica"],
+    "Requests running on the replica, as its /metrics reports.",
+);
+pub static REPLICA_WAITING: Family = Family::gauge(
+    "kvlb_replica_waiting",
+    &["replica"],
+    "Requests waiting on the replica, as its /metrics reports.",
+);
+pub static REPLICA_KV_USAGE: Family = Family::gauge(
+    "kvlb_replica_kv_usage",
+    &["replica"],
+    "KV cache usage of the replica (0..1), as its /metrics reports.",
+);
+pub static REPLICA_TELEMETRY_AGE: Family = Family::gauge(
+    "kvlb_replica_telemetry_age_seconds",
+    &["replica"],
+    "Seconds since the replica's last KV event batch or metrics scrape.",
+);
+pub static REPLICA_TELEMETRY_STALE: Family = Family::gauge(
+    "kvlb_replica_telemetry_stale",
+    &["replica"],
+    "1 while the replica's residency is dropped for stale telemetry.",
+);
+pub static REPLICA_KV_EVENTS: Family = Family::counter(
+    "kvlb_replica_kv_events_total",
+    &["replica"],
+    "KV cache events applied from the replica.",
+);
+pub static REPLICA_KV_EVENT_GAPS: Family = Family::counter(
+    "kvlb_replica_kv_event_gaps_total",
+    &["replica"],
+    "Sequence gaps in the replica's KV event stream.",
+);
+pub static REPLICA_KV_EVENT_RESTARTS: Family = Family::counter(
+    "kvlb_replica_kv_event_restarts_total",
+    &["replica"],
+    "Times the replica's KV event sequence went backwards (engine restart).",
+);
+pub static REPLICA_KV_OFFLOADED_BLOCKS: Family = Family::counter(
+    "kvlb_replica_kv_offloaded_blocks_total",
+    &["replica"],
+    "Blocks the replica stored on a tier other than GPU.",
+);
+pub static REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS: Family = Family::gauge(
+    "kvlb_replica_kv_offload_resident_blocks",
+    &["replica"],
+    "Blocks kvlb believes the replica holds in an offloaded tier (CPU, disk) now.",
+);
+
+/// Every family, in the order /metrics shows them.
+pub static ALL: &[&Family] = &[
+    &REQUESTS,
+    &RETRIES,
+    &EJECTIONS,
+    &LOCAL_RESPONSES,
+    &CLIENT_ABORTS,
+    &CUT_RESPONSES,
+    &REPLICA_IN_FLIGHT,
+    &REPLICA_QUEUED_PREFILL_TOKENS,
+    &REPLICA_DECODING,
+    &WORKER_IN_FLIGHT,
+    &WORKER_CONNECTIONS,
+    &WORKER_ACCEPTED,
+    &WORKER_REQUESTS,
+    &WORKER_ALLOCATIONS,
+    &WORKER_RECV_THROTTLED,
+    &SPLICED_RESPONSE_BYTES,
+    &BODY_MEMORY_REFUSED,
+    &WORKER_RECV_BUFFER_SHORTAGES,
+    &BYTES,
+    &UPSTREAM_CONNECTIONS,
+    &TIME_TO_FIRST_BYTE,
+    &TIME_TO_FIRST_TOKEN,
+    &ESTIMATED_TTFT,
+    &TTFT_OBSERVED_OVER_ESTIMATED,
+    &MATCHED_PREFIX_TOKENS,
+    &DECISIONS,
+    &HOT_PREFIX_SPILLS,
+    &UNPARSED_PROMPTS,
+    &PROMPT_TRUNCATED,
+    &REQUEST_DURATION,
+    &DRAINING,
+    &QUEUE_WAITING,
+    &BODY_MEMORY_BYTES,
+    &QUEUED,
+    &REPLICA_UP,
+    &L4_CONNECTIONS,
+    &L4_ACTIVE_CONNECTIONS,
+    &L4_ABORTED_CONNECTIONS,
+    &L4_BYTES,
+    &L4_SOCKMAP_JOIN_FAILURES,
+    &L4_SOCKMAP_LOADED,
+    &L4_SOCKMAP_SOCKETS,
+    &L4_SOCKMAP_PEERS,
+    &TOKENIZED_REQUESTS,
+    &TOKENIZE_ERRORS,
+    &TOKENIZE_SEGMENT_HITS,
+    &TOKENIZE_SEGMENT_MISSES,
+    &ACCESS_LOG_LINES,
+    &ACCESS_LOG_DROPPED_LINES,
+    &PROCESS_OPEN_FDS,
+    &PROCESS_MAX_FDS,
+    &PROCESS_RESIDENT_MEMORY,
+    &PROCESS_THREADS,
+    &ADMIN_CONNECTIONS_REFUSED,
+    &ADMIN_CONNECTIONS_TIMED_OUT,
+    &REPLICA_RUNNING,
+    &REPLICA_WAITING,
+    &REPLICA_KV_USAGE,
+    &REPLICA_TELEMETRY_AGE,
+    &REPLICA_TELEMETRY_STALE,
+    &REPLICA_KV_EVENTS,
+    &REPLICA_KV_EVENT_GAPS,
+    &REPLICA_KV_EVENT_RESTARTS,
+    &REPLICA_KV_OFFLOADED_BLOCKS,
+    &REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS,
+];

@@ -1,0 +1,236 @@
+//! Counters and histograms of the data plane, and the one way kvlb exposes metrics.
+//!
+//! Each worker writes only its own `WorkerStats` (relaxed atomics on its own cache lines: no
+//! locks, no sharing between writers); the admin thread sums them when /metrics is scraped.
+//! Replica in-flight counts are the one figure shared by all workers, since `least_loaded` and
+//! `power_of_two` read them.
+//!
+//! A counter with one writer needs no read-modify-write instruction: `add` is a relaxed load
+//! and a relaxed store (plain moves on x86), where `fetch_add` is a locked instruction that
+//! also orders the core's memory traffic. A request updates about twenty of them; only the
+//! figures several workers write (replica in-flight, queued prefill, decoding, queue slots)
+//! keep `fetch_add`.
+//!
+//! Exposition: every family kvlb exposes is declared once, in [`families`] (name, help, type,
+//! label names); nothing else can declare one. The modules that own the figures implement
+//! prometheus-client's [`Collector`] and, when /metrics is scraped, read their atomics and
+//! write each family through [`Family::describe`]; the admin listener registers the collectors
+//! in one `Registry` and [`render`] encodes it as Prometheus text (version 0.0.4). Nothing on
+//! the request path changes for it: no lock, no allocation, the same relaxed atomics.
+
+mod encode;
+pub mod families;
+mod process;
+
+pub use encode::{render, Family, Kind, Samples, CONTENT_TYPE};
+pub use families::ALL;
+pub use process::ProcessMetrics;
+pub use prometheus_client::collector::Collector;
+pub use prometheus_client::encoding::DescriptorEncoder;
+pub use prometheus_client::registry::Registry;
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+/// Latency bucket upper bounds, seconds.
+pub const BUCKETS: [f64; 16] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
+/// The same bounds in microseconds, for `observe_us`.
+const BUCKETS_US: [u64; 16] = [
+    500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000,
+    2_500_000, 5_000_000, 10_000_000, 30_000_000, 60_000_000,
+];
+
+/// Add `n` to a counter only the calling thread writes (a worker's own statistics): a relaxed
+/// load and store, no locked instruction. Readers see every update, possibly late.
+#[inline(always)]
+pub fn add(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+}
+
+/// Take `n` from a counter only the calling thread writes (see `add`).
+#[inline(always)]
+pub fn sub(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Relaxed).wrapping_sub(n), Relaxed);
+}
+
+#[derive(Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len() + 1],
+    sum_us: AtomicU64,
+}
+
+/// Matched-token bucket upper bounds.
+pub const TOKEN_BUCKETS: [f64; 10] = [
+    0.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0,
+];
+/// Observed / estimated time-to-first-token bucket upper bounds.
+pub const RATIO_BUCKETS: [f64; 10] = [0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0];
+
+/// A histogram over fixed bounds, with values in thousandths for the sum.
+pub struct ValueHistogram {
+    bounds: &'static [f64],
+    counts: [AtomicU64; 11],
+    sum_milli: AtomicU64,
+}
+
+impl ValueHistogram {
+    pub fn new(bounds: &'static [f64; 10]) -> ValueHistogram {
+        ValueHistogram {
+            bounds,
+            counts: Default::default(),
+            sum_milli: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        let i = self
+            .bounds
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(self.bounds.len());
+        add(&self.counts[i], 1);
+        add(&self.sum_milli, (v.max(0.0) * 1000.0) as u64);
+    }
+}
+
+/// How `cache_aware` decided (index: Reason as usize order cache, load, fallback).
+pub const REASONS: [&str; 3] = ["cache", "load", "fallback"];
+
+/// Why a POST body on a prompt path could not be read as a prompt (PromptError labels).
+pub const PROMPT_ERRORS: [&str; 8] = [
+    "truncated",
+    "syntax",
+    "too_deep",
+    "not_an_object",
+    "missing_field",
+    "wrong_type",
+    "duplicate_key",
+    "empty_prompt",
+];
+
+/// Why a response was cut short after its head reached the client (`proxy::relay::Cut` order).
+pub const CUT_CAUSES: [&str; 3] = ["closed", "reset", "malformed"];
+
+impl Histogram {
+    /// Record `us` microseconds (single writer: the worker that owns the histogram).
+    pub fn observe_us(&self, us: u64) {
+        let i = BUCKETS_US
+            .iter()
+            .position(|b| us <= *b)
+            .unwrap_or(BUCKETS_US.len());
+        add(&self.counts[i], 1);
+        add(&self.sum_us, us);
+    }
+}
+
+/// One replica's counters in one worker's `WorkerStats` (the admin thread sums the workers).
+#[derive(Default)]
+pub struct ReplicaStats {
+    /// Responses by status class 1xx..5xx (index 0..4), as forwarded from the replica.
+    pub responses: [AtomicU64; 5],
+    /// Errors kvlb answered for this replica: 502, 504, and 503 after its 503 could not be
+    /// retried elsewhere.
+    pub bad_gateway: AtomicU64,
+    pub gateway_timeout: AtomicU64,
+    pub unavailable: AtomicU64,
+    /// Requests that failed here (connect error, immediate 503) and were tried elsewhere.
+    pub retries: AtomicU64,
+    /// Times passive health checks ejected this replica.
+    pub ejections: AtomicU64,
+    /// Client went away before the response completed.
+    pub client_aborts: AtomicU64,
+    /// Responses cut short after their head reached the client, by cause (`CUT_CAUSES`).
+    pub cut: [AtomicU64; 3],
+    pub bytes_to_replica: AtomicU64,
+    pub bytes_from_replica: AtomicU64,
+    pub connects: AtomicU64,
+    pub reuses: AtomicU64,
+}
+
+#[repr(align(128))]
+pub struct WorkerStats {
+    pub accepted: AtomicU64,
+    pub open_connections: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub requests: AtomicU64,
+    /// Requests that waited in the queue for a replica below its concurrency limit.
+    pub queued: AtomicU64,
+    /// Heap allocations made by the worker's thread (published after each request).
+    pub allocations: AtomicU64,
+    /// Multishot receives throttled because their task fell behind, and stopped for want of a
+    /// provided buffer (published after each request, like `allocations`).
+    pub recv_throttled: AtomicU64,
+    pub recv_buffer_shortages: AtomicU64,
+    /// L7 response body bytes moved by splice (`splice_responses_from`).
+    pub spliced_bytes: AtomicU64,
+    /// Requests refused (503) because bodies in flight held `max_body_memory`.
+    pub body_memory_refused: AtomicU64,
+    /// kvlb's own error responses by status (400, 408, 413, 431, 501, 503, other).
+    pub local_errors: [AtomicU64; 9],
+    pub ttfb: Histogram,
+    pub total: Histogram,
+    /// From the request received to the first response body byte (the first token).
+    pub first_token: Histogram,
+    pub matched_tokens: ValueHistogram,
+    pub estimated_ttft: Histogram,
+    pub ttft_ratio: ValueHistogram,
+    pub decisions: [AtomicU64; 3],
+    pub spills: AtomicU64,
+    pub prompt_errors: [AtomicU64; 8],
+    /// Prompts a bound stopped, by `prompt::Bound` (`Bound::ALL` order).
+    pub prompt_truncated: [AtomicU64; 4],
+    pub replicas: Vec<ReplicaStats>,
+}
+
+pub const LOCAL_ERROR_CODES: [u16; 9] = [400, 401, 408, 413, 429, 431, 501, 503, 0];
+
+impl WorkerStats {
+    pub fn new(replicas: usize) -> WorkerStats {
+        WorkerStats {
+            accepted: AtomicU64::new(0),
+            open_connections: AtomicU64::new(0),
+            recv_throttled: AtomicU64::new(0),
+            spliced_bytes: AtomicU64::new(0),
+            body_memory_refused: AtomicU64::new(0),
+            recv_buffer_shortages: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            allocations: AtomicU64::new(0),
+            local_errors: Default::default(),
+            ttfb: Histogram::default(),
+            total: Histogram::default(),
+            first_token: Histogram::default(),
+            matched_tokens: ValueHistogram::new(&TOKEN_BUCKETS),
+            estimated_ttft: Histogram::default(),
+            ttft_ratio: ValueHistogram::new(&RATIO_BUCKETS),
+            decisions: Default::default(),
+            spills: AtomicU64::new(0),
+            prompt_errors: Default::default(),
+            prompt_truncated: Default::default(),
+            replicas: (0..replicas).map(|_| ReplicaStats::default()).collect(),
+        }
+    }
+
+    pub fn local_error(&self, status: u16) {
+        let i = LOCAL_ERROR_CODES
+            .iter()
+            .position(|c| *c == status)
+            .unwrap_or(LOCAL_ERROR_CODES.len() - 1);
+        add(&self.local_errors[i], 1);
+    }
+}
+
+/// One replica's load gauges, shared by every worker: requests in flight, prefill queued,
+/// decoding (what `least_loaded`, `power_of_two` and `cache_aware` read).
+#[repr(align(128))]
+#[derive(Default)]
+pub struct ReplicaGauges {
+    pub in_flight: AtomicU32,
+    /// Estimated prompt tokens routed here whose prefill has not finished (no first byte yet).
+    pub queued_prefill_tokens: AtomicU64,
+    /// Requests here past their first byte.
+    pub decoding: AtomicU32,
+}
