@@ -11,6 +11,9 @@
 # events fed back and a metrics scrape every second, as `kvlb serve` runs with telemetry),
 # and for offload_load_cost "host" (serve, plus a 400k-token host KV tier per replica).
 # Prints one line per (parameter, value, trace, setup); a value of "default" is the baseline.
+# The pseudo-parameter "seed" runs the defaults with other seeds (other random tie-breaks; for
+# the generators, other traces of the same shape): the spread of p99/default it shows is the
+# noise the other sweeps are read against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kvlb=${KVLB:-target/release/kvlb}
@@ -20,6 +23,7 @@ traces=(gen:agent-sessions gen:shared-prefix traces/mooncake_conversation_trace.
 
 # parameter: the values swept (the default is run once per trace and setup as the baseline).
 declare -A sweep=(
+    [seed]="2 3 4 5"
     [min_match_tokens]="0 64 1024 4096"
     [recompute_weight]="1 1.5 3 4"
     [backlog_weight]="0 0.05 0.3 1"
@@ -42,7 +46,7 @@ declare -A sweep=(
     [prefill_b_s]="0.000015 0.00006 0.00012"
     [decode_base_s]="0.002 0.004 0.016 0.032"
 )
-order=(min_match_tokens recompute_weight backlog_weight tie_epsilon_s hot_prefix_requests
+order=(seed min_match_tokens recompute_weight backlog_weight tie_epsilon_s hot_prefix_requests
        hot_window_s hot_spill_wait_s kv_evict_from kv_hit_keep_at_full offload_load_cost
        prefill_a_s prefill_b_s prefill_c_s chunk_tokens queued_context_tokens decode_base_s
        decode_per_seq_s decode_per_ctx_token_s context_tokens max_num_seqs mean_output_tokens)
@@ -86,7 +90,8 @@ for p in "${order[@]}"; do
             printf '%-24s %-12s %-18s %-7s %7s %7s %7s %6s\n' "$p" default "$short" "$setup" \
                 "$b50" "$b90" "$b99" "$bhit"
             for v in ${sweep[$p]}; do
-                read -r a50 a90 a99 ahit <<<"$(run "$trace" "$setup" --set "$p=$v")"
+                if [ "$p" = seed ]; then set_args=(--seed "$v"); else set_args=(--set "$p=$v"); fi
+                read -r a50 a90 a99 ahit <<<"$(run "$trace" "$setup" "${set_args[@]}")"
                 ratio=$(python3 -c "print('%.2f' % ($a99 / $b99 if $b99 > 0 else 0))")
                 printf '%-24s %-12s %-18s %-7s %7s %7s %7s %6s   %s\n' "$p" "$v" "$short" \
                     "$setup" "$a50" "$a90" "$a99" "$ahit" "$ratio"

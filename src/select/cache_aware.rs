@@ -24,6 +24,10 @@
 //! | `hot_window_s` | 10 | the hotness counts halve every this many seconds |
 //! | `hot_spill_wait_s` | 0.1 | a hot prefix's holder this much deeper than the shortest wait loses its hit |
 //!
+//! `kvlb serve` sets only the model's speed (`TtftModel::scaled`), `foreign_request_tokens` and
+//! `offload_load_cost`; the rest are fixed at these defaults, each by an ablation in `kvlb
+//! simulate --set` (docs/cost-model.md).
+//!
 //! **Anti-herding.** Left alone, a prefix shared by many requests (a system prompt, an agent's
 //! tool preamble) keeps its holder ahead until that holder's queue is as long as the whole
 //! saving, while other replicas idle. So each policy instance keeps a small decaying count of
