@@ -248,6 +248,31 @@ fn simulate_rejects_bad_input_with_a_message() {
             2,
             "unexpected argument '--bogus'",
         ),
+        (
+            vec!["--trace", "gen:agent-sessions", "--set", "speed=2"],
+            2,
+            "unknown parameter \"speed\"; known: min_match_tokens, recompute_weight",
+        ),
+        (
+            vec!["--trace", "gen:agent-sessions", "--set", "recompute_weight"],
+            2,
+            "expected NAME=X",
+        ),
+        (
+            vec!["--trace", "gen:agent-sessions", "--set", "chunk_tokens=1.5"],
+            1,
+            "chunk_tokens takes a whole number, got 1.5",
+        ),
+        (
+            vec![
+                "--trace",
+                "gen:agent-sessions",
+                "--set",
+                "recompute_weight=0.5",
+            ],
+            1,
+            "recompute_weight must be a finite number >= 1, got 0.5",
+        ),
     ];
     for (args, code, message) in cases {
         let out = kvlb(&args);
@@ -259,4 +284,38 @@ fn simulate_rejects_bad_input_with_a_message() {
     let help = kvlb(&["--help"]);
     assert!(help.status.success());
     assert!(String::from_utf8_lossy(&help.stdout).contains("--speedup"));
+}
+
+/// `--set` changes cache_aware's parameters (and only cache_aware's), `--scrape-interval`
+/// feeds it the engines' queue and KV usage; without them the results are the defaults'.
+#[test]
+fn simulate_set_and_scrape_change_cache_aware_only() {
+    let base = [
+        "--trace",
+        "gen:shared-prefix",
+        "--limit",
+        "600",
+        "--policies",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.push("cache_aware,least_loaded");
+        args.extend_from_slice(extra);
+        json(&args).0
+    };
+    let plain = run(&[]);
+    // Every hit ignored: cache_aware routes by load alone, and finds fewer of its prefixes.
+    let no_hits = run(&["--set", "min_match_tokens=1000000"]);
+    assert!(
+        num(&no_hits[0], "hit_rate") < num(&plain[0], "hit_rate") - 0.05,
+        "{} vs {}",
+        no_hits[0],
+        plain[0]
+    );
+    assert_eq!(no_hits[1], plain[1], "least_loaded has no parameters");
+    // The default value given explicitly changes nothing.
+    assert_eq!(run(&["--set", "recompute_weight=2"]), plain);
+    let scraped = run(&["--scrape-interval", "0.5"]);
+    check_summary(&scraped[0], 600, 4);
+    assert_eq!(scraped[1], plain[1]);
 }

@@ -218,26 +218,18 @@ pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 400_000;
 /// usually several times the GPU's KV cache); the engine's own BlockRemoved events do the rest.
 pub const DEFAULT_OFFLOAD_CAPACITY_FACTOR: u64 = 8;
 
-/// The cost model of `cache_aware` (see `estimate` and `select::cache_aware`).
+/// What an operator sets of `cache_aware`'s cost model (see `estimate` and
+/// `select::cache_aware`); docs/cost-model.md says why the policy's other parameters are fixed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostModel {
-    pub prefill_a_s: f64,
-    pub prefill_b_s: f64,
-    pub prefill_c_s: f64,
-    pub decode_base_s: f64,
-    pub decode_per_seq_s: f64,
-    pub decode_per_ctx_token_s: f64,
-    pub min_match_tokens: u32,
-    pub recompute_weight: f64,
-    /// Extra weight of a request's own prefill per request waiting for its first token (fleet
-    /// average beyond one): a backlogged fleet values hits more.
-    pub backlog_weight: f64,
+    /// Prefill seconds per prompt token; the model's fixed and quadratic prefill terms scale
+    /// with it.
+    pub prefill_s_per_token: f64,
+    /// Seconds of one decode step of a small batch; the per-sequence and per-context-token
+    /// decode terms scale with it.
+    pub decode_step_s: f64,
     /// Prompt tokens a queued request this kvlb did not send stands for (scraped `waiting`).
     pub foreign_request_tokens: u32,
-    /// KV usage from which a replica's cache hits count for less (it is evicting).
-    pub kv_evict_from: f64,
-    /// The share of a hit that still counts at 100% KV usage.
-    pub kv_hit_keep_at_full: f64,
     /// Loading a prefix back from an offloaded tier (CPU, disk) costs this fraction of
     /// recomputing it (0..=1).
     pub offload_load_cost: f64,
@@ -245,48 +237,26 @@ pub struct CostModel {
 
 impl Default for CostModel {
     fn default() -> CostModel {
-        let e = crate::engine::EngineConfig::default();
         let p = crate::select::CacheAwareConfig::default();
         CostModel {
-            prefill_a_s: e.prefill_a_s,
-            prefill_b_s: e.prefill_b_s,
-            prefill_c_s: e.prefill_c_s,
-            decode_base_s: e.decode_base_s,
-            decode_per_seq_s: e.decode_per_seq_s,
-            decode_per_ctx_token_s: e.decode_per_ctx_token_s,
-            min_match_tokens: p.min_match_tokens,
-            recompute_weight: p.recompute_weight,
-            backlog_weight: p.backlog_weight,
+            prefill_s_per_token: p.model.prefill.b,
+            decode_step_s: p.model.decode.base,
             foreign_request_tokens: p.foreign_request_tokens,
-            kv_evict_from: p.kv_evict_from,
-            kv_hit_keep_at_full: p.kv_hit_keep_at_full,
             offload_load_cost: p.offload_load_cost,
         }
     }
 }
 
 impl CostModel {
-    /// The policy configuration these knobs describe.
+    /// The policy configuration these settings describe: the policy's defaults with the
+    /// replicas' speed and the two figures above.
     pub fn policy_config(&self) -> crate::select::CacheAwareConfig {
-        let e = crate::engine::EngineConfig {
-            prefill_a_s: self.prefill_a_s,
-            prefill_b_s: self.prefill_b_s,
-            prefill_c_s: self.prefill_c_s,
-            decode_base_s: self.decode_base_s,
-            decode_per_seq_s: self.decode_per_seq_s,
-            decode_per_ctx_token_s: self.decode_per_ctx_token_s,
-            ..Default::default()
-        };
+        let p = crate::select::CacheAwareConfig::default();
         crate::select::CacheAwareConfig {
-            model: crate::estimate::TtftModel::from_engine(&e),
-            min_match_tokens: self.min_match_tokens,
-            recompute_weight: self.recompute_weight,
-            backlog_weight: self.backlog_weight,
+            model: p.model.scaled(self.prefill_s_per_token, self.decode_step_s),
             foreign_request_tokens: self.foreign_request_tokens,
-            kv_evict_from: self.kv_evict_from,
-            kv_hit_keep_at_full: self.kv_hit_keep_at_full,
             offload_load_cost: self.offload_load_cost,
-            ..Default::default()
+            ..p
         }
     }
 }

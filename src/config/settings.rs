@@ -6,8 +6,7 @@
 
 use super::values::{
     one_or_many, Addr, Cores, DnsServer, DnsSource, Dur, DurOrOff, Fraction, ListenerTable,
-    NonNegative, OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch,
-    UrlPath, Weight, Whole,
+    OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch, UrlPath, Whole,
 };
 use super::{
     bad, check_admin_token, load_token_mode, ApiKeys, ConfigError, L4Forwarding, ListenerMode,
@@ -291,66 +290,35 @@ pub struct ServeSettings {
     pub cost_model: CostSettings,
 }
 
-/// `[cost_model]`: the timing of the replicas and how cache_aware weighs a hit.
+/// `[cost_model]`: how fast the replicas are, and two figures only the operator knows. The
+/// policy's other parameters are fixed (docs/cost-model.md: what each does and the ablation
+/// that fixed it).
 #[derive(clap::Args, Deserialize, Default, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CostSettings {
-    /// Shorter prefix matches count as none (default: 256).
-    #[arg(long, value_name = "N")]
-    pub min_match_tokens: Option<Whole<0, { u32::MAX as u64 }>>,
+    /// Prefill seconds per prompt token of one replica; set it when the replicas are not an 8B
+    /// model on one H100: a prompt's prefill time over its tokens at low load, e.g. from
+    /// vLLM's vllm:request_prefill_time_seconds (default: 0.00003).
+    #[arg(long, value_name = "SECONDS")]
+    pub prefill_s_per_token: Option<Seconds>,
 
-    /// Weight of a request's prefill against queueing; 1 = plain TTFT (default: 2).
-    #[arg(long, value_name = "X")]
-    pub recompute_weight: Option<Weight>,
+    /// Seconds of one decode step of a small batch (a lone request's inter-token latency); set
+    /// it with prefill_s_per_token, e.g. from vllm:inter_token_latency_seconds at low load
+    /// (default: 0.008).
+    #[arg(long, value_name = "SECONDS")]
+    pub decode_step_s: Option<Seconds>,
 
-    /// Added to recompute_weight per request waiting for its first token beyond one (fleet
-    /// average): a backlogged fleet follows the cache harder; 0: off (default: 0.1).
-    #[arg(long, value_name = "X")]
-    pub backlog_weight: Option<NonNegative>,
-
-    /// Prompt tokens a queued request another sender put on a replica stands for (from its
-    /// /metrics) (default: 1024).
+    /// Prompt tokens a queued request another sender put on a replica stands for (seen in its
+    /// /metrics); set it to the mean prompt length of that traffic when several kvlb
+    /// instances or other clients share the fleet (default: 1024).
     #[arg(long, value_name = "N")]
     pub foreign_request_tokens: Option<Whole<0, { u32::MAX as u64 }>>,
 
-    /// KV usage from which a replica's cache hits count for less, 0 to 1 (default: 0.9).
-    #[arg(long, value_name = "F")]
-    pub kv_evict_from: Option<Fraction>,
-
-    /// Share of a hit that still counts at 100% KV usage, 0 to 1 (default: 0.5).
-    #[arg(long, value_name = "F")]
-    pub kv_hit_keep_at_full: Option<Fraction>,
-
     /// Loading a prefix back from an offloaded tier (CPU, disk) as a fraction of recomputing
-    /// it: 0 = as good as a GPU hit, 1 = no hit (default: 0.25).
+    /// it: 0 = as good as a GPU hit, 1 = no hit; set it when replicas offload KV blocks, to
+    /// the tier's load time over the prefill time of the same tokens (default: 0.25).
     #[arg(long, value_name = "F")]
     pub offload_load_cost: Option<Fraction>,
-
-    /// Prefill time of a request: a + b x tokens + c x tokens^2, seconds (default: 0.008,
-    /// an 8B model on one H100).
-    #[arg(long, value_name = "SECONDS")]
-    pub prefill_a_s: Option<Seconds>,
-
-    /// Per prompt token (default: 0.00003).
-    #[arg(long, value_name = "SECONDS")]
-    pub prefill_b_s: Option<Seconds>,
-
-    /// Per prompt token squared (default: 0.000000001).
-    #[arg(long, value_name = "SECONDS")]
-    pub prefill_c_s: Option<Seconds>,
-
-    /// Decode step time: base + per sequence x running + per context token x their tokens,
-    /// seconds (default: 0.008).
-    #[arg(long, value_name = "SECONDS")]
-    pub decode_base_s: Option<Seconds>,
-
-    /// Per running sequence (default: 0.00003).
-    #[arg(long, value_name = "SECONDS")]
-    pub decode_per_seq_s: Option<Seconds>,
-
-    /// Per context token of the running sequences (default: 0.00000005).
-    #[arg(long, value_name = "SECONDS")]
-    pub decode_per_ctx_token_s: Option<Seconds>,
 }
 
 /// Settings whose key exists only in the file (`#[arg(skip)]` above): their doc, for the
@@ -595,43 +563,19 @@ impl ServeSettings {
             max_prompt_tokens.map(|v| v.0 as usize),
         );
         let CostSettings {
-            min_match_tokens,
-            recompute_weight,
-            backlog_weight,
+            prefill_s_per_token,
+            decode_step_s,
             foreign_request_tokens,
-            kv_evict_from,
-            kv_hit_keep_at_full,
             offload_load_cost,
-            prefill_a_s,
-            prefill_b_s,
-            prefill_c_s,
-            decode_base_s,
-            decode_per_seq_s,
-            decode_per_ctx_token_s,
         } = cost_model;
         let m = &mut cfg.cost_model;
-        set(
-            &mut m.min_match_tokens,
-            min_match_tokens.map(|v| v.0 as u32),
-        );
-        set(&mut m.recompute_weight, recompute_weight.map(|v| v.0));
-        set(&mut m.backlog_weight, backlog_weight.map(|v| v.0));
+        set(&mut m.prefill_s_per_token, prefill_s_per_token.map(|v| v.0));
+        set(&mut m.decode_step_s, decode_step_s.map(|v| v.0));
         set(
             &mut m.foreign_request_tokens,
             foreign_request_tokens.map(|v| v.0 as u32),
         );
-        set(&mut m.kv_evict_from, kv_evict_from.map(|v| v.0));
-        set(&mut m.kv_hit_keep_at_full, kv_hit_keep_at_full.map(|v| v.0));
         set(&mut m.offload_load_cost, offload_load_cost.map(|v| v.0));
-        set(&mut m.prefill_a_s, prefill_a_s.map(|v| v.0));
-        set(&mut m.prefill_b_s, prefill_b_s.map(|v| v.0));
-        set(&mut m.prefill_c_s, prefill_c_s.map(|v| v.0));
-        set(&mut m.decode_base_s, decode_base_s.map(|v| v.0));
-        set(&mut m.decode_per_seq_s, decode_per_seq_s.map(|v| v.0));
-        set(
-            &mut m.decode_per_ctx_token_s,
-            decode_per_ctx_token_s.map(|v| v.0),
-        );
         Ok(())
     }
 }

@@ -72,8 +72,6 @@ deserialize_from_text!(
     Size,
     SizeOrOff,
     Seconds,
-    Weight,
-    NonNegative,
     Fraction,
     Switch,
     Cores,
@@ -193,18 +191,6 @@ real!(
     Seconds,
     |x| x >= 0.0,
     "expected seconds >= 0, e.g. 0.0000335"
-);
-real!(
-    /// A weight > 0.
-    Weight,
-    |x| x > 0.0,
-    "expected a number > 0 (1 = plain TTFT)"
-);
-real!(
-    /// A number >= 0.
-    NonNegative,
-    |x| x >= 0.0,
-    "expected a number >= 0 (0 = off)"
 );
 real!(
     /// A fraction from 0 to 1.

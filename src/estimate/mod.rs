@@ -153,6 +153,32 @@ impl TtftModel {
         }
     }
 
+    /// This model for replicas whose prefill takes `prefill_s_per_token` a token and whose
+    /// small-batch decode step takes `decode_step_s`: the prefill terms scale together with
+    /// the per-token one and the decode terms with the step (a GPU k times slower is k times
+    /// slower in each term); the token counts stay.
+    pub fn scaled(self, prefill_s_per_token: f64, decode_step_s: f64) -> TtftModel {
+        let ratio = |new: f64, old: f64| if old > 0.0 { new / old } else { 1.0 };
+        let (kp, kd) = (
+            ratio(prefill_s_per_token, self.prefill.b),
+            ratio(decode_step_s, self.decode.base),
+        );
+        TtftModel {
+            prefill: PrefillModel {
+                a: self.prefill.a * kp,
+                b: prefill_s_per_token,
+                c: self.prefill.c * kp,
+                ..self.prefill
+            },
+            decode: DecodeModel {
+                base: decode_step_s,
+                per_seq: self.decode.per_seq * kd,
+                per_ctx_token: self.decode.per_ctx_token * kd,
+                ..self.decode
+            },
+        }
+    }
+
     /// Check the knobs; the error names the knob and its bad value.
     pub fn validate(&self) -> Result<(), String> {
         let seconds = [

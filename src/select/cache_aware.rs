@@ -24,6 +24,10 @@
 //! | `hot_window_s` | 10 | the hotness counts halve every this many seconds |
 //! | `hot_spill_wait_s` | 0.1 | a hot prefix's holder this much deeper than the shortest wait loses its hit |
 //!
+//! `kvlb serve` sets only the model's speed (`TtftModel::scaled`), `foreign_request_tokens` and
+//! `offload_load_cost`; the rest are fixed at these defaults, each by an ablation in `kvlb
+//! simulate --set` (docs/cost-model.md).
+//!
 //! **Anti-herding.** Left alone, a prefix shared by many requests (a system prompt, an agent's
 //! tool preamble) keeps its holder ahead until that holder's queue is as long as the whole
 //! saving, while other replicas idle. So each policy instance keeps a small decaying count of
@@ -216,6 +220,80 @@ impl CacheAwareConfig {
             return Err("cache_aware hot_window_s must be > 0, got 0".into());
         }
         Ok(())
+    }
+}
+
+/// Every parameter of the policy and of its TTFT model by name: `kvlb simulate --set NAME=X`
+/// changes any of them for an ablation, while `kvlb serve` exposes only the few an operator
+/// sets (docs/cost-model.md says which and why the rest are fixed).
+pub const PARAMETERS: &[&str] = &[
+    "min_match_tokens",
+    "recompute_weight",
+    "backlog_weight",
+    "tie_epsilon_s",
+    "hot_prefix_requests",
+    "hot_window_s",
+    "hot_spill_wait_s",
+    "foreign_request_tokens",
+    "kv_evict_from",
+    "kv_hit_keep_at_full",
+    "offload_load_cost",
+    "prefill_a_s",
+    "prefill_b_s",
+    "prefill_c_s",
+    "chunk_tokens",
+    "queued_context_tokens",
+    "decode_base_s",
+    "decode_per_seq_s",
+    "decode_per_ctx_token_s",
+    "context_tokens",
+    "max_num_seqs",
+    "mean_output_tokens",
+];
+
+impl CacheAwareConfig {
+    /// Set the parameter `name` (one of [`PARAMETERS`]) to `v`, then check the whole
+    /// configuration; whole-number parameters take a whole `v`.
+    pub fn set(&mut self, name: &str, v: f64) -> Result<(), String> {
+        let whole = |v: f64| -> Result<u32, String> {
+            if v.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&v) {
+                Ok(v as u32)
+            } else {
+                Err(format!("{name} takes a whole number, got {v}"))
+            }
+        };
+        let m = &mut self.model;
+        match name {
+            "min_match_tokens" => self.min_match_tokens = whole(v)?,
+            "recompute_weight" => self.recompute_weight = v,
+            "backlog_weight" => self.backlog_weight = v,
+            "tie_epsilon_s" => self.tie_epsilon_s = v,
+            "hot_prefix_requests" => self.hot_prefix_requests = whole(v)?,
+            "hot_window_s" => self.hot_window_s = v,
+            "hot_spill_wait_s" => self.hot_spill_wait_s = v,
+            "foreign_request_tokens" => self.foreign_request_tokens = whole(v)?,
+            "kv_evict_from" => self.kv_evict_from = v,
+            "kv_hit_keep_at_full" => self.kv_hit_keep_at_full = v,
+            "offload_load_cost" => self.offload_load_cost = v,
+            "prefill_a_s" => m.prefill.a = v,
+            "prefill_b_s" => m.prefill.b = v,
+            "prefill_c_s" => m.prefill.c = v,
+            "chunk_tokens" => m.prefill.chunk_tokens = whole(v)?,
+            "queued_context_tokens" => m.prefill.queued_context_tokens = whole(v)?,
+            "decode_base_s" => m.decode.base = v,
+            "decode_per_seq_s" => m.decode.per_seq = v,
+            "decode_per_ctx_token_s" => m.decode.per_ctx_token = v,
+            "context_tokens" => m.decode.context_tokens = whole(v)?,
+            "max_num_seqs" => m.decode.max_num_seqs = whole(v)?,
+            "mean_output_tokens" => m.decode.mean_output_tokens = whole(v)?,
+            _ => {
+                return Err(format!(
+                    "unknown parameter {name:?}; known: {}",
+                    PARAMETERS.join(", ")
+                ))
+            }
+        }
+        self.validate()
     }
 }
 

@@ -5,7 +5,7 @@
 
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-mod cache_aware;
+pub mod cache_aware;
 mod consistent_hash;
 mod least_loaded;
 mod power_of_two;

@@ -37,7 +37,7 @@
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
-use crate::estimate::TtftModel;
+use crate::estimate::{ReportedLoad, TtftModel};
 use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
 use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
@@ -129,6 +129,9 @@ pub struct RoutingPolicy {
     hashes: Vec<u64>,
     views: Vec<u64>,
     guess_ttl_us: u64,
+    /// Seconds between the scrapes of the engines' queue and KV usage fed to the policy as
+    /// `Candidate::reported` (what `kvlb serve` reads from a replica's /metrics); 0: none.
+    scrape_interval_s: f64,
 }
 
 impl RoutingPolicy {
@@ -137,6 +140,17 @@ impl RoutingPolicy {
         name: &str,
         replicas: usize,
         engine: &EngineConfig,
+    ) -> Result<RoutingPolicy, String> {
+        RoutingPolicy::build_with(name, replicas, engine, &[])
+    }
+
+    /// As `build`, with `cache_aware`'s parameters in `set` (name, value; see
+    /// `select::cache_aware::PARAMETERS`) changed after its defaults; other policies have none.
+    pub fn build_with(
+        name: &str,
+        replicas: usize,
+        engine: &EngineConfig,
+        set: &[(String, f64)],
     ) -> Result<RoutingPolicy, String> {
         let mut residency = None;
         let mut offload = None;
@@ -167,6 +181,10 @@ impl RoutingPolicy {
                     },
                     ..CacheAwareConfig::default()
                 };
+                let mut cfg = cfg;
+                for (k, v) in set {
+                    cfg.set(k, *v)?;
+                }
                 residency = Some(writer);
                 let mut policy = CacheAware::new(index, cfg)?.with_routing_log(log);
                 if engine.host_kv_capacity_tokens > 0 {
@@ -210,7 +228,14 @@ impl RoutingPolicy {
             guess_ttl_us: crate::config::TelemetryConfig::default()
                 .routed_guess_ttl
                 .as_micros() as u64,
+            scrape_interval_s: 0.0,
         }
+    }
+
+    /// Feed the policy each engine's queue and KV usage as scraped every `seconds` (0: never).
+    pub fn scrape_every(mut self, seconds: f64) -> RoutingPolicy {
+        self.scrape_interval_s = seconds.max(0.0);
+        self
     }
 
     /// Learn residency from `source` (policies without a residency index ignore it).
@@ -460,6 +485,8 @@ pub fn simulate(
     let mut next_sample = 0.0f64;
     let mut next_arrival = 0usize;
     let mut now = 0.0f64;
+    let mut reported = vec![ReportedLoad::default(); replicas];
+    let mut next_scrape = 0.0f64;
     let mut stalled = 0u32;
 
     loop {
@@ -525,6 +552,24 @@ pub fn simulate(
             _ => {
                 let k = next_arrival;
                 next_arrival += 1;
+                let interval = policy.scrape_interval_s;
+                if interval > 0.0 && next_scrape <= t {
+                    for (r, e) in engines.iter().enumerate() {
+                        let s = e.stats();
+                        reported[r] = ReportedLoad::from_scrape(
+                            s.num_requests_waiting as u64,
+                            s.num_requests_running as u64,
+                            Some(s.kv_cache_usage),
+                            loads[r].in_flight as u64,
+                            loads[r].decoding as u64,
+                            (t * 1e3) as u64,
+                            (interval * 1e3) as u64,
+                        );
+                    }
+                    while next_scrape <= t {
+                        next_scrape += interval;
+                    }
+                }
                 let req = &trace.requests[k];
                 view_blocks.clear();
                 view_blocks.extend(req.block_ids.iter().map(|&id| trace::view_block(id)));
@@ -543,7 +588,7 @@ pub fn simulate(
                     in_flight: l.in_flight,
                     queued_prefill_tokens: l.queued_prefill_tokens,
                     decoding: l.decoding,
-                    ..Default::default()
+                    reported: reported[r],
                 }));
                 let pick = policy.select(&view, &candidates, rng.next_u64());
                 let r = candidates[pick.min(replicas - 1)].replica;

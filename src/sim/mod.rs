@@ -101,6 +101,33 @@ pub struct Options {
     #[arg(long, value_name = "X", default_value_t = EngineConfig::default().host_load_s_per_token,
           value_parser = crate::cli::non_negative)]
     pub host_load_s_per_token: f64,
+    /// Set a cache_aware parameter, for ablations (repeatable; docs/cost-model.md lists the
+    /// names, most of them fixed in `kvlb serve`; an unknown name's error lists them too)
+    #[arg(long = "set", value_name = "NAME=X", value_parser = parameter)]
+    pub set: Vec<(String, f64)>,
+    /// Feed cache_aware each engine's queue and KV usage as a metrics scrape every X seconds
+    /// would (0: never, the policy sees only its own counts)
+    #[arg(long, value_name = "X", default_value_t = 0.0, value_parser = crate::cli::non_negative)]
+    pub scrape_interval: f64,
+}
+
+/// `--set NAME=X`: a known cache_aware parameter and a number.
+fn parameter(v: &str) -> Result<(String, f64), String> {
+    let (name, x) = v
+        .split_once('=')
+        .ok_or_else(|| "expected NAME=X".to_string())?;
+    if !crate::select::cache_aware::PARAMETERS.contains(&name) {
+        return Err(format!(
+            "unknown parameter {name:?}; known: {}",
+            crate::select::cache_aware::PARAMETERS.join(", ")
+        ));
+    }
+    let x: f64 = x
+        .parse()
+        .ok()
+        .filter(|x: &f64| x.is_finite())
+        .ok_or_else(|| format!("{name}: expected a number, got {x:?}"))?;
+    Ok((name.to_string(), x))
 }
 
 fn policy_list(v: &str) -> Result<PolicyList, String> {
@@ -183,8 +210,9 @@ pub fn run(o: &Options) -> Result<Runs, String> {
     let mut host_hit_rates = Vec::new();
     for name in &o.policies {
         let started = Instant::now();
-        let mut policy =
-            fleet::RoutingPolicy::build(name, o.replicas, &engine)?.learn_from(o.residency);
+        let mut policy = fleet::RoutingPolicy::build_with(name, o.replicas, &engine, &o.set)?
+            .learn_from(o.residency)
+            .scrape_every(o.scrape_interval);
         let run = fleet::simulate(&t, o.replicas, &engine, &mut policy, o.seed)?;
         eprintln!(
             "kvlb simulate: {name}: {} requests in {:.2} s wall",

@@ -855,3 +855,32 @@ fn an_empty_offloaded_tier_changes_nothing() {
     let e = CacheAware::new(fleet(1).0, bad).err().unwrap();
     assert!(e.contains("offload_load_cost"), "{e}");
 }
+
+/// `set` reaches every parameter by its name, each a field of its own, and checks the result.
+#[test]
+fn every_parameter_is_settable_by_name() {
+    use crate::select::cache_aware::PARAMETERS;
+    let d = CacheAwareConfig::default();
+    let mut seen = Vec::new();
+    for name in PARAMETERS {
+        let mut c = d;
+        c.set(name, 1.0).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_ne!(c, d, "{name} set to 1 changed nothing");
+        assert!(!seen.contains(&c), "{name} sets the same field as another");
+        seen.push(c);
+    }
+    assert_eq!(seen.len(), 22);
+    let mut c = d;
+    assert!(c
+        .set("chunk_tokens", 2.5)
+        .unwrap_err()
+        .contains("whole number"));
+    assert!(c
+        .set("kv_evict_from", 2.0)
+        .unwrap_err()
+        .contains("kv_evict_from"));
+    assert!(c
+        .set("speed", 1.0)
+        .unwrap_err()
+        .contains("unknown parameter"));
+}
