@@ -10,46 +10,11 @@ mod values;
 
 pub use settings::{apply_toml, from_args, load_file, reference_markdown, ServeSettings};
 
+/// The policy names live with the policies (`select`), which config builds.
+pub use crate::select::PolicyName;
+
 #[cfg(test)]
 mod tests;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PolicyName {
-    CacheAware,
-    ConsistentHash,
-    Random,
-    RoundRobin,
-    LeastLoaded,
-    PowerOfTwo,
-}
-
-impl PolicyName {
-    pub const NAMES: &'static str =
-        "cache_aware, round_robin, least_loaded, power_of_two, consistent_hash, random";
-
-    pub fn parse(s: &str) -> Option<PolicyName> {
-        match s {
-            "cache_aware" => Some(PolicyName::CacheAware),
-            "consistent_hash" => Some(PolicyName::ConsistentHash),
-            "random" => Some(PolicyName::Random),
-            "round_robin" => Some(PolicyName::RoundRobin),
-            "least_loaded" => Some(PolicyName::LeastLoaded),
-            "power_of_two" => Some(PolicyName::PowerOfTwo),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PolicyName::CacheAware => "cache_aware",
-            PolicyName::ConsistentHash => "consistent_hash",
-            PolicyName::Random => "random",
-            PolicyName::RoundRobin => "round_robin",
-            PolicyName::LeastLoaded => "least_loaded",
-            PolicyName::PowerOfTwo => "power_of_two",
-        }
-    }
-}
 
 /// How a listener treats its connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,7 +139,7 @@ impl Default for TelemetryConfig {
         TelemetryConfig {
             metrics_interval: Duration::from_secs(1),
             stale_after: Duration::from_secs(30),
-            routed_guess_ttl: Duration::from_secs(120),
+            routed_guess_ttl: crate::residency::DEFAULT_ROUTED_GUESS_TTL,
             routed_pending_ttl: Duration::ZERO,
         }
     }
@@ -245,7 +210,7 @@ pub struct CostModel {
 
 impl Default for CostModel {
     fn default() -> CostModel {
-        let e = crate::engine::EngineConfig::default();
+        let e = crate::estimate::EngineTiming::default();
         let p = crate::select::CacheAwareConfig::default();
         CostModel {
             prefill_a_s: e.prefill_a_s,
@@ -268,7 +233,7 @@ impl Default for CostModel {
 impl CostModel {
     /// The policy configuration these knobs describe.
     pub fn policy_config(&self) -> crate::select::CacheAwareConfig {
-        let e = crate::engine::EngineConfig {
+        let e = crate::estimate::EngineTiming {
             prefill_a_s: self.prefill_a_s,
             prefill_b_s: self.prefill_b_s,
             prefill_c_s: self.prefill_c_s,

@@ -67,11 +67,11 @@ fn policy_list(v: &str) -> Result<PolicyList, String> {
     let list: Vec<String> = v.split(',').map(|s| s.trim().to_string()).collect();
     if let Some(bad) = list
         .iter()
-        .find(|p| crate::config::PolicyName::parse(p).is_none())
+        .find(|p| crate::select::PolicyName::parse(p).is_none())
     {
         return Err(format!(
             "unknown policy {bad:?}; one of {}",
-            crate::config::PolicyName::NAMES
+            crate::select::PolicyName::NAMES
         ));
     }
     Ok(list)

@@ -2,7 +2,7 @@
 //! crate) and the model's chat template (`tokenizer_config.json`, rendered with minijinja) turn
 //! a chat or text completions request into the token ids the engine will prefill, so kvlb's
 //! block hashes of the request equal the hashes it computes from the replicas' KV events
-//! (`BlockStored` token ids, [`crate::prefix::token_block_hashes`]).
+//! (`BlockStored` token ids, [`prefix::token_block_hashes`]).
 //!
 //! # What the engine does, and what this module does
 //! vLLM and SGLang render `messages` with the chat template (`add_generation_prompt`, `tools`,
@@ -42,8 +42,9 @@ pub mod fixture;
 #[cfg(test)]
 mod tests;
 
-use crate::lru::LruList;
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use kvlb_core::lru::LruList;
+use kvlb_core::prefix;
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use std::collections::HashMap;
@@ -416,7 +417,7 @@ impl ChatTokenizer {
 
     /// The request's prompt ids into `out` (cleared first), through `cache`. `Ok(false)`: this
     /// is not a request token mode handles (another path, or a completions `prompt` already
-    /// given as token ids, which [`crate::prefix::hash_request`] hashes as it is).
+    /// given as token ids, which [`prefix::hash_request`] hashes as it is).
     pub fn request_tokens(
         &self,
         path: &[u8],
@@ -1031,19 +1032,13 @@ impl SegmentCache {
 }
 
 /// Fills `out` with the token-mode hashes of `tokens` under `cfg`, as
-/// [`crate::prefix::hash_request`] does for a prompt given as token ids.
-pub fn fill_prefix(
-    tokens: &[u32],
-    cfg: &crate::prefix::PrefixConfig,
-    out: &mut crate::prefix::PrefixHashes,
-) {
+/// [`prefix::hash_request`] does for a prompt given as token ids.
+pub fn fill_prefix(tokens: &[u32], cfg: &prefix::PrefixConfig, out: &mut prefix::PrefixHashes) {
     out.clear();
-    let block = cfg
-        .token_block_size
-        .clamp(1, crate::prefix::MAX_TOKEN_BLOCK) as usize;
+    let block = cfg.token_block_size.clamp(1, prefix::MAX_TOKEN_BLOCK) as usize;
     let hashed = tokens.len().min(cfg.max_blocks.saturating_mul(block));
-    crate::prefix::token_block_hashes(&tokens[..hashed], block, &mut out.hashes);
-    out.mode = crate::prefix::PrefixMode::Tokens;
+    prefix::token_block_hashes(&tokens[..hashed], block, &mut out.hashes);
+    out.mode = prefix::PrefixMode::Tokens;
     out.block_units = block as u32;
     out.total_units = tokens.len();
     out.est_prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);

@@ -272,13 +272,13 @@ fn fill_prefix_matches_kv_event_hashes() {
     let t = chatml();
     let body = br#"{"messages": [{"role": "system", "content": "You are a helpful assistant. Tell me a story about a cat who learned to code in Rust."}, {"role": "user", "content": "The quick brown fox"}]}"#;
     let ids = t.chat_tokens_whole(body).unwrap();
-    let cfg = crate::prefix::PrefixConfig::default();
-    let mut out = crate::prefix::PrefixHashes::new(&cfg);
+    let cfg = kvlb_core::prefix::PrefixConfig::default();
+    let mut out = kvlb_core::prefix::PrefixHashes::new(&cfg);
     fill_prefix(&ids, &cfg, &mut out);
     let mut from_events = Vec::new();
-    crate::prefix::token_block_hashes(&ids, 16, &mut from_events);
+    kvlb_core::prefix::token_block_hashes(&ids, 16, &mut from_events);
     assert!(!from_events.is_empty());
     assert_eq!(out.hashes, from_events);
     assert_eq!(out.total_units, ids.len());
-    assert_eq!(out.mode, crate::prefix::PrefixMode::Tokens);
+    assert_eq!(out.mode, kvlb_core::prefix::PrefixMode::Tokens);
 }

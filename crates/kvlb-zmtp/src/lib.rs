@@ -12,9 +12,15 @@
 //! peer on its own threads; clients (`SubClient`, `DealerClient`) are blocking with read timeouts,
 //! and reconnecting is the caller's business.
 
+#![deny(unsafe_code)]
+
 mod client;
 mod pub_server;
+pub mod publisher;
 mod router;
+// Two libc calls on the socket's file descriptor (a non-blocking recv, poll): the one module
+// here that may use unsafe.
+#[allow(unsafe_code)]
 pub mod wire;
 
 pub use client::{DealerClient, SubClient};

@@ -4,8 +4,8 @@
 //! Also the balancer's side of replay, `replay`, which reads both the vLLM 0.33 / SGLang layout
 //! and the older vLLM one.
 
-use super::{decode_batch, encode_batch, EventFormat, KvEventBatch};
-use crate::zmtp::{DealerClient, Message, PubServer, RouterServer};
+use crate::{DealerClient, Message, PubServer, RouterServer};
+use kvlb_core::kv_events::{decode_batch, encode_batch, EventFormat, KvEventBatch};
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
@@ -202,8 +202,8 @@ pub fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::{KvEvent, Medium};
-    use crate::zmtp::SubClient;
+    use crate::SubClient;
+    use kvlb_core::kv_events::{KvEvent, Medium};
 
     const T: Duration = Duration::from_secs(5);
 

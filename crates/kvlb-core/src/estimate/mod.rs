@@ -42,7 +42,7 @@
 //! slot. With `excess = in_flight + 1 - max_num_seqs > 0`, it waits about
 //! `excess / max_num_seqs * mean_output_tokens` decode steps.
 //!
-//! # Knobs (defaults: the simulated engine's 8B-on-H100 calibration, `EngineConfig::default`)
+//! # Knobs (defaults: the 8B-on-H100 `calibration`, which the simulated engine runs with)
 //!
 //! | knob | default | meaning |
 //! |---|---|---|
@@ -58,19 +58,63 @@
 //! | `DecodeModel::max_num_seqs` | 256 | running sequences per replica (`max_num_seqs`) |
 //! | `DecodeModel::mean_output_tokens` | 256 | decode steps a running sequence still needs |
 //!
-//! `TtftModel::from_engine` derives all of them from an `EngineConfig`, so the simulator and
+//! `TtftModel::from_engine` derives all of them from an engine's `EngineTiming`, so the simulator and
 //! the balancer agree by construction; real fleets override them from measurements.
 //!
 //! `reported` adds what the replicas say of themselves (scraped queue and KV usage) to the
 //! load kvlb counts, so several kvlb instances in front of one fleet see each other's work.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 pub mod reported;
 
 pub use reported::ReportedLoad;
 
-use crate::engine::EngineConfig;
+/// The calibration the defaults come from: an 8B model on one H100 (vLLM, chunked prefill).
+/// The simulated engine (`kvlb-sim`'s `EngineConfig::default`) runs with these same numbers, so
+/// the simulator and the balancer agree by construction.
+pub mod calibration {
+    pub const PREFILL_A_S: f64 = 0.008;
+    pub const PREFILL_B_S: f64 = 3.0e-5;
+    pub const PREFILL_C_S: f64 = 1.0e-9;
+    pub const DECODE_BASE_S: f64 = 0.008;
+    pub const DECODE_PER_SEQ_S: f64 = 3.0e-5;
+    pub const DECODE_PER_CTX_TOKEN_S: f64 = 5.0e-8;
+    /// vLLM `max_num_seqs`.
+    pub const MAX_NUM_SEQS: u32 = 256;
+    /// vLLM `max_num_batched_tokens`.
+    pub const MAX_NUM_BATCHED_TOKENS: u32 = 8192;
+}
+
+/// An engine's step timing, the terms of `EngineConfig` the model is built from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineTiming {
+    pub prefill_a_s: f64,
+    pub prefill_b_s: f64,
+    pub prefill_c_s: f64,
+    pub decode_base_s: f64,
+    pub decode_per_seq_s: f64,
+    pub decode_per_ctx_token_s: f64,
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+}
+
+impl Default for EngineTiming {
+    fn default() -> EngineTiming {
+        use calibration::*;
+        EngineTiming {
+            prefill_a_s: PREFILL_A_S,
+            prefill_b_s: PREFILL_B_S,
+            prefill_c_s: PREFILL_C_S,
+            decode_base_s: DECODE_BASE_S,
+            decode_per_seq_s: DECODE_PER_SEQ_S,
+            decode_per_ctx_token_s: DECODE_PER_CTX_TOKEN_S,
+            max_num_seqs: MAX_NUM_SEQS,
+            max_num_batched_tokens: MAX_NUM_BATCHED_TOKENS,
+        }
+    }
+}
 
 /// Prefill timing of one replica: `a + b * new + c * new * context` per step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,19 +165,19 @@ pub struct ReplicaLoad {
 
 impl Default for PrefillModel {
     fn default() -> PrefillModel {
-        TtftModel::from_engine(&EngineConfig::default()).prefill
+        TtftModel::from_engine(&EngineTiming::default()).prefill
     }
 }
 
 impl Default for DecodeModel {
     fn default() -> DecodeModel {
-        TtftModel::from_engine(&EngineConfig::default()).decode
+        TtftModel::from_engine(&EngineTiming::default()).decode
     }
 }
 
 impl TtftModel {
     /// The model of a replica running the simulated engine with `cfg`.
-    pub fn from_engine(cfg: &EngineConfig) -> TtftModel {
+    pub fn from_engine(cfg: &EngineTiming) -> TtftModel {
         TtftModel {
             prefill: PrefillModel {
                 a: cfg.prefill_a_s,
@@ -268,41 +312,6 @@ mod tests {
 
     fn idle() -> ReplicaLoad {
         ReplicaLoad::default()
-    }
-
-    #[test]
-    fn defaults_match_the_engine_calibration() {
-        let m = TtftModel::default();
-        let e = EngineConfig::default();
-        assert_eq!(m.prefill.a, e.prefill_a_s);
-        assert_eq!(m.prefill.b, e.prefill_b_s);
-        assert_eq!(m.prefill.c, e.prefill_c_s);
-        assert_eq!(m.prefill.chunk_tokens, e.max_num_batched_tokens);
-        assert_eq!(m.decode.base, e.decode_base_s);
-        assert_eq!(m.decode.per_seq, e.decode_per_seq_s);
-        assert_eq!(m.decode.per_ctx_token, e.decode_per_ctx_token_s);
-        m.validate().unwrap();
-    }
-
-    #[test]
-    fn idle_prefill_equals_the_engine() {
-        let m = TtftModel::default();
-        let e = EngineConfig::default();
-        for (cached, new) in [
-            (0, 1),
-            (0, 2048),
-            (0, 8192),
-            (0, 20_000),
-            (10_000, 1000),
-            (512, 40_000),
-        ] {
-            let ours = estimate_ttft(&idle(), cached, cached + new, &m);
-            let engine = e.prefill_seconds(cached, new);
-            assert!(
-                (ours - engine).abs() < 1e-9,
-                "{cached}+{new}: {ours} vs {engine}"
-            );
-        }
     }
 
     #[test]

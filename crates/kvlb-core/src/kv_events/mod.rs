@@ -6,18 +6,16 @@
 //! applies removals; content identity comes from `token_ids`.
 //!
 //! `encode` writes batches as vLLM 0.33 does (map or positional events); `decode` reads every
-//! variant vLLM and SGLang send; `publisher` is the engine side over ZeroMQ (PUB + replay ROUTER)
-//! plus the balancer's `replay` client; `reference_hash` recomputes engine block ids where a fleet
+//! variant vLLM and SGLang send; `kvlb_zmtp::publisher` is the engine side over ZeroMQ (PUB +
+//! replay ROUTER) plus the balancer's `replay` client; `reference_hash` recomputes engine block ids where a fleet
 //! pins a reproducible scheme.
 
 pub mod decode;
 pub mod encode;
-pub mod publisher;
 pub mod reference_hash;
 
 pub use decode::{decode_batch, DecodeError};
 pub use encode::encode_batch;
-pub use publisher::{replay, KvEventPublisher};
 
 #[cfg(test)]
 mod codec_tests;

@@ -49,6 +49,9 @@
 
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
+// SIMD (AVX2, AVX-512) xxh3 of whole blocks, behind runtime CPU feature checks: calling a
+// `#[target_feature]` function is unsafe. The one module of prefix that may use it.
+#[allow(unsafe_code)]
 mod block_hash;
 #[cfg(test)]
 mod tests;

@@ -84,6 +84,10 @@
 
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
+// SIMD (SSE2, AVX2) scans for JSON string ends and escapes, behind runtime CPU feature
+// checks: the intrinsics and `#[target_feature]` functions are unsafe. The one module of
+// prompt that may use it.
+#[allow(unsafe_code)]
 mod scan;
 #[cfg(test)]
 pub(crate) mod tests;

@@ -62,6 +62,9 @@
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 mod index;
+// One `_mm_prefetch` of a key's home slot ahead of a lookup: the intrinsic takes a raw pointer
+// and is unsafe (a hint, it never faults); stable Rust has no safe prefetch.
+#[allow(unsafe_code)]
 mod table;
 
 #[cfg(test)]
@@ -116,6 +119,10 @@ impl WriterBell {
 pub const PARK_AFTER_QUIET_TICKS: u32 = 64;
 /// A parked writer still ticks this often (KV events, guess expiry).
 pub const PARKED_TICK: Duration = Duration::from_millis(50);
+
+/// How long a block only routing put on a replica (no KV event confirmed it) stays resident
+/// once unused: the default of `routed_guess_ttl`, also the simulator's.
+pub const DEFAULT_ROUTED_GUESS_TTL: Duration = Duration::from_secs(120);
 
 /// A worker's log of routing decisions, drained by the residency writer. One producer (the
 /// worker), one consumer (the writer); bounded; `record` never blocks or allocates.

@@ -3,11 +3,13 @@
 //! choice. Each worker owns its policy instance (`&mut self`, no sharing, no locks); the loads
 //! they read are counted across workers by the caller.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 mod cache_aware;
 mod consistent_hash;
 mod least_loaded;
+mod policy_name;
 mod power_of_two;
 mod random;
 mod round_robin;
@@ -21,8 +23,9 @@ pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use sglang_cache_aware::SglangCacheAware;
 
-use crate::config::PolicyName;
 use crate::http::request::Method;
+pub use crate::rng::Rng;
+pub use policy_name::PolicyName;
 
 /// What a policy may look at in a request.
 pub struct RequestView<'a> {
@@ -99,25 +102,6 @@ pub fn build(
         PolicyName::ConsistentHash => Box::new(ConsistentHash::new()),
         PolicyName::Random => Box::new(Random),
     })
-}
-
-/// xorshift64*: the per-worker source of `random`.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
 }
 
 #[cfg(test)]

@@ -51,6 +51,20 @@ impl StepWork {
 }
 
 impl EngineConfig {
+    /// The step timing the balancer's TTFT model is built from (`TtftModel::from_engine`).
+    pub fn timing(&self) -> crate::estimate::EngineTiming {
+        crate::estimate::EngineTiming {
+            prefill_a_s: self.prefill_a_s,
+            prefill_b_s: self.prefill_b_s,
+            prefill_c_s: self.prefill_c_s,
+            decode_base_s: self.decode_base_s,
+            decode_per_seq_s: self.decode_per_seq_s,
+            decode_per_ctx_token_s: self.decode_per_ctx_token_s,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+        }
+    }
+
     /// Seconds one step doing `work` takes.
     pub(crate) fn step_seconds(&self, work: &StepWork) -> f64 {
         let mut t = 0.0;
@@ -194,20 +208,24 @@ impl EngineConfig {
 ///   131072 / 33e9 = 4.0 us per token, 250k tokens/s. Recomputing costs 30 us per token
 ///   plus attention, so a load is about 8x cheaper than recompute for short contexts and
 ///   more for long ones.
+///
+/// The timing terms are the balancer's calibration (`estimate::calibration`), so the simulator
+/// and the balancer's TTFT model agree by construction.
 impl Default for EngineConfig {
     fn default() -> EngineConfig {
+        use crate::estimate::calibration;
         EngineConfig {
             block_size: 16,
             kv_capacity_tokens: 400_000,
             max_model_len: 131_072,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
-            prefill_a_s: 0.008,
-            prefill_b_s: 3.0e-5,
-            prefill_c_s: 1.0e-9,
-            decode_base_s: 0.008,
-            decode_per_seq_s: 3.0e-5,
-            decode_per_ctx_token_s: 5.0e-8,
+            max_num_seqs: calibration::MAX_NUM_SEQS,
+            max_num_batched_tokens: calibration::MAX_NUM_BATCHED_TOKENS,
+            prefill_a_s: calibration::PREFILL_A_S,
+            prefill_b_s: calibration::PREFILL_B_S,
+            prefill_c_s: calibration::PREFILL_C_S,
+            decode_base_s: calibration::DECODE_BASE_S,
+            decode_per_seq_s: calibration::DECODE_PER_SEQ_S,
+            decode_per_ctx_token_s: calibration::DECODE_PER_CTX_TOKEN_S,
             hash_seed: 0,
             host_kv_capacity_tokens: 0,
             host_load_s_per_token: 4.0e-6,
@@ -218,6 +236,7 @@ impl Default for EngineConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::estimate::{estimate_ttft, ReplicaLoad, TtftModel};
 
     #[test]
     fn defaults_are_in_the_calibrated_ranges() {
@@ -274,5 +293,40 @@ mod tests {
             ..EngineConfig::default()
         };
         assert!(bad.validate().unwrap_err().contains("kv_capacity_tokens"));
+    }
+
+    #[test]
+    fn defaults_match_the_engine_calibration() {
+        let m = TtftModel::default();
+        let e = EngineConfig::default();
+        assert_eq!(m.prefill.a, e.prefill_a_s);
+        assert_eq!(m.prefill.b, e.prefill_b_s);
+        assert_eq!(m.prefill.c, e.prefill_c_s);
+        assert_eq!(m.prefill.chunk_tokens, e.max_num_batched_tokens);
+        assert_eq!(m.decode.base, e.decode_base_s);
+        assert_eq!(m.decode.per_seq, e.decode_per_seq_s);
+        assert_eq!(m.decode.per_ctx_token, e.decode_per_ctx_token_s);
+        m.validate().unwrap();
+    }
+
+    #[test]
+    fn idle_prefill_equals_the_engine() {
+        let m = TtftModel::default();
+        let e = EngineConfig::default();
+        for (cached, new) in [
+            (0, 1),
+            (0, 2048),
+            (0, 8192),
+            (0, 20_000),
+            (10_000, 1000),
+            (512, 40_000),
+        ] {
+            let ours = estimate_ttft(&ReplicaLoad::default(), cached, cached + new, &m);
+            let engine = e.prefill_seconds(cached, new);
+            assert!(
+                (ours - engine).abs() < 1e-9,
+                "{cached}+{new}: {ours} vs {engine}"
+            );
+        }
     }
 }

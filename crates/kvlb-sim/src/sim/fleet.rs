@@ -155,7 +155,7 @@ impl RoutingPolicy {
                 })?;
                 let log = writer.routing_log(ROUTING_LOG_RECORDS);
                 let cfg = CacheAwareConfig {
-                    model: TtftModel::from_engine(engine),
+                    model: TtftModel::from_engine(&engine.timing()),
                     // Calibrated from the engine like the rest of the model: loading a token
                     // back from the host tier against computing it (its per-token prefill).
                     offload_load_cost: if engine.host_kv_capacity_tokens > 0
@@ -207,9 +207,7 @@ impl RoutingPolicy {
             events: Vec::new(),
             hashes: Vec::new(),
             views: Vec::new(),
-            guess_ttl_us: crate::config::TelemetryConfig::default()
-                .routed_guess_ttl
-                .as_micros() as u64,
+            guess_ttl_us: crate::residency::DEFAULT_ROUTED_GUESS_TTL.as_micros() as u64,
         }
     }
 

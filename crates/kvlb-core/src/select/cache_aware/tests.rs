@@ -541,7 +541,7 @@ fn a_hot_preamble_spreads_as_its_load_needs() {
 fn mooncake(speedup: f64) -> Vec<SimRequest> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/traces/mooncake_conversation_trace.jsonl"
+        "/../../traces/mooncake_conversation_trace.jsonl"
     );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     text.lines()
