@@ -9,6 +9,8 @@
 //! figures several workers write (replica in-flight, queued prefill, decoding, queue slots)
 //! keep `fetch_add`.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 

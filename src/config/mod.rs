@@ -2,6 +2,8 @@
 //! order, the later winning), declared once in `settings::ServeSettings` and validated into one
 //! `ServeConfig`. Every error names the key (or flag) and the bad value; exit status 2.
 
+#![forbid(unsafe_code)]
+
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 

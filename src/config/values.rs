@@ -3,6 +3,8 @@
 //! number or a boolean, read as that text; the error adds the value and serde_path_to_error
 //! the key). One parser per kind of value, so a flag and its file key can never disagree.
 
+#![forbid(unsafe_code)]
+
 use super::{
     check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
     parse_duration_or_off, parse_probe_path, parse_replica_flag, parse_replica_url, parse_size,

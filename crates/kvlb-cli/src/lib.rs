@@ -6,6 +6,8 @@
 //! doc comment is its help, its value parser its validation, and one `validate` per command
 //! checks the flags against each other.
 
+#![forbid(unsafe_code)]
+
 use clap::builder::ArgAction;
 use clap::error::ErrorKind;
 use clap::{Arg, Parser};

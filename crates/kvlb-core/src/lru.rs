@@ -3,6 +3,7 @@
 //! key to index. Used by the residency writer (blocks per replica) and the simulator's record
 //! of routed blocks.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 pub const NIL: u32 = u32::MAX;

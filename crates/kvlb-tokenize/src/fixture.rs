@@ -2,6 +2,8 @@
 //! with Qwen's special tokens) and a Qwen2.5-style chat template, so tests and benchmarks run
 //! token mode without downloading a model's files.
 
+#![forbid(unsafe_code)]
+
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;

@@ -36,6 +36,7 @@
 //! nothing once warm; a cache miss allocates inside the `tokenizers` crate (its `Encoding`).
 //! `benches/tokenize.rs` measures cold and warm requests.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 pub mod fixture;

@@ -1,3 +1,5 @@
+#![forbid(unsafe_code)]
+
 use super::fixture::{chatml_config_json, chatml_tokenizer_json};
 use super::*;
 

@@ -2,6 +2,8 @@
 //! (ask a replica to replay them). Both are blocking with a per-call read timeout; a timeout in
 //! the middle of a frame loses nothing. Reconnecting after an error is the caller's business.
 
+#![forbid(unsafe_code)]
+
 use super::wire::{Connection, Incoming, PeerVersion};
 use super::{connect_stream, Message, HANDSHAKE_TIMEOUT};
 use std::io;

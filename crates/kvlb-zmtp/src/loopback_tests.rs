@@ -1,6 +1,8 @@
 //! The servers against the clients over loopback TCP. Interop with libzmq itself is proven in
 //! tests/kv_events_interop.rs.
 
+#![forbid(unsafe_code)]
+
 use super::wire::{greeting, Connection};
 use super::*;
 use std::time::Instant;

@@ -2,6 +2,8 @@
 //! queue each message per subscriber in a bounded queue. A subscriber whose queue is full loses
 //! the message (like ZeroMQ's send high-water mark); the publisher never waits for a reader.
 
+#![forbid(unsafe_code)]
+
 use super::wire::{encode_message, Connection, Incoming};
 use super::{accept_peers, bind_listener, wake_address, Accepting, HANDSHAKE_TIMEOUT};
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TrySendError};

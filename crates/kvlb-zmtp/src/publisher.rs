@@ -4,6 +4,8 @@
 //! Also the balancer's side of replay, `replay`, which reads both the vLLM 0.33 / SGLang layout
 //! and the older vLLM one.
 
+#![forbid(unsafe_code)]
+
 use crate::{DealerClient, Message, PubServer, RouterServer};
 use kvlb_core::kv_events::{decode_batch, encode_batch, EventFormat, KvEventBatch};
 use std::collections::VecDeque;

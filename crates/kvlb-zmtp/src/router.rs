@@ -3,6 +3,8 @@
 //! answer always goes to the connection that asked, no routing identity is needed: the handler
 //! sees exactly the frames the DEALER sent.
 
+#![forbid(unsafe_code)]
+
 use super::wire::{Connection, Incoming};
 use super::{accept_peers, bind_listener, wake_address, Accepting, Message, HANDSHAKE_TIMEOUT};
 use std::io;

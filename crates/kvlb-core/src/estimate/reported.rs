@@ -66,6 +66,8 @@
 //! count, which the queue above already prices; penalising usage too would count it twice.
 //! Stale or missing usage keeps every hit whole.
 
+#![forbid(unsafe_code)]
+
 use super::ReplicaLoad;
 
 /// A figure is used for this many scrape intervals after its scrape.

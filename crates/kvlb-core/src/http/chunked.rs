@@ -6,6 +6,8 @@
 //! can decode in place (request bodies) or just find where a message ends (responses relayed
 //! verbatim).
 
+#![forbid(unsafe_code)]
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkError {
     /// A chunk size that is not hex, too long, or missing.

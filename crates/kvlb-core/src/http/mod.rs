@@ -1,6 +1,7 @@
 //! HTTP/1.1 framing for both sides of the proxy: request heads (strict, re-framed upstream),
 //! the chunked codec, response heads, and the OpenAI-style error responses kvlb sends itself.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 pub mod chunked;

@@ -7,6 +7,8 @@
 //! origin-form with the target's authority as Host (RFC 9112 section 3.2.2), so kvlb routes on
 //! the same path the replica serves.
 
+#![forbid(unsafe_code)]
+
 use super::{field, find_byte, Field, HttpError};
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv6Addr};

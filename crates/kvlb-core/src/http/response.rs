@@ -2,6 +2,8 @@
 //! and write the head kvlb sends to the client (hop-by-hop fields dropped, `x-kvlb-replica`
 //! added).
 
+#![forbid(unsafe_code)]
+
 use super::request::{has_token, parse_content_length};
 use super::{field, Field};
 use std::mem::MaybeUninit;

@@ -1,6 +1,8 @@
 //! Encode/decode round trips in both formats, and hand-built messages for every variant engines
 //! send (SGLang signed hashes, 32-byte digests, short old arrays, map batches, unknown keys).
 
+#![forbid(unsafe_code)]
+
 use super::*;
 use rmp::encode as mp;
 

@@ -15,6 +15,7 @@
 //! where. The decoder does not check the events' meaning (for example that `token_ids` holds
 //! `block_hashes.len() * block_size` tokens); that is the consumer's call.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use super::{KvEvent, KvEventBatch, Medium};

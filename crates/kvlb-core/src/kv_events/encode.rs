@@ -3,6 +3,7 @@
 //! either maps tagged by "type" with nil optional keys left out, or positional arrays with the
 //! tag first; or, for decoders that require every key, maps with the nil keys written out.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use super::{EventFormat, KvEvent, KvEventBatch};

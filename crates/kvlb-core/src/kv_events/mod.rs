@@ -10,6 +10,8 @@
 //! replay ROUTER) plus the balancer's `replay` client; `reference_hash` recomputes engine block ids where a fleet
 //! pins a reproducible scheme.
 
+#![forbid(unsafe_code)]
+
 pub mod decode;
 pub mod encode;
 pub mod reference_hash;

@@ -4,6 +4,7 @@
 //! these; they let a simulated replica publish the ids a real engine would, and let tests check
 //! that a replica's ids line up with its tokens.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use sha2::{Digest, Sha256};

@@ -1,6 +1,8 @@
 //! Block hashes of requests: equal prompts hash equal, next turns extend, token mode matches KV
 //! event hashing, and the warm path keeps its buffers.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 use crate::prompt::extract_prompt;
 use crate::prompt::tests::conversation;

@@ -1,5 +1,7 @@
 //! Canonical prefix of every body form of replica-interfaces.md section 3, and hostile bodies.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// The two-pass extraction before messages were recorded, kept as the reference the

@@ -2,6 +2,8 @@
 //! control-thread owner of the truth: per-replica counts, LRU order, capacity and pending
 //! marks).
 
+#![forbid(unsafe_code)]
+
 use super::table::{BitTable, MAX_WORDS, MIN_SLOTS};
 use crate::lru::LruList;
 use arc_swap::ArcSwap;

@@ -1,5 +1,6 @@
 //! Property tests of the residency index against a brute-force model, with a seeded RNG.
 
+#![forbid(unsafe_code)]
 #![allow(clippy::disallowed_methods, reason = "the tests time the index")]
 
 use super::*;

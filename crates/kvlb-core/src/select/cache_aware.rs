@@ -118,6 +118,8 @@
 //! Each `select` leaves a `Decision` (`last_decision`) for an explain header and metrics, and,
 //! when a routing log is attached, records the request's blocks for the residency writer.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 use crate::estimate::reported::{combined_load, hit_keep};
 use crate::estimate::{ReplicaLoad, TtftModel};

@@ -12,6 +12,8 @@
 //! the ring point `random` names. The ring is built once per candidate set and reused while the
 //! set stays the same, so a pick is one binary search plus a short walk.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 
 /// Points each replica owns on the ring (KubeAI's default replication).

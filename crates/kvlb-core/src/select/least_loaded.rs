@@ -1,6 +1,8 @@
 //! `least_loaded`: the replica with the fewest requests in flight (counted across workers);
 //! ties rotate so equal replicas share the work.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 
 pub struct LeastLoaded {

@@ -2,6 +2,8 @@
 //! (the first sampled on a tie). Nearly least-loaded quality without every worker converging
 //! on the same replica between load updates.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 
 pub struct PowerOfTwo;

@@ -1,6 +1,8 @@
 //! `random`: a uniformly random replica. The memoryless baseline: it spreads load evenly in
 //! expectation and, like round-robin, sprays every shared prefix over the whole fleet.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 
 pub struct Random;

@@ -1,6 +1,8 @@
 //! `round_robin`: each worker cycles through the available replicas. The right policy for
 //! stateless services and the baseline kvlb is measured against.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 
 pub struct RoundRobin {

@@ -17,6 +17,8 @@
 //! tree's size is its number of blocks. Matched tokens are `matched_blocks * block_tokens`,
 //! capped at the prompt.
 
+#![forbid(unsafe_code)]
+
 use super::{Candidate, Policy, RequestView};
 use std::collections::HashSet;
 

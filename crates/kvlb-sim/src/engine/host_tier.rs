@@ -12,6 +12,8 @@
 //! Recency: a block is refreshed when it is written (again) and whenever a request's prefix
 //! uses it, from either tier.
 
+#![forbid(unsafe_code)]
+
 use super::kv_cache::BlockHashHasher;
 use crate::lru::LruList;
 use std::collections::HashMap;

@@ -23,6 +23,8 @@
 //! Everything is index based (block ids are `u32` into one `Vec`): no allocation per
 //! operation beyond the events themselves.
 
+#![forbid(unsafe_code)]
+
 use super::host_tier::HostTier;
 use crate::kv_events::{KvEvent, Medium};
 use std::collections::HashMap;

@@ -59,6 +59,8 @@
 //! O(prompt blocks) once per request. Nothing allocates per token except the KV events
 //! themselves (turn them off with `set_kv_events_enabled(false)` when nobody listens).
 
+#![forbid(unsafe_code)]
+
 mod host_tier;
 mod kv_cache;
 mod timing;

@@ -17,6 +17,8 @@
 //! a prompt is the same whether it is prefilled in one chunk or several. `total_context` is
 //! the sum over decoding sequences of their KV length after the step.
 
+#![forbid(unsafe_code)]
+
 use super::EngineConfig;
 
 /// The work of one step, as the timing model sees it.

@@ -51,6 +51,8 @@
 //! assistant reply + a new user message) starts with every token of the previous turn's
 //! prompt, generation prompt included.
 
+#![forbid(unsafe_code)]
+
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Size of the simulated vocabulary; ids below `FIRST_SPECIAL` are text tokens.

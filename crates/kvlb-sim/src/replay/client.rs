@@ -8,6 +8,8 @@
 //! * `http` is a small exchange for admin endpoints (`/metrics`, `/reset_prefix_cache`);
 //! * `base_addr` turns `http://HOST:PORT[/]` into a socket address.
 
+#![forbid(unsafe_code)]
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};

@@ -3,6 +3,8 @@
 //! after a replay, the difference is the replay's work per replica, so a hit rate is measured
 //! by the engines, not guessed from where a balancer meant to send a request.
 
+#![forbid(unsafe_code)]
+
 use super::client;
 use serde::Serialize;
 use std::net::SocketAddr;

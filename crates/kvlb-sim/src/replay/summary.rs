@@ -7,6 +7,8 @@
 //! `hit_rate`, `prefill_tokens` and `max_mean_load` come from the replicas' own counters
 //! (`counters`); without `--replica` they are absent.
 
+#![forbid(unsafe_code)]
+
 use super::client::Streamed;
 use super::counters::ReplicaCounters;
 use crate::sim::report::percentile;

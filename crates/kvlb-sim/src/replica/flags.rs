@@ -3,6 +3,8 @@
 //! `EngineFlags`: its doc comment is its help, its value parser its validation (errors name the
 //! flag and the value); `ReplicaFlags::validate` checks the flags against each other.
 
+#![forbid(unsafe_code)]
+
 use crate::cli;
 use crate::engine::EngineConfig;
 use crate::kv_events::EventFormat;

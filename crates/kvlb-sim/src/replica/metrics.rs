@@ -8,6 +8,8 @@
 //! The histogram holds ENGINE seconds (what a real GPU would report): wall seconds times the
 //! replica's time scale.
 
+#![forbid(unsafe_code)]
+
 use crate::engine::{EngineStats, FinishReason};
 use std::fmt::Write;
 

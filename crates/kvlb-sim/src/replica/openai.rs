@@ -9,6 +9,8 @@
 //!   context), keeping simulated answers short unless asked otherwise;
 //! - sampling fields (temperature, stop, logprobs, ...) are accepted and ignored.
 
+#![forbid(unsafe_code)]
+
 use crate::engine::tokenizer::{self, ChatMessage};
 use crate::engine::FinishReason;
 use serde_json::{json, Map, Value};

@@ -4,6 +4,8 @@
 //! either one JSON body or a chunked server-sent-events stream written as the engine produces
 //! each token; a client that goes away cancels its engine requests.
 
+#![forbid(unsafe_code)]
+
 use super::driver::Replica;
 use super::http::{self, Connection, HttpError, Method};
 use super::openai::{

@@ -34,6 +34,8 @@
 //!
 //! Everything is deterministic: time is simulated, and `random` comes from a seeded `Rng`.
 
+#![forbid(unsafe_code)]
+
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};

@@ -16,6 +16,8 @@
 //! Deterministic: the same input gives the same output, byte for byte (wall time goes to
 //! stderr only).
 
+#![forbid(unsafe_code)]
+
 pub mod fleet;
 pub mod plot;
 pub mod report;

@@ -2,6 +2,8 @@
 //! log-scale time axis. Bottom: prompt tokens each replica computed, one group of bars per
 //! policy (an even row of bars is a balanced fleet; one tall bar is a hot replica).
 
+#![forbid(unsafe_code)]
+
 use super::report::Summary;
 use std::fmt::Write;
 

@@ -15,6 +15,8 @@
 //! * `max_mean_load`: the busiest replica's computed prefill tokens over the fleet mean (1 =
 //!   perfectly even).
 
+#![forbid(unsafe_code)]
+
 use super::fleet::Run;
 use serde::Serialize;
 

@@ -12,6 +12,8 @@
 //! Touching a prompt refreshes its blocks last to first, so its prefix is the most recent part
 //! and is evicted last (as the engine frees a request's tail before its head).
 
+#![forbid(unsafe_code)]
+
 use crate::lru::LruList;
 use std::collections::HashMap;
 

@@ -18,6 +18,8 @@
 //!
 //! Generators are deterministic for a seed. Malformed files give an error naming the line.
 
+#![forbid(unsafe_code)]
+
 use crate::engine::tokenizer::FIRST_SPECIAL;
 use crate::select::Rng;
 use serde::Deserialize;

@@ -1,6 +1,8 @@
 //! Exact decision sequences of the cost model, and seeded simulations of herding: pure code,
 //! the residency writer fed synchronously from the routing log.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 use crate::http::request::Method;
 use crate::residency::{ResidencyConfig, ResidencyWriter};
