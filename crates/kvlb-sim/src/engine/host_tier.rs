@@ -14,12 +14,10 @@
 
 #![forbid(unsafe_code)]
 
-use super::kv_cache::BlockHashHasher;
+use super::block_map::BlockMap;
 use crate::lru::LruList;
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 
-type HostTable = HashMap<u64, u32, BuildHasherDefault<BlockHashHasher>>;
+type HostTable = BlockMap;
 
 pub(crate) struct HostTier {
     capacity_blocks: usize,

@@ -25,10 +25,9 @@
 
 #![forbid(unsafe_code)]
 
+use super::block_map::BlockMap;
 use super::host_tier::HostTier;
 use crate::kv_events::{KvEvent, Medium};
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// No block.
@@ -61,25 +60,7 @@ pub(crate) fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     hasher.digest()
 }
 
-/// Block hashes are already uniformly distributed: the table uses them as they are.
-#[derive(Default)]
-pub(crate) struct BlockHashHasher(u64);
-
-impl Hasher for BlockHashHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8)) ^ b as u64;
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type BlockTable = HashMap<u64, u32, BuildHasherDefault<BlockHashHasher>>;
+type BlockTable = BlockMap;
 
 #[derive(Debug, Clone)]
 struct Block {

@@ -61,6 +61,7 @@
 
 #![forbid(unsafe_code)]
 
+mod block_map;
 mod host_tier;
 mod kv_cache;
 mod timing;
