@@ -1,6 +1,8 @@
 //! kvlb's routing core: everything that decides where a request goes, and the codecs it reads,
-//! as pure functions and data structures. No I/O, no threads, no clock of its own (time comes
-//! in as an argument), no lock (clippy.toml bans them here; each module turns the ban on).
+//! as pure functions and data structures. No I/O, no clock of its own (time comes in as an
+//! argument), no lock (clippy.toml bans them here; each module turns the ban on). One thread:
+//! `residency::spawn_writer_thread` runs the residency writer's loop (given its clock); all
+//! else runs on its callers' threads.
 //!
 //! - `prompt`: the prompt a request carries (model, tools, messages), as canonical bytes.
 //! - `prefix`: those bytes (or token ids) cut into blocks and hashed, chained.

@@ -14,7 +14,7 @@
 //!      + [decode part, when sequences decode]    decode_base + per_seq * D + per_ctx * D * ctx
 //! ```
 //!
-//! (`src/engine/timing.rs`, the simulated engine, uses exactly these terms). For a request
+//! (the simulated engine, kvlb-sim's `engine/timing.rs`, uses exactly these terms). For a request
 //! with `prompt` tokens of which `matched` are resident on the replica (a prefix-cache hit),
 //! on a replica with `Q` queued prefill tokens (routed there, first token not yet produced)
 //! and `D` decoding sequences:
