@@ -16,6 +16,8 @@
 //!   `health_interval`, in parallel), and emptying the slots of removed replicas once nothing
 //!   is in flight there.
 
+#![forbid(unsafe_code)]
+
 use crate::config::{self, ReplicaConfig, ServeConfig};
 use crate::fleet::{same_url, ACTIVE, EMPTY};
 use crate::telemetry::{ResidencyOp, Telemetry};

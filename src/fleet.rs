@@ -19,6 +19,8 @@
 //! traffic gradually over `slow_start` (a request considers it with probability growing from
 //! 0 to 1), so a cold replica is not flooded the moment it answers.
 
+#![forbid(unsafe_code)]
+
 use crate::config::ReplicaConfig;
 use arc_swap::ArcSwapOption;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};

@@ -3,36 +3,38 @@
 //! A request's path: `worker` (pinned io_uring event loop) -> `http` (framing) -> `select`
 //! (replica choice) -> `proxy` (forwarding, upstream pool). `engine` and `replica` are the
 //! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
+//!
+//! This crate is the product (data plane, control, configuration, admin); the routing core,
+//! ZMTP, the CLI helpers, the tokenizer and the simulation rig are crates of their own under
+//! `crates/` (docs/design.md, "Crates and layers"), re-exported here under their old paths so
+//! that `crate::select::...` inside and `kvlb::select::...` in tests and benches still work.
 
 pub mod access_log;
 pub mod admin;
 pub mod alloc;
-pub mod cli;
 pub mod config;
 pub mod control;
-pub mod demo;
 pub mod discovery;
-pub mod engine;
-pub mod estimate;
 pub mod fleet;
-pub mod http;
-pub mod kv_events;
 pub mod l4;
 pub mod limits;
 pub mod log_limit;
-pub mod lru;
 pub mod metrics;
-pub mod prefix;
-pub mod prompt;
 pub mod proxy;
-pub mod replay;
-pub mod replica;
-pub mod residency;
 pub mod rt;
-pub mod select;
 pub mod serve;
-pub mod sim;
 pub mod telemetry;
-pub mod tokenize;
 pub mod worker;
-pub mod zmtp;
+
+pub use kvlb_cli as cli;
+pub use kvlb_core::{estimate, http, lru, prefix, prompt, residency, rng, select};
+pub use kvlb_sim::{demo, engine, replay, replica, sim};
+pub use kvlb_tokenize as tokenize;
+pub use kvlb_zmtp as zmtp;
+
+/// The KV events codec (`kvlb-core`) and their ZeroMQ publisher and replay client
+/// (`kvlb-zmtp`), under one path.
+pub mod kv_events {
+    pub use kvlb_core::kv_events::*;
+    pub use kvlb_zmtp::publisher::{self, replay, KvEventPublisher};
+}

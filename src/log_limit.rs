@@ -5,6 +5,8 @@
 //!
 //! A `LogLimit` is a static: any thread may call it, with two relaxed atomics and no lock.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 

@@ -1,3 +1,5 @@
+#![forbid(unsafe_code)]
+
 #[global_allocator]
 static GLOBAL: kvlb::alloc::CountingMiMalloc = kvlb::alloc::CountingMiMalloc;
 

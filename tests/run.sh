@@ -6,8 +6,8 @@
 #    Debian starts on install: tests run their own instances on ephemeral loopback ports.
 # 2. Keeps a Python venv at .venv with tests/py/requirements.txt (re-installed only when the
 #    requirements or the interpreter change, tracked by a stamp file holding their hash).
-# 3. Runs the whole Rust suite (`cargo test --release`: unit + integration; release so that
-#    timing-sensitive tests are less noisy) with KVLB_PYTHON pointing at the venv's python.
+# 3. Runs the whole Rust suite (`cargo test --release --workspace`: unit + integration of every
+#    crate; release so that timing-sensitive tests are less noisy) with KVLB_PYTHON pointing at the venv's python.
 # 4. Runs the Python tests in tests/py with pytest, when there are any.
 # 5. Builds the fuzz targets (fuzz/, libFuzzer on stable) and runs each for KVLB_FUZZ_SECONDS
 #    (default 20); each target counts as one test.
@@ -75,9 +75,9 @@ fi
 export KVLB_PYTHON=$venv/bin/python
 
 # --- 3. Rust suite -----------------------------------------------------------------------
-phase "cargo test --release"
+phase "cargo test --release --workspace"
 cargo_status=0
-cargo test --release --no-fail-fast 2>&1 | tee "$logdir/cargo.log" || cargo_status=$?
+cargo test --release --workspace --no-fail-fast 2>&1 | tee "$logdir/cargo.log" || cargo_status=$?
 
 # "test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; ..."
 read -r rust_passed rust_failed rust_ignored < <(awk '
@@ -125,7 +125,7 @@ failed=$((rust_failed + py_failed + fuzz_failed))
 skipped=$((rust_ignored + py_skipped))
 elapsed=$(($(date +%s) - started))
 echo
-echo "cargo test --release: exit $cargo_status ($rust_passed passed, $rust_failed failed," \
+echo "cargo test --release --workspace: exit $cargo_status ($rust_passed passed, $rust_failed failed," \
     "$rust_ignored ignored); python: $py_note ($py_passed passed, $py_failed failed," \
     "$py_skipped skipped); fuzz: exit $fuzz_status ($fuzz_passed passed, $fuzz_failed failed);" \
     "${elapsed}s"

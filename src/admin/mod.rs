@@ -21,6 +21,8 @@
 //! request runs on a helper thread with a full-size stack, as reloading parses the
 //! configuration and may load a tokenizer and compile a chat template.
 
+#![forbid(unsafe_code)]
+
 mod metrics;
 
 use crate::control::Control;

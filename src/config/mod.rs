@@ -2,6 +2,8 @@
 //! order, the later winning), declared once in `settings::ServeSettings` and validated into one
 //! `ServeConfig`. Every error names the key (or flag) and the bad value; exit status 2.
 
+#![forbid(unsafe_code)]
+
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
@@ -10,46 +12,11 @@ mod values;
 
 pub use settings::{apply_toml, from_args, load_file, reference_markdown, ServeSettings};
 
+/// The policy names live with the policies (`select`), which config builds.
+pub use crate::select::PolicyName;
+
 #[cfg(test)]
 mod tests;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PolicyName {
-    CacheAware,
-    ConsistentHash,
-    Random,
-    RoundRobin,
-    LeastLoaded,
-    PowerOfTwo,
-}
-
-impl PolicyName {
-    pub const NAMES: &'static str =
-        "cache_aware, round_robin, least_loaded, power_of_two, consistent_hash, random";
-
-    pub fn parse(s: &str) -> Option<PolicyName> {
-        match s {
-            "cache_aware" => Some(PolicyName::CacheAware),
-            "consistent_hash" => Some(PolicyName::ConsistentHash),
-            "random" => Some(PolicyName::Random),
-            "round_robin" => Some(PolicyName::RoundRobin),
-            "least_loaded" => Some(PolicyName::LeastLoaded),
-            "power_of_two" => Some(PolicyName::PowerOfTwo),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PolicyName::CacheAware => "cache_aware",
-            PolicyName::ConsistentHash => "consistent_hash",
-            PolicyName::Random => "random",
-            PolicyName::RoundRobin => "round_robin",
-            PolicyName::LeastLoaded => "least_loaded",
-            PolicyName::PowerOfTwo => "power_of_two",
-        }
-    }
-}
 
 /// How a listener treats its connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,7 +141,7 @@ impl Default for TelemetryConfig {
         TelemetryConfig {
             metrics_interval: Duration::from_secs(1),
             stale_after: Duration::from_secs(30),
-            routed_guess_ttl: Duration::from_secs(120),
+            routed_guess_ttl: crate::residency::DEFAULT_ROUTED_GUESS_TTL,
             routed_pending_ttl: Duration::ZERO,
         }
     }

@@ -4,6 +4,8 @@
 //! `reference_markdown`), and its type is its validation (`values`). `apply` writes a layer of
 //! given settings into a `ServeConfig`: the file, then the environment, then the flags.
 
+#![forbid(unsafe_code)]
+
 use super::values::{
     one_or_many, Addr, Cores, DnsServer, DnsSource, Dur, DurOrOff, Fraction, ListenerTable,
     OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch, UrlPath, Whole,

@@ -1,5 +1,7 @@
 //! `kvlb serve` settings: flags, the TOML file, their errors and their layering.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 fn args(s: &str) -> Vec<String> {

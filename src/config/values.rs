@@ -3,11 +3,12 @@
 //! number or a boolean, read as that text; the error adds the value and serde_path_to_error
 //! the key). One parser per kind of value, so a flag and its file key can never disagree.
 
+#![forbid(unsafe_code)]
+
 use super::{
     check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
     parse_duration_or_off, parse_probe_path, parse_replica_flag, parse_replica_url, parse_size,
-    parse_switch, parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, PolicyName,
-    ReplicaConfig,
+    parse_switch, parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, ReplicaConfig,
 };
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -75,7 +76,6 @@ deserialize_from_text!(
     Fraction,
     Switch,
     Cores,
-    PolicyName,
     ListenerMode,
     L4Forwarding,
     ZmqEndpoint,
@@ -218,13 +218,6 @@ impl FromStr for Cores {
     type Err = String;
     fn from_str(s: &str) -> Result<Cores, String> {
         parse_cores("", s).map(Cores).map_err(why)
-    }
-}
-
-impl FromStr for PolicyName {
-    type Err = String;
-    fn from_str(s: &str) -> Result<PolicyName, String> {
-        PolicyName::parse(s).ok_or_else(|| format!("unknown policy; one of {}", PolicyName::NAMES))
     }
 }
 

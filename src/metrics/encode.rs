@@ -5,6 +5,8 @@
 //! (prometheus-client appends the suffix itself, so a family's name is given without it),
 //! histogram buckets `le` as Go clients write them (`0.0005`, `1`, `+Inf`), no `# EOF`.
 
+#![forbid(unsafe_code)]
+
 use super::{Histogram, ValueHistogram, BUCKETS};
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -222,7 +224,7 @@ impl Samples<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::families::ALL;
+    use super::super::ALL;
     use super::*;
 
     #[test]

@@ -4,7 +4,9 @@
 //! family declared here. `ALL` lists them in /metrics order; `tests/metrics_exposition.rs`
 //! checks a live /metrics against it, and docs/metrics.md names each one.
 
-use super::encode::Family;
+#![forbid(unsafe_code)]
+
+use super::Family;
 
 // The data plane: per replica, per worker (summed over the workers' `WorkerStats`).
 pub static REQUESTS: Family = Family::counter(

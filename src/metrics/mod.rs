@@ -18,6 +18,8 @@
 //! in one `Registry` and [`render`] encodes it as Prometheus text (version 0.0.4). Nothing on
 //! the request path changes for it: no lock, no allocation, the same relaxed atomics.
 
+#![forbid(unsafe_code)]
+
 mod encode;
 pub mod families;
 mod process;

@@ -2,6 +2,8 @@
 //! descriptors against the limit, resident memory, threads. An operator watches these for
 //! leaks; the soak test reads them too.
 
+#![forbid(unsafe_code)]
+
 use super::families::{
     PROCESS_MAX_FDS, PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY, PROCESS_THREADS,
 };

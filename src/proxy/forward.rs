@@ -2,11 +2,12 @@
 //! there, the response head read while watching the client, and the error answered when the
 //! replica fails before any response byte reached the client.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use super::relay::{relay_body, Relayed};
 use super::route::Routed;
-use super::{remaining, Conn, InFlight};
+use super::{remaining, Conn, InFlight, UpstreamFailure};
 use crate::http::request::{self, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
 use crate::http::write_error;
@@ -42,26 +43,6 @@ pub(super) enum Forwarded {
     Failed(usize, UpstreamFailure, bool),
     /// Refused with 429 while queued; answered, the connection carries on.
     Refused,
-}
-
-/// A failure before anything reached the client.
-pub(super) enum UpstreamFailure {
-    Connect(io::Error),
-    /// The replica closed or reset the connection before a response head.
-    Closed,
-    Timeout,
-    Invalid,
-    ClientGone,
-    /// The replica answered 503 at once (overloaded or shutting down); its answer was dropped
-    /// to try another replica, and none was left.
-    Unavailable,
-}
-
-impl UpstreamFailure {
-    /// A failure of the replica (not of the client): counts towards its ejection.
-    fn counts_against_replica(&self) -> bool {
-        !matches!(self, UpstreamFailure::ClientGone)
-    }
 }
 
 async fn connect_upstream(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {

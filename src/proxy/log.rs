@@ -1,5 +1,6 @@
 //! Logging: what the access log says of a request, gathered on its way, and its line.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use super::Conn;

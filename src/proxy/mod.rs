@@ -326,3 +326,23 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
 
 /// Most replicas one request is tried on (the first and its retries).
 const MAX_ATTEMPTS: usize = 8;
+
+/// A failure before anything reached the client.
+pub(super) enum UpstreamFailure {
+    Connect(io::Error),
+    /// The replica closed or reset the connection before a response head.
+    Closed,
+    Timeout,
+    Invalid,
+    ClientGone,
+    /// The replica answered 503 at once (overloaded or shutting down); its answer was dropped
+    /// to try another replica, and none was left.
+    Unavailable,
+}
+
+impl UpstreamFailure {
+    /// A failure of the replica (not of the client): counts towards its ejection.
+    pub(super) fn counts_against_replica(&self) -> bool {
+        !matches!(self, UpstreamFailure::ClientGone)
+    }
+}

@@ -2,9 +2,10 @@
 //! large), chunked (passed through, or de-chunked for HTTP/1.0) or until the replica closes;
 //! and how a response can be cut short once its head was sent.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use super::forward::UpstreamFailure;
+use super::UpstreamFailure;
 use super::{Conn, InFlight};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::RequestHead;

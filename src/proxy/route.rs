@@ -2,6 +2,7 @@
 //! concurrency slot, the bounded wait when every replica is at its limit, and the
 //! `x-kvlb-decision` line.
 
+#![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use super::Conn;

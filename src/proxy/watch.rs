@@ -12,6 +12,8 @@
 //! Only this type receives from the client socket: two receives pending on one socket would
 //! split its bytes between them.
 
+#![forbid(unsafe_code)]
+
 use crate::rt::op::{self, MultiRecv, Received};
 use std::future::Future;
 use std::io;

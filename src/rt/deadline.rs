@@ -9,6 +9,8 @@
 //!
 //! Pure: time comes in as milliseconds since the executor's epoch.
 
+#![forbid(unsafe_code)]
+
 /// Ticks in one turn of the wheel; a deadline further out waits in its bucket for later turns.
 const BUCKETS: usize = 4096;
 const MASK: u64 = BUCKETS as u64 - 1;

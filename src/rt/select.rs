@@ -1,6 +1,8 @@
 //! Racing two futures: the first to finish wins and the other is dropped, which cancels its
 //! pending operations.
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};

@@ -10,6 +10,8 @@
 //! memory, so dropping it before completion only has to hand its slot back to the runtime,
 //! which cancels it.
 
+#![forbid(unsafe_code)]
+
 use super::{abandon_slot, poll_slot, submit};
 use io_uring::{opcode, types::Fd};
 use std::future::Future;

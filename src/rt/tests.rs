@@ -2,6 +2,8 @@
 //! in order through provided buffers, also when kvlb throttles a receive that its task does not
 //! keep up with, when the buffer ring runs dry, and across a deadline.
 
+#![forbid(unsafe_code)]
+
 use super::op::{self, MultiRecv};
 use super::Runtime;
 use std::io::Write;

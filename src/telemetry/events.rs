@@ -12,6 +12,8 @@
 //!
 //! See the parent module for why only token-mode requests match the hashes produced here.
 
+#![forbid(unsafe_code)]
+
 use super::{ReplicaTelemetry, ResidencyOp, Tier};
 use crate::fleet::StopSignal;
 use crate::kv_events::{decode_batch, KvEvent, KvEventBatch, Medium};

@@ -16,6 +16,8 @@
 //! change the replica's `offload_resident_blocks` gauge is refreshed. It holds event-reported
 //! blocks only, so the sweep has nothing to expire there.
 
+#![forbid(unsafe_code)]
+
 use super::{ResidencyOp, Tier};
 use crate::residency::ResidencyWriter;
 use crate::worker::Shared;

@@ -51,6 +51,8 @@
 //! them out. With `tokenizer` configured, chat and text prompts are hashed as the engine's
 //! token ids and events cover them too.
 
+#![forbid(unsafe_code)]
+
 pub mod events;
 mod feed;
 pub mod reported;

@@ -10,6 +10,8 @@
 //! interleave: a writer enters only by turning an even sequence odd with a compare-and-swap and
 //! otherwise skips its publication (the next scrape publishes again).
 
+#![forbid(unsafe_code)]
+
 use crate::estimate::ReportedLoad;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 

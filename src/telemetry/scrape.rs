@@ -11,6 +11,8 @@
 //! Each scrape also publishes `ReplicaTelemetry::reported` for the cost model: the replica's
 //! queue less this instance's requests there when it asked (`estimate::reported`).
 
+#![forbid(unsafe_code)]
+
 use crate::estimate::ReportedLoad;
 use crate::fleet::StopSignal;
 use crate::worker::Shared;

@@ -1,6 +1,8 @@
 //! Unit tests of the pure parts (event state, metrics parsing) and of the feed against a real
 //! residency writer.
 
+#![forbid(unsafe_code)]
+
 use super::events::{EventState, SeqCheck};
 use super::scrape::{parse_metrics, MetricsSample};
 use super::{ReplicaTelemetry, ResidencyFeed, ResidencyOp, Tier};

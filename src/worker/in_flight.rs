@@ -2,6 +2,8 @@
 //! loads every worker's policy reads (requests in flight, prefill queued, decoding) and the
 //! worker's own in-flight gauge. Shared by the L7 path and the L4 mode.
 
+#![forbid(unsafe_code)]
+
 use crate::worker::Worker;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;

@@ -1,0 +1,191 @@
+//! msgpack encoding of KV event batches exactly as vLLM 0.33 writes them (msgspec with
+//! `omit_defaults`): the batch is always the positional `[ts, events, dp_rank]`; events are
+//! either maps tagged by "type" with nil optional keys left out, or positional arrays with the
+//! tag first; or, for decoders that require every key, maps with the nil keys written out.
+
+#![forbid(unsafe_code)]
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use super::{EventFormat, KvEvent, KvEventBatch};
+use rmp::encode as mp;
+
+/// The msgpack payload of one batch (the third frame of a KV event message).
+pub fn encode_batch(batch: &KvEventBatch, format: EventFormat) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + batch.events.len() * 64);
+    write_batch(&mut out, batch, format);
+    out
+}
+
+// Writing msgpack into a Vec cannot fail: the only errors rmp reports come from the writer, and
+// Vec's is infallible. Lengths are u32 on the wire; a batch with more than 4 G elements in one
+// list is a broken invariant of the caller.
+fn len32(n: usize) -> u32 {
+    u32::try_from(n).expect("msgpack list longer than u32::MAX")
+}
+
+fn write_batch(out: &mut Vec<u8>, batch: &KvEventBatch, format: EventFormat) {
+    let _ = mp::write_array_len(out, 3);
+    let _ = mp::write_f64(out, batch.ts);
+    let _ = mp::write_array_len(out, len32(batch.events.len()));
+    for event in &batch.events {
+        match format {
+            EventFormat::Map => write_event_map(out, event, false),
+            EventFormat::MapNil => write_event_map(out, event, true),
+            EventFormat::Array => write_event_array(out, event),
+        }
+    }
+    write_opt_int(out, batch.dp_rank);
+}
+
+fn write_opt_int(out: &mut Vec<u8>, v: Option<i64>) {
+    match v {
+        Some(v) => {
+            let _ = mp::write_sint(out, v);
+        }
+        None => {
+            let _ = mp::write_nil(out);
+        }
+    }
+}
+
+fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) {
+    let _ = mp::write_array_len(out, len32(hashes.len()));
+    for &h in hashes {
+        let _ = mp::write_uint(out, h);
+    }
+}
+
+fn write_tokens(out: &mut Vec<u8>, tokens: &[u32]) {
+    let _ = mp::write_array_len(out, len32(tokens.len()));
+    for &t in tokens {
+        let _ = mp::write_uint(out, t as u64);
+    }
+}
+
+fn write_key(out: &mut Vec<u8>, key: &str) {
+    let _ = mp::write_str(out, key);
+}
+
+fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, nils: bool) {
+    match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+        } => {
+            let len = if nils {
+                8
+            } else {
+                4 + parent_block_hash.is_some() as u32
+                    + lora_id.is_some() as u32
+                    + medium.is_some() as u32
+            };
+            let _ = mp::write_map_len(out, len);
+            write_key(out, "type");
+            write_key(out, "BlockStored");
+            write_key(out, "block_hashes");
+            write_hashes(out, block_hashes);
+            if parent_block_hash.is_some() || nils {
+                write_key(out, "parent_block_hash");
+                match parent_block_hash {
+                    Some(parent) => {
+                        let _ = mp::write_uint(out, *parent);
+                    }
+                    None => {
+                        let _ = mp::write_nil(out);
+                    }
+                }
+            }
+            write_key(out, "token_ids");
+            write_tokens(out, token_ids);
+            write_key(out, "block_size");
+            let _ = mp::write_uint(out, *block_size as u64);
+            if lora_id.is_some() || nils {
+                write_key(out, "lora_id");
+                write_opt_int(out, *lora_id);
+            }
+            if medium.is_some() || nils {
+                write_key(out, "medium");
+                write_opt_medium(out, medium);
+            }
+            if nils {
+                write_key(out, "lora_name");
+                let _ = mp::write_nil(out);
+            }
+        }
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+        } => {
+            let _ = mp::write_map_len(out, 2 + (medium.is_some() || nils) as u32);
+            write_key(out, "type");
+            write_key(out, "BlockRemoved");
+            write_key(out, "block_hashes");
+            write_hashes(out, block_hashes);
+            if medium.is_some() || nils {
+                write_key(out, "medium");
+                write_opt_medium(out, medium);
+            }
+        }
+        KvEvent::AllBlocksCleared => {
+            let _ = mp::write_map_len(out, 1);
+            write_key(out, "type");
+            write_key(out, "AllBlocksCleared");
+        }
+    }
+}
+
+fn write_opt_medium(out: &mut Vec<u8>, medium: &Option<super::Medium>) {
+    match medium {
+        Some(m) => write_key(out, m.as_str()),
+        None => {
+            let _ = mp::write_nil(out);
+        }
+    }
+}
+
+fn write_event_array(out: &mut Vec<u8>, event: &KvEvent) {
+    match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+        } => {
+            let _ = mp::write_array_len(out, 8);
+            write_key(out, "BlockStored");
+            write_hashes(out, block_hashes);
+            match parent_block_hash {
+                Some(p) => {
+                    let _ = mp::write_uint(out, *p);
+                }
+                None => {
+                    let _ = mp::write_nil(out);
+                }
+            }
+            write_tokens(out, token_ids);
+            let _ = mp::write_uint(out, *block_size as u64);
+            write_opt_int(out, *lora_id);
+            write_opt_medium(out, medium);
+            let _ = mp::write_nil(out); // lora_name
+        }
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+        } => {
+            let _ = mp::write_array_len(out, 3);
+            write_key(out, "BlockRemoved");
+            write_hashes(out, block_hashes);
+            write_opt_medium(out, medium);
+        }
+        KvEvent::AllBlocksCleared => {
+            let _ = mp::write_array_len(out, 1);
+            write_key(out, "AllBlocksCleared");
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! KV cache events as vLLM and SGLang publish them (see replica-interfaces.md section 1).
+//!
+//! The types here are shared by the simulated replica (which encodes and publishes them) and
+//! by the balancer's telemetry (which decodes them). Hashes are opaque 64-bit ids whatever the
+//! wire form (unsigned, signed or 32-byte digests): the engine hash only links parents and
+//! applies removals; content identity comes from `token_ids`.
+//!
+//! `encode` writes batches as vLLM 0.33 does (map or positional events); `decode` reads every
+//! variant vLLM and SGLang send; `kvlb_zmtp::publisher` is the engine side over ZeroMQ (PUB +
+//! replay ROUTER) plus the balancer's `replay` client; `reference_hash` recomputes engine block ids where a fleet
+//! pins a reproducible scheme.
+
+#![forbid(unsafe_code)]
+
+pub mod decode;
+pub mod encode;
+pub mod reference_hash;
+
+pub use decode::{decode_batch, DecodeError};
+pub use encode::encode_batch;
+
+#[cfg(test)]
+mod codec_tests;
+
+/// Where a block lives. Anything other than `Gpu` is an offloaded tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    Gpu,
+    Cpu,
+    CpuPinned,
+    Disk,
+    Storage,
+    External,
+    /// A medium name this build does not know; treated as an offloaded tier.
+    Other,
+}
+
+impl Medium {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+            Medium::CpuPinned => "CPU_PINNED",
+            Medium::Disk => "DISK",
+            Medium::Storage => "STORAGE",
+            Medium::External => "EXTERNAL",
+            Medium::Other => "OTHER",
+        }
+    }
+
+    pub fn parse(s: &str) -> Medium {
+        match s {
+            "GPU" | "gpu" => Medium::Gpu,
+            "CPU" | "cpu" => Medium::Cpu,
+            "CPU_PINNED" | "cpu_pinned" => Medium::CpuPinned,
+            "DISK" | "disk" => Medium::Disk,
+            "STORAGE" | "storage" => Medium::Storage,
+            "EXTERNAL" | "external" => Medium::External,
+            _ => Medium::Other,
+        }
+    }
+}
+
+/// One KV cache event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    /// `block_hashes.len()` consecutive full blocks; `token_ids` holds
+    /// `block_hashes.len() * block_size` tokens; `parent_block_hash` is the block before the
+    /// first one (None at the start of a prompt).
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<i64>,
+        medium: Option<Medium>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+        medium: Option<Medium>,
+    },
+    AllBlocksCleared,
+}
+
+/// One published batch: `[ts, events, dp_rank]` on the wire.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventBatch {
+    /// Seconds since the Unix epoch, as the engine's clock reads.
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub dp_rank: Option<i64>,
+}
+
+/// Which event encoding a publisher uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventFormat {
+    /// msgpack maps tagged by a "type" key (vLLM >= 0.24, SGLang >= 2026-09). The default.
+    Map,
+    /// positional arrays with the tag first (older engines).
+    Array,
+    /// maps as `Map`, but every key written, nil values included (msgspec without
+    /// `omit_defaults`): what decoders that require each key, such as vllm-router 0.1.17's
+    /// `kv_aware`, accept.
+    MapNil,
+}

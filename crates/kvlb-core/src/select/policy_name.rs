@@ -1,0 +1,92 @@
+//! The policies' names, as the configuration (file and flags) and the simulator spell them.
+//! A name parses from a flag's text (`FromStr`) and from a TOML value read as that text, with
+//! the same error, which names the bad value and the choices.
+
+#![forbid(unsafe_code)]
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+use std::str::FromStr;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyName {
+    CacheAware,
+    ConsistentHash,
+    Random,
+    RoundRobin,
+    LeastLoaded,
+    PowerOfTwo,
+}
+
+impl PolicyName {
+    pub const NAMES: &'static str =
+        "cache_aware, round_robin, least_loaded, power_of_two, consistent_hash, random";
+
+    pub fn parse(s: &str) -> Option<PolicyName> {
+        match s {
+            "cache_aware" => Some(PolicyName::CacheAware),
+            "consistent_hash" => Some(PolicyName::ConsistentHash),
+            "random" => Some(PolicyName::Random),
+            "round_robin" => Some(PolicyName::RoundRobin),
+            "least_loaded" => Some(PolicyName::LeastLoaded),
+            "power_of_two" => Some(PolicyName::PowerOfTwo),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::CacheAware => "cache_aware",
+            PolicyName::ConsistentHash => "consistent_hash",
+            PolicyName::Random => "random",
+            PolicyName::RoundRobin => "round_robin",
+            PolicyName::LeastLoaded => "least_loaded",
+            PolicyName::PowerOfTwo => "power_of_two",
+        }
+    }
+}
+
+impl FromStr for PolicyName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PolicyName, String> {
+        PolicyName::parse(s).ok_or_else(|| format!("unknown policy; one of {}", PolicyName::NAMES))
+    }
+}
+
+/// Reads a scalar value as the text a flag would carry (as the configuration's other values).
+struct Text;
+
+impl<'de> Visitor<'de> for Text {
+    type Value = String;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, a number or true/false")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
+        Ok(v)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+}
+
+/// A file value through `FromStr`: `"value": why` on error.
+impl<'de> Deserialize<'de> for PolicyName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = d.deserialize_any(Text)?;
+        text.parse()
+            .map_err(|why: String| de::Error::custom(format!("{text:?}: {why}")))
+    }
+}

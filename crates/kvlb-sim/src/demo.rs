@@ -1,0 +1,460 @@
+//! `kvlb demo`: start a simulated fleet (`kvlb replica --count N`) and, for each policy in turn,
+//! `kvlb serve` in front of it; replay agent-style sessions (a long shared system prompt and tool
+//! schema, a task per session, histories that grow turn by turn) through it with streaming
+//! requests; print time to first token and the replicas' prefix-cache hit rate per policy, side
+//! by side with round-robin measured in the same run. Nothing to configure.
+
+use crate::replay::client::{self, http};
+use crate::replay::counters::EngineCounters;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Compare routing policies on a simulated fleet, end to end.
+///
+/// Starts a simulated fleet (`kvlb replica --count N`) and, for each policy in turn, `kvlb
+/// serve` in front of it; replays agent-style sessions through it with streaming requests and
+/// prints time to first token and the replicas' prefix-cache hit rate per policy, side by side
+/// with round-robin measured in the same run.
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlb demo",
+    args_override_self = true,
+    mut_args = crate::cli::hyphen_values
+)]
+pub struct Opts {
+    /// Simulated replicas
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = crate::cli::int::<usize, 1, 64>)]
+    pub replicas: usize,
+    /// Agent sessions
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = crate::cli::int::<usize, 1, 10_000>)]
+    pub sessions: usize,
+    /// Turns per session
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = crate::cli::int::<usize, 1, 100>)]
+    pub turns: usize,
+    /// Sessions in flight at once
+    #[arg(long, value_name = "N", default_value_t = 12,
+          value_parser = crate::cli::int::<usize, 1, 1024>)]
+    pub concurrency: usize,
+    /// Simulated engine speed-up
+    #[arg(long, value_name = "X", default_value_t = 10.0, value_parser = time_scale)]
+    pub time_scale: f64,
+    /// Comma-separated policies
+    #[arg(long, value_name = "LIST", default_value = "cache_aware,round_robin,least_loaded",
+          value_parser = policy_list)]
+    pub policies: PolicyList,
+    /// Print every request: session, turn, replica, TTFT and kvlb's decision
+    #[arg(long)]
+    pub verbose: bool,
+}
+
+/// A list of policy names (a type of its own so that clap parses `--policies` as one value,
+/// not as a repeatable flag).
+pub type PolicyList = Vec<String>;
+
+fn time_scale(v: &str) -> Result<f64, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|x| *x > 0.0 && *x <= 1000.0)
+        .ok_or_else(|| "expected a number in (0, 1000]".to_string())
+}
+
+fn policy_list(v: &str) -> Result<PolicyList, String> {
+    let list: Vec<String> = v.split(',').map(|s| s.trim().to_string()).collect();
+    if let Some(bad) = list
+        .iter()
+        .find(|p| crate::select::PolicyName::parse(p).is_none())
+    {
+        return Err(format!(
+            "unknown policy {bad:?}; one of {}",
+            crate::select::PolicyName::NAMES
+        ));
+    }
+    Ok(list)
+}
+
+/// Parse `kvlb demo` flags (without the `demo` word). `--help` comes back as an error of kind
+/// `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
+pub fn parse(args: &[String]) -> Result<Opts, clap::Error> {
+    crate::cli::parse("kvlb demo", args, |_: &Opts| Ok(()))
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // Safety: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn main(args: Vec<String>) -> i32 {
+    let opts = match parse(&args) {
+        Ok(o) => o,
+        Err(e) => return crate::cli::exit_status(&e),
+    };
+    match run(&opts) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kvlb demo: {e}");
+            1
+        }
+    }
+}
+
+/// Start a child and read its stderr until a line starting with `ready`; returns the lines.
+fn spawn_until_ready(mut cmd: Command, ready: &str) -> Result<(Proc, Vec<String>), String> {
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let stderr = child.stderr.take().expect("piped stderr");
+    let proc = Proc(child);
+    let mut lines = Vec::new();
+    let mut reader = BufReader::new(stderr).lines();
+    loop {
+        match reader.next() {
+            Some(Ok(l)) => {
+                let done = l.starts_with(ready);
+                lines.push(l);
+                if done {
+                    break;
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "{cmd:?} exited before it was ready:\n{}",
+                    lines.join("\n")
+                ))
+            }
+        }
+    }
+    std::thread::spawn(move || for _ in reader {});
+    Ok((proc, lines))
+}
+
+fn addr_after(line: &str, marker: &str) -> Option<SocketAddr> {
+    let rest = &line[line.find(marker)? + marker.len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+fn run(o: &Opts) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    eprintln!(
+        "kvlb demo: {} simulated replicas (8B model on H100 timing, {}x real time), {} agent sessions x {} turns",
+        o.replicas, o.time_scale, o.sessions, o.turns
+    );
+    let mut cmd = Command::new(&exe);
+    cmd.args(["replica", "--listen", "127.0.0.1:0", "--model", "sim-8b"])
+        .args(["--count", &o.replicas.to_string()])
+        .args(["--time-scale", &o.time_scale.to_string()]);
+    let (_fleet, lines) = spawn_until_ready(cmd, "kvlb replica: ready")?;
+    let replicas: Vec<SocketAddr> = lines.iter().filter_map(|l| addr_after(l, " on ")).collect();
+    if replicas.len() != o.replicas {
+        return Err(format!(
+            "expected {} replicas, saw:\n{}",
+            o.replicas,
+            lines.join("\n")
+        ));
+    }
+
+    let mut results = Vec::new();
+    for policy in &o.policies {
+        for r in &replicas {
+            http(*r, "POST", "/reset_prefix_cache", b"")?;
+        }
+        let before = fleet_counters(&replicas)?;
+        let mut cmd = Command::new(&exe);
+        cmd.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--explain",
+        ])
+        .args(["--policy", policy]);
+        for r in &replicas {
+            cmd.args(["--replica", &format!("http://{r}")]);
+        }
+        let (kvlb, lines) = spawn_until_ready(cmd, "kvlb: ready")?;
+        let listen = lines
+            .iter()
+            .find_map(|l| addr_after(l, "listening on "))
+            .ok_or("kvlb did not say where it listens")?;
+        let urls: Vec<String> = replicas.iter().map(|r| format!("http://{r}")).collect();
+        let r = replay(listen, o, policy, &urls)?;
+        drop(kvlb);
+        let after = fleet_counters(&replicas)?;
+        let queries = after.0 - before.0;
+        let hits = after.1 - before.1;
+        results.push((policy.clone(), r, hits / queries.max(1.0), queries - hits));
+    }
+
+    println!();
+    println!(
+        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>10} {:>16}  requests per replica",
+        "policy", "requests", "ttft p50", "ttft p90", "ttft p99", "hit rate", "prefill tokens"
+    );
+    for (policy, r, hit, prefill) in &results {
+        println!(
+            "{:<14} {:>8} {:>9.3}s {:>9.3}s {:>9.3}s {:>9.1}% {:>16.0}  {:?}",
+            policy,
+            r.ttft.len(),
+            pct(&r.ttft, 0.5),
+            pct(&r.ttft, 0.9),
+            pct(&r.ttft, 0.99),
+            hit * 100.0,
+            prefill,
+            r.per_replica
+        );
+    }
+    if let Some((_, base, _, base_prefill)) = results.iter().find(|r| r.0 == "round_robin") {
+        for (policy, r, _, prefill) in results.iter().filter(|r| r.0 != "round_robin") {
+            println!(
+                "{policy} vs round_robin: p99 TTFT x{:.2}, p50 TTFT x{:.2}, prefill computed x{:.2}",
+                pct(&r.ttft, 0.99) / pct(&base.ttft, 0.99).max(1e-9),
+                pct(&r.ttft, 0.5) / pct(&base.ttft, 0.5).max(1e-9),
+                prefill / base_prefill.max(1.0)
+            );
+        }
+    }
+    println!("(TTFT in simulated GPU seconds: wall time x time scale)");
+    Ok(())
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Replay {
+    ttft: Vec<f64>,
+    per_replica: Vec<usize>,
+}
+
+/// The replicas' prefix-cache query and hit token counters, summed.
+fn fleet_counters(replicas: &[SocketAddr]) -> Result<(f64, f64), String> {
+    let mut q = 0.0;
+    let mut h = 0.0;
+    for r in replicas {
+        let c = EngineCounters::fetch(*r)?;
+        q += c.prefix_queries;
+        h += c.prefix_hits;
+    }
+    Ok((q, h))
+}
+
+const SYSTEM: &str = "You are a coding agent working in a large repository. Follow the user's instructions exactly, think step by step, use the tools provided to read and edit files, run the test suite after every change, and report what you changed and why. Never invent file contents: read them first. Keep answers short and precise. ";
+const TOOLS: &str = r#"[{"type":"function","function":{"name":"read_file","description":"Read a file of the repository and return its contents with line numbers.","parameters":{"type":"object","properties":{"path":{"type":"string","description":"Path relative to the repository root."},"start":{"type":"integer"},"end":{"type":"integer"}},"required":["path"]}}},{"type":"function","function":{"name":"edit_file","description":"Replace a range of lines of a file with new text.","parameters":{"type":"object","properties":{"path":{"type":"string"},"start":{"type":"integer"},"end":{"type":"integer"},"text":{"type":"string"}},"required":["path","start","end","text"]}}},{"type":"function","function":{"name":"run_tests","description":"Run the test suite, or one test by name, and return its output.","parameters":{"type":"object","properties":{"filter":{"type":"string"}}}}}]"#;
+
+/// A session's own context: its task and the source file it works on (about 6k tokens).
+fn session_context(s: usize) -> String {
+    let mut text = format!(
+        "Task {s}: the function parse_config in src/config_{s}.rs mishandles empty values. Find the cause, fix it, and add a regression test. Here is the file:\n"
+    );
+    for line in 0..400 {
+        text.push_str(&format!(
+            "{line:4}  let value_{s}_{line} = settings.get(\"key_{line}\").map(|v| v.trim()).unwrap_or_default();\n"
+        ));
+    }
+    text
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).expect("string serialises")
+}
+
+/// Replay the sessions through kvlb at `listen`.
+fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result<Replay, String> {
+    let system = SYSTEM.repeat(12);
+    let total = o.sessions * o.turns;
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let out = Arc::new(Mutex::new((Vec::new(), Vec::new(), None::<String>)));
+    let mut threads = Vec::new();
+    for _ in 0..o.concurrency.min(o.sessions) {
+        let (next, done, out, system) = (next.clone(), done.clone(), out.clone(), system.clone());
+        let (sessions, turns, scale, verbose) = (o.sessions, o.turns, o.time_scale, o.verbose);
+        let policy = policy.to_string();
+        let start = Instant::now();
+        threads.push(std::thread::spawn(move || loop {
+            let s = next.fetch_add(1, Ordering::Relaxed);
+            if s >= sessions {
+                return;
+            }
+            // Sessions arrive over time (one every 0.4 simulated seconds), not all at once.
+            let arrival = Duration::from_secs_f64(0.4 * s as f64 / scale);
+            if let Some(wait) = arrival.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+            let mut messages = format!(
+                r#"{{"role":"system","content":{}}},{{"role":"user","content":{}}}"#,
+                json_str(&system),
+                json_str(&session_context(s))
+            );
+            for t in 0..turns {
+                let body = format!(
+                    r#"{{"model":"sim-8b","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{messages}]}}"#
+                );
+                match stream_chat(listen, body.as_bytes()) {
+                    Ok((ttft, replica, text, decision)) => {
+                        if verbose {
+                            eprintln!(
+                                "{policy} session {s} turn {t}: {replica} ttft {:.3}s {decision}",
+                                ttft * scale
+                            );
+                        }
+                        let mut g = out.lock().unwrap();
+                        g.0.push(ttft * scale);
+                        g.1.push(replica);
+                        drop(g);
+                        messages.push_str(&format!(
+                            r#",{{"role":"assistant","content":{}}},{{"role":"user","content":{}}}"#,
+                            json_str(&text),
+                            json_str(&format!(
+                                "Tool output for step {t} of task {s}: {}",
+                                "test_parse_config ... ok; test_empty_values ... FAILED ".repeat(6)
+                            ))
+                        ));
+                    }
+                    Err(e) => {
+                        out.lock().unwrap().2 = Some(e);
+                    }
+                }
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                progress(&policy, n, total);
+            }
+        }));
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    eprintln!();
+    let g = out.lock().unwrap();
+    if let Some(e) = &g.2 {
+        return Err(format!("a request through kvlb failed: {e}"));
+    }
+    let per_replica = urls
+        .iter()
+        .map(|u| g.1.iter().filter(|x| *x == u).count())
+        .collect();
+    Ok(Replay {
+        ttft: g.0.clone(),
+        per_replica,
+    })
+}
+
+fn progress(policy: &str, n: usize, total: usize) {
+    let width = 30;
+    let filled = n * width / total.max(1);
+    if n != total && filled == (n - 1) * width / total.max(1) {
+        return;
+    }
+    eprint!(
+        "\r{policy:<14} [{}{}] {n}/{total}",
+        "#".repeat(filled),
+        "-".repeat(width - filled)
+    );
+}
+
+/// One streaming chat request: (seconds to the first SSE event, replica, generated text,
+/// kvlb's decision header).
+fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, String), String> {
+    let answer = client::stream(
+        addr,
+        "/v1/chat/completions",
+        body,
+        Duration::from_secs(120),
+        true,
+    )?;
+    let text = String::from_utf8_lossy(&answer.body);
+    if answer.status != 200 {
+        return Err(format!(
+            "{}: {text}",
+            answer.head.lines().next().unwrap_or("")
+        ));
+    }
+    let replica = answer.header("x-kvlb-replica").unwrap_or("?").to_string();
+    let decision = answer.header("x-kvlb-decision").unwrap_or("").to_string();
+    let mut content = String::new();
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                content.push_str(c);
+            }
+        }
+    }
+    Ok((
+        answer.ttft_s.ok_or("no SSE event")?,
+        replica,
+        content,
+        decision,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn flags_defaults_repeats_and_errors() {
+        // clap checks its definition in debug builds (`cargo test` without --release).
+        <Opts as clap::CommandFactory>::command().debug_assert();
+        let o = parse(&[]).unwrap();
+        assert_eq!(
+            (o.replicas, o.sessions, o.turns, o.concurrency, o.time_scale),
+            (4, 32, 5, 12, 10.0)
+        );
+        assert_eq!(o.policies, ["cache_aware", "round_robin", "least_loaded"]);
+        assert!(!o.verbose);
+        let o = parse(&args(
+            "--replicas 2 --replicas=3 --policies round_robin --time-scale 1000 --verbose",
+        ))
+        .unwrap();
+        assert_eq!((o.replicas, o.time_scale, o.verbose), (3, 1000.0, true));
+        assert_eq!(o.policies, ["round_robin"]);
+        for (bad, flag, value) in [
+            ("--replicas 65", "--replicas", "65"),
+            ("--sessions 0", "--sessions", "0"),
+            ("--turns many", "--turns", "many"),
+            ("--concurrency -3", "--concurrency", "-3"),
+            ("--time-scale 1001", "--time-scale", "1001"),
+            ("--time-scale nan", "--time-scale", "nan"),
+            ("--policies cache_aware,best", "--policies", "best"),
+            ("--policies cache_aware,", "--policies", "\"\""),
+            ("--bogus 1", "--bogus", "--bogus"),
+            ("--turns", "--turns", "value is required"),
+        ] {
+            let e = parse(&args(bad)).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains(value), "{bad}: {e}");
+        }
+        let e = parse(&args("--help")).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+}

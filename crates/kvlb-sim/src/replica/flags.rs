@@ -1,0 +1,500 @@
+//! Command-line flags of `kvlb replica` -> a validated `ReplicaFlags`. Pure: no I/O, so every
+//! bad flag is tested here. Each flag is declared once, as a field of `ReplicaFlags` or
+//! `EngineFlags`: its doc comment is its help, its value parser its validation (errors name the
+//! flag and the value); `ReplicaFlags::validate` checks the flags against each other.
+
+#![forbid(unsafe_code)]
+
+use crate::cli;
+use crate::engine::EngineConfig;
+use crate::kv_events::EventFormat;
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Args, Parser};
+use std::net::SocketAddr;
+
+const AFTER_HELP: &str = "\
+On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
+(plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled), then `kvlb replica: ready`.
+Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
+With a host KV tier every computed block is also kept in host memory (KV events with medium
+CPU) and a prefix the GPU evicted is loaded back instead of recomputed.
+/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).";
+
+/// Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV
+/// events).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvlb replica",
+    after_help = AFTER_HELP,
+    args_override_self = true,
+    mut_args = cli::hyphen_values
+)]
+pub struct ReplicaFlags {
+    /// HTTP address of replica 0 (e.g. 127.0.0.1:8000; port 0 = ephemeral); replica i listens
+    /// on port + i
+    #[arg(long, value_name = "ADDR", value_parser = socket_addr)]
+    pub listen: SocketAddr,
+    /// Serve N independent replicas on consecutive ports
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, 1024>)]
+    pub count: u32,
+    /// Publish KV cache events (ZeroMQ PUB) on ADDR, port shifted per replica (tcp://*:PORT
+    /// binds all interfaces)
+    #[arg(long, value_name = "tcp://ADDR", value_parser = tcp_endpoint)]
+    pub kv_events: Option<SocketAddr>,
+    /// Serve event replay (ZeroMQ ROUTER) on ADDR, port shifted per replica (needs
+    /// --kv-events)
+    #[arg(long, value_name = "tcp://ADDR", value_parser = tcp_endpoint)]
+    pub kv_replay: Option<SocketAddr>,
+    /// Event encoding
+    #[arg(long, value_name = "FORMAT", default_value = "map", value_parser = event_format())]
+    pub kv_events_format: EventFormat,
+    /// Topic frame of every event message (default: empty)
+    #[arg(
+        long,
+        value_name = "TOPIC",
+        default_value = "",
+        hide_default_value = true
+    )]
+    pub kv_events_topic: String,
+    /// Engine seconds per wall second (100 = 100x faster)
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = cli::positive)]
+    pub time_scale: f64,
+    /// Served model name
+    #[arg(long, value_name = "NAME", default_value = "Qwen/Qwen3-8B", value_parser = model_name)]
+    pub model: String,
+    /// Seed of response ids and of the engine's block hash ids
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = cli::int::<u64, 0, { u64::MAX }>)]
+    pub seed: u64,
+    /// Hugging Face tokenizer.json: text prompts get its ids, chat prompts its chat template's
+    /// (default: the simulated tokenizer)
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<String>,
+    /// tokenizer_config.json or .jinja (default: beside the tokenizer; needs --tokenizer)
+    #[arg(long, value_name = "PATH")]
+    pub chat_template: Option<String>,
+    #[command(flatten)]
+    pub engine: EngineFlags,
+}
+
+/// The simulated engine's flags; defaults are `EngineConfig::default()`, the calibrated 8B
+/// model on one H100.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Engine")]
+pub struct EngineFlags {
+    /// Longest prompt + completion in tokens
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_model_len,
+          value_parser = cli::int::<u32, 1, { u32::MAX as u64 }>)]
+    pub max_model_len: u32,
+    /// KV cache capacity in tokens
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().kv_capacity_tokens,
+          value_parser = cli::int::<u64, 1, { u64::MAX }>)]
+    pub kv_capacity_tokens: u64,
+    /// Tokens per KV block
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().block_size,
+          value_parser = cli::int::<u32, 1, { 1 << 16 }>)]
+    pub block_size: u32,
+    /// Most sequences running at once
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_num_seqs,
+          value_parser = cli::int::<u32, 1, { u32::MAX as u64 }>)]
+    pub max_num_seqs: u32,
+    /// Tokens scheduled per engine step
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_num_batched_tokens,
+          value_parser = cli::int::<u32, 1, { u32::MAX as u64 }>)]
+    pub max_num_batched_tokens: u32,
+    /// Prefill step seconds, fixed part: a step takes a + b*new + c*new*context
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().prefill_a_s,
+          value_parser = cli::non_negative)]
+    pub prefill_a_s: f64,
+    /// Prefill seconds per new token (b)
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().prefill_b_s,
+          value_parser = cli::non_negative)]
+    pub prefill_b_s: f64,
+    /// Prefill seconds per new token per context token (c)
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().prefill_c_s,
+          value_parser = cli::non_negative)]
+    pub prefill_c_s: f64,
+    /// Decode step seconds, fixed part: a step takes base + per_seq*batch +
+    /// per_ctx_token*context
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().decode_base_s,
+          value_parser = cli::non_negative)]
+    pub decode_base_s: f64,
+    /// Decode seconds per running sequence (per_seq)
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().decode_per_seq_s,
+          value_parser = cli::non_negative)]
+    pub decode_per_seq_s: f64,
+    /// Decode seconds per context token (per_ctx_token)
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().decode_per_ctx_token_s,
+          value_parser = cli::non_negative)]
+    pub decode_per_ctx_token_s: f64,
+    /// Host-memory KV tier (CPU offloading) in tokens; 0 = none
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().host_kv_capacity_tokens,
+          value_parser = cli::int::<u64, 0, { u64::MAX }>)]
+    pub host_kv_capacity_tokens: u64,
+    /// Seconds per token to load KV back from the host tier
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().host_load_s_per_token,
+          value_parser = cli::non_negative)]
+    pub host_load_s_per_token: f64,
+}
+
+impl EngineFlags {
+    /// The engine these flags describe (hash seed 0; each replica sets its own).
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            max_model_len: self.max_model_len,
+            kv_capacity_tokens: self.kv_capacity_tokens,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            prefill_a_s: self.prefill_a_s,
+            prefill_b_s: self.prefill_b_s,
+            prefill_c_s: self.prefill_c_s,
+            decode_base_s: self.decode_base_s,
+            decode_per_seq_s: self.decode_per_seq_s,
+            decode_per_ctx_token_s: self.decode_per_ctx_token_s,
+            host_kv_capacity_tokens: self.host_kv_capacity_tokens,
+            host_load_s_per_token: self.host_load_s_per_token,
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// Engine fields and the flags that set them, to name the flag in validation errors.
+const ENGINE_FLAGS: [(&str, &str); 13] = [
+    ("host_kv_capacity_tokens", "--host-kv-capacity-tokens"),
+    ("host_load_s_per_token", "--host-load-s-per-token"),
+    ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("kv_capacity_tokens", "--kv-capacity-tokens"),
+    ("max_model_len", "--max-model-len"),
+    ("max_num_seqs", "--max-num-seqs"),
+    ("block_size", "--block-size"),
+    ("prefill_a_s", "--prefill-a-s"),
+    ("prefill_b_s", "--prefill-b-s"),
+    ("prefill_c_s", "--prefill-c-s"),
+    ("decode_base_s", "--decode-base-s"),
+    ("decode_per_seq_s", "--decode-per-seq-s"),
+    ("decode_per_ctx_token_s", "--decode-per-ctx-token-s"),
+];
+
+/// Parse `args` (without the `replica` word). `--flag value` and `--flag=value` both work; a
+/// repeated flag's last value wins. `--help` comes back as an error of kind `DisplayHelp`
+/// (exit status 0), like every parse error ready for `cli::exit_status`.
+pub fn parse(args: &[String]) -> Result<ReplicaFlags, clap::Error> {
+    cli::parse("kvlb replica", args, ReplicaFlags::validate)
+}
+
+impl ReplicaFlags {
+    /// The checks across flags; the error names the flags.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.chat_template.is_some() && self.tokenizer.is_none() {
+            return Err("--chat-template needs --tokenizer".to_string());
+        }
+        if self.kv_replay.is_some() && self.kv_events.is_none() {
+            return Err("--kv-replay needs --kv-events".to_string());
+        }
+        let engine = self.engine.config();
+        if engine.kv_capacity_tokens < engine.block_size as u64 {
+            return Err(format!(
+                "bad value for --kv-capacity-tokens: {} (less than one block of {} tokens)",
+                engine.kv_capacity_tokens, engine.block_size
+            ));
+        }
+        let host = engine.host_kv_capacity_tokens;
+        if host > 0 && host < engine.block_size as u64 {
+            return Err(format!(
+                "bad value for --host-kv-capacity-tokens: {host} (less than one block of {} tokens; 0 turns the host tier off)",
+                engine.block_size
+            ));
+        }
+        if let Err(e) = engine.validate() {
+            let named: Vec<&str> = ENGINE_FLAGS
+                .iter()
+                .filter(|(f, _)| names_field(&e, f))
+                .map(|(_, flag)| *flag)
+                .collect();
+            return Err(format!("invalid engine flags ({}): {e}", named.join(", ")));
+        }
+        let runs = [
+            ("--listen", Some(self.listen)),
+            ("--kv-events", self.kv_events),
+            ("--kv-replay", self.kv_replay),
+        ];
+        for (name, addr) in runs {
+            if let Some(a) = addr {
+                if a.port() != 0 && a.port() as u32 + self.count - 1 > 65_535 {
+                    return Err(format!(
+                        "bad value for {name}: {a} (port + --count {} runs past 65535)",
+                        self.count
+                    ));
+                }
+            }
+        }
+        // Port runs of different sockets must not overlap (e.g. --kv-events :5557 --kv-replay
+        // :5558 with --count 2 would give replica 1 the replay port of replica 0).
+        for (i, (name_a, a)) in runs.iter().enumerate() {
+            for (name_b, b) in runs.iter().skip(i + 1) {
+                let (Some(a), Some(b)) = (a, b) else { continue };
+                if a.port() == 0 || b.port() == 0 {
+                    continue;
+                }
+                let (pa, pb) = (a.port() as u32, b.port() as u32);
+                if pa < pb + self.count && pb < pa + self.count {
+                    return Err(format!(
+                        "bad value for {name_b}: {b} (ports {pb}..{} overlap {name_a} ports {pa}..{} with --count {})",
+                        pb + self.count - 1,
+                        pa + self.count - 1,
+                        self.count
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `message` names `field` as a whole word (kv_capacity_tokens is not named by
+/// host_kv_capacity_tokens).
+fn names_field(message: &str, field: &str) -> bool {
+    message.match_indices(field).any(|(at, _)| {
+        let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        !message[..at].ends_with(word) && !message[at + field.len()..].starts_with(word)
+    })
+}
+
+/// `--kv-events-format`: the encodings, each with its help.
+fn event_format() -> impl TypedValueParser<Value = EventFormat> {
+    PossibleValuesParser::new([
+        PossibleValue::new("map").help("msgpack maps (vLLM >= 0.24)"),
+        PossibleValue::new("array").help("positional arrays (older vLLM)"),
+        PossibleValue::new("map-nil").help(
+            "maps with nil keys written out, for decoders that require every key, such as \
+             vllm-router's kv_aware",
+        ),
+    ])
+    .map(|name| match name.as_str() {
+        "array" => EventFormat::Array,
+        "map-nil" => EventFormat::MapNil,
+        _ => EventFormat::Map,
+    })
+}
+
+fn model_name(value: &str) -> Result<String, String> {
+    if value.is_empty() {
+        return Err("expected a model name".to_string());
+    }
+    Ok(value.to_string())
+}
+
+fn socket_addr(value: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = value.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    // "localhost:8000" and other host names: resolve once at start-up.
+    use std::net::ToSocketAddrs;
+    match value.to_socket_addrs() {
+        Ok(mut it) => it.next().ok_or_else(|| "no address".to_string()),
+        Err(_) => Err("expected HOST:PORT".to_string()),
+    }
+}
+
+fn tcp_endpoint(value: &str) -> Result<SocketAddr, String> {
+    let expected = || "expected tcp://HOST:PORT".to_string();
+    let rest = value.strip_prefix("tcp://").ok_or_else(expected)?;
+    // vLLM configs say tcp://*:5557; bind all interfaces then.
+    let rest = match rest.strip_prefix("*:") {
+        Some(port) => format!("0.0.0.0:{port}"),
+        None => rest.to_string(),
+    };
+    socket_addr(&rest).map_err(|_| expected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::error::ErrorKind;
+    use clap::CommandFactory;
+
+    fn run(args: &[&str]) -> Result<ReplicaFlags, String> {
+        let v: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        parse(&v).map_err(|e| e.to_string())
+    }
+
+    fn help() -> String {
+        ReplicaFlags::command().render_long_help().to_string()
+    }
+
+    #[test]
+    fn parses_every_flag_form() {
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--count=4",
+            "--kv-events",
+            "tcp://127.0.0.1:5557",
+            "--kv-replay=tcp://127.0.0.1:6557",
+            "--kv-events-format",
+            "array",
+            "--time-scale",
+            "100",
+            "--block-size",
+            "32",
+            "--prefill-b-s",
+            "1e-5",
+        ])
+        .unwrap();
+        assert_eq!(f.count, 4);
+        assert_eq!(f.kv_events.unwrap().port(), 5557);
+        assert_eq!(f.kv_replay.unwrap().port(), 6557);
+        assert_eq!(f.kv_events_format, EventFormat::Array);
+        assert_eq!(f.time_scale, 100.0);
+        assert_eq!(f.engine.block_size, 32);
+        assert_eq!(f.engine.prefill_b_s, 1e-5);
+        assert_eq!(
+            f.engine.host_kv_capacity_tokens, 0,
+            "no host tier by default"
+        );
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--host-kv-capacity-tokens",
+            "3200000",
+            "--host-load-s-per-token=2e-6",
+        ])
+        .unwrap();
+        assert_eq!(f.engine.host_kv_capacity_tokens, 3_200_000);
+        assert_eq!(f.engine.host_load_s_per_token, 2e-6);
+        let f = run(&["--listen", "127.0.0.1:0", "--kv-events-format=map-nil"]).unwrap();
+        assert_eq!(f.kv_events_format, EventFormat::MapNil);
+        let f = run(&["--listen", "127.0.0.1:0", "--kv-events", "tcp://*:7000"]).unwrap();
+        assert_eq!(f.kv_events.unwrap().to_string(), "0.0.0.0:7000");
+    }
+
+    #[test]
+    fn errors_name_flag_and_value() {
+        let e = run(&["--listen", "127.0.0.1:0", "--count", "zero"]).unwrap_err();
+        assert!(e.contains("--count") && e.contains("zero"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--time-scale", "-1"]).unwrap_err();
+        assert!(e.contains("--time-scale") && e.contains("-1"), "{e}");
+        let e = run(&["--listen", "nowhere"]).unwrap_err();
+        assert!(e.contains("--listen") && e.contains("nowhere"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--kv-events", "127.0.0.1:1"]).unwrap_err();
+        assert!(e.contains("--kv-events"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--bogus", "1"]).unwrap_err();
+        assert!(e.contains("--bogus"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--kv-events-format", "xml"]).unwrap_err();
+        assert!(e.contains("xml"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:65535", "--count", "2"]).unwrap_err();
+        assert!(e.contains("65535"), "{e}");
+        assert!(run(&["--count", "2"]).unwrap_err().contains("--listen"));
+        let e = run(&["--listen"]).unwrap_err();
+        assert!(
+            e.contains("--listen") && e.contains("value is required"),
+            "{e}"
+        );
+        assert!(matches!(parse(&["--help".to_string()]),
+            Err(e) if e.kind() == ErrorKind::DisplayHelp));
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--max-num-seqs",
+            "512",
+            "--max-num-batched-tokens",
+            "100",
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("--max-num-batched-tokens") && e.contains("100"),
+            "{e}"
+        );
+        assert!(help().contains("--decode-per-ctx-token-s"));
+        assert!(help().contains("--host-kv-capacity-tokens"));
+        let e = run(&["--listen", "127.0.0.1:0", "--host-kv-capacity-tokens", "8"]).unwrap_err();
+        assert!(
+            e.contains("--host-kv-capacity-tokens") && e.contains('8'),
+            "{e}"
+        );
+        let e = run(&["--listen", "127.0.0.1:0", "--host-load-s-per-token", "-1"]).unwrap_err();
+        assert!(e.contains("--host-load-s-per-token"), "{e}");
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--host-kv-capacity-tokens",
+            "999999999999999",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--host-kv-capacity-tokens"), "{e}");
+        assert!(!e.contains(" --kv-capacity-tokens"), "{e}");
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--count",
+            "2",
+            "--kv-events",
+            "tcp://127.0.0.1:5557",
+            "--kv-replay",
+            "tcp://127.0.0.1:5558",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--kv-replay") && e.contains("overlap"), "{e}");
+        assert!(run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--count",
+            "2",
+            "--kv-events",
+            "tcp://127.0.0.1:8002"
+        ])
+        .is_ok());
+    }
+
+    #[test]
+    fn defaults_repeats_and_hyphen_values() {
+        // clap checks its definition in debug builds (`cargo test` without --release).
+        <ReplicaFlags as clap::CommandFactory>::command().debug_assert();
+        let f = run(&["--listen", "127.0.0.1:0"]).unwrap();
+        assert_eq!((f.count, f.time_scale, f.seed), (1, 1.0, 0));
+        assert_eq!(f.model, "Qwen/Qwen3-8B");
+        assert_eq!(f.kv_events_format, EventFormat::Map);
+        assert_eq!(f.kv_events_topic, "");
+        assert!(f.kv_events.is_none() && f.tokenizer.is_none());
+        let d = EngineConfig::default();
+        let e = f.engine.config();
+        assert_eq!(
+            (
+                e.max_model_len,
+                e.kv_capacity_tokens,
+                e.block_size,
+                e.prefill_c_s
+            ),
+            (
+                d.max_model_len,
+                d.kv_capacity_tokens,
+                d.block_size,
+                d.prefill_c_s
+            )
+        );
+        assert_eq!(
+            (e.decode_per_ctx_token_s, e.host_load_s_per_token),
+            (d.decode_per_ctx_token_s, d.host_load_s_per_token)
+        );
+        // A repeated flag: the last value wins, as before.
+        let f = run(&["--listen", "127.0.0.1:0", "--count", "2", "--count=3"]).unwrap();
+        assert_eq!(f.count, 3);
+        // A value starting with '-' is the flag's (bad) value, not another flag.
+        let e = run(&["--listen", "127.0.0.1:0", "--count", "-1"]).unwrap_err();
+        assert!(e.contains("--count") && e.contains("-1"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--model", ""]).unwrap_err();
+        assert!(e.contains("--model"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--chat-template", "t.jinja"]).unwrap_err();
+        assert!(e.contains("--chat-template needs --tokenizer"), "{e}");
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-replay",
+            "tcp://127.0.0.1:0",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--kv-replay needs --kv-events"), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "stray"]).unwrap_err();
+        assert!(e.contains("stray"), "{e}");
+    }
+}

@@ -1,0 +1,417 @@
+//! The HTTP side of one replica: an accept thread per listener and a thread per connection,
+//! dispatching vLLM's endpoints (/v1/completions, /v1/chat/completions, /v1/models, /health,
+//! /tokenize, /reset_prefix_cache, /metrics) onto the replica's engine. Generation answers
+//! either one JSON body or a chunked server-sent-events stream written as the engine produces
+//! each token; a client that goes away cancels its engine requests.
+
+#![forbid(unsafe_code)]
+
+use super::driver::Replica;
+use super::http::{self, Connection, Method, ReadRequestError};
+use super::openai::{
+    self, ApiError, ChoiceResult, Endpoint, GenerationRequest, ResponseMeta, Usage,
+};
+use crate::engine::tokenizer;
+use crate::engine::{EngineOutput, EngineRequest, FinishReason, RequestId};
+use crossbeam::channel::{self, Receiver, RecvTimeoutError};
+use std::io;
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Stack of a connection thread: request handling is shallow (serde_json caps nesting at 128).
+const CONNECTION_STACK_BYTES: usize = 512 * 1024;
+/// How often a waiting connection checks that its client is still there.
+const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Accept connections forever, one thread each.
+pub fn serve(listener: TcpListener, replica: Arc<Replica>) {
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let for_connection = replica.clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("replica{}-conn", replica.index))
+                    .stack_size(CONNECTION_STACK_BYTES)
+                    .spawn(move || handle_connection(stream, &for_connection));
+                if let Err(e) = spawned {
+                    eprintln!(
+                        "kvlb replica: replica {}: cannot start a connection thread: {e}",
+                        replica.index
+                    );
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                if e.kind() != io::ErrorKind::Interrupted {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+}
+
+fn handle_connection(stream: TcpStream, replica: &Replica) {
+    let mut conn = Connection::new(stream);
+    loop {
+        let req = match conn.read_request() {
+            Ok(r) => r,
+            Err(ReadRequestError::Closed) | Err(ReadRequestError::Io(_)) => return,
+            Err(ReadRequestError::Bad { status, message }) => {
+                let kind = if status == 400 {
+                    "BadRequestError"
+                } else {
+                    "HTTPError"
+                };
+                let err = ApiError {
+                    status,
+                    kind,
+                    message,
+                };
+                let _ = conn.write_all(&http::response(
+                    status,
+                    Some("application/json"),
+                    err.body().as_bytes(),
+                    false,
+                ));
+                conn.lingering_close();
+                return;
+            }
+        };
+        let keep_alive = req.keep_alive;
+        let result = dispatch(
+            &mut conn, replica, req.method, &req.path, &req.body, keep_alive,
+        );
+        if result.is_err() || !keep_alive {
+            return;
+        }
+    }
+}
+
+fn send_error(conn: &mut Connection, err: &ApiError, keep_alive: bool) -> io::Result<()> {
+    conn.write_all(&http::response(
+        err.status,
+        Some("application/json"),
+        err.body().as_bytes(),
+        keep_alive,
+    ))
+}
+
+fn send_json(conn: &mut Connection, body: &str, keep_alive: bool) -> io::Result<()> {
+    conn.write_all(&http::response(
+        200,
+        Some("application/json"),
+        body.as_bytes(),
+        keep_alive,
+    ))
+}
+
+fn dispatch(
+    conn: &mut Connection,
+    replica: &Replica,
+    method: Method,
+    path: &str,
+    body: &[u8],
+    keep_alive: bool,
+) -> io::Result<()> {
+    let path = if path.len() > 1 {
+        path.trim_end_matches('/')
+    } else {
+        path
+    };
+    let allowed = match path {
+        "/v1/completions" | "/v1/chat/completions" | "/tokenize" | "/reset_prefix_cache" => {
+            Method::Post
+        }
+        "/v1/models" | "/health" | "/metrics" | "/version" | "/ping" => Method::Get,
+        _ => return send_error(conn, &ApiError::not_found("Not Found"), keep_alive),
+    };
+    if method != allowed {
+        return send_error(conn, &ApiError::method_not_allowed(), keep_alive);
+    }
+    match path {
+        "/v1/completions" => match openai::parse_completion(body) {
+            Ok(req) => generate(conn, replica, req, keep_alive),
+            Err(e) => send_error(conn, &e, keep_alive),
+        },
+        "/v1/chat/completions" => match openai::parse_chat(body) {
+            Ok(req) => generate(conn, replica, req, keep_alive),
+            Err(e) => send_error(conn, &e, keep_alive),
+        },
+        "/tokenize" => match openai::parse_tokenize(body) {
+            Ok(tokens) => send_json(
+                conn,
+                &openai::tokenize_response(&tokens, replica.max_model_len),
+                keep_alive,
+            ),
+            Err(e) => send_error(conn, &e, keep_alive),
+        },
+        "/reset_prefix_cache" => {
+            // vLLM answers 200 even when running requests keep it from resetting.
+            replica.reset_prefix_cache();
+            conn.write_all(&http::response(200, None, b"", keep_alive))
+        }
+        "/v1/models" => send_json(
+            conn,
+            &openai::models_response(&replica.model, replica.created, replica.max_model_len),
+            keep_alive,
+        ),
+        "/health" | "/ping" => conn.write_all(&http::response(200, None, b"", keep_alive)),
+        "/version" => send_json(conn, "{\"version\":\"0.33.0\"}", keep_alive),
+        "/metrics" => conn.write_all(&http::response(
+            200,
+            Some("text/plain; version=0.0.4; charset=utf-8"),
+            replica.metrics_text().as_bytes(),
+            keep_alive,
+        )),
+        _ => send_error(conn, &ApiError::not_found("Not Found"), keep_alive),
+    }
+}
+
+fn unix_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Per-choice progress of one HTTP generation request.
+struct Choice {
+    id: RequestId,
+    prompt_index: usize,
+    text: String,
+    /// A streamed token not yet written (held back to carry the finish reason with it).
+    held: Option<String>,
+    started: bool,
+    finish: Option<FinishReason>,
+}
+
+fn generate(
+    conn: &mut Connection,
+    replica: &Replica,
+    req: GenerationRequest,
+    keep_alive: bool,
+) -> io::Result<()> {
+    let (tx, rx) = channel::unbounded::<Vec<EngineOutput>>();
+    let mut choices: Vec<Choice> = Vec::with_capacity(req.prompts.len() * req.n as usize);
+    let mut engine_requests = Vec::with_capacity(choices.capacity());
+    for (p, prompt) in req.prompts.iter().enumerate() {
+        for _ in 0..req.n {
+            let id = replica.next_request_id();
+            choices.push(Choice {
+                id,
+                prompt_index: p,
+                text: String::new(),
+                held: None,
+                started: false,
+                finish: None,
+            });
+            engine_requests.push(EngineRequest {
+                id,
+                prompt_tokens: prompt.clone(),
+                max_tokens: req.max_tokens,
+                cache_salt: req.cache_salt,
+            });
+        }
+    }
+    if let Err(e) = replica.submit(engine_requests, req.stream, &tx) {
+        return send_error(conn, &ApiError::bad_request(e.to_string()), keep_alive);
+    }
+    drop(tx);
+    let meta = ResponseMeta::new(
+        req.endpoint,
+        replica.response_random(),
+        unix_secs(),
+        &replica.model,
+    );
+    let mut usage = Usage::default();
+    let mut counted_prompt = vec![false; req.prompts.len()];
+    let result = if req.stream {
+        stream_choices(
+            conn,
+            &rx,
+            &meta,
+            &mut choices,
+            &mut usage,
+            &mut counted_prompt,
+            req.include_usage,
+            keep_alive,
+        )
+    } else {
+        collect_choices(conn, &rx, &mut choices, &mut usage, &mut counted_prompt).and_then(|()| {
+            let results: Vec<ChoiceResult> = choices
+                .iter()
+                .map(|c| ChoiceResult {
+                    text: c.text.clone(),
+                    finish_reason: c.finish,
+                })
+                .collect();
+            send_json(
+                conn,
+                &openai::full_response(&meta, &results, &usage),
+                keep_alive,
+            )
+        })
+    };
+    if result.is_err() {
+        let open: Vec<RequestId> = choices
+            .iter()
+            .filter(|c| c.finish.is_none())
+            .map(|c| c.id)
+            .collect();
+        if !open.is_empty() {
+            replica.cancel(&open);
+        }
+    }
+    result
+}
+
+/// Index of the choice an output belongs to, and account its usage when finished.
+fn apply_output(
+    out: &EngineOutput,
+    choices: &mut [Choice],
+    usage: &mut Usage,
+    counted_prompt: &mut [bool],
+) -> Option<(usize, Option<u32>)> {
+    let (id, token) = match out {
+        EngineOutput::FirstToken { id, token, .. } | EngineOutput::Token { id, token, .. } => {
+            (*id, Some(*token))
+        }
+        EngineOutput::Finished { id, .. } => (*id, None),
+    };
+    let i = choices.iter().position(|c| c.id == id)?;
+    if let EngineOutput::Finished {
+        reason,
+        prompt_tokens,
+        completion_tokens,
+        cached_tokens,
+        ..
+    } = out
+    {
+        let c = &mut choices[i];
+        c.finish = Some(*reason);
+        usage.completion_tokens += *completion_tokens as u64;
+        if !counted_prompt[c.prompt_index] {
+            counted_prompt[c.prompt_index] = true;
+            usage.prompt_tokens += *prompt_tokens as u64;
+            usage.cached_tokens += *cached_tokens as u64;
+        }
+    }
+    Some((i, token))
+}
+
+/// Wait for the next outputs, checking now and then that the client is still there.
+fn next_outputs(
+    conn: &Connection,
+    rx: &Receiver<Vec<EngineOutput>>,
+) -> io::Result<Vec<EngineOutput>> {
+    loop {
+        match rx.recv_timeout(CLIENT_CHECK_INTERVAL) {
+            Ok(batch) => return Ok(batch),
+            Err(RecvTimeoutError::Timeout) => {
+                if conn.peer_closed() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "client went away",
+                    ));
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "replica engine stopped",
+                ))
+            }
+        }
+    }
+}
+
+fn collect_choices(
+    conn: &Connection,
+    rx: &Receiver<Vec<EngineOutput>>,
+    choices: &mut [Choice],
+    usage: &mut Usage,
+    counted_prompt: &mut [bool],
+) -> io::Result<()> {
+    while choices.iter().any(|c| c.finish.is_none()) {
+        for out in next_outputs(conn, rx)? {
+            if let Some((i, Some(token))) = apply_output(&out, choices, usage, counted_prompt) {
+                tokenizer::decode_token(token, &mut choices[i].text);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_choices(
+    conn: &mut Connection,
+    rx: &Receiver<Vec<EngineOutput>>,
+    meta: &ResponseMeta,
+    choices: &mut [Choice],
+    usage: &mut Usage,
+    counted_prompt: &mut [bool],
+    include_usage: bool,
+    keep_alive: bool,
+) -> io::Result<()> {
+    conn.write_all(&http::event_stream_head(keep_alive))?;
+    let mut out: Vec<u8> = Vec::with_capacity(4096);
+    while choices.iter().any(|c| c.finish.is_none()) {
+        let mut batch = next_outputs(conn, rx)?;
+        // Take whatever else is already there: one write for everything ready.
+        while let Ok(more) = rx.try_recv() {
+            batch.extend(more);
+        }
+        out.clear();
+        for o in &batch {
+            let Some((i, token)) = apply_output(o, choices, usage, counted_prompt) else {
+                continue;
+            };
+            let c = &mut choices[i];
+            if let Some(token) = token {
+                if let Some(prev) = c.held.take() {
+                    push_choice_chunk(&mut out, meta, i, c, &prev, None);
+                }
+                let mut text = String::new();
+                tokenizer::decode_token(token, &mut text);
+                c.held = Some(text);
+            } else {
+                let last = c.held.take().unwrap_or_default();
+                let finish = c.finish;
+                push_choice_chunk(&mut out, meta, i, c, &last, finish);
+            }
+        }
+        for (i, c) in choices.iter_mut().enumerate() {
+            if let Some(prev) = c.held.take() {
+                push_choice_chunk(&mut out, meta, i, c, &prev, None);
+            }
+        }
+        if !out.is_empty() {
+            conn.write_all(&out)?;
+        }
+    }
+    out.clear();
+    if include_usage {
+        http::push_sse_chunk(&mut out, &openai::usage_chunk(meta, usage));
+    }
+    http::push_sse_chunk(&mut out, "[DONE]");
+    out.extend_from_slice(http::LAST_CHUNK);
+    conn.write_all(&out)
+}
+
+fn push_choice_chunk(
+    out: &mut Vec<u8>,
+    meta: &ResponseMeta,
+    index: usize,
+    c: &mut Choice,
+    text: &str,
+    finish: Option<FinishReason>,
+) {
+    if !c.started && meta.endpoint == Endpoint::Chat {
+        // vLLM's first chat chunk carries the role alone.
+        http::push_sse_chunk(out, &openai::stream_chunk(meta, index, "", true, None));
+    }
+    c.started = true;
+    http::push_sse_chunk(out, &openai::stream_chunk(meta, index, text, false, finish));
+}

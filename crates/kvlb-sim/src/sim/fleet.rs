@@ -1,0 +1,988 @@
+//! The discrete-event loop: a fleet of engines (`crate::engine`, the model `kvlb replica`
+//! serves) behind one selection policy (`crate::select`, the code `kvlb serve` runs), fed a
+//! trace.
+//!
+//! Two kinds of events, in time order: a request arriving (at its trace time) and an engine's
+//! step ending (`Engine::next_event_time`). At equal times the engines go first, so a policy
+//! sees every output that happened by then. An arrival builds the `RequestView` (block hashes
+//! of the trace blocks, 512 tokens each), the candidates with the load the data plane would
+//! count (in flight; queued prefill = the estimated uncached prompt tokens until the first
+//! token; decoding from the first token until finished), asks the policy, and submits the
+//! prompt to the chosen engine at that time. Outputs update the load and the per-request
+//! record (TTFT, end-to-end latency, cached tokens).
+//!
+//! The estimate of uncached tokens, and the duplicate-KV measure sampled every
+//! `SAMPLE_PERIOD_S` of simulated time, come from `RoutedBlocks` (what was routed where,
+//! bounded by each replica's KV capacity); the engines themselves are not opened up.
+//!
+//! `cache_aware`'s residency writer learns from its routing, and, when asked
+//! (`ResidencySource`), from the engines' KV events too, as `kvlb serve` does from replicas
+//! that publish them. The engines hash 16-token blocks, the trace 512-token ones: a trace
+//! block counts as stored (removed) on a replica when the engine stores (removes) the last
+//! full engine block inside it, the block an engine frees first and the one whose presence
+//! says the engine computed the whole trace block. Guesses age as the telemetry sweep ages
+//! them (`routed_guess_ttl`, checked every `SWEEP_PERIOD_S`).
+//!
+//! With a host KV tier (`EngineConfig::host_kv_capacity_tokens` > 0) `cache_aware` gets an
+//! offloaded tier as `kvlb serve` wires it (`CacheAware::with_offload_tier`): with KV events,
+//! the engines' CPU-medium BlockStored / BlockRemoved go there (GPU ones to the GPU tier, as
+//! the telemetry feed splits them); learning from routing alone, every prompt routed to a
+//! replica is believed in its host tier too (the engine writes every computed block through),
+//! LRU-bounded by the host capacity. The data plane's estimate of a request's uncached tokens
+//! then also counts what routing put in the replica's host tier (a load costs a few percent
+//! of a recompute).
+//!
+//! Everything is deterministic: time is simulated, and `random` comes from a seeded `Rng`.
+
+#![forbid(unsafe_code)]
+
+use super::routed::RoutedBlocks;
+use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
+use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
+use crate::estimate::{ReportedLoad, TtftModel};
+use crate::http::request::Method;
+use crate::kv_events::{KvEvent, Medium};
+use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
+use crate::select::{
+    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo,
+    Random, RequestView, Rng, RoundRobin, SglangCacheAware,
+};
+use std::collections::HashMap;
+use std::time::Duration;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Seconds of simulated time between duplicate-KV samples.
+pub const SAMPLE_PERIOD_S: f64 = 10.0;
+
+/// Seconds of simulated time between sweeps of aged routing guesses (with KV events), as the
+/// telemetry feed's `SWEEP_PERIOD_US`.
+pub const SWEEP_PERIOD_S: f64 = 0.5;
+
+/// What `cache_aware`'s residency writer learns from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResidencySource {
+    /// Its own routing alone; the engines' KV events are not fed back.
+    Routing,
+    /// Routing and the engines' KV events; a BlockRemoved drops a block at 0 copies.
+    Events,
+    /// Routing and KV events; a block routed to a replica since its last BlockStored there
+    /// stays through its removal (`ResidencyWriter::route`).
+    EventsPending,
+}
+
+impl ResidencySource {
+    pub const NAMES: &'static [&'static str] = &["routing", "events", "events-pending"];
+
+    pub fn parse(name: &str) -> Option<ResidencySource> {
+        match name {
+            "routing" => Some(ResidencySource::Routing),
+            "events" => Some(ResidencySource::Events),
+            "events-pending" => Some(ResidencySource::EventsPending),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ResidencySource::Routing => "routing",
+            ResidencySource::Events => "events",
+            ResidencySource::EventsPending => "events-pending",
+        }
+    }
+}
+
+/// Every policy the simulator knows, in report order.
+pub const POLICY_NAMES: &[&str] = &[
+    "round_robin",
+    "random",
+    "least_loaded",
+    "power_of_two",
+    "consistent_hash",
+    "sglang_cache_aware",
+    "cache_aware",
+];
+
+/// Routing-log records per request in flight to the residency writer (it is drained after
+/// every decision, so one request's worth would do).
+const ROUTING_LOG_RECORDS: usize = 1024;
+
+/// A policy as the data plane would run it, with whatever it keeps beside it. For
+/// `cache_aware` that is the residency index, its writer and a routing log, as `kvlb serve`
+/// wires them, except that the writer is driven synchronously: after every decision it drains
+/// the routing log at the decision's time (no writer thread, so runs are deterministic).
+///
+/// With `ResidencySource::Routing` the writer learns residency from routing alone (the
+/// engines' KV events are not fed back), bounded per replica by the KV capacity plus the
+/// prompt tokens routed there and not computed yet (with events too): a queued prompt holds no KV, so while a replica is backlogged its queue must
+/// not push out of the router's belief the blocks its cache still holds. Bounded by the KV
+/// capacity alone, a fleet at twice the conversation trace's rate (queues of minutes) forgot
+/// sessions its replicas still held and sent their next turns elsewhere.
+pub struct RoutingPolicy {
+    policy: Box<dyn Policy>,
+    residency: Option<ResidencyWriter>,
+    /// The offloaded tier's writer (cache_aware on engines with a host KV tier).
+    offload: Option<ResidencyWriter>,
+    source: ResidencySource,
+    /// With events: the engine hash of the last full engine block of a trace block -> that
+    /// trace block's hash (`trace::view_block`), for every prompt submitted.
+    engine_blocks: HashMap<u64, u64>,
+    /// Scratch for events and the engine hashes of a prompt.
+    events: Vec<KvEvent>,
+    hashes: Vec<u64>,
+    views: Vec<u64>,
+    guess_ttl_us: u64,
+    /// Seconds between the scrapes of the engines' queue and KV usage fed to the policy as
+    /// `Candidate::reported` (what `kvlb serve` reads from a replica's /metrics); 0: none.
+    scrape_interval_s: f64,
+}
+
+impl RoutingPolicy {
+    /// The policy called `name`, for a fleet of `replicas` engines configured as `engine`.
+    pub fn build(
+        name: &str,
+        replicas: usize,
+        engine: &EngineConfig,
+    ) -> Result<RoutingPolicy, String> {
+        RoutingPolicy::build_with(name, replicas, engine, &[])
+    }
+
+    /// As `build`, with `cache_aware`'s parameters in `set` (name, value; see
+    /// `select::cache_aware::PARAMETERS`) changed after its defaults; other policies have none.
+    pub fn build_with(
+        name: &str,
+        replicas: usize,
+        engine: &EngineConfig,
+        set: &[(String, f64)],
+    ) -> Result<RoutingPolicy, String> {
+        let mut residency = None;
+        let mut offload = None;
+        let policy: Box<dyn Policy> = match name {
+            "round_robin" => Box::new(RoundRobin::new(0)),
+            "random" => Box::new(Random),
+            "least_loaded" => Box::new(LeastLoaded::new(0)),
+            "power_of_two" => Box::new(PowerOfTwo),
+            "consistent_hash" => Box::new(ConsistentHash::new()),
+            "sglang_cache_aware" => Box::new(SglangCacheAware::new()),
+            "cache_aware" => {
+                let (index, mut writer) = ResidencyIndex::new(ResidencyConfig {
+                    max_replicas: replicas,
+                    block_tokens: TRACE_BLOCK_TOKENS,
+                    kv_capacity_tokens: engine.kv_capacity_tokens,
+                })?;
+                let log = writer.routing_log(ROUTING_LOG_RECORDS);
+                let cfg = CacheAwareConfig {
+                    model: TtftModel::from_engine(&engine.timing()),
+                    // Calibrated from the engine like the rest of the model: loading a token
+                    // back from the host tier against computing it (its per-token prefill).
+                    offload_load_cost: if engine.host_kv_capacity_tokens > 0
+                        && engine.prefill_b_s > 0.0
+                    {
+                        (engine.host_load_s_per_token / engine.prefill_b_s).clamp(0.0, 1.0)
+                    } else {
+                        CacheAwareConfig::default().offload_load_cost
+                    },
+                    ..CacheAwareConfig::default()
+                };
+                let mut cfg = cfg;
+                for (k, v) in set {
+                    cfg.set(k, *v)?;
+                }
+                residency = Some(writer);
+                let mut policy = CacheAware::new(index, cfg)?.with_routing_log(log);
+                if engine.host_kv_capacity_tokens > 0 {
+                    let (index, writer) = ResidencyIndex::new(ResidencyConfig {
+                        max_replicas: replicas,
+                        block_tokens: TRACE_BLOCK_TOKENS,
+                        kv_capacity_tokens: engine.host_kv_capacity_tokens,
+                    })?;
+                    offload = Some(writer);
+                    policy = policy.with_offload_tier(index.clone());
+                }
+                Box::new(policy)
+            }
+            other => {
+                return Err(format!(
+                    "unknown policy {other:?}; known: {}",
+                    POLICY_NAMES.join(", ")
+                ))
+            }
+        };
+        let mut built = RoutingPolicy::with_parts(policy, residency);
+        built.offload = offload;
+        Ok(built)
+    }
+
+    /// Any other policy, run as it is.
+    pub fn from_policy(policy: Box<dyn Policy>) -> RoutingPolicy {
+        RoutingPolicy::with_parts(policy, None)
+    }
+
+    fn with_parts(policy: Box<dyn Policy>, residency: Option<ResidencyWriter>) -> RoutingPolicy {
+        RoutingPolicy {
+            policy,
+            residency,
+            offload: None,
+            source: ResidencySource::Routing,
+            engine_blocks: HashMap::new(),
+            events: Vec::new(),
+            hashes: Vec::new(),
+            views: Vec::new(),
+            guess_ttl_us: crate::residency::DEFAULT_ROUTED_GUESS_TTL.as_micros() as u64,
+            scrape_interval_s: 0.0,
+        }
+    }
+
+    /// Feed the policy each engine's queue and KV usage as scraped every `seconds` (0: never).
+    pub fn scrape_every(mut self, seconds: f64) -> RoutingPolicy {
+        self.scrape_interval_s = seconds.max(0.0);
+        self
+    }
+
+    /// Learn residency from `source` (policies without a residency index ignore it).
+    pub fn learn_from(mut self, source: ResidencySource) -> RoutingPolicy {
+        self.source = source;
+        if let Some(w) = &mut self.residency {
+            if source == ResidencySource::Events {
+                w.set_pending_ttl(Duration::ZERO);
+            }
+        }
+        self
+    }
+
+    /// Whether the engines' KV events are fed back.
+    pub fn learns_from_events(&self) -> bool {
+        self.residency.is_some() && self.source != ResidencySource::Routing
+    }
+
+    /// A prompt goes to an engine: remember which engine blocks stand for its trace blocks.
+    fn learn_prompt(&mut self, prompt: &[u32], block_ids: &[u64], engine: &EngineConfig) {
+        if !self.learns_from_events() {
+            return;
+        }
+        engine_block_hashes(prompt, engine, &mut self.hashes);
+        let per_trace = (TRACE_BLOCK_TOKENS / engine.block_size.max(1)) as usize;
+        let full = self.hashes.len();
+        for (k, &id) in block_ids.iter().enumerate() {
+            // The last full engine block inside trace block k.
+            let end = ((k + 1) * per_trace).min(full);
+            if end > k * per_trace {
+                self.engine_blocks
+                    .insert(self.hashes[end - 1], trace::view_block(id));
+            }
+        }
+    }
+
+    /// Apply what engine `r` reported since the last call, at `now_us`.
+    fn learn_events(&mut self, r: usize, engine: &mut Engine, now_us: u64) {
+        let Some(writer) = &mut self.residency else {
+            return;
+        };
+        if self.source == ResidencySource::Routing {
+            return;
+        }
+        self.events.clear();
+        engine.take_kv_events(&mut self.events);
+        // GPU (or no medium) to the GPU tier, any other medium to the offloaded tier.
+        let on_gpu = |medium: &Option<Medium>| medium.is_none_or(|m| m == Medium::Gpu);
+        for event in &self.events {
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } => {
+                    self.views.clear();
+                    self.views.extend(
+                        block_hashes
+                            .iter()
+                            .filter_map(|h| self.engine_blocks.get(h).copied()),
+                    );
+                    if self.views.is_empty() {
+                        continue;
+                    }
+                    if on_gpu(medium) {
+                        let _ = writer.insert(r, &self.views, now_us);
+                    } else if let Some(offload) = &mut self.offload {
+                        let _ = offload.insert(r, &self.views, now_us);
+                    }
+                }
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
+                    for h in block_hashes {
+                        if let Some(&view) = self.engine_blocks.get(h) {
+                            if on_gpu(medium) {
+                                let _ = writer.remove_at(r, view, now_us);
+                            } else if let Some(offload) = &mut self.offload {
+                                let _ = offload.remove(r, view);
+                            }
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => {
+                    let _ = writer.clear(r);
+                    if let Some(offload) = &mut self.offload {
+                        let _ = offload.clear(r);
+                    }
+                }
+            }
+        }
+    }
+
+    /// With events: drop the routing guesses not touched for `routed_guess_ttl`.
+    fn sweep(&mut self, replicas: usize, now_us: u64) {
+        if !self.learns_from_events() {
+            return;
+        }
+        if let Some(writer) = &mut self.residency {
+            for r in 0..replicas {
+                let _ = writer.expire_guesses(r, now_us.saturating_sub(self.guess_ttl_us));
+            }
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
+        self.policy.select(req, candidates, random)
+    }
+
+    /// A request for `blocks` went to replica `r` at `now_us`. Learning from routing alone,
+    /// the offloaded tier believes them there too: the engine writes every block it computes
+    /// through to host memory (bounded by the host capacity, least recently used out first).
+    /// With KV events the offloaded tier learns from CPU-medium events only, as `kvlb serve`'s.
+    fn route_offloaded(&mut self, r: usize, blocks: &[u64], now_us: u64) {
+        if self.source != ResidencySource::Routing {
+            return;
+        }
+        if let Some(offload) = &mut self.offload {
+            let _ = offload.insert_routed(r, blocks, now_us);
+        }
+    }
+
+    /// After a decision: replica `r` has `pending_tokens` routed there still to compute. They
+    /// do not hold KV yet, so the residency the router learned from routing may keep that
+    /// many tokens beyond the KV capacity; then the routing log is drained at `now_us`.
+    fn settle(&mut self, r: usize, kv_capacity_tokens: u64, pending_tokens: u64, now_us: u64) {
+        self.learn_pending(r, kv_capacity_tokens, pending_tokens);
+        if let Some(writer) = &mut self.residency {
+            writer.drain(now_us);
+        }
+    }
+
+    /// Replica `r`'s pending tokens changed (a first token came).
+    fn learn_pending(&mut self, r: usize, kv_capacity_tokens: u64, pending_tokens: u64) {
+        if let Some(writer) = &mut self.residency {
+            // Only an unknown replica fails, and `r` is one of the fleet's.
+            let _ = writer.set_capacity_tokens(r, kv_capacity_tokens + pending_tokens);
+        }
+    }
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RequestRecord {
+    pub replica: u32,
+    pub arrival_s: f64,
+    /// First token time minus arrival (NaN until it comes, and for rejected requests).
+    pub ttft_s: f64,
+    /// Finish time minus arrival.
+    pub e2e_s: f64,
+    pub prompt_tokens: u32,
+    /// Prompt tokens the engine found in its prefix cache at admission.
+    pub cached_tokens: u32,
+    /// What the data plane estimated it would find (from routed blocks).
+    pub estimated_cached_tokens: u32,
+    pub finished: bool,
+    /// The engine refused it (prompt over the context limit, empty prompt).
+    pub rejected: bool,
+}
+
+/// One policy's run over one trace.
+pub struct Run {
+    pub policy: String,
+    pub records: Vec<RequestRecord>,
+    /// Per replica: prompt tokens computed (prompt minus cached, at first admission).
+    pub replica_prefill_tokens: Vec<u64>,
+    /// Summed over the engines: prefix-cache lookups and hits, in tokens.
+    pub prefix_queries_tokens: u64,
+    pub prefix_hits_tokens: u64,
+    /// Of the hits, tokens loaded from the engines' host tiers (0 without one); the rest were
+    /// found in GPU memory.
+    pub host_hits_tokens: u64,
+    pub preemptions: u64,
+    /// Duplicate engine blocks at each sample time.
+    pub duplicate_samples: Vec<u64>,
+    /// Simulated seconds from the first arrival to the last output.
+    pub makespan_s: f64,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Load {
+    in_flight: u32,
+    queued_prefill_tokens: u64,
+    decoding: u32,
+}
+
+/// Simulate `trace` on `replicas` engines of `engine` behind `policy`; `seed` drives the
+/// policy's random numbers.
+pub fn simulate(
+    trace: &Trace,
+    replicas: usize,
+    engine: &EngineConfig,
+    policy: &mut RoutingPolicy,
+    seed: u64,
+) -> Result<Run, String> {
+    if replicas == 0 {
+        return Err("a fleet needs at least one replica".into());
+    }
+    let events = policy.learns_from_events();
+    let mut engines: Vec<Engine> = (0..replicas)
+        .map(|_| {
+            let mut e = Engine::new(engine.clone());
+            e.set_kv_events_enabled(events);
+            e
+        })
+        .collect();
+    let mut next_sweep = 0.0f64;
+    let mut loads = vec![Load::default(); replicas];
+    // What routing put in each replica's host tier (write-through: everything it computed,
+    // up to the host capacity), for the estimate of uncached tokens.
+    let mut routed_host = (engine.host_kv_capacity_tokens > 0).then(|| {
+        RoutedBlocks::new(
+            replicas,
+            engine.host_kv_capacity_tokens,
+            TRACE_BLOCK_TOKENS,
+            engine.block_size,
+        )
+    });
+    let mut routed = RoutedBlocks::new(
+        replicas,
+        engine.kv_capacity_tokens,
+        TRACE_BLOCK_TOKENS,
+        engine.block_size,
+    );
+    let mut records: Vec<RequestRecord> = trace
+        .requests
+        .iter()
+        .map(|r| RequestRecord {
+            arrival_s: r.arrival_s,
+            ttft_s: f64::NAN,
+            e2e_s: f64::NAN,
+            prompt_tokens: r.prompt_tokens,
+            ..RequestRecord::default()
+        })
+        .collect();
+    let mut replica_prefill_tokens = vec![0u64; replicas];
+    let mut rng = Rng::new(trace::mix(seed ^ 0x5345_4c45_4354));
+    let mut candidates: Vec<Candidate> = Vec::with_capacity(replicas);
+    let mut view_blocks: Vec<u64> = Vec::new();
+    let mut outputs: Vec<EngineOutput> = Vec::new();
+    let mut duplicate_samples = Vec::new();
+    let mut next_sample = 0.0f64;
+    let mut next_arrival = 0usize;
+    let mut now = 0.0f64;
+    let mut reported = vec![ReportedLoad::default(); replicas];
+    let mut next_scrape = 0.0f64;
+    let mut stalled = 0u32;
+
+    loop {
+        let arrival = trace.requests.get(next_arrival).map(|r| r.arrival_s);
+        let mut step: Option<(usize, f64)> = None;
+        for (i, e) in engines.iter().enumerate() {
+            if let Some(t) = e.next_event_time() {
+                if step.is_none_or(|(_, best)| t < best) {
+                    step = Some((i, t));
+                }
+            }
+        }
+        let t = match (arrival, step) {
+            (None, None) => break,
+            (Some(a), Some((_, s))) => a.min(s),
+            (Some(a), None) => a,
+            (None, Some((_, s))) => s,
+        };
+        while next_sample <= t {
+            duplicate_samples.push(routed.duplicate_engine_blocks());
+            next_sample += SAMPLE_PERIOD_S;
+        }
+        if events && next_sweep <= t {
+            policy.sweep(replicas, (t * 1e6) as u64);
+            while next_sweep <= t {
+                next_sweep += SWEEP_PERIOD_S;
+            }
+        }
+        now = now.max(t);
+        match step {
+            Some((i, s)) if arrival.is_none_or(|a| s <= a) => {
+                outputs.clear();
+                let pending = loads[i].queued_prefill_tokens;
+                engines[i].advance(s, &mut outputs);
+                if outputs.is_empty() && engines[i].next_event_time() == Some(s) {
+                    stalled += 1;
+                    if stalled > 1000 {
+                        return Err(format!("replica {i} makes no progress at t = {s} s"));
+                    }
+                } else {
+                    stalled = 0;
+                }
+                for out in &outputs {
+                    on_output(
+                        out,
+                        i,
+                        &mut records,
+                        &mut loads,
+                        &mut replica_prefill_tokens,
+                    );
+                }
+                if events {
+                    policy.learn_events(i, &mut engines[i], (s * 1e6) as u64);
+                }
+                if loads[i].queued_prefill_tokens != pending {
+                    policy.learn_pending(
+                        i,
+                        engine.kv_capacity_tokens,
+                        loads[i].queued_prefill_tokens,
+                    );
+                }
+            }
+            _ => {
+                let k = next_arrival;
+                next_arrival += 1;
+                let interval = policy.scrape_interval_s;
+                if interval > 0.0 && next_scrape <= t {
+                    for (r, e) in engines.iter().enumerate() {
+                        let s = e.stats();
+                        reported[r] = ReportedLoad::from_scrape(
+                            s.num_requests_waiting as u64,
+                            s.num_requests_running as u64,
+                            Some(s.kv_cache_usage),
+                            loads[r].in_flight as u64,
+                            loads[r].decoding as u64,
+                            (t * 1e3) as u64,
+                            (interval * 1e3) as u64,
+                        );
+                    }
+                    while next_scrape <= t {
+                        next_scrape += interval;
+                    }
+                }
+                let req = &trace.requests[k];
+                view_blocks.clear();
+                view_blocks.extend(req.block_ids.iter().map(|&id| trace::view_block(id)));
+                let view = RequestView {
+                    method: Method::Post,
+                    path: b"/v1/completions",
+                    body: b"",
+                    blocks: &view_blocks,
+                    block_tokens: TRACE_BLOCK_TOKENS,
+                    prompt_tokens: req.prompt_tokens,
+                    now_us: (t * 1e6) as u64,
+                };
+                candidates.clear();
+                candidates.extend(loads.iter().enumerate().map(|(r, l)| Candidate {
+                    replica: r,
+                    in_flight: l.in_flight,
+                    queued_prefill_tokens: l.queued_prefill_tokens,
+                    decoding: l.decoding,
+                    reported: reported[r],
+                }));
+                let pick = policy.select(&view, &candidates, rng.next_u64());
+                let r = candidates[pick.min(replicas - 1)].replica;
+                let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
+                trace::prompt_tokens(req, &mut prompt);
+                policy.learn_prompt(&prompt, &req.block_ids, engine);
+                let submitted = engines[r].submit(
+                    t,
+                    EngineRequest {
+                        id: k as u64,
+                        prompt_tokens: prompt,
+                        max_tokens: req.output_tokens,
+                        cache_salt: None,
+                    },
+                );
+                let rec = &mut records[k];
+                rec.replica = r as u32;
+                if submitted.is_err() {
+                    rec.rejected = true;
+                    policy.settle(
+                        r,
+                        engine.kv_capacity_tokens,
+                        loads[r].queued_prefill_tokens,
+                        view.now_us,
+                    );
+                    continue;
+                }
+                let mut estimated = routed.matched_tokens(r, &req.block_ids, req.prompt_tokens);
+                if let Some(host) = &mut routed_host {
+                    estimated =
+                        estimated.max(host.matched_tokens(r, &req.block_ids, req.prompt_tokens));
+                    host.route(r, &req.block_ids, req.prompt_tokens);
+                }
+                rec.estimated_cached_tokens = estimated;
+                routed.route(r, &req.block_ids, req.prompt_tokens);
+                policy.route_offloaded(r, &view_blocks, view.now_us);
+                let l = &mut loads[r];
+                l.in_flight += 1;
+                l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
+                policy.settle(
+                    r,
+                    engine.kv_capacity_tokens,
+                    l.queued_prefill_tokens,
+                    view.now_us,
+                );
+            }
+        }
+    }
+    let (mut queries, mut hits, mut host_hits) = (0, 0, 0);
+    for e in &engines {
+        let s = e.stats();
+        queries += s.prefix_cache_queries_tokens;
+        // The GPU hits plus the host tier's (its lookups continue the GPU's).
+        hits += s.prefix_cache_hits_tokens + s.external_prefix_cache_hits_tokens;
+        host_hits += s.external_prefix_cache_hits_tokens;
+    }
+    Ok(Run {
+        policy: policy.name().to_string(),
+        records,
+        replica_prefill_tokens,
+        prefix_queries_tokens: queries,
+        prefix_hits_tokens: hits,
+        host_hits_tokens: host_hits,
+        preemptions: engines.iter().map(|e| e.preemptions_total()).sum(),
+        duplicate_samples,
+        makespan_s: now,
+    })
+}
+
+/// The engine's own hashes of the full blocks of `prompt` (no cache salt), as
+/// `crate::engine` computes them: chained xxh3 from a root that mixes in the engine's seed.
+fn engine_block_hashes(prompt: &[u32], engine: &EngineConfig, out: &mut Vec<u64>) {
+    out.clear();
+    let mut parent = xxh3_64_with_seed(b"kvlb-root", engine.hash_seed);
+    let mut bytes = Vec::with_capacity(4 * engine.block_size as usize);
+    for block in prompt.chunks_exact(engine.block_size.max(1) as usize) {
+        bytes.clear();
+        for t in block {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        parent = xxh3_64_with_seed(&bytes, parent);
+        out.push(parent);
+    }
+}
+
+fn on_output(
+    out: &EngineOutput,
+    replica: usize,
+    records: &mut [RequestRecord],
+    loads: &mut [Load],
+    replica_prefill_tokens: &mut [u64],
+) {
+    let l = &mut loads[replica];
+    match *out {
+        EngineOutput::FirstToken {
+            id,
+            t,
+            cached_tokens,
+            ..
+        } => {
+            let rec = &mut records[id as usize];
+            rec.ttft_s = t - rec.arrival_s;
+            rec.cached_tokens = cached_tokens;
+            l.queued_prefill_tokens -= (rec.prompt_tokens - rec.estimated_cached_tokens) as u64;
+            l.decoding += 1;
+        }
+        EngineOutput::Token { .. } => {}
+        EngineOutput::Finished {
+            id,
+            t,
+            prompt_tokens,
+            cached_tokens,
+            ..
+        } => {
+            let rec = &mut records[id as usize];
+            rec.e2e_s = t - rec.arrival_s;
+            rec.finished = true;
+            if rec.ttft_s.is_nan() {
+                // Finished without a first token (an abort): it leaves the queue directly.
+                l.queued_prefill_tokens -= (rec.prompt_tokens - rec.estimated_cached_tokens) as u64;
+            } else {
+                l.decoding -= 1;
+            }
+            l.in_flight -= 1;
+            replica_prefill_tokens[replica] += (prompt_tokens - cached_tokens) as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::trace::TraceRequest;
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// What a policy was shown: prompt tokens, time, candidates.
+    type Shown = Arc<Mutex<Vec<(u32, u64, Vec<Candidate>)>>>;
+
+    /// Always replica 0; remembers what it was shown.
+    struct Recorder(Shown);
+
+    impl Policy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn select(&mut self, req: &RequestView<'_>, c: &[Candidate], _random: u64) -> usize {
+            self.0
+                .lock()
+                .unwrap()
+                .push((req.prompt_tokens, req.now_us, c.to_vec()));
+            0
+        }
+    }
+
+    fn request(t: f64, ids: &[u64], prompt: u32, output: u32) -> TraceRequest {
+        TraceRequest {
+            arrival_s: t,
+            prompt_tokens: prompt,
+            output_tokens: output,
+            block_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn loads_and_records_follow_the_engine() {
+        let trace = Trace {
+            name: "t".into(),
+            requests: vec![
+                request(0.0, &[1, 2, 3, 4], 2000, 50),
+                // Arrives while the first is still prefilling: shares its first two blocks.
+                request(0.01, &[1, 2, 5], 1200, 5),
+                // Long after both finished.
+                request(100.0, &[1, 2, 3, 4], 2000, 1),
+                // Over the context limit: rejected, still accounted for.
+                request(101.0, &[9; 300], 150_000, 1),
+            ],
+        };
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
+        let run = simulate(&trace, 2, &EngineConfig::default(), &mut policy, 1).unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 4);
+        assert_eq!((seen[1].0, seen[1].1), (1200, 10_000));
+        // The first request is queued as 2000 uncached tokens on replica 0 when the second comes.
+        assert_eq!(
+            seen[1].2[0],
+            Candidate {
+                replica: 0,
+                in_flight: 1,
+                queued_prefill_tokens: 2000,
+                decoding: 0,
+                ..Default::default()
+            }
+        );
+        assert_eq!(
+            seen[1].2[1],
+            Candidate {
+                replica: 1,
+                ..Default::default()
+            }
+        );
+        // Everything drained by the third.
+        assert_eq!(
+            seen[2].2[0],
+            Candidate {
+                replica: 0,
+                ..Default::default()
+            }
+        );
+        let r = &run.records;
+        assert!(r[..3]
+            .iter()
+            .all(|r| r.finished && !r.rejected && r.ttft_s > 0.0));
+        assert!(r[3].rejected && !r[3].finished);
+        assert_eq!(r[1].estimated_cached_tokens, 1024);
+        assert_eq!(r[2].estimated_cached_tokens, 2000);
+        assert_eq!(
+            r[2].cached_tokens, 1984,
+            "all but the last partial 16-token block"
+        );
+        assert!(r[2].ttft_s < r[0].ttft_s / 5.0);
+        assert!(r[0].e2e_s > r[0].ttft_s);
+        let computed: u64 = r
+            .iter()
+            .map(|r| (r.prompt_tokens - r.cached_tokens) as u64)
+            .take(3)
+            .sum();
+        assert_eq!(run.replica_prefill_tokens, vec![computed, 0]);
+        assert_eq!(run.prefix_queries_tokens, 5200);
+        assert!(run.duplicate_samples.len() >= 10);
+        assert!(run.makespan_s >= 100.0);
+    }
+
+    #[test]
+    fn queued_prompts_do_not_push_resident_ones_out_of_the_routers_belief() {
+        // Room for four 512-token trace blocks.
+        let engine = EngineConfig {
+            kv_capacity_tokens: 2048,
+            ..EngineConfig::default()
+        };
+        let mut policy = RoutingPolicy::build("cache_aware", 1, &engine).unwrap();
+        let candidates = [Candidate::default()];
+        let route = |policy: &mut RoutingPolicy, ids: &[u64], pending: u64| {
+            let blocks: Vec<u64> = ids.iter().map(|&id| trace::view_block(id)).collect();
+            let view = RequestView {
+                method: Method::Post,
+                path: b"/v1/completions",
+                body: b"",
+                blocks: &blocks,
+                block_tokens: TRACE_BLOCK_TOKENS,
+                prompt_tokens: 2048,
+                now_us: 0,
+            };
+            assert_eq!(policy.select(&view, &candidates, 0), 0);
+            policy.settle(0, engine.kv_capacity_tokens, pending, 0);
+        };
+        let holds = |policy: &RoutingPolicy, id: u64| {
+            let writer = policy.residency.as_ref().unwrap();
+            writer.holds(0, trace::view_block(id))
+        };
+        route(&mut policy, &[1, 2, 3, 4], 2048);
+        // The second prompt waits behind the first: both are believed resident.
+        route(&mut policy, &[5, 6, 7, 8], 4096);
+        assert!((1..=8).all(|id| holds(&policy, id)));
+        // Both computed: the cache holds 2048 tokens, the older prompt is gone.
+        policy.learn_pending(0, engine.kv_capacity_tokens, 0);
+        assert!((1..=4).all(|id| !holds(&policy, id)));
+        assert!((5..=8).all(|id| holds(&policy, id)));
+    }
+
+    #[test]
+    fn engine_events_reach_the_writer_as_trace_blocks() {
+        // The hashes the simulator computes are the engine's own.
+        let engine = EngineConfig::default();
+        let req = request(0.0, &[11, 12, 13], 1300, 1);
+        let mut prompt = Vec::new();
+        trace::prompt_tokens(&req, &mut prompt);
+        let mut mine = Vec::new();
+        engine_block_hashes(&prompt, &engine, &mut mine);
+        let mut e = Engine::new(engine.clone());
+        e.submit(
+            0.0,
+            EngineRequest {
+                id: 0,
+                prompt_tokens: prompt.clone(),
+                max_tokens: 1,
+                cache_salt: None,
+            },
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        while let Some(t) = e.next_event_time() {
+            e.advance(t, &mut out);
+        }
+        let mut events = Vec::new();
+        e.take_kv_events(&mut events);
+        let stored: Vec<u64> = events
+            .iter()
+            .flat_map(|ev| match ev {
+                KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(mine.len(), 1300 / 16);
+        assert_eq!(stored[..mine.len()], mine[..]);
+
+        // With events, a trace block is stored when its last full engine block is, and a
+        // whole fleet run confirms what it routed.
+        for source in [ResidencySource::Events, ResidencySource::EventsPending] {
+            let mut policy = RoutingPolicy::build("cache_aware", 1, &engine)
+                .unwrap()
+                .learn_from(source);
+            assert!(policy.learns_from_events());
+            let trace = Trace {
+                name: "t".into(),
+                requests: vec![req.clone(), request(50.0, &[11, 12, 14], 1100, 1)],
+            };
+            simulate(&trace, 1, &engine, &mut policy, 1).unwrap();
+            let w = policy.residency.as_ref().unwrap();
+            for id in [11, 12, 13, 14] {
+                let h = trace::view_block(id);
+                assert_eq!(w.copies(0, h), 1, "{id}");
+                // The second request found 11 and 12 cached: nothing stored them again, so
+                // they stay pending (until the replica's turnover or pending_ttl).
+                let pending = source == ResidencySource::EventsPending && id < 13;
+                assert_eq!(w.is_pending(0, h), pending, "{id}");
+            }
+        }
+        let routing = RoutingPolicy::build("cache_aware", 1, &engine).unwrap();
+        assert!(!routing.learns_from_events());
+        assert!(!RoutingPolicy::build("round_robin", 1, &engine)
+            .unwrap()
+            .learn_from(ResidencySource::Events)
+            .learns_from_events());
+    }
+
+    #[test]
+    fn a_host_tier_feeds_cache_aware_an_offloaded_tier() {
+        // GPU room for 4 trace blocks, host memory for 40.
+        let engine = EngineConfig {
+            kv_capacity_tokens: 2048,
+            host_kv_capacity_tokens: 20_480,
+            ..EngineConfig::default()
+        };
+        let trace = Trace {
+            name: "t".into(),
+            requests: vec![
+                request(0.0, &[1, 2, 3], 1536, 1),
+                // Pushes the first prompt out of the GPU, not out of host memory.
+                request(50.0, &[4, 5, 6, 7], 1900, 1),
+                request(100.0, &[1, 2, 3], 1536, 1),
+            ],
+        };
+        for source in [
+            ResidencySource::Routing,
+            ResidencySource::Events,
+            ResidencySource::EventsPending,
+        ] {
+            let mut policy = RoutingPolicy::build("cache_aware", 1, &engine)
+                .unwrap()
+                .learn_from(source);
+            let run = simulate(&trace, 1, &engine, &mut policy, 1).unwrap();
+            // The third request finds all but its last engine block: the second request's
+            // 119 engine blocks left the first one's head (9 blocks, freed last) on the GPU,
+            // the other 86 are loaded back from host memory.
+            assert_eq!(run.records[2].cached_tokens, 1520, "{source:?}");
+            assert_eq!(run.host_hits_tokens, 1520 - 9 * 16, "{source:?}");
+            assert_eq!(run.prefix_hits_tokens, 1520, "hits include host hits");
+            let offload = policy.offload.as_ref().expect("an offloaded tier");
+            let gpu = policy.residency.as_ref().unwrap();
+            for id in 1..=7 {
+                let view = trace::view_block(id);
+                assert!(offload.holds(0, view), "{source:?} {id}");
+                if source != ResidencySource::Routing {
+                    // CPU-medium events count in the offloaded tier only.
+                    assert_eq!(offload.copies(0, view), 1, "{source:?} {id}");
+                    assert!(gpu.copies(0, view) <= 1, "{source:?} {id}");
+                }
+            }
+        }
+        // Without a host tier there is no offloaded tier.
+        let plain = RoutingPolicy::build("cache_aware", 1, &EngineConfig::default()).unwrap();
+        assert!(plain.offload.is_none());
+    }
+
+    #[test]
+    fn every_policy_builds_and_unknown_names_are_refused() {
+        for name in POLICY_NAMES {
+            let p = RoutingPolicy::build(name, 4, &EngineConfig::default()).unwrap();
+            assert_eq!(p.name(), *name);
+        }
+        let e = RoutingPolicy::build("fastest", 4, &EngineConfig::default())
+            .err()
+            .unwrap();
+        assert!(e.contains("unknown policy \"fastest\""), "{e}");
+    }
+}

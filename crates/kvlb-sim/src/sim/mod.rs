@@ -1,0 +1,399 @@
+//! `kvlb simulate`: how would each policy do on a real trace? A discrete-event simulation of a
+//! fleet of engines — the same engine model `kvlb replica` serves (`crate::engine`) — behind
+//! the same selection code `kvlb serve` runs (`crate::select`), fed a request trace; per
+//! policy it reports TTFT percentiles, end-to-end latency, prefix-cache hit rate, prefill work,
+//! duplicated KV and load imbalance, as a table, JSON and an SVG plot.
+//!
+//! * `trace`: Mooncake / Azure files and the built-in generators -> requests with block ids;
+//! * `fleet`: the event loop (arrivals, engine steps, the data plane's load accounting);
+//! * `routed`: what was routed where (estimated uncached tokens, duplicate KV);
+//! * `report`: percentiles, table, JSON; `plot`: the SVG.
+//!
+//! `--residency` says what `cache_aware` learns residency from: its own routing (the default),
+//! or routing and the engines' KV events fed back, with or without pending routed blocks
+//! (`fleet::ResidencySource`).
+//!
+//! Deterministic: the same input gives the same output, byte for byte (wall time goes to
+//! stderr only).
+
+#![forbid(unsafe_code)]
+
+pub mod fleet;
+pub mod plot;
+pub mod report;
+pub mod routed;
+pub mod trace;
+
+use crate::engine::EngineConfig;
+use std::time::Instant;
+
+/// Most replicas a simulated fleet may have.
+pub const MAX_REPLICAS: u64 = 256;
+
+const AFTER_HELP: &str = "\
+policies: round_robin, random, least_loaded, power_of_two, consistent_hash,
+          sglang_cache_aware, cache_aware
+
+Each replica is the simulated engine of `kvlb replica` (default configuration: 8B model on
+one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Per policy:
+  ttft_p50/p90/p99_s, e2e_p50/p99_s  time to first token / to the last token (s)
+  hit_rate             prompt tokens found in the engines' prefix caches (GPU, or loaded
+                       from the host tier) / prompt tokens
+  host_hit_rate        of those, the part loaded from the host tier
+  prefill_tokens       prompt tokens computed (prompt minus cached)
+  duplicate_kv_blocks  mean, over samples every 10 s, of 16-token KV blocks held by more
+                       than one replica; estimated from the prompts routed to each replica
+                       (LRU-bounded by its KV capacity), not read from the engines
+  max_mean_load        the busiest replica's prefill_tokens over the mean (1 = even)
+Requests the engine refuses (prompt over the context limit) count as rejected.";
+
+/// `--policies`' default: every policy, in report order.
+static ALL_POLICIES: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| fleet::POLICY_NAMES.join(","));
+
+/// A list of policy names (a type of its own so that clap parses `--policies` as one value,
+/// not as a repeatable flag).
+pub type PolicyList = Vec<String>;
+
+/// Simulate a fleet of `kvlb replica` engines behind each routing policy on a request trace.
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlb simulate",
+    after_help = AFTER_HELP,
+    args_override_self = true,
+    mut_args = crate::cli::hyphen_values
+)]
+pub struct Options {
+    /// Mooncake JSONL or Azure CSV file, or a generator: gen:shared-prefix, gen:agent-sessions
+    #[arg(long, value_name = "SPEC", value_parser = crate::cli::non_empty)]
+    pub trace: String,
+    /// Simulated replicas
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = crate::cli::int::<usize, 1, MAX_REPLICAS>)]
+    pub replicas: usize,
+    /// Divide inter-arrival times by X
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = crate::cli::positive)]
+    pub speedup: f64,
+    /// Comma-separated policies (default: all of them)
+    #[arg(long, value_name = "LIST", value_parser = policy_list,
+          default_value = ALL_POLICIES.as_str(), hide_default_value = true)]
+    pub policies: PolicyList,
+    /// Only the first N requests of the trace
+    #[arg(long, value_name = "N", value_parser = crate::cli::int::<usize, 1, { u32::MAX as u64 }>)]
+    pub limit: Option<usize>,
+    /// Seed for generators and policy random numbers
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = crate::cli::int::<u64, 0, { u64::MAX }>)]
+    pub seed: u64,
+    /// Print a JSON array, one object per policy, instead of a table
+    #[arg(long)]
+    pub json: bool,
+    /// Write the TTFT CDF and per-replica prefill work as an SVG
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<String>,
+    /// What cache_aware learns residency from
+    #[arg(long, value_name = "SOURCE", default_value = "routing", value_parser = residency())]
+    pub residency: fleet::ResidencySource,
+    /// Per replica, a host-memory KV tier of N tokens (CPU offloading; 0 = none): computed
+    /// blocks are kept in host memory and a prefix the GPU evicted is loaded back instead of
+    /// recomputed
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = host_kv_tokens)]
+    pub host_kv_tokens: u64,
+    /// Seconds per token to load KV back from the host tier
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().host_load_s_per_token,
+          value_parser = crate::cli::non_negative)]
+    pub host_load_s_per_token: f64,
+    /// Set a cache_aware parameter, for ablations (repeatable; docs/cost-model.md lists the
+    /// names, most of them fixed in `kvlb serve`; an unknown name's error lists them too)
+    #[arg(long = "set", value_name = "NAME=X", value_parser = parameter)]
+    pub set: Vec<(String, f64)>,
+    /// Feed cache_aware each engine's queue and KV usage as a metrics scrape every X seconds
+    /// would (0: never, the policy sees only its own counts)
+    #[arg(long, value_name = "X", default_value_t = 0.0, value_parser = crate::cli::non_negative)]
+    pub scrape_interval: f64,
+}
+
+/// `--set NAME=X`: a known cache_aware parameter and a number.
+fn parameter(v: &str) -> Result<(String, f64), String> {
+    let (name, x) = v
+        .split_once('=')
+        .ok_or_else(|| "expected NAME=X".to_string())?;
+    if !crate::select::cache_aware::PARAMETERS.contains(&name) {
+        return Err(format!(
+            "unknown parameter {name:?}; known: {}",
+            crate::select::cache_aware::PARAMETERS.join(", ")
+        ));
+    }
+    let x: f64 = x
+        .parse()
+        .ok()
+        .filter(|x: &f64| x.is_finite())
+        .ok_or_else(|| format!("{name}: expected a number, got {x:?}"))?;
+    Ok((name.to_string(), x))
+}
+
+fn policy_list(v: &str) -> Result<PolicyList, String> {
+    let list: Vec<String> = v
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if list.is_empty() {
+        return Err("expected at least one policy".into());
+    }
+    for p in &list {
+        if !fleet::POLICY_NAMES.contains(&p.as_str()) {
+            return Err(format!(
+                "unknown policy {p:?}; known: {}",
+                fleet::POLICY_NAMES.join(", ")
+            ));
+        }
+    }
+    Ok(list)
+}
+
+fn host_kv_tokens(v: &str) -> Result<u64, String> {
+    v.parse::<u64>()
+        .ok()
+        .filter(|&n| n == 0 || (16..=1 << 40).contains(&n))
+        .ok_or_else(|| "expected 0 (none) or a whole number of tokens from 16 to 2^40".to_string())
+}
+
+/// `--residency`: the names of `fleet::ResidencySource`, each with its help.
+fn residency() -> impl clap::builder::TypedValueParser<Value = fleet::ResidencySource> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    let help = |s: fleet::ResidencySource| match s {
+        fleet::ResidencySource::Routing => "its own routing decisions alone",
+        fleet::ResidencySource::Events => "routing and the engines' KV events",
+        fleet::ResidencySource::EventsPending => {
+            "as events, and a block routed to a replica since its last BlockStored there \
+             survives a BlockRemoved (the request waiting there will store it again)"
+        }
+    };
+    PossibleValuesParser::new(fleet::ResidencySource::NAMES.iter().map(|name| {
+        let source = fleet::ResidencySource::parse(name).expect("a listed name parses");
+        PossibleValue::new(*name).help(help(source))
+    }))
+    .map(|name| fleet::ResidencySource::parse(&name).expect("a possible value parses"))
+}
+
+/// Parse the command line (without the `simulate` word). `--help` comes back as an error of
+/// kind `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
+pub fn parse_args(args: &[String]) -> Result<Options, clap::Error> {
+    crate::cli::parse("kvlb simulate", args, |_: &Options| Ok(()))
+}
+
+/// Every policy's results, in the order of `Options::policies`.
+pub struct Runs {
+    pub summaries: Vec<report::Summary>,
+    /// Each policy's sorted TTFTs.
+    pub ttfts: Vec<Vec<f64>>,
+    /// With a host tier, the host tier's share of each policy's hits (else empty).
+    pub host_hit_rates: Vec<f64>,
+}
+
+/// Run every policy of `o`.
+pub fn run(o: &Options) -> Result<Runs, String> {
+    let mut t = trace::load(&o.trace, o.limit, o.seed)?;
+    if t.requests.is_empty() {
+        return Err(format!("--trace {:?}: no requests", o.trace));
+    }
+    for r in &mut t.requests {
+        r.arrival_s /= o.speedup;
+    }
+    let engine = EngineConfig {
+        host_kv_capacity_tokens: o.host_kv_tokens,
+        host_load_s_per_token: o.host_load_s_per_token,
+        ..EngineConfig::default()
+    };
+    engine.validate()?;
+    let mut summaries = Vec::new();
+    let mut ttfts = Vec::new();
+    let mut host_hit_rates = Vec::new();
+    for name in &o.policies {
+        let started = Instant::now();
+        let mut policy = fleet::RoutingPolicy::build_with(name, o.replicas, &engine, &o.set)?
+            .learn_from(o.residency)
+            .scrape_every(o.scrape_interval);
+        let run = fleet::simulate(&t, o.replicas, &engine, &mut policy, o.seed)?;
+        eprintln!(
+            "kvlb simulate: {name}: {} requests in {:.2} s wall",
+            run.records.len(),
+            started.elapsed().as_secs_f64()
+        );
+        if o.host_kv_tokens > 0 {
+            host_hit_rates.push(report::host_hit_rate(&run));
+        }
+        summaries.push(report::summarize(&run));
+        ttfts.push(report::sorted_ttfts(&run));
+    }
+    Ok(Runs {
+        summaries,
+        ttfts,
+        host_hit_rates,
+    })
+}
+
+pub fn main(args: Vec<String>) -> i32 {
+    let o = match parse_args(&args) {
+        Ok(o) => o,
+        Err(e) => return crate::cli::exit_status(&e),
+    };
+    let started = Instant::now();
+    let Runs {
+        summaries,
+        ttfts,
+        host_hit_rates,
+    } = match run(&o) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvlb simulate: {e}");
+            return 1;
+        }
+    };
+    if o.json {
+        if o.host_kv_tokens > 0 {
+            println!("{}", report::to_json_with_host(&summaries, &host_hit_rates));
+        } else {
+            println!("{}", report::to_json(&summaries));
+        }
+    } else {
+        let host = if o.host_kv_tokens > 0 {
+            format!(", host KV tier {} tokens per replica", o.host_kv_tokens)
+        } else {
+            String::new()
+        };
+        println!(
+            "{} ({} requests, {} replicas, speedup {}{host})",
+            o.trace, summaries[0].requests, o.replicas, o.speedup
+        );
+        let host = (o.host_kv_tokens > 0).then_some(host_hit_rates.as_slice());
+        print!("{}", report::to_table_with_host(&summaries, host));
+    }
+    if let Some(path) = &o.plot {
+        let title = format!(
+            "kvlb simulate: {} — {} requests, {} replicas, speedup {}",
+            o.trace.rsplit('/').next().unwrap_or(&o.trace),
+            summaries[0].requests,
+            o.replicas,
+            o.speedup
+        );
+        let svg = plot::render(&title, &summaries, &ttfts);
+        if let Err(e) = std::fs::write(path, svg) {
+            eprintln!("kvlb simulate: --plot {path:?}: cannot write: {e}");
+            return 1;
+        }
+    }
+    eprintln!(
+        "kvlb simulate: done in {:.2} s wall",
+        started.elapsed().as_secs_f64()
+    );
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn residency_source_is_parsed_and_checked() {
+        let o = parse_args(&args(&["--trace", "gen:agent-sessions"])).unwrap();
+        assert_eq!(o.residency, fleet::ResidencySource::Routing);
+        for name in fleet::ResidencySource::NAMES {
+            let o = parse_args(&args(&["--trace", "x", "--residency", name])).unwrap();
+            assert_eq!(o.residency.name(), *name);
+        }
+        let o = parse_args(&args(&[
+            "--trace",
+            "x",
+            "--host-kv-tokens",
+            "3200000",
+            "--host-load-s-per-token",
+            "1e-6",
+        ]))
+        .unwrap();
+        assert_eq!(
+            (o.host_kv_tokens, o.host_load_s_per_token),
+            (3_200_000, 1e-6)
+        );
+        for bad in [
+            ["--host-kv-tokens", "8"],
+            ["--host-kv-tokens", "-1"],
+            ["--host-load-s-per-token", "nan"],
+        ] {
+            let e = parse_args(&args(&["--trace", "x", bad[0], bad[1]]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad[0]) && e.contains(bad[1]), "{e}");
+        }
+        let e = parse_args(&args(&["--trace", "x", "--residency", "oracle"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'oracle' for '--residency <SOURCE>'")
+                && e.contains("[possible values: routing, events, events-pending]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn flags_defaults_repeats_and_errors() {
+        // clap checks its definition in debug builds (`cargo test` without --release).
+        <Options as clap::CommandFactory>::command().debug_assert();
+        let o = parse_args(&args(&["--trace", "gen:shared-prefix"])).unwrap();
+        assert_eq!((o.replicas, o.speedup, o.seed, o.limit), (4, 1.0, 1, None));
+        assert_eq!(o.policies, fleet::POLICY_NAMES.to_vec());
+        for p in fleet::POLICY_NAMES {
+            assert!(AFTER_HELP.contains(p), "the help's policy list lacks {p}");
+        }
+        assert!(!o.json && o.plot.is_none() && o.host_kv_tokens == 0);
+        assert_eq!(
+            o.host_load_s_per_token,
+            EngineConfig::default().host_load_s_per_token
+        );
+        let o = parse_args(&args(&[
+            "--trace",
+            "a",
+            "--trace",
+            "b",
+            "--policies",
+            "random",
+            "--policies",
+            " cache_aware, round_robin,",
+            "--json",
+            "--json",
+            "--limit",
+            "9",
+        ]))
+        .unwrap();
+        assert_eq!(o.trace, "b", "the last value wins");
+        assert_eq!(o.policies, ["cache_aware", "round_robin"]);
+        assert!(o.json);
+        assert_eq!(o.limit, Some(9));
+        for (bad, flag, value) in [
+            (&["--replicas", "0"][..], "--replicas", "0"),
+            (&["--replicas", "257"], "--replicas", "257"),
+            (&["--speedup", "-2"], "--speedup", "-2"),
+            (&["--policies", "best"], "--policies", "best"),
+            (&["--policies", ","], "--policies", ","),
+            (&["--seed", "x"], "--seed", "x"),
+            (&["--limit"], "--limit", "value is required"),
+            (&["--bogus", "1"], "--bogus", "--bogus"),
+        ] {
+            let mut a = args(&["--trace", "x"]);
+            a.extend(args(bad));
+            let e = parse_args(&a).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains(value), "{bad:?}: {e}");
+        }
+        let e = parse_args(&args(&["--replicas", "2"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--trace"), "{e}");
+        let e = parse_args(&args(&["--help"])).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+}

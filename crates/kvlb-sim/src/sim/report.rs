@@ -1,0 +1,252 @@
+//! One policy's run boiled down to the numbers the comparison is about, printed as an aligned
+//! table or as JSON (one object per policy).
+//!
+//! * `ttft_*`, `e2e_*`: percentiles (nearest rank) over requests that finished.
+//! * `hit_rate`: prompt tokens the engines found cached / prompt tokens looked up (the
+//!   engines' own prefix-cache counters, first admission of each request), in GPU memory or
+//!   loaded from a host KV tier; `host_hit_rate` (with a host tier: an extra JSON key and
+//!   table column) is the host tier's part of it.
+//! * `prefill_tokens`: prompt tokens actually computed (prompt minus cached, per request;
+//!   recomputation after a preemption is not included, `preemptions` counts those).
+//! * `duplicate_kv_blocks`: mean over samples every 10 s of simulated time of the engine blocks
+//!   (16 tokens) believed held by more than one replica, from the prompts routed to each
+//!   replica with each replica's KV capacity as an LRU bound (the engines are not opened up
+//!   for it, so it is an estimate of the same thing).
+//! * `max_mean_load`: the busiest replica's computed prefill tokens over the fleet mean (1 =
+//!   perfectly even).
+
+#![forbid(unsafe_code)]
+
+use super::fleet::Run;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Summary {
+    pub policy: String,
+    pub requests: usize,
+    pub finished: usize,
+    pub rejected: usize,
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    pub ttft_p99_s: f64,
+    pub ttft_mean_s: f64,
+    pub e2e_p50_s: f64,
+    pub e2e_p99_s: f64,
+    pub hit_rate: f64,
+    pub prompt_tokens: u64,
+    pub prefill_tokens: u64,
+    pub duplicate_kv_blocks: f64,
+    pub max_mean_load: f64,
+    pub replica_prefill_tokens: Vec<u64>,
+    pub preemptions: u64,
+    pub makespan_s: f64,
+}
+
+/// The `p`-th percentile (0..=100, nearest rank) of sorted `v`; NaN when empty.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Sorted TTFTs (seconds) of the requests that got a first token.
+pub fn sorted_ttfts(run: &Run) -> Vec<f64> {
+    let mut v: Vec<f64> = run
+        .records
+        .iter()
+        .map(|r| r.ttft_s)
+        .filter(|t| t.is_finite())
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+pub fn summarize(run: &Run) -> Summary {
+    let ttft = sorted_ttfts(run);
+    let mut e2e: Vec<f64> = run
+        .records
+        .iter()
+        .filter(|r| r.finished)
+        .map(|r| r.e2e_s)
+        .collect();
+    e2e.sort_by(f64::total_cmp);
+    let prefill: u64 = run.replica_prefill_tokens.iter().sum();
+    let mean = prefill as f64 / run.replica_prefill_tokens.len().max(1) as f64;
+    let max = run
+        .replica_prefill_tokens
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0) as f64;
+    Summary {
+        policy: run.policy.clone(),
+        requests: run.records.len(),
+        finished: run.records.iter().filter(|r| r.finished).count(),
+        rejected: run.records.iter().filter(|r| r.rejected).count(),
+        ttft_p50_s: percentile(&ttft, 50.0),
+        ttft_p90_s: percentile(&ttft, 90.0),
+        ttft_p99_s: percentile(&ttft, 99.0),
+        ttft_mean_s: if ttft.is_empty() {
+            f64::NAN
+        } else {
+            ttft.iter().sum::<f64>() / ttft.len() as f64
+        },
+        e2e_p50_s: percentile(&e2e, 50.0),
+        e2e_p99_s: percentile(&e2e, 99.0),
+        hit_rate: if run.prefix_queries_tokens == 0 {
+            0.0
+        } else {
+            run.prefix_hits_tokens as f64 / run.prefix_queries_tokens as f64
+        },
+        prompt_tokens: run.prefix_queries_tokens,
+        prefill_tokens: prefill,
+        duplicate_kv_blocks: if run.duplicate_samples.is_empty() {
+            0.0
+        } else {
+            run.duplicate_samples.iter().sum::<u64>() as f64 / run.duplicate_samples.len() as f64
+        },
+        max_mean_load: if mean > 0.0 { max / mean } else { 1.0 },
+        replica_prefill_tokens: run.replica_prefill_tokens.clone(),
+        preemptions: run.preemptions,
+        makespan_s: run.makespan_s,
+    }
+}
+
+/// The summaries as a JSON array (non-finite numbers become null).
+pub fn to_json(summaries: &[Summary]) -> String {
+    serde_json::to_string_pretty(summaries).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+/// The host tier's share of prompt tokens (tokens loaded from it / prompt tokens looked up).
+pub fn host_hit_rate(run: &Run) -> f64 {
+    if run.prefix_queries_tokens == 0 {
+        0.0
+    } else {
+        run.host_hits_tokens as f64 / run.prefix_queries_tokens as f64
+    }
+}
+
+/// As `to_json`, each object with a `host_hit_rate` from `host_hit_rates` (same order).
+pub fn to_json_with_host(summaries: &[Summary], host_hit_rates: &[f64]) -> String {
+    let mut v = serde_json::to_value(summaries).unwrap_or_default();
+    if let Some(list) = v.as_array_mut() {
+        for (o, &rate) in list.iter_mut().zip(host_hit_rates) {
+            if let Some(o) = o.as_object_mut() {
+                o.insert("host_hit_rate".into(), serde_json::json!(rate));
+            }
+        }
+    }
+    serde_json::to_string_pretty(&v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+fn secs(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v < 10.0 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+fn tokens(v: u64) -> String {
+    if v >= 10_000_000 {
+        format!("{:.1}M", v as f64 / 1e6)
+    } else if v >= 10_000 {
+        format!("{:.0}k", v as f64 / 1e3)
+    } else {
+        v.to_string()
+    }
+}
+
+/// An aligned table, one row per policy.
+pub fn to_table(summaries: &[Summary]) -> String {
+    to_table_with_host(summaries, None)
+}
+
+/// As `to_table`, with a `host_hit` column after `hit_rate` when `host_hit_rates` are given
+/// (same order as `summaries`).
+pub fn to_table_with_host(summaries: &[Summary], host_hit_rates: Option<&[f64]>) -> String {
+    let head = [
+        "policy",
+        "requests",
+        "ttft_p50",
+        "ttft_p90",
+        "ttft_p99",
+        "e2e_p99",
+        "hit_rate",
+        "host_hit",
+        "prefill_tok",
+        "dup_kv_blk",
+        "max/mean",
+        "preempt",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
+    for (k, s) in summaries.iter().enumerate() {
+        let requests = if s.rejected > 0 {
+            format!("{} ({} rej)", s.requests, s.rejected)
+        } else {
+            s.requests.to_string()
+        };
+        rows.push(vec![
+            s.policy.clone(),
+            requests,
+            secs(s.ttft_p50_s),
+            secs(s.ttft_p90_s),
+            secs(s.ttft_p99_s),
+            secs(s.e2e_p99_s),
+            format!("{:.3}", s.hit_rate),
+            host_hit_rates.map_or(String::new(), |h| format!("{:.3}", h[k])),
+            tokens(s.prefill_tokens),
+            format!("{:.0}", s.duplicate_kv_blocks),
+            format!("{:.2}", s.max_mean_load),
+            s.preemptions.to_string(),
+        ]);
+    }
+    if host_hit_rates.is_none() {
+        let column = head.iter().position(|&h| h == "host_hit").unwrap_or(0);
+        for row in &mut rows {
+            row.remove(column);
+        }
+    }
+    let columns = rows[0].len();
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in &rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, v)| {
+                if c == 0 {
+                    format!("{v:<w$}", w = widths[c])
+                } else {
+                    format!("{v:>w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out.push_str("(seconds; prefill_tok = prompt tokens computed; dup_kv_blk = mean engine blocks held by more than one replica, estimated from routed prompts; max/mean = busiest replica's prefill over the mean)\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(|x| x as f64).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&v, 100.0), 100.0);
+        assert_eq!(percentile(&v, 0.0), 1.0);
+        assert_eq!(percentile(&[3.0], 90.0), 3.0);
+        assert!(percentile(&[], 50.0).is_nan());
+    }
+}
