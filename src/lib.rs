@@ -1,7 +1,8 @@
 //! kvlb: a KV-cache-aware load balancer for LLM inference fleets.
 //!
-//! A request's path: `worker` (pinned io_uring event loop) -> `http` (framing) -> `select`
-//! (replica choice) -> `proxy` (forwarding, upstream pool). `engine` and `replica` are the
+//! A request's path: `accept` (a pinned worker thread's io_uring loop and accept loops) ->
+//! `proxy` (over `worker`'s state) -> `http` (framing) -> `select` (replica choice) -> `proxy`
+//! (forwarding, upstream pool). `engine` and `replica` are the
 //! simulated GPU replica; `kv_events` and `zmtp` carry KV cache telemetry.
 //!
 //! This crate is the product (data plane, control, configuration, admin); the routing core,
@@ -9,6 +10,7 @@
 //! `crates/` (docs/design.md, "Crates and layers"), re-exported here under their old paths so
 //! that `crate::select::...` inside and `kvlb::select::...` in tests and benches still work.
 
+pub mod accept;
 pub mod access_log;
 pub mod admin;
 pub mod alloc;

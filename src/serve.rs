@@ -175,7 +175,7 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
                     eprintln!("kvlb: worker {id}: could not pin to core {core}; running unpinned");
                 }
                 let _ = ready.send(());
-                worker::run(id, shared, listeners, efd);
+                crate::accept::run(id, shared, listeners, efd);
             })
             .map_err(|e| format!("cannot start worker {id}: {e}"))?;
         handles.push(h);

@@ -620,3 +620,10 @@ pub fn close(fd: RawFd) {
     // Safety: the caller owns fd and does not use it afterwards.
     unsafe { libc::close(fd) };
 }
+
+/// Shut both directions of one of our own listening sockets: its pending accept fails, so the
+/// accept loop waiting on it ends (draining).
+pub fn shutdown_listener(fd: RawFd) {
+    // Safety: shutdown(2) on a descriptor the caller owns; it does not free the descriptor.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}

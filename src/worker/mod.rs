@@ -4,8 +4,7 @@
 
 use crate::config::ServeConfig;
 use crate::metrics::{ReplicaGauges, WorkerStats};
-use crate::proxy;
-use crate::rt::{self, op};
+use crate::rt::op;
 use crate::select::{self, Candidate, Policy, Rng};
 use std::cell::{Cell, RefCell};
 use std::io;
@@ -17,10 +16,13 @@ use std::sync::atomic::{
     Ordering::{Acquire, Relaxed},
 };
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 mod in_flight;
+mod replica_telemetry;
+pub mod reported;
 pub(crate) use in_flight::InFlight;
+pub use replica_telemetry::{ReplicaTelemetry, UNKNOWN};
 
 /// Request bodies up to this size live in a pooled buffer and hold no body memory (the L7
 /// path's `max_body_memory` accounting; the L4 mode reads first bodies by the same rule).
@@ -50,7 +52,7 @@ pub struct Shared {
     pub queued: std::sync::atomic::AtomicU64,
     pub epoch: Instant,
     /// What each replica reports of itself (metrics, KV events); see `crate::telemetry`.
-    pub telemetry: Vec<crate::telemetry::ReplicaTelemetry>,
+    pub telemetry: Vec<ReplicaTelemetry>,
     /// This kernel's io_uring has splice (L7 response bodies may be spliced).
     pub splice_ok: bool,
     /// Request body bytes held over all workers (bounded by `limits.max_body_memory`).
@@ -89,9 +91,7 @@ impl Shared {
             draining: AtomicBool::new(false),
             queued: std::sync::atomic::AtomicU64::new(0),
             epoch: Instant::now(),
-            telemetry: (0..n)
-                .map(|_| crate::telemetry::ReplicaTelemetry::default())
-                .collect(),
+            telemetry: (0..n).map(|_| ReplicaTelemetry::default()).collect(),
             splice_ok: crate::rt::splice::supported(),
             body_memory: std::sync::atomic::AtomicUsize::new(0),
             config: arc_swap::ArcSwap::from_pointee(cfg),
@@ -658,98 +658,75 @@ pub fn bind_listener(addr: SocketAddr, backlog: i32) -> io::Result<RawFd> {
     Ok(fd)
 }
 
-/// Run worker `id` on the current thread until drained. `listeners` are this worker's own
-/// SO_REUSEPORT sockets; `wake_fd` is an eventfd the main thread writes on shutdown.
-pub fn run(id: usize, shared: Arc<Shared>, listeners: Vec<RawFd>, wake_fd: RawFd) {
-    let rt = match rt::Runtime::new(4096) {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("kvlb: worker {id}: cannot create io_uring: {e}");
-            std::process::exit(1);
-        }
-    };
-    let n_replicas = shared.fleet.capacity();
-    let generation = shared.fleet.generation.load(Relaxed);
-    let policy = match build_policy(&shared, id, &shared.cfg()) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("kvlb: worker {id}: {e}");
-            std::process::exit(2);
-        }
-    };
-    let worker = Rc::new(Worker {
-        id,
-        policy: RefCell::new(policy),
-        rng: RefCell::new(Rng::new(
-            0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
-        )),
-        idle_upstream: RefCell::new((0..n_replicas).map(|_| Vec::new()).collect()),
-        generation: Cell::new(generation),
-        config: RefCell::new(Rc::new(shared.config.load_full())),
-        config_generation: Cell::new(0),
-        bufs: RefCell::new(Vec::new()),
-        freed_large: Cell::new(false),
-        body_reserved: Cell::new(0),
-        candidates: RefCell::new(Vec::with_capacity(n_replicas)),
-        spans: RefCell::new(Vec::with_capacity(64)),
-        prefix: RefCell::new(crate::prefix::PrefixHashes::new(&shared.prefix)),
-        tokens: RefCell::new(crate::tokenize::TokenScratch::default()),
-        idle_clients: RefCell::new(Vec::new()),
-        free_idle: RefCell::new(Vec::new()),
-        open: Cell::new(0),
-        draining: Cell::new(false),
-        truncated_logged: Cell::new(None),
-        truncated_since: Cell::new(0),
-        access_log: RefCell::new(open_access_log(id, &shared.cfg())),
-        shared,
-    });
-    let w = worker.clone();
-    let fds = listeners.clone();
-    rt.block_on(async move {
-        let listeners = fds;
-        for (i, &l) in listeners.iter().enumerate() {
-            let l4 = w.cfg().listener_mode(i) == crate::config::ListenerMode::L4;
-            if l4 {
-                // Load the sockmap program (or say why not) before the first connection.
-                crate::l4::effective_forwarding(w.cfg().l4_forwarding);
-            }
-            rt::spawn(accept_loop(w.clone(), l, l4));
-        }
-        rt::spawn(every_second(w.clone()));
-        // Wait for the shutdown signal.
-        let _ = op::read_eventfd(wake_fd).await;
-        w.draining.set(true);
-        for &l in &listeners {
-            // Safety: shutdown(2) on our own listening socket makes its pending accept fail.
-            unsafe { libc::shutdown(l, libc::SHUT_RDWR) };
-        }
-        // Wake connections idling between requests; busy ones finish their request first.
-        for &fd in w.idle_clients.borrow().iter() {
+impl Worker {
+    /// The state of worker `id`, with its own policy (Err: the policy could not be built).
+    pub fn new(id: usize, shared: Arc<Shared>) -> Result<Rc<Worker>, String> {
+        let n_replicas = shared.fleet.capacity();
+        let generation = shared.fleet.generation.load(Relaxed);
+        let policy = build_policy(&shared, id, &shared.cfg())?;
+        Ok(Rc::new(Worker {
+            id,
+            policy: RefCell::new(policy),
+            rng: RefCell::new(Rng::new(
+                0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
+            )),
+            idle_upstream: RefCell::new((0..n_replicas).map(|_| Vec::new()).collect()),
+            generation: Cell::new(generation),
+            config: RefCell::new(Rc::new(shared.config.load_full())),
+            config_generation: Cell::new(0),
+            bufs: RefCell::new(Vec::new()),
+            freed_large: Cell::new(false),
+            body_reserved: Cell::new(0),
+            candidates: RefCell::new(Vec::with_capacity(n_replicas)),
+            spans: RefCell::new(Vec::with_capacity(64)),
+            prefix: RefCell::new(crate::prefix::PrefixHashes::new(&shared.prefix)),
+            tokens: RefCell::new(crate::tokenize::TokenScratch::default()),
+            idle_clients: RefCell::new(Vec::new()),
+            free_idle: RefCell::new(Vec::new()),
+            open: Cell::new(0),
+            draining: Cell::new(false),
+            truncated_logged: Cell::new(None),
+            truncated_since: Cell::new(0),
+            access_log: RefCell::new(open_access_log(id, &shared.cfg())),
+            shared,
+        }))
+    }
+
+    /// Shut the read side of every connection idling between requests, so that it ends; busy
+    /// ones finish their request first (draining).
+    pub fn wake_idle_clients(&self) {
+        for &fd in self.idle_clients.borrow().iter() {
             if fd >= 0 {
                 // Safety: fd is an open client socket owned by a task of this worker.
                 unsafe { libc::shutdown(fd, libc::SHUT_RD) };
             }
         }
-        let deadline = Instant::now() + w.cfg().timeouts.drain;
-        while w.open.get() > 0 && Instant::now() < deadline {
-            op::sleep(Duration::from_millis(20)).await;
-            for &fd in w.idle_clients.borrow().iter() {
-                if fd >= 0 {
-                    // Safety: as above.
-                    unsafe { libc::shutdown(fd, libc::SHUT_RD) };
-                }
+    }
+
+    /// The worker is done: write the access log's last lines, close the pooled upstream
+    /// connections.
+    pub fn close(&self) {
+        if let Some(log) = self.access_log.borrow().as_ref() {
+            log.flush();
+        }
+        for pool in self.idle_upstream.borrow_mut().drain(..) {
+            for (up, _) in pool {
+                up.close();
             }
         }
-    });
-    if let Some(log) = worker.access_log.borrow().as_ref() {
-        log.flush();
     }
-    for l in listeners {
-        op::close(l);
-    }
-    for pool in worker.idle_upstream.borrow_mut().drain(..) {
-        for (up, _) in pool {
-            up.close();
+
+    /// Housekeeping, every `access_log::FLUSH_EVERY`: writes the access log's waiting lines,
+    /// and gives the memory of large buffers freed since the last tick back to the system (so
+    /// RSS falls back after a burst of large bodies instead of staying at its peak).
+    pub fn housekeeping(&self) {
+        if let Some(log) = self.access_log.borrow().as_ref() {
+            if log.has_pending() {
+                log.flush();
+            }
+        }
+        if self.freed_large.replace(false) {
+            crate::alloc::give_back_freed_memory();
         }
     }
 }
@@ -768,65 +745,6 @@ fn open_access_log_fd(id: usize, cfg: &ServeConfig) -> Option<std::os::fd::Owned
         Err(e) => {
             eprintln!("kvlb: worker {id}: access_log {path:?}: {e}; requests are not logged");
             None
-        }
-    }
-}
-
-/// A worker's housekeeping, every `FLUSH_EVERY`: writes the access log's waiting lines, and
-/// gives the memory of large buffers freed since the last tick back to the system (so RSS
-/// falls back after a burst of large bodies instead of staying at its peak).
-async fn every_second(w: Rc<Worker>) {
-    loop {
-        op::sleep(crate::access_log::FLUSH_EVERY).await;
-        if let Some(log) = w.access_log.borrow().as_ref() {
-            if log.has_pending() {
-                log.flush();
-            }
-        }
-        if w.freed_large.replace(false) {
-            crate::alloc::give_back_freed_memory();
-        }
-    }
-}
-
-async fn accept_loop(w: Rc<Worker>, listener: RawFd, l4: bool) {
-    let mut addr = op::AddrBuf::new();
-    loop {
-        let (res, a) = op::accept(listener, addr).await;
-        addr = a;
-        match res {
-            Ok(fd) => {
-                if w.draining.get() {
-                    op::close(fd);
-                    return;
-                }
-                let stats = w.stats();
-                crate::metrics::add(&stats.accepted, 1);
-                if w.open.get() >= w.cfg().limits.max_connections {
-                    rt::spawn(proxy::refuse(w.clone(), fd));
-                    continue;
-                }
-                op::set_nodelay(fd);
-                let peer = addr.to_socket_addr();
-                if l4 {
-                    rt::spawn(crate::l4::serve_connection(w.clone(), fd, peer));
-                } else {
-                    rt::spawn(proxy::serve_connection(w.clone(), fd, peer));
-                }
-            }
-            Err(e) => {
-                if w.draining.get() {
-                    return;
-                }
-                match e.raw_os_error() {
-                    Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS)
-                    | Some(libc::ENOMEM) => {
-                        // Out of descriptors: back off instead of spinning.
-                        op::sleep(Duration::from_millis(50)).await;
-                    }
-                    _ => {}
-                }
-            }
         }
     }
 }

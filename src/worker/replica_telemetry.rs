@@ -1,0 +1,193 @@
+//! What kvlb knows of each replica from its own reports (KV events, /metrics): one
+//! `ReplicaTelemetry` per fleet slot in `Shared`, written by the telemetry threads and the
+//! residency writer, read by the admin thread and the cost model. It lives here, with the state
+//! it is part of, so that `telemetry` depends on `worker` and not the other way round.
+
+#![forbid(unsafe_code)]
+
+use super::reported;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+/// Sentinel of a gauge never measured.
+pub const UNKNOWN: u64 = u64::MAX;
+
+/// What kvlb knows of one replica from its own reports. Written by the telemetry threads and
+/// the residency writer, read by the admin thread (and later the cost model): plain atomics.
+#[derive(Debug)]
+pub struct ReplicaTelemetry {
+    /// Requests running / waiting on the replica (sum over its engines); `UNKNOWN` until the
+    /// first scrape.
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    /// KV cache usage in thousandths (0..=1000), `UNKNOWN` until scraped.
+    pub kv_usage_milli: AtomicU64,
+    /// `Shared::now_ms` of the last event batch or successful scrape (0: never).
+    pub last_update_ms: AtomicU64,
+    pub last_event_ms: AtomicU64,
+    pub last_metrics_ms: AtomicU64,
+    pub scrapes: AtomicU64,
+    pub scrape_errors: AtomicU64,
+    /// KV events applied, batches received.
+    pub events_seen: AtomicU64,
+    pub batches_seen: AtomicU64,
+    /// Connected to the replica's event publisher right now.
+    pub events_connected: AtomicBool,
+    /// Residency dropped after a sequence gap that replay could not fill; cleared by the next
+    /// in-order batch.
+    pub stale_gap: AtomicBool,
+    /// Residency dropped because neither events nor metrics came for `telemetry_stale_after`.
+    pub stale_silent: AtomicBool,
+    /// Blocks stored on a tier other than GPU (BlockStored with a non-GPU medium, counted).
+    pub offloaded_blocks: AtomicU64,
+    /// Blocks the offloaded tier holds for the replica now (set by the residency writer).
+    pub offload_resident_blocks: AtomicU64,
+    /// BlockStored skipped: parent unknown, malformed (token count), or a block size other
+    /// than kvlb's token block.
+    pub skipped_unknown_parent: AtomicU64,
+    pub skipped_malformed: AtomicU64,
+    pub skipped_block_size: AtomicU64,
+    /// Messages that were not a valid event batch.
+    pub decode_errors: AtomicU64,
+    /// Sequence gaps seen, gaps filled by replay, engine restarts (sequence went backwards).
+    pub gaps: AtomicU64,
+    pub replays: AtomicU64,
+    pub restarts: AtomicU64,
+    /// Connections to the event publisher made.
+    pub connects: AtomicU64,
+    /// Engine blocks the event thread knows now (its map from engine block hash to kvlb's
+    /// hash and copy count, which resolves parents and removals), published after each batch.
+    pub engine_blocks: AtomicU64,
+    /// The last scrape net of this instance's requests, for the cost model (workers read it).
+    pub reported: reported::ReportedLoadCell,
+}
+
+impl Default for ReplicaTelemetry {
+    fn default() -> ReplicaTelemetry {
+        ReplicaTelemetry {
+            running: AtomicU64::new(UNKNOWN),
+            waiting: AtomicU64::new(UNKNOWN),
+            kv_usage_milli: AtomicU64::new(UNKNOWN),
+            last_update_ms: AtomicU64::new(0),
+            last_event_ms: AtomicU64::new(0),
+            last_metrics_ms: AtomicU64::new(0),
+            scrapes: AtomicU64::new(0),
+            scrape_errors: AtomicU64::new(0),
+            events_seen: AtomicU64::new(0),
+            batches_seen: AtomicU64::new(0),
+            events_connected: AtomicBool::new(false),
+            stale_gap: AtomicBool::new(false),
+            stale_silent: AtomicBool::new(false),
+            offloaded_blocks: AtomicU64::new(0),
+            offload_resident_blocks: AtomicU64::new(0),
+            skipped_unknown_parent: AtomicU64::new(0),
+            skipped_malformed: AtomicU64::new(0),
+            skipped_block_size: AtomicU64::new(0),
+            decode_errors: AtomicU64::new(0),
+            gaps: AtomicU64::new(0),
+            replays: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
+            connects: AtomicU64::new(0),
+            engine_blocks: AtomicU64::new(0),
+            reported: reported::ReportedLoadCell::default(),
+        }
+    }
+}
+
+impl ReplicaTelemetry {
+    /// Forget everything (the slot got a new replica) but `offload_resident_blocks`, which
+    /// mirrors the residency writer's state and is cleared with it.
+    pub fn reset(&self) {
+        let d = ReplicaTelemetry::default();
+        macro_rules! copy {
+            ($($f:ident),*) => { $( self.$f.store(d.$f.load(Relaxed), Relaxed); )* };
+        }
+        copy!(
+            running,
+            waiting,
+            kv_usage_milli,
+            last_update_ms,
+            last_event_ms,
+            last_metrics_ms,
+            scrapes,
+            scrape_errors,
+            events_seen,
+            batches_seen,
+            events_connected,
+            stale_gap,
+            stale_silent,
+            offloaded_blocks,
+            skipped_unknown_parent,
+            skipped_malformed,
+            skipped_block_size,
+            decode_errors,
+            gaps,
+            replays,
+            restarts,
+            connects,
+            engine_blocks
+        );
+        self.reported.clear();
+    }
+
+    pub fn stale(&self) -> bool {
+        self.stale_gap.load(Relaxed) || self.stale_silent.load(Relaxed)
+    }
+
+    /// Note fresh telemetry at `now_ms` (never stores 0, which means "never").
+    pub fn touch(&self, now_ms: u64) {
+        self.last_update_ms.store(now_ms.max(1), Relaxed);
+    }
+
+    /// Seconds since the last telemetry, None if never.
+    pub fn age_s(&self, now_ms: u64) -> Option<f64> {
+        match self.last_update_ms.load(Relaxed) {
+            0 => None,
+            t => Some(now_ms.saturating_sub(t) as f64 / 1000.0),
+        }
+    }
+
+    /// The replica's entry in /replicas.
+    pub fn to_json(&self, now_ms: u64) -> serde_json::Value {
+        let gauge = |a: &AtomicU64| match a.load(Relaxed) {
+            UNKNOWN => serde_json::Value::Null,
+            v => v.into(),
+        };
+        let kv_usage = match self.kv_usage_milli.load(Relaxed) {
+            UNKNOWN => serde_json::Value::Null,
+            v => (v as f64 / 1000.0).into(),
+        };
+        let r = self.reported.load();
+        let reported = serde_json::json!({
+            "fresh": r.fresh(now_ms),
+            "foreign_waiting": r.foreign_waiting,
+            "foreign_running": r.foreign_running,
+            "kv_usage": r.kv_usage_milli as f64 / 1000.0,
+        });
+        serde_json::json!({
+            "running": gauge(&self.running),
+            "waiting": gauge(&self.waiting),
+            "kv_usage": kv_usage,
+            "age_s": self.age_s(now_ms),
+            "stale": self.stale(),
+            "stale_gap": self.stale_gap.load(Relaxed),
+            "stale_silent": self.stale_silent.load(Relaxed),
+            "scrapes": self.scrapes.load(Relaxed),
+            "scrape_errors": self.scrape_errors.load(Relaxed),
+            "events_connected": self.events_connected.load(Relaxed),
+            "events_seen": self.events_seen.load(Relaxed),
+            "batches_seen": self.batches_seen.load(Relaxed),
+            "offloaded_blocks": self.offloaded_blocks.load(Relaxed),
+            "offload_resident_blocks": self.offload_resident_blocks.load(Relaxed),
+            "skipped_unknown_parent": self.skipped_unknown_parent.load(Relaxed),
+            "skipped_malformed": self.skipped_malformed.load(Relaxed),
+            "skipped_block_size": self.skipped_block_size.load(Relaxed),
+            "decode_errors": self.decode_errors.load(Relaxed),
+            "gaps": self.gaps.load(Relaxed),
+            "replays": self.replays.load(Relaxed),
+            "restarts": self.restarts.load(Relaxed),
+            "connects": self.connects.load(Relaxed),
+            "engine_blocks": self.engine_blocks.load(Relaxed),
+            "reported": reported,
+        })
+    }
+}
