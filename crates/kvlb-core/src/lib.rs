@@ -27,3 +27,4 @@ pub mod prompt;
 pub mod residency;
 pub mod rng;
 pub mod select;
+pub mod text;

@@ -4,7 +4,7 @@
 
 #![forbid(unsafe_code)]
 
-use serde::de::{self, Deserializer, Visitor};
+use serde::de::Deserializer;
 use serde::Deserialize;
 use std::str::FromStr;
 
@@ -53,40 +53,9 @@ impl FromStr for PolicyName {
     }
 }
 
-/// Reads a scalar value as the text a flag would carry (as the configuration's other values).
-struct Text;
-
-impl<'de> Visitor<'de> for Text {
-    type Value = String;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a string, a number or true/false")
-    }
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
-        Ok(v.to_string())
-    }
-    fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
-        Ok(v)
-    }
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
-        Ok(v.to_string())
-    }
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
-        Ok(v.to_string())
-    }
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<String, E> {
-        Ok(v.to_string())
-    }
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<String, E> {
-        Ok(v.to_string())
-    }
-}
-
 /// A file value through `FromStr`: `"value": why` on error.
 impl<'de> Deserialize<'de> for PolicyName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = d.deserialize_any(Text)?;
-        text.parse()
-            .map_err(|why: String| de::Error::custom(format!("{text:?}: {why}")))
+        crate::text::from_text(d)
     }
 }
