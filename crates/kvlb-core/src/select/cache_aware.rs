@@ -225,78 +225,72 @@ impl CacheAwareConfig {
     }
 }
 
-/// Every parameter of the policy and of its TTFT model by name: `kvlb simulate --set NAME=X`
-/// changes any of them for an ablation, while `kvlb serve` exposes only the few an operator
-/// sets (docs/cost-model.md says which and why the rest are fixed).
-pub const PARAMETERS: &[&str] = &[
-    "min_match_tokens",
-    "recompute_weight",
-    "backlog_weight",
-    "tie_epsilon_s",
-    "hot_prefix_requests",
-    "hot_window_s",
-    "hot_spill_wait_s",
-    "foreign_request_tokens",
-    "kv_evict_from",
-    "kv_hit_keep_at_full",
-    "offload_load_cost",
-    "prefill_a_s",
-    "prefill_b_s",
-    "prefill_c_s",
-    "chunk_tokens",
-    "queued_context_tokens",
-    "decode_base_s",
-    "decode_per_seq_s",
-    "decode_per_ctx_token_s",
-    "context_tokens",
-    "max_num_seqs",
-    "mean_output_tokens",
-];
+/// Declares every parameter once, by name and field: [`PARAMETERS`] and
+/// [`CacheAwareConfig::set`] both come from this list.
+macro_rules! parameters {
+    ($($name:literal => $kind:ident $($field:ident).+;)*) => {
+        /// Every parameter of the policy and of its TTFT model by name: `kvlb simulate --set
+        /// NAME=X` changes any of them for an ablation, while `kvlb serve` exposes only the few
+        /// an operator sets (docs/cost-model.md says which and why the rest are fixed).
+        pub const PARAMETERS: &[&str] = &[$($name),*];
 
-impl CacheAwareConfig {
-    /// Set the parameter `name` (one of [`PARAMETERS`]) to `v`, then check the whole
-    /// configuration; whole-number parameters take a whole `v`.
-    pub fn set(&mut self, name: &str, v: f64) -> Result<(), String> {
-        let whole = |v: f64| -> Result<u32, String> {
-            if v.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&v) {
-                Ok(v as u32)
-            } else {
-                Err(format!("{name} takes a whole number, got {v}"))
-            }
-        };
-        let m = &mut self.model;
-        match name {
-            "min_match_tokens" => self.min_match_tokens = whole(v)?,
-            "recompute_weight" => self.recompute_weight = v,
-            "backlog_weight" => self.backlog_weight = v,
-            "tie_epsilon_s" => self.tie_epsilon_s = v,
-            "hot_prefix_requests" => self.hot_prefix_requests = whole(v)?,
-            "hot_window_s" => self.hot_window_s = v,
-            "hot_spill_wait_s" => self.hot_spill_wait_s = v,
-            "foreign_request_tokens" => self.foreign_request_tokens = whole(v)?,
-            "kv_evict_from" => self.kv_evict_from = v,
-            "kv_hit_keep_at_full" => self.kv_hit_keep_at_full = v,
-            "offload_load_cost" => self.offload_load_cost = v,
-            "prefill_a_s" => m.prefill.a = v,
-            "prefill_b_s" => m.prefill.b = v,
-            "prefill_c_s" => m.prefill.c = v,
-            "chunk_tokens" => m.prefill.chunk_tokens = whole(v)?,
-            "queued_context_tokens" => m.prefill.queued_context_tokens = whole(v)?,
-            "decode_base_s" => m.decode.base = v,
-            "decode_per_seq_s" => m.decode.per_seq = v,
-            "decode_per_ctx_token_s" => m.decode.per_ctx_token = v,
-            "context_tokens" => m.decode.context_tokens = whole(v)?,
-            "max_num_seqs" => m.decode.max_num_seqs = whole(v)?,
-            "mean_output_tokens" => m.decode.mean_output_tokens = whole(v)?,
-            _ => {
-                return Err(format!(
-                    "unknown parameter {name:?}; known: {}",
-                    PARAMETERS.join(", ")
-                ))
+        impl CacheAwareConfig {
+            /// Set the parameter `name` (one of [`PARAMETERS`]) to `v`, then check the whole
+            /// configuration; whole-number parameters take a whole `v`.
+            pub fn set(&mut self, name: &str, v: f64) -> Result<(), String> {
+                match name {
+                    $($name => self.$($field).+ = parameters!(@$kind name v),)*
+                    _ => {
+                        return Err(format!(
+                            "unknown parameter {name:?}; known: {}",
+                            PARAMETERS.join(", ")
+                        ))
+                    }
+                }
+                self.validate()
             }
         }
-        self.validate()
+    };
+    (@real $name:ident $v:ident) => {
+        $v
+    };
+    (@whole $name:ident $v:ident) => {
+        whole_parameter($name, $v)?
+    };
+}
+
+/// `v` as a whole-number parameter's value.
+fn whole_parameter(name: &str, v: f64) -> Result<u32, String> {
+    if v.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&v) {
+        Ok(v as u32)
+    } else {
+        Err(format!("{name} takes a whole number, got {v}"))
     }
+}
+
+parameters! {
+    "min_match_tokens" => whole min_match_tokens;
+    "recompute_weight" => real recompute_weight;
+    "backlog_weight" => real backlog_weight;
+    "tie_epsilon_s" => real tie_epsilon_s;
+    "hot_prefix_requests" => whole hot_prefix_requests;
+    "hot_window_s" => real hot_window_s;
+    "hot_spill_wait_s" => real hot_spill_wait_s;
+    "foreign_request_tokens" => whole foreign_request_tokens;
+    "kv_evict_from" => real kv_evict_from;
+    "kv_hit_keep_at_full" => real kv_hit_keep_at_full;
+    "offload_load_cost" => real offload_load_cost;
+    "prefill_a_s" => real model.prefill.a;
+    "prefill_b_s" => real model.prefill.b;
+    "prefill_c_s" => real model.prefill.c;
+    "chunk_tokens" => whole model.prefill.chunk_tokens;
+    "queued_context_tokens" => whole model.prefill.queued_context_tokens;
+    "decode_base_s" => real model.decode.base;
+    "decode_per_seq_s" => real model.decode.per_seq;
+    "decode_per_ctx_token_s" => real model.decode.per_ctx_token;
+    "context_tokens" => whole model.decode.context_tokens;
+    "max_num_seqs" => whole model.decode.max_num_seqs;
+    "mean_output_tokens" => whole model.decode.mean_output_tokens;
 }
 
 /// Why a replica was chosen.
