@@ -521,10 +521,21 @@ pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigErr
     let mut parts = v.split(',');
     let url = parts.next().unwrap_or("");
     let mut r = parse_replica_url(key, url)?;
+    let mut seen: Vec<&str> = Vec::new();
     for opt in parts {
         let (k, val) = opt
             .split_once('=')
             .ok_or_else(|| bad(key, v, "expected URL[,key=value...]"))?;
+        if seen.contains(&k) {
+            // The last would win silently: two event endpoints are two data-parallel ranks,
+            // which are two replicas (docs/engines.md).
+            return Err(bad(
+                key,
+                v,
+                &format!("replica option {k:?} given twice (one value each; a data-parallel engine's ranks are separate replicas)"),
+            ));
+        }
+        seen.push(k);
         match k {
             "kv_capacity_tokens" => {
                 r.kv_capacity_tokens =

@@ -118,6 +118,13 @@ fn replica_kv_events() {
         e.0.contains("kv_replay") && e.0.contains("tcp://h:1"),
         "{e}"
     );
+    // An option given twice is refused, not the last one kept.
+    let e = from_args(&args(
+        "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,kv_events=tcp://h:5557,kv_events=tcp://h:5558",
+    ))
+    .unwrap_err()
+    .unwrap();
+    assert!(e.0.contains("\"kv_events\" given twice"), "{e}");
 
     let mut c = ServeConfig::default();
     apply_toml(&mut c, "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nkv_events = \"tcp://127.0.0.1:5557\"\nkv_replay = \"tcp://127.0.0.1:5558\"\nkv_capacity_tokens = 2048\n").unwrap();
