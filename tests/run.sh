@@ -6,10 +6,13 @@
 #    Debian starts on install: tests run their own instances on ephemeral loopback ports.
 # 2. Keeps a Python venv at .venv with tests/py/requirements.txt (re-installed only when the
 #    requirements or the interpreter change, tracked by a stamp file holding their hash).
-# 3. Runs the whole Rust suite (`cargo test --release --workspace`: unit + integration of every
+# 3. Fetches the pinned vLLM and SGLang wheels the engine tests run (tests/py/engines/fetch.py:
+#    PyPI once, then a cache outside the repository, ${XDG_CACHE_HOME:-~/.cache}/kvlb/engines)
+#    and exports the extracted sources as KVLB_ENGINE_SRC.
+# 4. Runs the whole Rust suite (`cargo test --release --workspace`: unit + integration of every
 #    crate; release so that timing-sensitive tests are less noisy) with KVLB_PYTHON pointing at the venv's python.
-# 4. Runs the Python tests in tests/py with pytest, when there are any.
-# 5. Builds the fuzz targets (fuzz/, libFuzzer on stable) and runs each for KVLB_FUZZ_SECONDS
+# 5. Runs the Python tests in tests/py with pytest, when there are any.
+# 6. Builds the fuzz targets (fuzz/, libFuzzer on stable) and runs each for KVLB_FUZZ_SECONDS
 #    (default 20); each target counts as one test.
 # Ends with one summary line: `tests: N passed, N failed, N skipped`.
 set -euo pipefail
@@ -74,7 +77,17 @@ else
 fi
 export KVLB_PYTHON=$venv/bin/python
 
-# --- 3. Rust suite -----------------------------------------------------------------------
+# --- 3. engine sources -------------------------------------------------------------------
+phase "engine sources (vLLM, SGLang)"
+# Without them the engine tests fail (they run fetch.py again and show why); the rest runs.
+if engine_src=$("$venv/bin/python" tests/py/engines/fetch.py); then
+    export KVLB_ENGINE_SRC=$engine_src
+    echo "engine sources in $KVLB_ENGINE_SRC"
+else
+    echo "warning: fetching the engine wheels failed; tests/engine_events.rs will fail" >&2
+fi
+
+# --- 4. Rust suite -----------------------------------------------------------------------
 phase "cargo test --release --workspace"
 cargo_status=0
 cargo test --release --workspace --no-fail-fast 2>&1 | tee "$logdir/cargo.log" || cargo_status=$?
@@ -90,7 +103,7 @@ read -r rust_passed rust_failed rust_ignored < <(awk '
     }
     END { print p + 0, f + 0, s + 0 }' "$logdir/cargo.log")
 
-# --- 4. Python tests ---------------------------------------------------------------------
+# --- 5. Python tests ---------------------------------------------------------------------
 py_passed=0 py_failed=0 py_skipped=0 py_status=0 py_note="no Python tests"
 py_tests=$(find tests/py -name 'test_*.py' -o -name '*_test.py' 2>/dev/null | head -n 1)
 if [ -n "$py_tests" ]; then
@@ -110,7 +123,7 @@ if [ -n "$py_tests" ]; then
     # Exit 5 means no tests collected: a failure here, since test files exist.
 fi
 
-# --- 5. Fuzz targets ----------------------------------------------------------------------
+# --- 6. Fuzz targets ----------------------------------------------------------------------
 phase "fuzz targets (${KVLB_FUZZ_SECONDS:-20}s each)"
 fuzz_status=0
 bash fuzz/run.sh "${KVLB_FUZZ_SECONDS:-20}" 2>&1 | tee "$logdir/fuzz.log" || fuzz_status=$?

@@ -8,7 +8,9 @@
 //! - [`curl`]: runs the `curl` command line client with a time limit;
 //! - [`digest`]: SHA-256 and deterministic payloads to check bodies end to end;
 //! - [`fleet::ReplicaFleet`]: `kvlb replica --count n` with KV events, and `/replicas` and
-//!   `x-kvlb-decision` readers.
+//!   `x-kvlb-decision` readers;
+//! - [`engines`]: vLLM's and SGLang's own KV event code (tests/py/engines/driver.py) publishing
+//!   to kvlb, or decoding a publisher's messages.
 //!
 //! Every wait is bounded, so a broken proxy fails a test instead of hanging the run.
 #![allow(dead_code, unused_imports)]
@@ -17,6 +19,7 @@ pub mod backend;
 pub mod client;
 pub mod curl;
 pub mod digest;
+pub mod engines;
 pub mod fleet;
 pub mod proxy;
 
