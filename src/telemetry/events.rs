@@ -7,8 +7,30 @@
 //! messages, fill gaps by replay, reconnect with backoff when the publisher goes away.
 //!
 //! Each operation carries the `Tier` of its event's `medium`. The engine-hash map is shared by
-//! the tiers: a hash stored on GPU and CPU counts two copies, so it keeps resolving parents and
-//! removals while any medium holds it.
+//! the tiers, with a copy count per tier: a hash stored on GPU and CPU keeps resolving parents
+//! and removals while any medium holds it, and a BlockRemoved drops a copy of its own tier
+//! only (a removal on a tier that holds no copy changes nothing).
+//!
+//! # Copies, duplicates and reuse reports
+//! vLLM does not de-duplicate its cache (`BlockHashToBlockMap`, NOTE #1): a block filled again
+//! with the same content (a request that computed a prefix without looking it up, two
+//! identical prompts in one step, a decode that rebuilt a cached block) is a second physical
+//! block under the same hash, and each is removed by its own BlockRemoved. So a BlockStored
+//! normally adds one copy. In `kv_cache_report_mode = "full"` (per request, so a stream mixes
+//! both modes) vLLM also re-sends BlockStored on a prefix-cache hit for the reused blocks,
+//! which adds nothing inside vLLM: counted as copies, they would outlive the engine's
+//! removals and stay phantom hits for ever. Such a reuse report always has no parent and
+//! covers blocks 0..k of the prompt, all cached; a genuine store continuing a cached prefix
+//! always names its parent. The rule: in a BlockStored without parent, a block already held
+//! on that tier is a refresh (`ResidencyOp::Touch`: most recently used, no copy), any other
+//! block a new copy; after a parent every block is a new copy. Reuse reports are then exact,
+//! and so is every store after a parent. The one residual error is a genuine duplicate from
+//! the prompt's start (the cases above, when the duplicate chain starts at block 0 and the
+//! first copy is still held): kvlb counts one copy where the engine has two, so the first
+//! removal drops the block while the engine still holds the other copy. That errs toward a
+//! missed hit, never a phantom one, and heals: the next full-mode hit on the block re-reports
+//! it, and a block kvlb no longer holds counts as a new copy again. `reuse_reports` and
+//! `refreshed_blocks` in /replicas count them.
 //!
 //! See the parent module for why only token-mode requests match the hashes produced here.
 
@@ -87,11 +109,20 @@ impl Hasher for EngineHasher {
     }
 }
 
-/// The engine hash's kvlb hash and how many copies the engine reported.
+/// The engine hash's kvlb hash and how many copies the engine reported on each tier
+/// (`tier_slot`).
 #[derive(Debug, Clone, Copy)]
 struct ChainEntry {
     kvlb: u64,
-    copies: u32,
+    copies: [u32; 2],
+}
+
+/// Index of a tier in `ChainEntry::copies`.
+fn tier_slot(tier: Tier) -> usize {
+    match tier {
+        Tier::Gpu => 0,
+        Tier::Offloaded => 1,
+    }
 }
 
 /// One replica's view of its event stream.
@@ -177,12 +208,18 @@ impl EventState {
                     block_hashes,
                     medium,
                 } => {
+                    let tier = Tier::of(*medium);
+                    let t = tier_slot(tier);
                     let mut blocks = Vec::with_capacity(block_hashes.len());
                     for h in block_hashes {
                         if let Some(e) = self.chain.get_mut(h) {
+                            // A copy on another medium only: nothing to drop on this one.
+                            if e.copies[t] == 0 {
+                                continue;
+                            }
                             blocks.push(e.kvlb);
-                            e.copies = e.copies.saturating_sub(1);
-                            if e.copies == 0 {
+                            e.copies[t] -= 1;
+                            if e.copies == [0, 0] {
                                 self.chain.remove(h);
                             }
                         }
@@ -190,7 +227,7 @@ impl EventState {
                     if !blocks.is_empty() {
                         ops.push(ResidencyOp::Remove {
                             replica: self.replica,
-                            tier: Tier::of(*medium),
+                            tier,
                             blocks,
                         });
                     }
@@ -240,24 +277,51 @@ impl EventState {
             // A stream that stores without ever removing: start over rather than grow.
             self.clear(ops);
         }
-        for (&engine, &kvlb) in block_hashes.iter().zip(&self.hashes) {
-            let e = self
-                .chain
-                .entry(engine)
-                .or_insert(ChainEntry { kvlb, copies: 0 });
-            e.kvlb = kvlb;
-            e.copies = e.copies.saturating_add(1);
-        }
         let tier = Tier::of(medium);
-        if tier == Tier::Offloaded {
-            tel.offloaded_blocks
-                .fetch_add(block_hashes.len() as u64, Relaxed);
+        let t = tier_slot(tier);
+        // From the prompt's start (no parent), a block already held on this medium is a
+        // refresh, not a copy (see the module header); after a parent, every block is one.
+        let from_start = parent.is_none();
+        let mut fresh = Vec::with_capacity(block_hashes.len());
+        let mut refreshed = Vec::new();
+        for (&engine, &kvlb) in block_hashes.iter().zip(&self.hashes) {
+            let e = self.chain.entry(engine).or_insert(ChainEntry {
+                kvlb,
+                copies: [0, 0],
+            });
+            e.kvlb = kvlb;
+            if from_start && e.copies[t] > 0 {
+                refreshed.push(kvlb);
+            } else {
+                e.copies[t] = e.copies[t].saturating_add(1);
+                fresh.push(kvlb);
+            }
         }
-        ops.push(ResidencyOp::Insert {
-            replica: self.replica,
-            tier,
-            blocks: self.hashes.clone(),
-        });
+        if tier == Tier::Offloaded {
+            tel.offloaded_blocks.fetch_add(fresh.len() as u64, Relaxed);
+        }
+        if !refreshed.is_empty() {
+            tel.refreshed_blocks
+                .fetch_add(refreshed.len() as u64, Relaxed);
+            if fresh.is_empty() {
+                tel.reuse_reports.fetch_add(1, Relaxed);
+            }
+        }
+        // New copies first, the refreshed prefix last: it ends up the most recently used.
+        if !fresh.is_empty() {
+            ops.push(ResidencyOp::Insert {
+                replica: self.replica,
+                tier,
+                blocks: fresh,
+            });
+        }
+        if !refreshed.is_empty() {
+            ops.push(ResidencyOp::Touch {
+                replica: self.replica,
+                tier,
+                blocks: refreshed,
+            });
+        }
     }
 
     /// Take one received message: check its number, replay or clear as needed, apply it.

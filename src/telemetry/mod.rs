@@ -106,6 +106,13 @@ pub enum ResidencyOp {
         tier: Tier,
         blocks: Vec<u64>,
     },
+    /// The replica already holds each block on `tier` and just used it: most recent, no copy
+    /// added (a BlockStored that reports reused blocks, see `events`).
+    Touch {
+        replica: usize,
+        tier: Tier,
+        blocks: Vec<u64>,
+    },
     /// The replica holds nothing on any tier (AllBlocksCleared, restart, unfillable gap,
     /// removal).
     Clear { replica: usize },

@@ -628,3 +628,185 @@ fn without_an_offloaded_tier_offloaded_blocks_are_not_counted_on_gpu() {
     assert!(!writer.holds(0, 7));
     assert_eq!(writer.index().reported_blocks(0), 0);
 }
+
+/// Runs `batches` (one event list each, numbered from 0) through an `EventState` of replica 0
+/// with kvlb blocks of `token_block` tokens and a residency writer with GPU and offloaded tiers;
+/// returns the event state, the telemetry, the GPU tier's writer and the feed (which holds the
+/// offloaded tier's).
+fn through_writer(
+    token_block: u32,
+    batches: Vec<Vec<KvEvent>>,
+) -> (
+    EventState,
+    ReplicaTelemetry,
+    crate::residency::ResidencyWriter,
+    ResidencyFeed,
+) {
+    let shared = shared_with(1);
+    let cfg = ResidencyConfig {
+        max_replicas: 1,
+        block_tokens: token_block,
+        kv_capacity_tokens: 1 << 24,
+    };
+    let (_index, mut writer) = ResidencyIndex::new(cfg.clone()).unwrap();
+    let (_oindex, offload) = ResidencyIndex::new(cfg).unwrap();
+    let (tx, rx) = crossbeam::channel::unbounded();
+    let mut feed = ResidencyFeed::new(shared, rx).with_offload_tier(offload);
+    let mut s = EventState::new(0, token_block);
+    let tel = ReplicaTelemetry::default();
+    let mut ops = Vec::new();
+    for (seq, events) in batches.into_iter().enumerate() {
+        ops.clear();
+        s.receive(
+            &frames(seq as u64, &batch(events)),
+            &tel,
+            &mut no_replay(),
+            &mut ops,
+        )
+        .unwrap();
+        for op in ops.drain(..) {
+            tx.send(op).unwrap();
+        }
+        feed.on_tick(&mut writer, 1_000 * (seq as u64 + 1));
+    }
+    (s, tel, writer, feed)
+}
+
+fn removed(hashes: &[u64], medium: Option<Medium>) -> KvEvent {
+    KvEvent::BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium,
+    }
+}
+
+#[test]
+fn a_reuse_report_adds_no_copy_and_the_blocks_leave_with_their_eviction() {
+    let whole = kvlb_hashes(0..48);
+    // vLLM, kv_cache_report_mode = "full": a prompt of three blocks stored, then a second
+    // request reuses the first two (BlockStored again, no parent, from block 0), then the
+    // engine evicts all three (one BlockRemoved per physical block).
+    let (s, tel, gpu, _) = through_writer(
+        16,
+        vec![
+            vec![stored(&[1, 2, 3], None, 0..48)],
+            vec![stored(&[1, 2], None, 0..32)],
+            vec![removed(&[3, 2, 1], None)],
+        ],
+    );
+    for h in &whole {
+        assert!(!gpu.holds(0, *h), "phantom block left after the eviction");
+    }
+    assert_eq!(s.known_blocks(), 0);
+    assert_eq!(tel.reuse_reports.load(Relaxed), 1);
+    assert_eq!(tel.refreshed_blocks.load(Relaxed), 2);
+}
+
+#[test]
+fn a_reuse_report_refreshes_and_is_told_from_new_copies() {
+    let mut s = EventState::new(0, 16);
+    let tel = ReplicaTelemetry::default();
+    let mut ops = Vec::new();
+    let whole = kvlb_hashes(0..48);
+    let b = batch(vec![
+        stored(&[1, 2], None, 0..32),
+        // A reuse report of block 0 and a store of the next ones in one batch (full mode).
+        stored(&[1], None, 0..16),
+        // A store from the prompt's start whose first block is held and the rest new: the
+        // held one is a refresh, the others copies.
+        stored(&[1, 2, 3], None, 0..48),
+    ]);
+    s.receive(&frames(0, &b), &tel, &mut no_replay(), &mut ops)
+        .unwrap();
+    let op = |touch: bool, blocks: &[u64]| {
+        let (replica, tier, blocks) = (0, Tier::Gpu, blocks.to_vec());
+        if touch {
+            ResidencyOp::Touch {
+                replica,
+                tier,
+                blocks,
+            }
+        } else {
+            ResidencyOp::Insert {
+                replica,
+                tier,
+                blocks,
+            }
+        }
+    };
+    assert_eq!(
+        ops,
+        vec![
+            op(false, &whole[..2]),
+            op(true, &whole[..1]),
+            op(false, &whole[2..]),
+            op(true, &whole[..2]),
+        ]
+    );
+    assert_eq!(tel.reuse_reports.load(Relaxed), 1);
+    assert_eq!(tel.refreshed_blocks.load(Relaxed), 3);
+    // One removal each is enough to forget them.
+    ops.clear();
+    s.receive(
+        &frames(1, &batch(vec![removed(&[1, 2, 3], None)])),
+        &tel,
+        &mut no_replay(),
+        &mut ops,
+    )
+    .unwrap();
+    assert_eq!(s.known_blocks(), 0);
+}
+
+#[test]
+fn duplicates_after_a_parent_are_copies_and_need_their_own_removal() {
+    let whole = kvlb_hashes(0..32);
+    // Incremental mode: block 1 computed twice after a cached block 0 (two requests in one
+    // step): two physical blocks, two removals.
+    let (s, _, gpu, _) = through_writer(
+        16,
+        vec![
+            vec![stored(&[1], None, 0..16)],
+            vec![stored(&[2], Some(1), 16..32)],
+            vec![stored(&[2], Some(1), 16..32)],
+            vec![removed(&[2], None)],
+        ],
+    );
+    assert!(gpu.holds(0, whole[1]), "one copy of block 1 is left");
+    assert_eq!(gpu.copies(0, whole[1]), 1);
+    assert_eq!(s.known_blocks(), 2);
+}
+
+#[test]
+fn a_block_on_another_medium_is_not_a_reuse_and_removals_keep_to_their_medium() {
+    let whole = kvlb_hashes(0..16);
+    let cpu = |e: KvEvent| match e {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            ..
+        } => KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium: Some(Medium::Cpu),
+        },
+        e => e,
+    };
+    // Held on CPU, then stored on GPU from the prompt's start: a new GPU copy. A GPU removal
+    // of a hash with no GPU copy left changes nothing on the offloaded tier.
+    let (s, _, gpu, feed) = through_writer(
+        16,
+        vec![
+            vec![cpu(stored(&[1], None, 0..16))],
+            vec![stored(&[1], None, 0..16)],
+            vec![removed(&[1], None), removed(&[1], None)],
+        ],
+    );
+    assert!(!gpu.holds(0, whole[0]));
+    assert_eq!(feed.offload_tier().unwrap().copies(0, whole[0]), 1);
+    assert_eq!(s.known_blocks(), 1);
+}

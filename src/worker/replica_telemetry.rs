@@ -59,6 +59,12 @@ pub struct ReplicaTelemetry {
     pub engine_blocks: AtomicU64,
     /// The last scrape net of this instance's requests, for the cost model (workers read it).
     pub reported: reported::ReportedLoadCell,
+    /// BlockStored events that only reported blocks already held (vLLM's reuse reports in
+    /// `kv_cache_report_mode = "full"`: parent none, from the prompt's start, every block
+    /// held on that medium), and the blocks of BlockStored events from the prompt's start
+    /// counted as a refresh rather than a new copy (those of reuse reports included).
+    pub reuse_reports: AtomicU64,
+    pub refreshed_blocks: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -89,6 +95,8 @@ impl Default for ReplicaTelemetry {
             connects: AtomicU64::new(0),
             engine_blocks: AtomicU64::new(0),
             reported: reported::ReportedLoadCell::default(),
+            reuse_reports: AtomicU64::new(0),
+            refreshed_blocks: AtomicU64::new(0),
         }
     }
 }
@@ -124,7 +132,9 @@ impl ReplicaTelemetry {
             replays,
             restarts,
             connects,
-            engine_blocks
+            engine_blocks,
+            reuse_reports,
+            refreshed_blocks
         );
         self.reported.clear();
     }
@@ -188,6 +198,8 @@ impl ReplicaTelemetry {
             "connects": self.connects.load(Relaxed),
             "engine_blocks": self.engine_blocks.load(Relaxed),
             "reported": reported,
+            "reuse_reports": self.reuse_reports.load(Relaxed),
+            "refreshed_blocks": self.refreshed_blocks.load(Relaxed),
         })
     }
 }
