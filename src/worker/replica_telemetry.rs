@@ -41,8 +41,9 @@ pub struct ReplicaTelemetry {
     pub offloaded_blocks: AtomicU64,
     /// Blocks the offloaded tier holds for the replica now (set by the residency writer).
     pub offload_resident_blocks: AtomicU64,
-    /// BlockStored skipped: parent unknown, malformed (token count), or a block size other
-    /// than kvlb's token block.
+    /// BlockStored skipped: parent unknown, malformed (token count), or a block size kvlb
+    /// cannot map to its token blocks (neither a divisor nor a multiple of kvlb's, or pages
+    /// that straddle kvlb's blocks).
     pub skipped_unknown_parent: AtomicU64,
     pub skipped_malformed: AtomicU64,
     pub skipped_block_size: AtomicU64,
@@ -65,6 +66,10 @@ pub struct ReplicaTelemetry {
     /// counted as a refresh rather than a new copy (those of reuse reports included).
     pub reuse_reports: AtomicU64,
     pub refreshed_blocks: AtomicU64,
+    /// The largest block size (tokens) the replica's BlockStored events used, that kvlb can
+    /// aggregate or split into its own token blocks (0: none yet). It is the engine's page:
+    /// vLLM's partial-block entries are smaller, SGLang's default is 1.
+    pub engine_block_size: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -97,6 +102,7 @@ impl Default for ReplicaTelemetry {
             reported: reported::ReportedLoadCell::default(),
             reuse_reports: AtomicU64::new(0),
             refreshed_blocks: AtomicU64::new(0),
+            engine_block_size: AtomicU64::new(0),
         }
     }
 }
@@ -134,7 +140,8 @@ impl ReplicaTelemetry {
             connects,
             engine_blocks,
             reuse_reports,
-            refreshed_blocks
+            refreshed_blocks,
+            engine_block_size
         );
         self.reported.clear();
     }
@@ -200,6 +207,10 @@ impl ReplicaTelemetry {
             "reported": reported,
             "reuse_reports": self.reuse_reports.load(Relaxed),
             "refreshed_blocks": self.refreshed_blocks.load(Relaxed),
+            "engine_block_size": match self.engine_block_size.load(Relaxed) {
+                0 => serde_json::Value::Null,
+                v => v.into(),
+            },
         })
     }
 }
