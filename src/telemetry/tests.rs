@@ -1098,3 +1098,52 @@ fn a_long_one_token_page_store_is_cheap() {
     // Generous: the build machine is shared; the printed figure is the measurement.
     assert!(per_k < 2000.0, "{per_k} us per 1000 tokens");
 }
+
+#[test]
+fn aggregated_blocks_are_resident_per_tier() {
+    let whole = kvlb_hashes(0..32);
+    let on_cpu = |e: KvEvent| match e {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            ..
+        } => KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium: Some(Medium::Cpu),
+        },
+        e => e,
+    };
+    // One-token pages on GPU, backed up on CPU; the GPU copy of a page inside block 1 goes:
+    // block 1 leaves the GPU tier only. Stored again on GPU, it is whole there again.
+    let (s, _, gpu, feed) = through_writer(
+        16,
+        vec![
+            vec![pages(1000, None, 0..32, 1)],
+            vec![on_cpu(pages(1000, None, 0..32, 1))],
+            vec![removed(&[1020], None)],
+        ],
+    );
+    let cpu = feed.offload_tier().unwrap();
+    assert!(gpu.holds(0, whole[0]) && !gpu.holds(0, whole[1]));
+    assert!(cpu.holds(0, whole[0]) && cpu.holds(0, whole[1]));
+    assert_eq!(s.known_blocks(), 32, "the page is still on CPU");
+    // A continuation whose block needs a page no tier holds any more cannot be hashed:
+    // skipped and counted.
+    let (_, tel, gpu, _) = through_writer(
+        16,
+        vec![
+            vec![pages(1000, None, 0..20, 1)],
+            vec![removed(&[1017], None)],
+            vec![pages(1020, Some(1019), 20..32, 1)],
+        ],
+    );
+    assert_eq!(tel.skipped_unknown_parent.load(Relaxed), 1);
+    assert!(gpu.holds(0, whole[0]) && !gpu.holds(0, whole[1]));
+}
