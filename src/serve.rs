@@ -105,8 +105,9 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     })
     .map_err(|e| format!("residency index: {e}"))?;
     writer.set_pending_ttl(cfg.telemetry.routed_pending_ttl);
-    // Guesses are text blocks of about 64 tokens; the replicas report blocks of their own KV
-    // block size, so a full replica reports four times as many.
+    // Guesses are text blocks of about 64 tokens; the replicas' reports arrive as kvlb's
+    // token blocks (whatever the engine's page size), so a full replica reports four times as
+    // many.
     writer.set_reported_block_tokens(crate::prefix::DEFAULT_TOKEN_BLOCK);
     for (i, r) in cfg.replicas.iter().enumerate() {
         writer

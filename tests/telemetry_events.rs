@@ -480,3 +480,83 @@ fn reconnects_after_publisher_restart_and_forgets_the_old_engine() {
     );
     assert_eq!(telemetry_of(&kvlb, 0)["connects"], 2);
 }
+
+/// SGLang's default page of one token, and vLLM's reuse reports (`kv_cache_report_mode =
+/// "full"`), from a real ZeroMQ publisher: one-token pages across two events make kvlb blocks
+/// a token-mode request matches; a page removed inside a block drops that block; a reuse
+/// report adds no copy, so one eviction empties the replica.
+#[test]
+fn one_token_pages_and_reuse_reports_from_a_publisher() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", false);
+    let r1 = format!("http://{},kv_events={}", reps.http[1], publisher.endpoint);
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    // 1000 + 3096 tokens, the cut inside a kvlb block; signed hashes as SGLang's.
+    let a = token_prompt(4096, 7);
+    let ids: Vec<i64> = (0..4096).map(|i| -(1 + i)).collect();
+    publisher.publish(
+        0,
+        json!([
+            {"type": "BlockStored", "block_hashes": ids[..1000], "parent_block_hash": null,
+             "token_ids": a[..1000], "block_size": 1, "medium": "GPU"},
+            {"type": "BlockStored", "block_hashes": ids[1000..], "parent_block_hash": ids[999],
+             "token_ids": a[1000..], "block_size": 1, "medium": "GPU"},
+        ]),
+        true,
+    );
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 256),
+        "kvlb did not learn the one-token pages: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    assert_eq!(telemetry_of(&kvlb, 1)["engine_block_size"], 1);
+    assert_eq!(telemetry_of(&kvlb, 1)["skipped_block_size"], 0);
+    let via = post(kvlb.listen, "/v1/completions", &completion_body(&a));
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(decision(&via).0, "cache", "{}", via.describe());
+    // The page of token 2000 (inside kvlb block 125) evicted: that block goes.
+    publisher.publish(
+        1,
+        json!([{"type": "BlockRemoved", "block_hashes": [ids[2000]], "medium": "GPU"}]),
+        true,
+    );
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 255),
+        "{}",
+        telemetry_of(&kvlb, 1)
+    );
+
+    // vLLM: a 4-block prompt stored, a reuse report of its first 3 blocks, then eviction.
+    let b = token_prompt(64, 8);
+    let vids: Vec<i64> = (0..4).map(|i| 100_000 + i).collect();
+    publisher.publish(
+        2,
+        json!([
+            {"type": "AllBlocksCleared"},
+            {"type": "BlockStored", "block_hashes": vids, "parent_block_hash": null,
+             "token_ids": b, "block_size": 16, "medium": "GPU"},
+            {"type": "BlockStored", "block_hashes": vids[..3], "parent_block_hash": null,
+             "token_ids": b[..48], "block_size": 16, "medium": "GPU"},
+            {"type": "BlockRemoved", "block_hashes": vids, "medium": "GPU"},
+        ]),
+        true,
+    );
+    assert!(
+        wait_until(T, || {
+            let t = telemetry_of(&kvlb, 1);
+            t["reuse_reports"] == 1 && t["resident_blocks"] == 0
+        }),
+        "a reuse report left blocks behind: {}",
+        telemetry_of(&kvlb, 1)
+    );
+}

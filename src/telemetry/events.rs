@@ -7,8 +7,59 @@
 //! messages, fill gaps by replay, reconnect with backoff when the publisher goes away.
 //!
 //! Each operation carries the `Tier` of its event's `medium`. The engine-hash map is shared by
-//! the tiers: a hash stored on GPU and CPU counts two copies, so it keeps resolving parents and
-//! removals while any medium holds it.
+//! the tiers, with a copy count per tier: a hash stored on GPU and CPU keeps resolving parents
+//! and removals while any medium holds it, and a BlockRemoved drops a copy of its own tier
+//! only (a removal on a tier that holds no copy changes nothing).
+//!
+//! # Copies, duplicates and reuse reports
+//! vLLM does not de-duplicate its cache (`BlockHashToBlockMap`, NOTE #1): a block filled again
+//! with the same content (a request that computed a prefix without looking it up, two
+//! identical prompts in one step, a decode that rebuilt a cached block) is a second physical
+//! block under the same hash, and each is removed by its own BlockRemoved. So a BlockStored
+//! normally adds one copy. In `kv_cache_report_mode = "full"` (per request, so a stream mixes
+//! both modes) vLLM also re-sends BlockStored on a prefix-cache hit for the reused blocks,
+//! which adds nothing inside vLLM: counted as copies, they would outlive the engine's
+//! removals and stay phantom hits for ever. Such a reuse report always has no parent and
+//! covers blocks 0..k of the prompt, all cached; a genuine store continuing a cached prefix
+//! always names its parent. The rule: in a BlockStored without parent, a block already held
+//! on that tier is a refresh (`ResidencyOp::Touch`: most recently used, no copy), any other
+//! block a new copy; after a parent every block is a new copy. Reuse reports are then exact,
+//! and so is every store after a parent. The one residual error is a genuine duplicate from
+//! the prompt's start (the cases above, when the duplicate chain starts at block 0 and the
+//! first copy is still held): kvlb counts one copy where the engine has two, so the first
+//! removal drops the block while the engine still holds the other copy. That errs toward a
+//! missed hit, never a phantom one, and heals: the next full-mode hit on the block re-reports
+//! it, and a block kvlb no longer holds counts as a new copy again. `reuse_reports` and
+//! `refreshed_blocks` in /replicas count them.
+//!
+//! # Block sizes
+//! kvlb hashes token-mode prompts in blocks of `token_block_size` tokens (B); engines publish
+//! their own page size (b) in each BlockStored: 16 for vLLM by default, 1 for SGLang's default
+//! page size (one event of N one-token pages, chained across events by `parent_block_hash`),
+//! smaller entries for vLLM's partial blocks, 32, 64... Each engine hash in the chain map keeps
+//! the token offset at which its page ends, so pages are placed in kvlb's blocks wherever the
+//! events cut them:
+//! * b a multiple of B: one engine block is b / B kvlb blocks, stored and removed together
+//!   (copies counted as for b = B).
+//! * B a multiple of b: a kvlb block is resident on a tier while each of its B / b pages holds
+//!   a copy there. The page that ends it (its owner) is what the residency writer sees: one
+//!   Insert when the block becomes whole, one Remove when any page of it loses its last copy
+//!   (a duplicate page keeps it), an Insert again if that page comes back. Pages inside a
+//!   block keep their parent, the block's first page (`anchor`, under which `owners` lists the
+//!   blocks ending through it: prompts that diverge inside a kvlb block each own one) and
+//!   their tokens (inline for one-token pages), so a page from a later event can hash the
+//!   block it completes. A page removed inside a block rechecks that block's owners by
+//!   walking each back to the block's start (at most B / b steps).
+//! * Neither divides, or a page that would straddle kvlb's blocks (mixed sizes in one chain):
+//!   skipped, counted in `skipped_block_size`, logged (rate-limited).
+//!
+//! Each replica's first event of each size is logged, and /replicas shows the largest usable
+//! size as `engine_block_size`. Memory stays bounded by `MAX_CHAIN_BLOCKS` entries (40 bytes
+//! each plus the map's key), one per engine page: with one-token pages, one per cached token.
+//! Cost, measured by `a_long_one_token_page_store_is_cheap` (release build, the shared 2-core
+//! build machine, fastest of 5): a 32k-token store of one-token pages applies in 1.1-2.2 ms
+//! (35-70 us per 1000 tokens: a map insert per page, the kvlb hash per 16 tokens), and the
+//! removal of all its pages in 1.5-2.2 ms.
 //!
 //! See the parent module for why only token-mode requests match the hashes produced here.
 
@@ -87,12 +138,48 @@ impl Hasher for EngineHasher {
     }
 }
 
-/// The engine hash's kvlb hash and how many copies the engine reported.
+/// One engine block (a page of `len` tokens ending `end` tokens after the prompt's start).
+///
+/// `kvlb` is the hash of the last kvlb block that ends at or before `end`: the kvlb block
+/// itself for a page that ends one (the last of them for a page of several), the chain root of
+/// the kvlb block being filled for a page inside one. Pages smaller than kvlb's block
+/// (aggregated, see the module header) also keep their parent, the first page of their kvlb
+/// block (`anchor`) and, for one-token pages, their token: what a later page needs to hash
+/// the kvlb block they share.
 #[derive(Debug, Clone, Copy)]
 struct ChainEntry {
     kvlb: u64,
-    copies: u32,
+    parent: u64,
+    anchor: u64,
+    end: u32,
+    token: u32,
+    /// Copies the engine reported on each tier (`tier_slot`).
+    copies: [u16; 2],
+    len: u16,
+    flags: u8,
 }
+
+const _: () = assert!(std::mem::size_of::<ChainEntry>() == 40);
+
+/// `ChainEntry::flags`: the entry has a parent.
+const HAS_PARENT: u8 = 1;
+/// `ChainEntry::flags`: an aggregated kvlb block ending at this page is resident on the tier
+/// (`COMPLETE << tier_slot`): every page of it holds a copy there.
+const COMPLETE: u8 = 2;
+
+/// Index of a tier in `ChainEntry::copies`.
+fn tier_slot(tier: Tier) -> usize {
+    match tier {
+        Tier::Gpu => 0,
+        Tier::Offloaded => 1,
+    }
+}
+
+/// Block sizes of one replica logged on first sight; beyond that many, the rate-limited line.
+const MAX_SIZES_LOGGED: usize = 16;
+
+/// Lines about block sizes kvlb cannot use, at most one a second for all replicas.
+static BLOCK_SIZE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 /// One replica's view of its event stream.
 pub struct EventState {
@@ -100,19 +187,40 @@ pub struct EventState {
     token_block_size: usize,
     last_seq: Option<u64>,
     chain: HashMap<u64, ChainEntry, EngineHashState>,
+    /// Of pages smaller than kvlb's block, those that end one (owners), by the engine hash of
+    /// the first page of that block: the kvlb blocks a removal inside the block may end.
+    owners: HashMap<u64, Vec<u64>, EngineHashState>,
+    /// Tokens of pages of 2 or more tokens that end inside a kvlb block (pages of one token
+    /// keep theirs in the entry).
+    page_tokens: HashMap<u64, Box<[u32]>, EngineHashState>,
+    /// The kvlb hashes of pages that are several kvlb blocks (all but the last are only here).
+    spans: HashMap<u64, Box<[u64]>, EngineHashState>,
+    /// Block sizes seen (each logged once).
+    sizes_seen: Vec<u32>,
     hashes: Vec<u64>,
+    tokens: Vec<u32>,
+    walk: Vec<u64>,
+    recheck: Vec<u64>,
 }
 
 impl EventState {
-    /// `token_block_size`: kvlb's token-mode block (events of another block size cannot match
-    /// any request and are skipped).
+    /// `token_block_size`: kvlb's token-mode block. Events in pages of another size are
+    /// aggregated or split into kvlb blocks when one size divides the other, else skipped.
     pub fn new(replica: usize, token_block_size: u32) -> EventState {
+        let h = EngineHashState::new();
         EventState {
             replica,
             token_block_size: token_block_size as usize,
             last_seq: None,
-            chain: HashMap::with_hasher(EngineHashState::new()),
+            chain: HashMap::with_hasher(h),
+            owners: HashMap::with_hasher(h),
+            page_tokens: HashMap::with_hasher(h),
+            spans: HashMap::with_hasher(h),
+            sizes_seen: Vec::new(),
             hashes: Vec::new(),
+            tokens: Vec::new(),
+            walk: Vec::new(),
+            recheck: Vec::new(),
         }
     }
 
@@ -140,6 +248,9 @@ impl EventState {
     /// Forget every block (the replica's residency is being cleared) and emit the Clear.
     pub fn clear(&mut self, ops: &mut Vec<ResidencyOp>) {
         self.chain.clear();
+        self.owners.clear();
+        self.page_tokens.clear();
+        self.spans.clear();
         ops.push(ResidencyOp::Clear {
             replica: self.replica,
         });
@@ -176,29 +287,202 @@ impl EventState {
                 KvEvent::BlockRemoved {
                     block_hashes,
                     medium,
-                } => {
-                    let mut blocks = Vec::with_capacity(block_hashes.len());
-                    for h in block_hashes {
-                        if let Some(e) = self.chain.get_mut(h) {
-                            blocks.push(e.kvlb);
-                            e.copies = e.copies.saturating_sub(1);
-                            if e.copies == 0 {
-                                self.chain.remove(h);
-                            }
-                        }
-                    }
-                    if !blocks.is_empty() {
-                        ops.push(ResidencyOp::Remove {
-                            replica: self.replica,
-                            tier: Tier::of(*medium),
-                            blocks,
-                        });
-                    }
-                }
+                } => self.removed(block_hashes, Tier::of(*medium), ops),
                 KvEvent::AllBlocksCleared => self.clear(ops),
             }
         }
         batch.events.len()
+    }
+
+    /// A BlockRemoved: one copy fewer of each page on `tier`.
+    fn removed(&mut self, block_hashes: &[u64], tier: Tier, ops: &mut Vec<ResidencyOp>) {
+        let t = tier_slot(tier);
+        let bb = self.token_block_size;
+        let mut blocks = Vec::with_capacity(block_hashes.len());
+        self.recheck.clear();
+        for h in block_hashes {
+            let Some(e) = self.chain.get_mut(h) else {
+                continue;
+            };
+            // A copy on another medium only: nothing to drop on this one.
+            if e.copies[t] == 0 {
+                continue;
+            }
+            e.copies[t] -= 1;
+            let e = *e;
+            if e.len as usize >= bb {
+                // Whole kvlb blocks: one copy of each.
+                match self.spans.get(h) {
+                    Some(span) => blocks.extend_from_slice(span),
+                    None => blocks.push(e.kvlb),
+                }
+            } else if e.copies[t] == 0 {
+                // The last copy of a page: every kvlb block through it is gone.
+                let owner = (e.end as usize).is_multiple_of(bb);
+                if owner && e.flags & (COMPLETE << t) != 0 {
+                    blocks.push(e.kvlb);
+                    if let Some(x) = self.chain.get_mut(h) {
+                        x.flags &= !(COMPLETE << t);
+                    }
+                }
+                if self.owners.contains_key(&e.anchor) && self.recheck.last() != Some(&e.anchor) {
+                    self.recheck.push(e.anchor);
+                }
+            }
+            if e.copies == [0, 0] {
+                self.forget(*h, &e);
+            }
+        }
+        let mut fresh = Vec::new();
+        for k in 0..self.recheck.len() {
+            let anchor = self.recheck[k];
+            self.recheck_owners(anchor, t, &mut fresh, &mut blocks);
+        }
+        self.push_ops(tier, fresh, Vec::new(), blocks, ops);
+    }
+
+    /// Drop page `h` (no copy left on any tier) and what hangs on it.
+    fn forget(&mut self, h: u64, e: &ChainEntry) {
+        self.chain.remove(&h);
+        if (e.len as usize) < self.token_block_size {
+            if (e.end as usize).is_multiple_of(self.token_block_size) {
+                if let Some(list) = self.owners.get_mut(&e.anchor) {
+                    list.retain(|&o| o != h);
+                    if list.is_empty() {
+                        self.owners.remove(&e.anchor);
+                    }
+                }
+            } else if e.len > 1 {
+                self.page_tokens.remove(&h);
+            }
+        } else if e.len as usize > self.token_block_size {
+            self.spans.remove(&h);
+        }
+    }
+
+    /// Whether the aggregated kvlb block ending at page `owner` has a copy of each of its
+    /// pages on tier `t` (its pages all known).
+    fn owner_complete(&self, owner: u64, t: usize) -> bool {
+        let Some(e) = self.chain.get(&owner) else {
+            return false;
+        };
+        let mut e = *e;
+        let mut need = self.token_block_size;
+        loop {
+            if e.copies[t] == 0 {
+                return false;
+            }
+            need = need.saturating_sub(e.len as usize);
+            if need == 0 {
+                return true;
+            }
+            if e.flags & HAS_PARENT == 0 {
+                return false;
+            }
+            match self.chain.get(&e.parent) {
+                Some(p) => e = *p,
+                None => return false,
+            }
+        }
+    }
+
+    /// Bring the owners of the kvlb blocks starting at page `anchor` up to date on tier `t`
+    /// (a page inside them was removed or stored again): Insert those now whole, Remove those
+    /// no longer.
+    fn recheck_owners(&mut self, anchor: u64, t: usize, ins: &mut Vec<u64>, rem: &mut Vec<u64>) {
+        let Some(list) = self.owners.get_mut(&anchor) else {
+            return;
+        };
+        let list = std::mem::take(list);
+        for &o in &list {
+            let complete = self.owner_complete(o, t);
+            if let Some(e) = self.chain.get_mut(&o) {
+                let was = e.flags & (COMPLETE << t) != 0;
+                if complete && !was {
+                    e.flags |= COMPLETE << t;
+                    ins.push(e.kvlb);
+                } else if !complete && was {
+                    e.flags &= !(COMPLETE << t);
+                    rem.push(e.kvlb);
+                }
+            }
+        }
+        if let Some(slot) = self.owners.get_mut(&anchor) {
+            *slot = list;
+        }
+    }
+
+    /// Push the operations of one event: new copies, then refreshed blocks (most recent
+    /// last), then removed ones.
+    fn push_ops(
+        &self,
+        tier: Tier,
+        fresh: Vec<u64>,
+        refreshed: Vec<u64>,
+        removed: Vec<u64>,
+        ops: &mut Vec<ResidencyOp>,
+    ) {
+        let replica = self.replica;
+        if !fresh.is_empty() {
+            ops.push(ResidencyOp::Insert {
+                replica,
+                tier,
+                blocks: fresh,
+            });
+        }
+        if !refreshed.is_empty() {
+            ops.push(ResidencyOp::Touch {
+                replica,
+                tier,
+                blocks: refreshed,
+            });
+        }
+        if !removed.is_empty() {
+            ops.push(ResidencyOp::Remove {
+                replica,
+                tier,
+                blocks: removed,
+            });
+        }
+    }
+
+    /// Note a BlockStored's block size: published, and logged the first time (per replica
+    /// and size). Returns whether kvlb can use it.
+    fn note_block_size(&mut self, b: u32, tel: &ReplicaTelemetry) -> bool {
+        let bb = self.token_block_size as u32;
+        let usable =
+            b > 0 && b <= u16::MAX as u32 && (bb.is_multiple_of(b) || b.is_multiple_of(bb));
+        if usable {
+            tel.engine_block_size.fetch_max(b as u64, Relaxed);
+        }
+        if self.sizes_seen.len() < MAX_SIZES_LOGGED && !self.sizes_seen.contains(&b) {
+            self.sizes_seen.push(b);
+            let how = if !usable {
+                "neither size divides the other: these events are skipped (skipped_block_size)"
+                    .to_string()
+            } else if b == bb {
+                "the same as kvlb's".to_string()
+            } else if b < bb {
+                format!("{} pages make one kvlb block", bb / b)
+            } else {
+                format!("one page is {} kvlb blocks", b / bb)
+            };
+            eprintln!(
+                "kvlb: replica slot {}: KV events in blocks of {b} tokens (kvlb's token block: \
+                 {bb}): {how}",
+                self.replica
+            );
+        } else if !usable {
+            if let Some(more) = BLOCK_SIZE_LOG.allow() {
+                eprintln!(
+                    "kvlb: replica slot {}: BlockStored of {b}-token blocks skipped: kvlb's \
+                     token block is {bb}{}",
+                    self.replica,
+                    crate::log_limit::more(more)
+                );
+            }
+        }
+        usable
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -212,52 +496,302 @@ impl EventState {
         tel: &ReplicaTelemetry,
         ops: &mut Vec<ResidencyOp>,
     ) {
-        if block_size as usize != self.token_block_size {
+        if !self.note_block_size(block_size, tel) {
             tel.skipped_block_size.fetch_add(1, Relaxed);
             return;
         }
-        if block_hashes.is_empty() || token_ids.len() != block_hashes.len() * block_size as usize {
+        let b = block_size as usize;
+        let bb = self.token_block_size;
+        let n = block_hashes.len();
+        if n == 0 || token_ids.len() != n * b {
             tel.skipped_malformed.fetch_add(1, Relaxed);
             return;
         }
-        let root = match parent {
-            None => TOKEN_CHAIN_ROOT,
+        let (start, root) = match parent {
+            None => (0, TOKEN_CHAIN_ROOT),
             Some(p) => match self.chain.get(&p) {
-                Some(e) => e.kvlb,
+                Some(e) => (e.end as usize, e.kvlb),
                 None => {
                     tel.skipped_unknown_parent.fetch_add(1, Relaxed);
                     return;
                 }
             },
         };
-        self.hashes.clear();
-        token_block_hashes_from(root, token_ids, self.token_block_size, &mut self.hashes);
-        if self.hashes.len() != block_hashes.len() {
+        if start + n * b > u32::MAX as usize {
             tel.skipped_malformed.fetch_add(1, Relaxed);
             return;
         }
-        if self.chain.len() + block_hashes.len() > MAX_CHAIN_BLOCKS {
-            // A stream that stores without ever removing: start over rather than grow.
+        // Pages must not straddle kvlb blocks: a page of whole blocks starts on a boundary, a
+        // smaller one on a multiple of its size (mixed sizes may break either).
+        if start % b.min(bb) != 0 || (b > bb && start % bb != 0) {
+            tel.skipped_block_size.fetch_add(1, Relaxed);
+            if let Some(more) = BLOCK_SIZE_LOG.allow() {
+                eprintln!(
+                    "kvlb: replica slot {}: BlockStored of {b}-token blocks at token {start} \
+                     straddles kvlb's {bb}-token blocks; skipped{}",
+                    self.replica,
+                    crate::log_limit::more(more)
+                );
+            }
+            return;
+        }
+        if self.chain.len() + n > MAX_CHAIN_BLOCKS {
+            // A stream that stores without ever removing: start over rather than grow. The
+            // parent's hash is known already; pages that need the tokens before it in their
+            // kvlb block are skipped as of an unknown parent.
             self.clear(ops);
         }
-        for (&engine, &kvlb) in block_hashes.iter().zip(&self.hashes) {
-            let e = self
-                .chain
-                .entry(engine)
-                .or_insert(ChainEntry { kvlb, copies: 0 });
-            e.kvlb = kvlb;
-            e.copies = e.copies.saturating_add(1);
-        }
         let tier = Tier::of(medium);
-        if tier == Tier::Offloaded {
-            tel.offloaded_blocks
-                .fetch_add(block_hashes.len() as u64, Relaxed);
+        if b >= bb {
+            self.stored_blocks(
+                block_hashes,
+                parent,
+                token_ids,
+                b,
+                start,
+                root,
+                tier,
+                tel,
+                ops,
+            );
+        } else {
+            self.stored_pages(
+                block_hashes,
+                parent,
+                token_ids,
+                b,
+                start,
+                root,
+                tier,
+                tel,
+                ops,
+            );
         }
-        ops.push(ResidencyOp::Insert {
-            replica: self.replica,
-            tier,
-            blocks: self.hashes.clone(),
-        });
+    }
+
+    /// A BlockStored of pages of whole kvlb blocks (`b` a multiple of kvlb's block).
+    #[allow(clippy::too_many_arguments)]
+    fn stored_blocks(
+        &mut self,
+        block_hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        b: usize,
+        start: usize,
+        root: u64,
+        tier: Tier,
+        tel: &ReplicaTelemetry,
+        ops: &mut Vec<ResidencyOp>,
+    ) {
+        let bb = self.token_block_size;
+        let k = b / bb;
+        self.hashes.clear();
+        token_block_hashes_from(root, token_ids, bb, &mut self.hashes);
+        if self.hashes.len() != block_hashes.len() * k {
+            tel.skipped_malformed.fetch_add(1, Relaxed);
+            return;
+        }
+        let t = tier_slot(tier);
+        // From the prompt's start (no parent), a block already held on this medium is a
+        // refresh, not a copy (see the module header); after a parent, every block is one.
+        let from_start = parent.is_none();
+        let mut fresh = Vec::with_capacity(self.hashes.len());
+        let mut refreshed = Vec::new();
+        let mut prev = parent;
+        for (i, &engine) in block_hashes.iter().enumerate() {
+            let span = &self.hashes[i * k..(i + 1) * k];
+            let e = self.chain.entry(engine).or_insert(ChainEntry {
+                kvlb: 0,
+                parent: 0,
+                anchor: engine,
+                end: 0,
+                token: 0,
+                copies: [0, 0],
+                len: 0,
+                flags: 0,
+            });
+            e.kvlb = span[k - 1];
+            e.parent = prev.unwrap_or(0);
+            e.flags = if prev.is_some() { HAS_PARENT } else { 0 };
+            e.end = (start + (i + 1) * b) as u32;
+            e.len = b as u16;
+            if from_start && e.copies[t] > 0 {
+                refreshed.extend_from_slice(span);
+            } else {
+                e.copies[t] = e.copies[t].saturating_add(1);
+                fresh.extend_from_slice(span);
+            }
+            if k > 1 && !self.spans.contains_key(&engine) {
+                self.spans.insert(engine, span.into());
+            }
+            prev = Some(engine);
+        }
+        self.count_stored(tier, fresh.len(), refreshed.len(), tel);
+        self.push_ops(tier, fresh, refreshed, Vec::new(), ops);
+    }
+
+    fn count_stored(&self, tier: Tier, fresh: usize, refreshed: usize, tel: &ReplicaTelemetry) {
+        if tier == Tier::Offloaded {
+            tel.offloaded_blocks.fetch_add(fresh as u64, Relaxed);
+        }
+        if refreshed > 0 {
+            tel.refreshed_blocks.fetch_add(refreshed as u64, Relaxed);
+            if fresh == 0 {
+                tel.reuse_reports.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// A BlockStored of pages smaller than kvlb's block (`b` divides it): a kvlb block is
+    /// resident while each of its pages holds a copy (see the module header).
+    #[allow(clippy::too_many_arguments)]
+    fn stored_pages(
+        &mut self,
+        block_hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        b: usize,
+        start: usize,
+        root: u64,
+        tier: Tier,
+        tel: &ReplicaTelemetry,
+        ops: &mut Vec<ResidencyOp>,
+    ) {
+        let bb = self.token_block_size;
+        let t = tier_slot(tier);
+        // The pages before `start` in the kvlb block it falls in: their tokens, whether each
+        // holds a copy on this tier, and the block's first page.
+        let off = start % bb;
+        let mut first_complete = true;
+        let mut anchor = block_hashes[0];
+        self.tokens.clear();
+        if off > 0 {
+            self.walk.clear();
+            let mut h = parent.unwrap_or(0);
+            let mut need = off;
+            while need > 0 {
+                let Some(e) = self.chain.get(&h) else {
+                    tel.skipped_unknown_parent.fetch_add(1, Relaxed);
+                    return;
+                };
+                if e.len as usize > need || (e.flags & HAS_PARENT == 0 && need > e.len as usize) {
+                    tel.skipped_malformed.fetch_add(1, Relaxed);
+                    return;
+                }
+                first_complete &= e.copies[t] > 0;
+                self.walk.push(h);
+                need -= e.len as usize;
+                anchor = h;
+                h = e.parent;
+            }
+            for &h in self.walk.iter().rev() {
+                let e = &self.chain[&h];
+                if e.len == 1 {
+                    self.tokens.push(e.token);
+                } else if let Some(tokens) = self.page_tokens.get(&h) {
+                    self.tokens.extend_from_slice(tokens);
+                } else {
+                    tel.skipped_unknown_parent.fetch_add(1, Relaxed);
+                    return;
+                }
+            }
+        }
+        self.tokens.extend_from_slice(token_ids);
+        self.hashes.clear();
+        token_block_hashes_from(root, &self.tokens, bb, &mut self.hashes);
+        let from_start = parent.is_none();
+        let mut fresh = Vec::new();
+        let mut refreshed = Vec::new();
+        let mut refreshed_pages = 0;
+        let mut fresh_pages = 0;
+        self.recheck.clear();
+        let mut prev = parent;
+        for (i, &engine) in block_hashes.iter().enumerate() {
+            // Where the page starts in the tokens hashed (the first kvlb block's start is 0).
+            let pos = off + i * b;
+            let blk = pos / bb;
+            if pos.is_multiple_of(bb) {
+                anchor = engine;
+            }
+            let owner = (pos + b).is_multiple_of(bb);
+            let kvlb = if owner {
+                self.hashes[blk]
+            } else if blk == 0 {
+                root
+            } else {
+                self.hashes[blk - 1]
+            };
+            let e = self.chain.entry(engine).or_insert(ChainEntry {
+                kvlb: 0,
+                parent: 0,
+                anchor,
+                end: 0,
+                token: 0,
+                copies: [0, 0],
+                len: 0,
+                flags: 0,
+            });
+            let is_new = e.len == 0;
+            e.kvlb = kvlb;
+            e.parent = prev.unwrap_or(0);
+            e.flags = (e.flags & !HAS_PARENT) | if prev.is_some() { HAS_PARENT } else { 0 };
+            e.anchor = anchor;
+            e.end = (start + (i + 1) * b) as u32;
+            e.len = b as u16;
+            e.token = if b == 1 { token_ids[i] } else { 0 };
+            let was_zero = e.copies[t] == 0;
+            if from_start && !was_zero {
+                refreshed_pages += 1;
+            } else {
+                e.copies[t] = e.copies[t].saturating_add(1);
+                fresh_pages += 1;
+            }
+            if owner {
+                // Whole when every page holds a copy: those of this event do now; those before
+                // it were checked in the walk.
+                let complete = blk > 0 || off == 0 || first_complete;
+                let done = e.flags & (COMPLETE << t) != 0;
+                if complete && done {
+                    refreshed.push(kvlb);
+                } else if complete {
+                    e.flags |= COMPLETE << t;
+                    fresh.push(kvlb);
+                }
+                if is_new {
+                    self.owners.entry(anchor).or_default().push(engine);
+                }
+            } else {
+                if b > 1 && !self.page_tokens.contains_key(&engine) {
+                    let tokens = &token_ids[i * b..(i + 1) * b];
+                    self.page_tokens.insert(engine, tokens.into());
+                }
+                // A page stored again inside kvlb blocks already known: they may be whole
+                // again.
+                if was_zero
+                    && self.recheck.last() != Some(&anchor)
+                    && self.owners.contains_key(&anchor)
+                {
+                    self.recheck.push(anchor);
+                }
+            }
+            prev = Some(engine);
+        }
+        let mut removed = Vec::new();
+        for k in 0..self.recheck.len() {
+            let anchor = self.recheck[k];
+            self.recheck_owners(anchor, t, &mut fresh, &mut removed);
+        }
+        if tier == Tier::Offloaded {
+            tel.offloaded_blocks.fetch_add(fresh.len() as u64, Relaxed);
+        }
+        if refreshed_pages > 0 {
+            tel.refreshed_blocks
+                .fetch_add(refreshed_pages as u64, Relaxed);
+            if fresh_pages == 0 {
+                tel.reuse_reports.fetch_add(1, Relaxed);
+            }
+        }
+        self.push_ops(tier, fresh, refreshed, removed, ops);
     }
 
     /// Take one received message: check its number, replay or clear as needed, apply it.

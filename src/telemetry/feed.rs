@@ -92,6 +92,23 @@ impl ResidencyFeed {
                     self.publish_offloaded(replica);
                 }
             }
+            ResidencyOp::Touch {
+                replica,
+                tier: Tier::Gpu,
+                blocks,
+            } => {
+                let _ = writer.refresh(replica, &blocks, now_us);
+            }
+            ResidencyOp::Touch {
+                replica,
+                tier: Tier::Offloaded,
+                blocks,
+            } => {
+                if let Some(o) = &mut self.offload {
+                    let _ = o.refresh(replica, &blocks, now_us);
+                    self.publish_offloaded(replica);
+                }
+            }
             ResidencyOp::Remove {
                 replica,
                 tier: Tier::Offloaded,

@@ -41,9 +41,11 @@
 //! expiry.
 //!
 //! # Only token-mode requests match event-derived blocks (for now)
-//! Engines report 16-token blocks keyed by token ids; kvlb hashes those token ids with its own
-//! chained scheme (`prefix::token_block_hashes_from`; engine hashes cannot be recomputed and are
-//! kept only to link parents and apply removals). Chat and text requests are hashed in 256-byte
+//! Engines report blocks keyed by token ids (16 tokens for vLLM, SGLang's page size, 1 by
+//! default); kvlb hashes those token ids with its own chained scheme in its own token blocks
+//! (`prefix::token_block_hashes_from`; engine hashes cannot be recomputed and are kept only to
+//! link parents and apply removals; pages of another size are aggregated or split, see
+//! `events`). Chat and text requests are hashed in 256-byte
 //! text blocks (`prefix`, text mode), so events confirm and correct only completions whose
 //! prompt is given as token ids. Text requests keep relying on routing guesses, which on
 //! event-backed replicas age out after `routed_guess_ttl`; the writer bounds guesses and
@@ -102,6 +104,13 @@ pub enum ResidencyOp {
     },
     /// One copy fewer of each block on `tier` (BlockRemoved).
     Remove {
+        replica: usize,
+        tier: Tier,
+        blocks: Vec<u64>,
+    },
+    /// The replica already holds each block on `tier` and just used it: most recent, no copy
+    /// added (a BlockStored that reports reused blocks, see `events`).
+    Touch {
         replica: usize,
         tier: Tier,
         blocks: Vec<u64>,

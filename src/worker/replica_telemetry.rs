@@ -41,8 +41,9 @@ pub struct ReplicaTelemetry {
     pub offloaded_blocks: AtomicU64,
     /// Blocks the offloaded tier holds for the replica now (set by the residency writer).
     pub offload_resident_blocks: AtomicU64,
-    /// BlockStored skipped: parent unknown, malformed (token count), or a block size other
-    /// than kvlb's token block.
+    /// BlockStored skipped: parent unknown, malformed (token count), or a block size kvlb
+    /// cannot map to its token blocks (neither a divisor nor a multiple of kvlb's, or pages
+    /// that straddle kvlb's blocks).
     pub skipped_unknown_parent: AtomicU64,
     pub skipped_malformed: AtomicU64,
     pub skipped_block_size: AtomicU64,
@@ -59,6 +60,16 @@ pub struct ReplicaTelemetry {
     pub engine_blocks: AtomicU64,
     /// The last scrape net of this instance's requests, for the cost model (workers read it).
     pub reported: reported::ReportedLoadCell,
+    /// BlockStored events that only reported blocks already held (vLLM's reuse reports in
+    /// `kv_cache_report_mode = "full"`: parent none, from the prompt's start, every block
+    /// held on that medium), and the blocks of BlockStored events from the prompt's start
+    /// counted as a refresh rather than a new copy (those of reuse reports included).
+    pub reuse_reports: AtomicU64,
+    pub refreshed_blocks: AtomicU64,
+    /// The largest block size (tokens) the replica's BlockStored events used, that kvlb can
+    /// aggregate or split into its own token blocks (0: none yet). It is the engine's page:
+    /// vLLM's partial-block entries are smaller, SGLang's default is 1.
+    pub engine_block_size: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -89,6 +100,9 @@ impl Default for ReplicaTelemetry {
             connects: AtomicU64::new(0),
             engine_blocks: AtomicU64::new(0),
             reported: reported::ReportedLoadCell::default(),
+            reuse_reports: AtomicU64::new(0),
+            refreshed_blocks: AtomicU64::new(0),
+            engine_block_size: AtomicU64::new(0),
         }
     }
 }
@@ -124,7 +138,10 @@ impl ReplicaTelemetry {
             replays,
             restarts,
             connects,
-            engine_blocks
+            engine_blocks,
+            reuse_reports,
+            refreshed_blocks,
+            engine_block_size
         );
         self.reported.clear();
     }
@@ -188,6 +205,12 @@ impl ReplicaTelemetry {
             "connects": self.connects.load(Relaxed),
             "engine_blocks": self.engine_blocks.load(Relaxed),
             "reported": reported,
+            "reuse_reports": self.reuse_reports.load(Relaxed),
+            "refreshed_blocks": self.refreshed_blocks.load(Relaxed),
+            "engine_block_size": match self.engine_block_size.load(Relaxed) {
+                0 => serde_json::Value::Null,
+                v => v.into(),
+            },
         })
     }
 }

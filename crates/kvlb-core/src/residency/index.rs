@@ -261,6 +261,9 @@ enum Learned {
     Guessed,
     /// A request was routed there: a guess, and pending until the next BlockStored.
     Routed,
+    /// The replica reported blocks it already holds (a reuse report): refreshed and confirmed
+    /// with at least one copy, no copy added.
+    Refreshed,
 }
 
 /// Block hashes are uniform already; mix once more so that sequential ids (traces, tests)
@@ -508,6 +511,16 @@ impl ResidencyWriter {
         self.apply(r, blocks, now_us, Learned::Guessed)
     }
 
+    /// Replica `r` reported that it holds `blocks` and just used them, without storing a new
+    /// copy (vLLM's `kv_cache_report_mode = "full"` re-sends BlockStored for the blocks a
+    /// request reused from its prefix cache). Present blocks are touched (last to first, as
+    /// `insert`) and confirmed: a block known only as a guess gets one copy, a confirmed one
+    /// keeps its count; missing blocks (dropped by the bound) come back with one copy. Pending
+    /// marks are cleared, as by a store; the store counter of pending marks does not move.
+    pub fn refresh(&mut self, r: usize, blocks: &[u64], now_us: u64) -> Result<(), String> {
+        self.apply(r, blocks, now_us, Learned::Refreshed)
+    }
+
     /// A request for `blocks` was sent to replica `r`: as `insert_routed`, and every block
     /// is *pending* there until `r` reports it stored. The request may wait in `r`'s queue
     /// while `r` evicts those blocks; it will compute them again when it runs, so a
@@ -557,6 +570,11 @@ impl ResidencyWriter {
                             node.pending = mark;
                             key
                         }
+                        Learned::Refreshed => {
+                            node.count = node.count.max(1);
+                            node.pending = 0;
+                            rb.relist(key)
+                        }
                         Learned::Guessed => key,
                     };
                     rb.touch(key, now_us);
@@ -564,7 +582,7 @@ impl ResidencyWriter {
                 None => {
                     rb.add(Node {
                         hash,
-                        count: (learned == Learned::Stored) as u32,
+                        count: matches!(learned, Learned::Stored | Learned::Refreshed) as u32,
                         pending: mark,
                         last_used_us: now_us,
                     });

@@ -14,6 +14,9 @@
 //! Two sources feed it:
 //!
 //! * KV events (BlockStored / BlockRemoved / AllBlocksCleared) -> `insert`, `remove`, `clear`;
+//!   a BlockStored that only reports blocks the replica already holds (vLLM's reuse report in
+//!   `kv_cache_report_mode = "full"`, told apart by the event thread) -> `refresh`, which
+//!   makes them the most recently used without adding a copy;
 //! * routing itself: a request sent to replica r will leave its prefix resident on r. Workers
 //!   must not write the index, so each pushes a fixed-size record per routed request into its
 //!   own bounded lock-free queue (`RoutingLog`, no allocation; a full queue drops the record

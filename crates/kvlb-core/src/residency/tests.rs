@@ -305,6 +305,35 @@ fn copies_are_counted_and_routing_guesses_yield_to_events() {
 }
 
 #[test]
+fn a_refresh_touches_and_confirms_without_adding_a_copy() {
+    // Capacity 3 blocks: a refresh of the oldest block saves it from the next eviction.
+    let (idx, mut w) = index(1, 3);
+    let mut out = [0u32; 1];
+    w.insert(0, &[1, 2, 3], 0).unwrap();
+    w.refresh(0, &[1], 1).unwrap();
+    assert_eq!(w.copies(0, 1), 1, "a refresh adds no copy");
+    w.insert(0, &[4], 2).unwrap();
+    assert!(
+        w.holds(0, 1) && !w.holds(0, 3),
+        "block 1 was refreshed, 3 is the oldest"
+    );
+    // One BlockRemoved still drops a refreshed block.
+    w.remove(0, 1).unwrap();
+    idx.match_prefix(&[1], &mut out);
+    assert_eq!(out, [0]);
+    // A guess is confirmed with one copy; a missing block comes back with one copy; neither
+    // stays pending, so one removal drops it.
+    w.route(0, &[5], 3).unwrap();
+    assert!(w.is_pending(0, 5));
+    w.refresh(0, &[5, 6], 4).unwrap();
+    assert_eq!((w.copies(0, 5), w.copies(0, 6)), (1, 1));
+    assert!(!w.is_pending(0, 5));
+    w.remove(0, 5).unwrap();
+    w.remove(0, 6).unwrap();
+    assert!(!w.holds(0, 5) && !w.holds(0, 6));
+}
+
+#[test]
 fn lru_evicts_leaves_before_the_shared_prefix() {
     let (idx, mut w) = index(1, 6);
     let mut out = [0u32];
