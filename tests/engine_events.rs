@@ -147,7 +147,6 @@ fn vllm_incremental_store_then_evict() {
 /// blocks (emit_cached_block_events: same hashes, parent None, from block 0), while eviction
 /// still sends one BlockRemoved per hash. Once evicted, kvlb must hold none of them.
 #[test]
-#[ignore = "needs full-report reuse stores counted once"]
 fn vllm_full_report_reuse_then_evict_leaves_no_blocks() {
     let mut vllm = EnginePublisher::vllm();
     let s = Setup::new(&vllm);
@@ -185,7 +184,6 @@ fn vllm_full_report_reuse_then_evict_leaves_no_blocks() {
 /// SGLang with its default page_size 1: a radix node of a few hundred tokens is one coalesced
 /// BlockStored of block_size 1. kvlb must learn the prefix, and forget it on eviction.
 #[test]
-#[ignore = "needs block sizes other than kvlb's (SGLang page_size 1)"]
 fn sglang_page_size_1_node_is_learned() {
     let mut sglang = EnginePublisher::sglang(1);
     let s = Setup::new(&sglang);
