@@ -144,6 +144,7 @@ fn batch_json(b: &KvEventBatch) -> Value {
                 "medium": medium.map(|m| m.as_str()),
             }),
             KvEvent::AllBlocksCleared => json!({"type": "AllBlocksCleared"}),
+            KvEvent::Undecodable(e) => json!({"type": "Undecodable", "error": e.to_string()}),
         })
         .collect();
     json!({"ts": b.ts, "dp_rank": b.dp_rank, "events": events})

@@ -196,6 +196,8 @@ impl EventState {
                     }
                 }
                 KvEvent::AllBlocksCleared => self.clear(ops),
+                // Counted and reported by `receive`.
+                KvEvent::Undecodable(_) => {}
             }
         }
         batch.events.len()

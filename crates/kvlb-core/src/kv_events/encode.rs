@@ -2,6 +2,7 @@
 //! `omit_defaults`): the batch is always the positional `[ts, events, dp_rank]`; events are
 //! either maps tagged by "type" with nil optional keys left out, or positional arrays with the
 //! tag first; or, for decoders that require every key, maps with the nil keys written out.
+//! `KvEvent::Undecodable` is not written.
 
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -26,8 +27,9 @@ fn len32(n: usize) -> u32 {
 fn write_batch(out: &mut Vec<u8>, batch: &KvEventBatch, format: EventFormat) {
     let _ = mp::write_array_len(out, 3);
     let _ = mp::write_f64(out, batch.ts);
-    let _ = mp::write_array_len(out, len32(batch.events.len()));
-    for event in &batch.events {
+    let written = |e: &&KvEvent| !matches!(e, KvEvent::Undecodable(_));
+    let _ = mp::write_array_len(out, len32(batch.events.iter().filter(written).count()));
+    for event in batch.events.iter().filter(written) {
         match format {
             EventFormat::Map => write_event_map(out, event, false),
             EventFormat::MapNil => write_event_map(out, event, true),
@@ -135,6 +137,7 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, nils: bool) {
             write_key(out, "type");
             write_key(out, "AllBlocksCleared");
         }
+        KvEvent::Undecodable(_) => {}
     }
 }
 
@@ -187,5 +190,6 @@ fn write_event_array(out: &mut Vec<u8>, event: &KvEvent) {
             let _ = mp::write_array_len(out, 1);
             write_key(out, "AllBlocksCleared");
         }
+        KvEvent::Undecodable(_) => {}
     }
 }
