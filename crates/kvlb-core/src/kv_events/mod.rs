@@ -100,12 +100,14 @@ pub struct KvEventBatch {
 /// Which event encoding a publisher uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventFormat {
-    /// msgpack maps tagged by a "type" key (vLLM >= 0.24, SGLang >= 2026-09). The default.
+    /// msgpack maps tagged by a "type" key (vLLM >= 0.24, SGLang >= 2026-09), byte for byte
+    /// what vLLM 0.33's msgspec classes write: every field without a default present, nil
+    /// included (a prompt's first block has `parent_block_hash` nil). The default.
     Map,
     /// positional arrays with the tag first (older engines).
     Array,
-    /// maps as `Map`, but every key written, nil values included (msgspec without
-    /// `omit_defaults`): what decoders that require each key, such as vllm-router 0.1.17's
-    /// `kv_aware`, accept.
+    /// the keys of `Map`, nil values included, in the smallest map headers (msgspec writes
+    /// BlockStored's with a 16-bit one): the form vllm-router 0.1.17's `kv_aware` was checked
+    /// against.
     MapNil,
 }
