@@ -480,3 +480,128 @@ fn reconnects_after_publisher_restart_and_forgets_the_old_engine() {
     );
     assert_eq!(telemetry_of(&kvlb, 0)["connects"], 2);
 }
+
+/// The lines of kvlb's stderr that contain every one of `parts`.
+fn log_lines_with(kvlb: &Kvlb, parts: &[&str]) -> Vec<String> {
+    kvlb.stderr()
+        .lines()
+        .filter(|l| parts.iter().all(|p| l.contains(p)))
+        .map(String::from)
+        .collect()
+}
+
+/// What a replica's event stream does wrong is logged (naming the replica and the reason) and
+/// counted on /metrics; an event kvlb cannot read costs only that event, not its batch.
+#[test]
+fn unreadable_payloads_and_events_are_logged_counted_and_cost_only_themselves() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", false);
+    let url = format!("http://{}", reps.http[1]);
+    let r1 = format!("{url},kv_events={}", publisher.endpoint);
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    let labels = format!("replica=\"{url}\"");
+    let metric = |name: &str, extra: &[&str]| {
+        let mut parts = vec![labels.as_str()];
+        parts.extend_from_slice(extra);
+        kvlb.metric(name, &parts)
+    };
+
+    // seq 0: bytes that are no msgpack batch at all.
+    publisher.command(json!({"op": "publish_raw", "seq": 0, "payload_hex": "c1c1c1"}));
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["decode_errors"] == 1),
+        "{}",
+        telemetry_of(&kvlb, 1)
+    );
+    assert!(
+        wait_until(T, || !log_lines_with(&kvlb, &[&url, "batch 0", "0xc1"])
+            .is_empty()),
+        "no log line for the unreadable payload:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        metric("kvlb_replica_kv_event_decode_errors_total", &[]),
+        Some(1.0)
+    );
+
+    // seq 1: a BlockStored with a negative token id, then a good one.
+    let good = token_prompt(16, 7);
+    publisher.publish(
+        1,
+        json!([
+            {"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": null,
+             "token_ids": [-5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+             "block_size": 16, "medium": "GPU"},
+            {"type": "BlockStored", "block_hashes": [-2], "parent_block_hash": null,
+             "token_ids": good, "block_size": 16, "medium": "GPU"},
+        ]),
+        true,
+    );
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 1),
+        "the good store was not applied: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let t = telemetry_of(&kvlb, 1);
+    assert_eq!(t["skipped_undecodable"], 1, "{t}");
+    assert_eq!(t["decode_errors"], 1, "{t}");
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[
+                &url,
+                "batch 1",
+                "event 0",
+                "token_ids: expected an unsigned int"
+            ]
+        )
+        .is_empty()),
+        "no log line for the skipped event:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        metric(
+            "kvlb_replica_kv_event_skipped_total",
+            &["reason=\"undecodable\""]
+        ),
+        Some(1.0)
+    );
+
+    // seq 3 after 1, no replay endpoint: the gap, and that nothing filled it, are logged.
+    publisher.publish(3, json!([]), true);
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[&url, "batch 2 missing", "no replay"]
+        )
+        .is_empty()),
+        "no log line for the gap:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(metric("kvlb_replica_kv_event_gaps_total", &[]), Some(1.0));
+    // seq 0 again: the engine restarted.
+    publisher.publish(0, json!([]), true);
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[&url, "from 3 back to 0", "restart"]
+        )
+        .is_empty()),
+        "no log line for the restart:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        metric("kvlb_replica_kv_event_restarts_total", &[]),
+        Some(1.0)
+    );
+}

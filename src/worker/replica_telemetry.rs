@@ -59,6 +59,10 @@ pub struct ReplicaTelemetry {
     pub engine_blocks: AtomicU64,
     /// The last scrape net of this instance's requests, for the cost model (workers read it).
     pub reported: reported::ReportedLoadCell,
+    /// Events of a batch that could not be read (the batch's other events were applied).
+    pub skipped_undecodable: AtomicU64,
+    /// Replay requests that failed or came back without every missing batch.
+    pub replay_failures: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -89,6 +93,8 @@ impl Default for ReplicaTelemetry {
             connects: AtomicU64::new(0),
             engine_blocks: AtomicU64::new(0),
             reported: reported::ReportedLoadCell::default(),
+            skipped_undecodable: AtomicU64::new(0),
+            replay_failures: AtomicU64::new(0),
         }
     }
 }
@@ -124,7 +130,9 @@ impl ReplicaTelemetry {
             replays,
             restarts,
             connects,
-            engine_blocks
+            engine_blocks,
+            skipped_undecodable,
+            replay_failures
         );
         self.reported.clear();
     }
@@ -181,9 +189,11 @@ impl ReplicaTelemetry {
             "skipped_unknown_parent": self.skipped_unknown_parent.load(Relaxed),
             "skipped_malformed": self.skipped_malformed.load(Relaxed),
             "skipped_block_size": self.skipped_block_size.load(Relaxed),
+            "skipped_undecodable": self.skipped_undecodable.load(Relaxed),
             "decode_errors": self.decode_errors.load(Relaxed),
             "gaps": self.gaps.load(Relaxed),
             "replays": self.replays.load(Relaxed),
+            "replay_failures": self.replay_failures.load(Relaxed),
             "restarts": self.restarts.load(Relaxed),
             "connects": self.connects.load(Relaxed),
             "engine_blocks": self.engine_blocks.load(Relaxed),
