@@ -605,3 +605,48 @@ fn unreadable_payloads_and_events_are_logged_counted_and_cost_only_themselves() 
         Some(1.0)
     );
 }
+
+/// SGLang with EAGLE speculative decoding publishes each page's token ids as bigram pairs
+/// `[t_j, t_{j+1}]`: kvlb reads them as the raw tokens, so a token prompt matches them.
+#[test]
+fn sglang_eagle_bigram_stores_match_token_prompts() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", false);
+    let url = format!("http://{}", reps.http[1]);
+    let r1 = format!("{url},kv_events={}", publisher.endpoint);
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    // One BlockStored per 16-token page, chained, as SGLang's record_store writes them.
+    let prompt = token_prompt(1024, 8);
+    let events: Vec<Value> = (0..prompt.len() / 16)
+        .map(|p| {
+            let pairs: Vec<[u32; 2]> = (p * 16..p * 16 + 16)
+                .map(|j| [prompt[j], prompt.get(j + 1).copied().unwrap_or(0)])
+                .collect();
+            json!({"type": "BlockStored", "block_hashes": [-(p as i64) - 1],
+                   "parent_block_hash": if p == 0 { Value::Null } else { json!(-(p as i64)) },
+                   "token_ids": pairs, "block_size": 16, "medium": "GPU"})
+        })
+        .collect();
+    publisher.publish(0, Value::Array(events), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 64),
+        "kvlb did not learn the bigram pages: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let via = post(kvlb.listen, "/v1/completions", &completion_body(&prompt));
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(via.header("x-kvlb-replica"), Some(url.as_str()));
+    let (reason, matched) = decision(&via);
+    assert_eq!(reason, "cache", "{}", via.describe());
+    assert!(matched >= 1000, "{}", via.describe());
+}
