@@ -650,3 +650,52 @@ fn sglang_eagle_bigram_stores_match_token_prompts() {
     assert_eq!(reason, "cache", "{}", via.describe());
     assert!(matched >= 1000, "{}", via.describe());
 }
+
+/// A batch missed in a gap and fetched by replay is read like a live one: its unreadable event
+/// is skipped and counted, its other events fill the gap.
+#[test]
+fn a_replayed_batch_with_an_unreadable_event_still_fills_the_gap() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", true);
+    let url = format!("http://{}", reps.http[1]);
+    let r1 = format!(
+        "{url},kv_events={},kv_replay={}",
+        publisher.endpoint,
+        publisher.replay.as_deref().unwrap()
+    );
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&["--workers", "1", "--replica", &r0, "--replica", &r1]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    publisher.publish(0, json!([]), true);
+    // seq 1 is kept but never sent: a store with a negative token id, then a good one.
+    publisher.publish(
+        1,
+        json!([
+            {"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": null,
+             "token_ids": vec![-5; 16], "block_size": 16, "medium": "GPU"},
+            {"type": "BlockStored", "block_hashes": [-2], "parent_block_hash": null,
+             "token_ids": token_prompt(16, 9), "block_size": 16, "medium": "GPU"},
+        ]),
+        false,
+    );
+    publisher.publish(2, json!([]), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["replays"] == 1),
+        "the gap was not filled: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let t = telemetry_of(&kvlb, 1);
+    assert_eq!(t["resident_blocks"], 1, "{t}");
+    assert_eq!(t["skipped_undecodable"], 1, "{t}");
+    assert_eq!(t["replay_failures"], 0, "{t}");
+    assert_eq!(t["stale"], false, "{t}");
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[&url, "batch 1 missing", "replay filled"]
+        )
+        .is_empty()),
+        "no log line for the filled gap:\n{}",
+        kvlb.stderr()
+    );
+}
