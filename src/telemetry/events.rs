@@ -320,18 +320,29 @@ impl EventState {
             tel.skipped_unknown_parent.load(Relaxed),
         ];
         let applied = self.apply(seq, batch, tel, ops);
-        let mut undecodable = 0;
-        for event in &batch.events {
-            if let KvEvent::Undecodable(e) = event {
-                undecodable += 1;
-                self.trouble(
-                    Trouble::Skipped,
-                    format!("batch {seq}: skipped {}", e.message()),
-                );
-            }
+        // One line per batch and reason however many events it skipped: a hostile stream
+        // cannot make kvlb format a line per event.
+        let skipped = batch
+            .events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::Undecodable(_)))
+            .count();
+        let first = batch.events.iter().find_map(|e| match e {
+            KvEvent::Undecodable(e) => Some(e),
+            _ => None,
+        });
+        if let Some(first) = first {
+            tel.skipped_undecodable.fetch_add(skipped as u64, Relaxed);
+            let line = if skipped == 1 {
+                format!("batch {seq}: skipped {}", first.message())
+            } else {
+                format!(
+                    "batch {seq}: skipped {skipped} events it could not read, the first {}",
+                    first.message()
+                )
+            };
+            self.trouble(Trouble::Skipped, line);
         }
-        tel.skipped_undecodable
-            .fetch_add(undecodable as u64, Relaxed);
         let after = [
             tel.skipped_block_size.load(Relaxed),
             tel.skipped_malformed.load(Relaxed),
@@ -339,25 +350,21 @@ impl EventState {
         ];
         let n = |i: usize| after[i].saturating_sub(before[i]);
         if n(0) > 0 {
-            let sizes: Vec<String> = batch
-                .events
-                .iter()
-                .filter_map(|e| match e {
-                    KvEvent::BlockStored { block_size, .. }
-                        if *block_size as usize != self.token_block_size =>
-                    {
-                        Some(block_size.to_string())
-                    }
-                    _ => None,
-                })
-                .collect();
+            let size = batch.events.iter().find_map(|e| match e {
+                KvEvent::BlockStored { block_size, .. }
+                    if *block_size as usize != self.token_block_size =>
+                {
+                    Some(*block_size)
+                }
+                _ => None,
+            });
             self.trouble(
                 Trouble::Skipped,
                 format!(
-                    "batch {seq}: skipped {} BlockStored of block size {} (kvlb's token block \
-                     is {} tokens)",
+                    "batch {seq}: skipped {} BlockStored of another block size ({} tokens; \
+                     kvlb's token block is {})",
                     n(0),
-                    sizes.join(", "),
+                    size.unwrap_or(0),
                     self.token_block_size
                 ),
             );
@@ -381,7 +388,7 @@ impl EventState {
                 ),
             );
         }
-        applied.saturating_sub(undecodable)
+        applied.saturating_sub(skipped)
     }
 
     /// Take one received message: check its number, replay or clear as needed, apply it.
