@@ -684,8 +684,13 @@ fn a_replayed_batch_with_an_unreadable_event_still_fills_the_gap() {
         "the gap was not filled: {}",
         telemetry_of(&kvlb, 1)
     );
+    // The residency writer applies what the event thread sends it a moment later.
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 1),
+        "the replayed store is not resident: {}",
+        telemetry_of(&kvlb, 1)
+    );
     let t = telemetry_of(&kvlb, 1);
-    assert_eq!(t["resident_blocks"], 1, "{t}");
     assert_eq!(t["skipped_undecodable"], 1, "{t}");
     assert_eq!(t["replay_failures"], 0, "{t}");
     assert_eq!(t["stale"], false, "{t}");
