@@ -215,7 +215,6 @@ fn sglang_page_size_1_node_is_learned() {
 /// holding such a store and a normal one: the normal store is applied, and the bigram store is
 /// understood as the prefix of the pairs' first tokens.
 #[test]
-#[ignore = "needs EAGLE bigram token pairs decoded"]
 fn sglang_bigram_store_beside_a_normal_one() {
     let mut sglang = EnginePublisher::sglang(16);
     let s = Setup::new(&sglang);
@@ -251,7 +250,6 @@ fn sglang_bigram_store_beside_a_normal_one() {
 /// kvlb's simulated replica publishes what vLLM's own msgspec classes decode
 /// (`msgspec.msgpack.Decoder(KVEventBatch)`), in its default event encoding.
 #[test]
-#[ignore = "needs kvlb replica events that vLLM's decoder reads"]
 fn kvlb_replica_events_decode_with_vllms_own_classes() {
     let reps = ReplicaFleet::start(1, &["--time-scale", "50"]);
     let mut decoder = VllmDecoder::connect(&reps.events[0]);
@@ -299,7 +297,6 @@ fn kvlb_replica_events_decode_with_vllms_own_classes() {
 /// vLLM's publisher): kvlb logs a line naming the replica and the reason, and /metrics
 /// counts it.
 #[test]
-#[ignore = "needs undecodable batches logged and counted in /metrics"]
 fn an_undecodable_batch_is_logged_and_counted() {
     let mut vllm = EnginePublisher::vllm();
     let s = Setup::new(&vllm);

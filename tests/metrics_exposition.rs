@@ -78,8 +78,12 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_kv_events_total", "counter"),
     ("kvlb_replica_kv_event_gaps_total", "counter"),
     ("kvlb_replica_kv_event_restarts_total", "counter"),
+    ("kvlb_replica_kv_event_decode_errors_total", "counter"),
+    ("kvlb_replica_kv_event_replays_total", "counter"),
+    ("kvlb_replica_kv_event_replay_failures_total", "counter"),
     ("kvlb_replica_kv_offloaded_blocks_total", "counter"),
     ("kvlb_replica_kv_offload_resident_blocks", "gauge"),
+    ("kvlb_replica_kv_event_skipped_total", "counter"),
 ];
 
 fn type_name(kind: Kind) -> &'static str {

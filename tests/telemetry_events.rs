@@ -481,6 +481,230 @@ fn reconnects_after_publisher_restart_and_forgets_the_old_engine() {
     assert_eq!(telemetry_of(&kvlb, 0)["connects"], 2);
 }
 
+/// The lines of kvlb's stderr that contain every one of `parts`.
+fn log_lines_with(kvlb: &Kvlb, parts: &[&str]) -> Vec<String> {
+    kvlb.stderr()
+        .lines()
+        .filter(|l| parts.iter().all(|p| l.contains(p)))
+        .map(String::from)
+        .collect()
+}
+
+/// What a replica's event stream does wrong is logged (naming the replica and the reason) and
+/// counted on /metrics; an event kvlb cannot read costs only that event, not its batch.
+#[test]
+fn unreadable_payloads_and_events_are_logged_counted_and_cost_only_themselves() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", false);
+    let url = format!("http://{}", reps.http[1]);
+    let r1 = format!("{url},kv_events={}", publisher.endpoint);
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    let labels = format!("replica=\"{url}\"");
+    let metric = |name: &str, extra: &[&str]| {
+        let mut parts = vec![labels.as_str()];
+        parts.extend_from_slice(extra);
+        kvlb.metric(name, &parts)
+    };
+
+    // seq 0: bytes that are no msgpack batch at all.
+    publisher.command(json!({"op": "publish_raw", "seq": 0, "payload_hex": "c1c1c1"}));
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["decode_errors"] == 1),
+        "{}",
+        telemetry_of(&kvlb, 1)
+    );
+    assert!(
+        wait_until(T, || !log_lines_with(&kvlb, &[&url, "batch 0", "0xc1"])
+            .is_empty()),
+        "no log line for the unreadable payload:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        metric("kvlb_replica_kv_event_decode_errors_total", &[]),
+        Some(1.0)
+    );
+
+    // seq 1: a BlockStored with a negative token id, then a good one.
+    let good = token_prompt(16, 7);
+    publisher.publish(
+        1,
+        json!([
+            {"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": null,
+             "token_ids": [-5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+             "block_size": 16, "medium": "GPU"},
+            {"type": "BlockStored", "block_hashes": [-2], "parent_block_hash": null,
+             "token_ids": good, "block_size": 16, "medium": "GPU"},
+        ]),
+        true,
+    );
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 1),
+        "the good store was not applied: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let t = telemetry_of(&kvlb, 1);
+    assert_eq!(t["skipped_undecodable"], 1, "{t}");
+    assert_eq!(t["decode_errors"], 1, "{t}");
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[
+                &url,
+                "batch 1",
+                "event 0",
+                "token_ids: expected an unsigned int"
+            ]
+        )
+        .is_empty()),
+        "no log line for the skipped event:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        metric(
+            "kvlb_replica_kv_event_skipped_total",
+            &["reason=\"undecodable\""]
+        ),
+        Some(1.0)
+    );
+
+    // seq 3 after 1, no replay endpoint: the gap, and that nothing filled it, are logged.
+    publisher.publish(3, json!([]), true);
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[&url, "batch 2 missing", "no replay"]
+        )
+        .is_empty()),
+        "no log line for the gap:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(metric("kvlb_replica_kv_event_gaps_total", &[]), Some(1.0));
+    // seq 0 again: the engine restarted.
+    publisher.publish(0, json!([]), true);
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[&url, "from 3 back to 0", "restart"]
+        )
+        .is_empty()),
+        "no log line for the restart:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        metric("kvlb_replica_kv_event_restarts_total", &[]),
+        Some(1.0)
+    );
+}
+
+/// SGLang with EAGLE speculative decoding publishes each page's token ids as bigram pairs
+/// `[t_j, t_{j+1}]`: kvlb reads them as the raw tokens, so a token prompt matches them.
+#[test]
+fn sglang_eagle_bigram_stores_match_token_prompts() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", false);
+    let url = format!("http://{}", reps.http[1]);
+    let r1 = format!("{url},kv_events={}", publisher.endpoint);
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&[
+        "--explain",
+        "--workers",
+        "1",
+        "--replica",
+        &r0,
+        "--replica",
+        &r1,
+    ]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    // One BlockStored per 16-token page, chained, as SGLang's record_store writes them.
+    let prompt = token_prompt(1024, 8);
+    let events: Vec<Value> = (0..prompt.len() / 16)
+        .map(|p| {
+            let pairs: Vec<[u32; 2]> = (p * 16..p * 16 + 16)
+                .map(|j| [prompt[j], prompt.get(j + 1).copied().unwrap_or(0)])
+                .collect();
+            json!({"type": "BlockStored", "block_hashes": [-(p as i64) - 1],
+                   "parent_block_hash": if p == 0 { Value::Null } else { json!(-(p as i64)) },
+                   "token_ids": pairs, "block_size": 16, "medium": "GPU"})
+        })
+        .collect();
+    publisher.publish(0, Value::Array(events), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 64),
+        "kvlb did not learn the bigram pages: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let via = post(kvlb.listen, "/v1/completions", &completion_body(&prompt));
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(via.header("x-kvlb-replica"), Some(url.as_str()));
+    let (reason, matched) = decision(&via);
+    assert_eq!(reason, "cache", "{}", via.describe());
+    assert!(matched >= 1000, "{}", via.describe());
+}
+
+/// A batch missed in a gap and fetched by replay is read like a live one: its unreadable event
+/// is skipped and counted, its other events fill the gap.
+#[test]
+fn a_replayed_batch_with_an_unreadable_event_still_fills_the_gap() {
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+    let mut publisher = PyPublisher::start("map", true);
+    let url = format!("http://{}", reps.http[1]);
+    let r1 = format!(
+        "{url},kv_events={},kv_replay={}",
+        publisher.endpoint,
+        publisher.replay.as_deref().unwrap()
+    );
+    let r0 = format!("http://{}", reps.http[0]);
+    let kvlb = Kvlb::serve(&["--workers", "1", "--replica", &r0, "--replica", &r1]);
+    publisher.command(json!({"op": "wait_subscribed"}));
+    publisher.publish(0, json!([]), true);
+    // seq 1 is kept but never sent: a store with a negative token id, then a good one.
+    publisher.publish(
+        1,
+        json!([
+            {"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": null,
+             "token_ids": vec![-5; 16], "block_size": 16, "medium": "GPU"},
+            {"type": "BlockStored", "block_hashes": [-2], "parent_block_hash": null,
+             "token_ids": token_prompt(16, 9), "block_size": 16, "medium": "GPU"},
+        ]),
+        false,
+    );
+    publisher.publish(2, json!([]), true);
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["replays"] == 1),
+        "the gap was not filled: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    // The residency writer applies what the event thread sends it a moment later.
+    assert!(
+        wait_until(T, || telemetry_of(&kvlb, 1)["resident_blocks"] == 1),
+        "the replayed store is not resident: {}",
+        telemetry_of(&kvlb, 1)
+    );
+    let t = telemetry_of(&kvlb, 1);
+    assert_eq!(t["skipped_undecodable"], 1, "{t}");
+    assert_eq!(t["replay_failures"], 0, "{t}");
+    assert_eq!(t["stale"], false, "{t}");
+    assert!(
+        wait_until(T, || !log_lines_with(
+            &kvlb,
+            &[&url, "batch 1 missing", "replay filled"]
+        )
+        .is_empty()),
+        "no log line for the filled gap:\n{}",
+        kvlb.stderr()
+    );
+}
+
 /// SGLang's default page of one token, and vLLM's reuse reports (`kv_cache_report_mode =
 /// "full"`), from a real ZeroMQ publisher: one-token pages across two events make kvlb blocks
 /// a token-mode request matches; a page removed inside a block drops that block; a reuse

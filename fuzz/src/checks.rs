@@ -29,7 +29,9 @@
 
 use kvlb::http::chunked::{ChunkError, ChunkedDecoder};
 use kvlb::http::request::{find_head_end, finish_upstream_head, parse_request, BodyFraming};
-use kvlb::kv_events::{decode::decode_batch, encode::encode_batch, EventFormat, KvEventBatch};
+use kvlb::kv_events::{
+    decode::decode_batch, encode::encode_batch, EventFormat, KvEvent, KvEventBatch,
+};
 use kvlb::prompt::{
     extract_prompt, extract_prompt_with, extract_prompt_within, Endpoint, Extent, Piece,
     PromptForm, PromptLimits, PromptScratch,
@@ -394,11 +396,17 @@ fn prompt_within_bounds(
     }
 }
 
-/// A batch with `ts` compared by its bits (a NaN timestamp is still equal to itself).
+/// A batch with `ts` compared by its bits (a NaN timestamp is still equal to itself), without
+/// its undecodable events (which are not encoded).
 fn comparable(batch: &KvEventBatch) -> (u64, String) {
+    let events: Vec<_> = batch
+        .events
+        .iter()
+        .filter(|e| !matches!(e, KvEvent::Undecodable(_)))
+        .collect();
     (
         batch.ts.to_bits(),
-        format!("{:?} {:?}", batch.events, batch.dp_rank),
+        format!("{:?} {:?}", events, batch.dp_rank),
     )
 }
 

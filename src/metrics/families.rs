@@ -323,6 +323,21 @@ pub static REPLICA_KV_EVENT_RESTARTS: Family = Family::counter(
     &["replica"],
     "Times the replica's KV event sequence went backwards (engine restart).",
 );
+pub static REPLICA_KV_EVENT_DECODE_ERRORS: Family = Family::counter(
+    "kvlb_replica_kv_event_decode_errors_total",
+    &["replica"],
+    "Messages from the replica that were no readable KV event batch (not applied; the next batch shows a gap).",
+);
+pub static REPLICA_KV_EVENT_REPLAYS: Family = Family::counter(
+    "kvlb_replica_kv_event_replays_total",
+    &["replica"],
+    "Sequence gaps in the replica's KV event stream filled by replaying the batches it kept.",
+);
+pub static REPLICA_KV_EVENT_REPLAY_FAILURES: Family = Family::counter(
+    "kvlb_replica_kv_event_replay_failures_total",
+    &["replica"],
+    "Replay requests to the replica that failed or came back without every missing batch (a gap so left clears its residency).",
+);
 pub static REPLICA_KV_OFFLOADED_BLOCKS: Family = Family::counter(
     "kvlb_replica_kv_offloaded_blocks_total",
     &["replica"],
@@ -332,6 +347,11 @@ pub static REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS: Family = Family::gauge(
     "kvlb_replica_kv_offload_resident_blocks",
     &["replica"],
     "Blocks kvlb believes the replica holds in an offloaded tier (CPU, disk) now.",
+);
+pub static REPLICA_KV_EVENT_SKIPPED: Family = Family::counter(
+    "kvlb_replica_kv_event_skipped_total",
+    &["replica", "reason"],
+    "KV events from the replica that kvlb skipped, by reason: undecodable (the event could not be read; the rest of its batch was applied), block_size (a BlockStored of a block size other than kvlb's token block), malformed (no block, or a token count other than blocks x block size), unknown_parent (a BlockStored whose parent block kvlb does not know).",
 );
 
 /// Every family, in the order /metrics shows them.
@@ -399,6 +419,10 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_EVENTS,
     &REPLICA_KV_EVENT_GAPS,
     &REPLICA_KV_EVENT_RESTARTS,
+    &REPLICA_KV_EVENT_DECODE_ERRORS,
+    &REPLICA_KV_EVENT_REPLAYS,
+    &REPLICA_KV_EVENT_REPLAY_FAILURES,
     &REPLICA_KV_OFFLOADED_BLOCKS,
     &REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS,
+    &REPLICA_KV_EVENT_SKIPPED,
 ];

@@ -68,6 +68,7 @@
 use super::{ReplicaTelemetry, ResidencyOp, Tier};
 use crate::fleet::StopSignal;
 use crate::kv_events::{decode_batch, KvEvent, KvEventBatch, Medium};
+use crate::log_limit::LogLimit;
 use crate::prefix::{token_block_hashes_from, TOKEN_CHAIN_ROOT};
 use crate::worker::Shared;
 use crate::zmtp::SubClient;
@@ -96,6 +97,35 @@ pub enum SeqCheck {
     Gap { from: u64, to: u64 },
     /// Not after the last one: the engine restarted and numbers from 0 again.
     Backwards,
+}
+
+/// A kind of fault in a replica's event stream; `run` logs each kind at most once a second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trouble {
+    /// A message that is no readable batch (not applied).
+    Decode,
+    /// Events of an applied batch that were skipped (unreadable, block size, malformed,
+    /// unknown parent).
+    Skipped,
+    /// A sequence gap, filled by replay or not.
+    Gap,
+    /// The sequence went backwards.
+    Restart,
+    /// A replay on joining a running stream failed.
+    Replay,
+}
+
+impl Trouble {
+    fn limit(self) -> &'static LogLimit {
+        static LIMITS: [LogLimit; 5] = [
+            LogLimit::new(),
+            LogLimit::new(),
+            LogLimit::new(),
+            LogLimit::new(),
+            LogLimit::new(),
+        ];
+        &LIMITS[self as usize]
+    }
 }
 
 /// Hashes the engine's block hashes for the chain map: one seeded multiply-fold per key instead
@@ -201,6 +231,8 @@ pub struct EventState {
     tokens: Vec<u32>,
     walk: Vec<u64>,
     recheck: Vec<u64>,
+    /// What went wrong in the messages received since `take_troubles`, for `run` to log.
+    troubles: Vec<(Trouble, String)>,
 }
 
 impl EventState {
@@ -221,6 +253,7 @@ impl EventState {
             tokens: Vec::new(),
             walk: Vec::new(),
             recheck: Vec::new(),
+            troubles: Vec::new(),
         }
     }
 
@@ -289,6 +322,8 @@ impl EventState {
                     medium,
                 } => self.removed(block_hashes, Tier::of(*medium), ops),
                 KvEvent::AllBlocksCleared => self.clear(ops),
+                // Counted and reported by `receive`.
+                KvEvent::Undecodable(_) => {}
             }
         }
         batch.events.len()
@@ -794,8 +829,105 @@ impl EventState {
         self.push_ops(tier, fresh, refreshed, removed, ops);
     }
 
+    /// What went wrong since the last call, each with the line that says so (without the
+    /// replica's name), oldest first.
+    pub fn take_troubles(&mut self) -> std::vec::Drain<'_, (Trouble, String)> {
+        self.troubles.drain(..)
+    }
+
+    fn trouble(&mut self, kind: Trouble, line: String) {
+        self.troubles.push((kind, line));
+    }
+
+    /// `apply`, noting what it skipped: the events the decoder could not read (counted here)
+    /// and the stores `apply` refused (counted there). Returns the events applied.
+    fn apply_noting(
+        &mut self,
+        seq: u64,
+        batch: &KvEventBatch,
+        tel: &ReplicaTelemetry,
+        ops: &mut Vec<ResidencyOp>,
+    ) -> usize {
+        let before = [
+            tel.skipped_block_size.load(Relaxed),
+            tel.skipped_malformed.load(Relaxed),
+            tel.skipped_unknown_parent.load(Relaxed),
+        ];
+        let applied = self.apply(seq, batch, tel, ops);
+        // One line per batch and reason however many events it skipped: a hostile stream
+        // cannot make kvlb format a line per event.
+        let skipped = batch
+            .events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::Undecodable(_)))
+            .count();
+        let first = batch.events.iter().find_map(|e| match e {
+            KvEvent::Undecodable(e) => Some(e),
+            _ => None,
+        });
+        if let Some(first) = first {
+            tel.skipped_undecodable.fetch_add(skipped as u64, Relaxed);
+            let line = if skipped == 1 {
+                format!("batch {seq}: skipped {}", first.message())
+            } else {
+                format!(
+                    "batch {seq}: skipped {skipped} events it could not read, the first {}",
+                    first.message()
+                )
+            };
+            self.trouble(Trouble::Skipped, line);
+        }
+        let after = [
+            tel.skipped_block_size.load(Relaxed),
+            tel.skipped_malformed.load(Relaxed),
+            tel.skipped_unknown_parent.load(Relaxed),
+        ];
+        let n = |i: usize| after[i].saturating_sub(before[i]);
+        if n(0) > 0 {
+            let size = batch.events.iter().find_map(|e| match e {
+                KvEvent::BlockStored { block_size, .. }
+                    if *block_size as usize != self.token_block_size =>
+                {
+                    Some(*block_size)
+                }
+                _ => None,
+            });
+            self.trouble(
+                Trouble::Skipped,
+                format!(
+                    "batch {seq}: skipped {} BlockStored of another block size ({} tokens; \
+                     kvlb's token block is {})",
+                    n(0),
+                    size.unwrap_or(0),
+                    self.token_block_size
+                ),
+            );
+        }
+        if n(1) > 0 {
+            self.trouble(
+                Trouble::Skipped,
+                format!(
+                    "batch {seq}: skipped {} malformed BlockStored (no block, or token_ids not \
+                     block_size per block)",
+                    n(1)
+                ),
+            );
+        }
+        if n(2) > 0 {
+            self.trouble(
+                Trouble::Skipped,
+                format!(
+                    "batch {seq}: skipped {} BlockStored whose parent block kvlb does not know",
+                    n(2)
+                ),
+            );
+        }
+        applied.saturating_sub(skipped)
+    }
+
     /// Take one received message: check its number, replay or clear as needed, apply it.
     /// `replay(from)` fetches the kept batches from `from` on (None: no replay configured).
+    /// What went wrong is counted in `tel` and noted for `take_troubles`.
     pub fn receive(
         &mut self,
         frames: &[Vec<u8>],
@@ -811,10 +943,12 @@ impl EventState {
             }
             _ => {
                 tel.decode_errors.fetch_add(1, Relaxed);
-                return Err(format!(
+                let e = format!(
                     "message of {} frames, want [topic, seq (8 bytes), payload]",
                     frames.len()
-                ));
+                );
+                self.trouble(Trouble::Decode, format!("{e}; not applied"));
+                return Err(e);
             }
         };
         let batch = match decode_batch(payload) {
@@ -822,7 +956,9 @@ impl EventState {
             Err(e) => {
                 // Not applied: the next batch shows a gap, which replay or a clear handles.
                 tel.decode_errors.fetch_add(1, Relaxed);
-                return Err(format!("batch {seq}: {e}"));
+                let e = format!("batch {seq}: {e}");
+                self.trouble(Trouble::Decode, format!("{e}; not applied"));
+                return Err(e);
             }
         };
         let mut applied = 0;
@@ -833,21 +969,47 @@ impl EventState {
             SeqCheck::First => {
                 // Joined a running stream: catch up on what the engine kept, if it can tell.
                 if seq > 0 {
-                    if let Some(Ok(kept)) = replay(0) {
-                        for (s, b) in kept.iter().filter(|(s, _)| *s < seq) {
-                            applied += self.apply(*s, b, tel, ops);
+                    match replay(0) {
+                        Some(Ok(kept)) => {
+                            for (s, b) in kept.iter().filter(|(s, _)| *s < seq) {
+                                applied += self.apply_noting(*s, b, tel, ops);
+                            }
                         }
+                        Some(Err(e)) => {
+                            tel.replay_failures.fetch_add(1, Relaxed);
+                            self.trouble(
+                                Trouble::Replay,
+                                format!(
+                                    "joined at batch {seq}; replay of the earlier batches \
+                                     failed: {e}"
+                                ),
+                            );
+                        }
+                        None => {}
                     }
                 }
             }
             SeqCheck::Backwards => {
                 tel.restarts.fetch_add(1, Relaxed);
                 tel.stale_gap.store(false, Relaxed);
+                let last = self.last_seq.unwrap_or(0);
+                self.trouble(
+                    Trouble::Restart,
+                    format!(
+                        "sequence went from {last} back to {seq} (engine restart); residency \
+                         cleared"
+                    ),
+                );
                 self.clear(ops);
             }
             SeqCheck::Gap { from, to } => {
                 tel.gaps.fetch_add(1, Relaxed);
-                let filled = match replay(from) {
+                let missing_text = if to - from == 1 {
+                    format!("batch {from} missing")
+                } else {
+                    format!("batches {from} to {} missing", to - 1)
+                };
+                let outcome = match replay(from) {
                     Some(Ok(kept)) => {
                         let missing: Vec<&(u64, KvEventBatch)> = kept
                             .iter()
@@ -857,22 +1019,40 @@ impl EventState {
                             && missing.iter().zip(from..).all(|((s, _), want)| *s == want);
                         if complete {
                             for (s, b) in missing {
-                                applied += self.apply(*s, b, tel, ops);
+                                applied += self.apply_noting(*s, b, tel, ops);
                             }
                             tel.replays.fetch_add(1, Relaxed);
                             tel.stale_gap.store(false, Relaxed);
+                            None
+                        } else {
+                            tel.replay_failures.fetch_add(1, Relaxed);
+                            Some(format!(
+                                "replay returned {} of the {} batches",
+                                missing.len(),
+                                to - from
+                            ))
                         }
-                        complete
                     }
-                    _ => false,
+                    Some(Err(e)) => {
+                        tel.replay_failures.fetch_add(1, Relaxed);
+                        Some(format!("replay failed: {e}"))
+                    }
+                    None => Some("no replay endpoint".to_string()),
                 };
-                if !filled {
+                let line = match &outcome {
+                    None => format!("{missing_text} (before batch {to}); replay filled the gap"),
+                    Some(why) => {
+                        format!("{missing_text} (before batch {to}); {why}; residency cleared")
+                    }
+                };
+                self.trouble(Trouble::Gap, line);
+                if outcome.is_some() {
                     self.clear(ops);
                     tel.stale_gap.store(true, Relaxed);
                 }
             }
         }
-        applied += self.apply(seq, &batch, tel, ops);
+        applied += self.apply_noting(seq, &batch, tel, ops);
         tel.batches_seen.fetch_add(1, Relaxed);
         tel.events_seen.fetch_add(applied as u64, Relaxed);
         Ok(applied)
@@ -976,6 +1156,15 @@ pub fn run(
                 let now = shared.now_ms();
                 tel.last_event_ms.store(now.max(1), Relaxed);
                 tel.touch(now);
+            }
+            for (kind, line) in state.take_troubles() {
+                if let Some(held) = kind.limit().allow() {
+                    eprintln!(
+                        "kvlb: replica {}: KV events: {line}{}",
+                        spec.url,
+                        crate::log_limit::more(held)
+                    );
+                }
             }
             sub.recycle(frames);
             tel.engine_blocks

@@ -221,7 +221,7 @@ impl Collector for TelemetryMetrics {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let shared = &*self.0;
         let now = shared.now_ms();
-        let series: [Series; 10] = [
+        let series: [Series; 13] = [
             (&families::REPLICA_RUNNING, |t, _| {
                 known(t.running.load(Relaxed)).map(Value::Whole)
             }),
@@ -246,6 +246,15 @@ impl Collector for TelemetryMetrics {
             (&families::REPLICA_KV_EVENT_RESTARTS, |t, _| {
                 Some(Value::Whole(t.restarts.load(Relaxed)))
             }),
+            (&families::REPLICA_KV_EVENT_DECODE_ERRORS, |t, _| {
+                Some(Value::Whole(t.decode_errors.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_REPLAYS, |t, _| {
+                Some(Value::Whole(t.replays.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_REPLAY_FAILURES, |t, _| {
+                Some(Value::Whole(t.replay_failures.load(Relaxed)))
+            }),
             (&families::REPLICA_KV_OFFLOADED_BLOCKS, |t, _| {
                 Some(Value::Whole(t.offloaded_blocks.load(Relaxed)))
             }),
@@ -266,6 +275,19 @@ impl Collector for TelemetryMetrics {
                     }
                     Some(Value::Whole(v)) => samples.gauge(&labels, v)?,
                 }
+            }
+        }
+        let mut samples = families::REPLICA_KV_EVENT_SKIPPED.describe(&mut enc)?;
+        for (r, slot) in shared.fleet.slots() {
+            let Some(replica) = slot.spec() else { continue };
+            let t = &shared.telemetry[r];
+            for (reason, v) in [
+                ("undecodable", &t.skipped_undecodable),
+                ("block_size", &t.skipped_block_size),
+                ("malformed", &t.skipped_malformed),
+                ("unknown_parent", &t.skipped_unknown_parent),
+            ] {
+                samples.counter(&[replica.url.as_str(), reason], v.load(Relaxed))?;
             }
         }
         Ok(())

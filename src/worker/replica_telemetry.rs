@@ -70,6 +70,10 @@ pub struct ReplicaTelemetry {
     /// aggregate or split into its own token blocks (0: none yet). It is the engine's page:
     /// vLLM's partial-block entries are smaller, SGLang's default is 1.
     pub engine_block_size: AtomicU64,
+    /// Events of a batch that could not be read (the batch's other events were applied).
+    pub skipped_undecodable: AtomicU64,
+    /// Replay requests that failed or came back without every missing batch.
+    pub replay_failures: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -103,6 +107,8 @@ impl Default for ReplicaTelemetry {
             reuse_reports: AtomicU64::new(0),
             refreshed_blocks: AtomicU64::new(0),
             engine_block_size: AtomicU64::new(0),
+            skipped_undecodable: AtomicU64::new(0),
+            replay_failures: AtomicU64::new(0),
         }
     }
 }
@@ -141,7 +147,9 @@ impl ReplicaTelemetry {
             engine_blocks,
             reuse_reports,
             refreshed_blocks,
-            engine_block_size
+            engine_block_size,
+            skipped_undecodable,
+            replay_failures
         );
         self.reported.clear();
     }
@@ -198,9 +206,11 @@ impl ReplicaTelemetry {
             "skipped_unknown_parent": self.skipped_unknown_parent.load(Relaxed),
             "skipped_malformed": self.skipped_malformed.load(Relaxed),
             "skipped_block_size": self.skipped_block_size.load(Relaxed),
+            "skipped_undecodable": self.skipped_undecodable.load(Relaxed),
             "decode_errors": self.decode_errors.load(Relaxed),
             "gaps": self.gaps.load(Relaxed),
             "replays": self.replays.load(Relaxed),
+            "replay_failures": self.replay_failures.load(Relaxed),
             "restarts": self.restarts.load(Relaxed),
             "connects": self.connects.load(Relaxed),
             "engine_blocks": self.engine_blocks.load(Relaxed),

@@ -3,7 +3,8 @@
 
 tests/kv_events_interop.rs runs this script in three modes and reads JSON lines from stdout:
 
-  subscribe ENDPOINT FORMAT COUNT PREFIX   SUB: decode COUNT messages (FORMAT map|array)
+  subscribe ENDPOINT FORMAT COUNT PREFIX   SUB: decode COUNT messages (FORMAT map|array|map-nil;
+                                           map forms also by vLLM 0.33's own classes)
   replay ENDPOINT FORMAT START             DEALER: ask a replay ROUTER for batches from START
   topics ENDPOINT COUNT PREFIX...          SUB: print the topic and frame sizes of COUNT messages
   serve                                    bind a PUB and a replay ROUTER that engines would run
@@ -92,6 +93,43 @@ class ArrayBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: Optional[int] = None
 
 
+# --- vLLM 0.33's own classes (vllm/distributed/kv_events.py), for the fields they declare
+# without a default: msgspec requires those keys (nil or not) in every map event. ---
+
+
+class Vllm033BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Optional[Hash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+
+
+class Vllm033BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: Optional[str]
+
+
+class Vllm033Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Union[Vllm033BlockStored, Vllm033BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: Optional[int] = None
+
+
+VLLM_0_33 = msgspec.msgpack.Decoder(Vllm033Batch)
+
+
+def vllm_error(payload):
+    """Why vLLM 0.33's classes refuse a map-event payload, or None."""
+    try:
+        VLLM_0_33.decode(payload)
+        return None
+    except msgspec.ValidationError as e:
+        return str(e)
+
+
 DECODERS = {
     "map": msgspec.msgpack.Decoder(MapBatch),
     "array": msgspec.msgpack.Decoder(ArrayBatch),
@@ -170,6 +208,7 @@ def subscribe(endpoint, fmt, count, prefix):
                 "seq": int.from_bytes(seq, "big"),
                 "batch": canonical_batch(batch),
                 "nil_keys": nil_keys(payload),
+                "vllm_error": None if fmt == "array" else vllm_error(payload),
             }
         )
     sub.close()

@@ -15,6 +15,8 @@ one per line, answering each with one JSON line:
         "parent_block_hash": null, "token_ids": [...], "block_size": 16, "medium": "GPU"};
         hashes are sent as given (negative ints as SGLang's signed hashes). The batch is kept
         for replay; "send": false keeps it without publishing (to make a gap).
+    {"op": "publish_raw", "seq": N, "payload_hex": "..."}
+        publishes (and keeps) the given bytes as the payload, e.g. a payload that is no batch.
 """
 
 import argparse
@@ -164,6 +166,13 @@ def main():
                 kept.append((seq, payload))
             if cmd.get("send", True):
                 pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+            say({"ok": True, "seq": seq})
+        elif cmd["op"] == "publish_raw":
+            seq = cmd["seq"]
+            payload = bytes.fromhex(cmd["payload_hex"])
+            with lock:
+                kept.append((seq, payload))
+            pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
             say({"ok": True, "seq": seq})
         else:
             say({"ok": False, "error": f"unknown op {cmd['op']!r}"})

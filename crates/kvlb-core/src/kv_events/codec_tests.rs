@@ -68,35 +68,6 @@ fn round_trip_every_format() {
 }
 
 #[test]
-fn map_form_omits_nil_keys_and_uses_vllm_names() {
-    let batch = KvEventBatch {
-        ts: 1.0,
-        events: vec![stored(vec![9], None, 1)],
-        dp_rank: None,
-    };
-    let bytes = encode_batch(&batch, EventFormat::Map);
-    let text = String::from_utf8_lossy(&bytes);
-    for key in [
-        "type",
-        "BlockStored",
-        "block_hashes",
-        "token_ids",
-        "block_size",
-        "medium",
-    ] {
-        assert!(text.contains(key), "{key} missing");
-    }
-    for key in ["parent_block_hash", "lora_id", "lora_name"] {
-        assert!(!text.contains(key), "{key} should be left out when nil");
-    }
-    // [ts, [event], nil]: fixarray 3, float64, fixarray 1, fixmap 5.
-    assert_eq!(&bytes[..1], &[0x93]);
-    assert_eq!(bytes[1], 0xcb);
-    assert_eq!(&bytes[10..12], &[0x91, 0x85]);
-    assert_eq!(*bytes.last().unwrap(), 0xc0);
-}
-
-#[test]
 fn map_nil_form_writes_every_key_with_nil_values() {
     let batch = KvEventBatch {
         ts: 1.0,
@@ -422,20 +393,27 @@ fn batch_as_map_and_short_batch() {
 #[test]
 fn errors_say_what_is_wrong() {
     let msg = |bytes: &[u8]| decode_batch(bytes).unwrap_err().to_string();
+    // An event that cannot be read: the batch decodes, with the event's error in its place.
+    let event_msg = |bytes: &[u8]| match &decode_batch(bytes).unwrap().events[..] {
+        [KvEvent::Undecodable(e)] => e.to_string(),
+        other => panic!("{other:?}"),
+    };
     assert!(msg(&[]).contains("ends where a value was expected"));
     assert!(msg(&[0xa1, b'x']).contains("expected an array, found a string"));
     let mut no_type = Vec::new();
     mp::write_map_len(&mut no_type, 1).unwrap();
     key(&mut no_type, "block_hashes");
     mp::write_array_len(&mut no_type, 0).unwrap();
-    assert!(msg(&batch_array(&[no_type], None)).contains("without \"type\""));
+    assert!(
+        event_msg(&batch_array(&[no_type], None)).contains("event 0: map event without \"type\"")
+    );
     let mut no_tokens = Vec::new();
     mp::write_map_len(&mut no_tokens, 2).unwrap();
     key(&mut no_tokens, "type");
     key(&mut no_tokens, "BlockStored");
     key(&mut no_tokens, "block_hashes");
     mp::write_array_len(&mut no_tokens, 0).unwrap();
-    assert!(msg(&batch_array(&[no_tokens], None)).contains("without \"token_ids\""));
+    assert!(event_msg(&batch_array(&[no_tokens], None)).contains("without \"token_ids\""));
     let mut neg_token = Vec::new();
     mp::write_array_len(&mut neg_token, 5).unwrap();
     key(&mut neg_token, "BlockStored");
@@ -444,7 +422,13 @@ fn errors_say_what_is_wrong() {
     mp::write_array_len(&mut neg_token, 1).unwrap();
     mp::write_sint(&mut neg_token, -5).unwrap();
     mp::write_uint(&mut neg_token, 1).unwrap();
-    assert!(msg(&batch_array(&[neg_token], None)).contains("token_ids: expected an unsigned int"));
+    assert!(
+        event_msg(&batch_array(&[neg_token], None)).contains("token_ids: expected an unsigned int")
+    );
+    // An event whose msgpack framing is broken breaks the batch.
+    let mut cut = batch_array(&[bad_stored()], None);
+    cut.truncate(cut.len() - 2);
+    assert!(msg(&cut).contains("truncated"));
     let mut huge = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd];
     huge.extend_from_slice(&u32::MAX.to_be_bytes());
     assert!(msg(&huge).contains("elements announced"));
@@ -502,4 +486,189 @@ fn garbage_never_panics() {
         };
         let _ = decode_batch(&bytes);
     }
+}
+
+/// SGLang 0.5.23 with EAGLE speculative decoding: each page's `token_ids` are the bigrams
+/// `(t_j, t_{j+1})` of its raw tokens (the last one reaching into the next page).
+fn bigram_stored(hash: i64, parent: Option<i64>, raw: &[u32]) -> Vec<u8> {
+    let pairs = raw.len() as u32 - 1;
+    let mut e = Vec::new();
+    mp::write_map_len(&mut e, 6).unwrap();
+    key(&mut e, "type");
+    key(&mut e, "BlockStored");
+    key(&mut e, "block_hashes");
+    mp::write_array_len(&mut e, 1).unwrap();
+    mp::write_sint(&mut e, hash).unwrap();
+    key(&mut e, "parent_block_hash");
+    match parent {
+        Some(p) => mp::write_sint(&mut e, p).map(|_| ()).unwrap(),
+        None => mp::write_nil(&mut e).unwrap(),
+    }
+    key(&mut e, "token_ids");
+    mp::write_array_len(&mut e, pairs).unwrap();
+    for w in raw.windows(2) {
+        mp::write_array_len(&mut e, 2).unwrap();
+        mp::write_uint(&mut e, w[0] as u64).unwrap();
+        mp::write_uint(&mut e, w[1] as u64).unwrap();
+    }
+    key(&mut e, "block_size");
+    mp::write_uint(&mut e, pairs as u64).unwrap();
+    key(&mut e, "medium");
+    key(&mut e, "GPU");
+    e
+}
+
+#[test]
+fn sglang_eagle_bigram_token_ids_are_the_raw_tokens() {
+    // Raw tokens 100..109: two pages of four bigrams, the second page chained on the first.
+    let raw: Vec<u32> = (100..109).collect();
+    let first = bigram_stored(-7, None, &raw[..5]);
+    let second = bigram_stored(8, Some(-7), &raw[4..9]);
+    let batch = decode_batch(&batch_array(&[first, second], Some(0))).unwrap();
+    let tokens: Vec<(&Vec<u32>, u32)> = batch
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                token_ids,
+                block_size,
+                ..
+            } => Some((token_ids, *block_size)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        tokens,
+        vec![(&raw[..4].to_vec(), 4), (&raw[4..8].to_vec(), 4)],
+        "{batch:?}"
+    );
+}
+
+/// A BlockStored whose `token_ids` cannot be read (a negative token id).
+fn bad_stored() -> Vec<u8> {
+    let mut e = Vec::new();
+    mp::write_map_len(&mut e, 5).unwrap();
+    key(&mut e, "type");
+    key(&mut e, "BlockStored");
+    key(&mut e, "block_hashes");
+    mp::write_array_len(&mut e, 1).unwrap();
+    mp::write_uint(&mut e, 1).unwrap();
+    key(&mut e, "token_ids");
+    mp::write_array_len(&mut e, 2).unwrap();
+    mp::write_uint(&mut e, 1).unwrap();
+    mp::write_sint(&mut e, -5).unwrap();
+    key(&mut e, "block_size");
+    mp::write_uint(&mut e, 2).unwrap();
+    key(&mut e, "medium");
+    key(&mut e, "GPU");
+    e
+}
+
+#[test]
+fn one_unreadable_event_leaves_the_rest_of_the_batch() {
+    let good = {
+        let mut e = Vec::new();
+        mp::write_array_len(&mut e, 5).unwrap();
+        key(&mut e, "BlockStored");
+        mp::write_array_len(&mut e, 1).unwrap();
+        mp::write_uint(&mut e, 9).unwrap();
+        mp::write_nil(&mut e).unwrap();
+        tokens(&mut e, 2);
+        mp::write_uint(&mut e, 2).unwrap();
+        e
+    };
+    // Bigrams that do not continue one another are not a token sequence either.
+    let mut broken_bigrams = bigram_stored(3, None, &[1, 2, 3]);
+    let at = broken_bigrams.len() - 25; // the second pair's first element: 2 -> 4
+    assert_eq!(broken_bigrams[at], 2, "{broken_bigrams:?}");
+    broken_bigrams[at] = 4;
+    let batch = decode_batch(&batch_array(&[bad_stored(), good, broken_bigrams], None)).unwrap();
+    assert_eq!(batch.events.len(), 3, "{batch:?}");
+    let stored: Vec<&KvEvent> = batch
+        .events
+        .iter()
+        .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
+        .collect();
+    assert_eq!(
+        stored,
+        vec![&KvEvent::BlockStored {
+            block_hashes: vec![9],
+            parent_block_hash: None,
+            token_ids: vec![0, 1],
+            block_size: 2,
+            lora_id: None,
+            medium: None,
+        }]
+    );
+    let reasons = format!("{:?}", batch.events);
+    assert!(reasons.contains("expected an unsigned int"), "{reasons}");
+    assert!(reasons.contains("does not continue"), "{reasons}");
+}
+
+/// What vLLM 0.33's own encoder writes for `vllm_batch()`: msgspec 0.23.0 encoding the
+/// classes of vllm/distributed/kv_events.py (loaded with stand-ins for its other vllm
+/// imports) as
+///
+/// ```python
+/// KVEventBatch(ts=1.5, events=[
+///     BlockStored(block_hashes=[9, 2**64-1], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+///                 block_size=2, lora_id=None, medium="GPU", lora_name=None),
+///     BlockStored(block_hashes=[10], parent_block_hash=2**64-1, token_ids=[150000, 5],
+///                 block_size=2, lora_id=3, medium="CPU", lora_name=None),
+///     BlockRemoved(block_hashes=[9], medium=None),
+///     AllBlocksCleared(),
+/// ], data_parallel_rank=2)
+/// ```
+///
+/// `msgspec.msgpack.Encoder().encode(batch).hex()`, generated once. The fields without a
+/// default are always written, nil or not; BlockStored's map has a 16-bit header (msgspec
+/// sizes it for the struct's 16 fields).
+const VLLM_0_33_BATCH: &str = "93cb3ff800000000000094de0008a474797065ab426c6f636b53746f726564\
+    ac626c6f636b5f6861736865739209cfffffffffffffffffb1706172656e745f626c6f636b5f68617368c0a974\
+    6f6b656e5f6964739401020304aa626c6f636b5f73697a6502a76c6f72615f6964c0a66d656469756da3475055\
+    a96c6f72615f6e616d65c0de0008a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391\
+    0ab1706172656e745f626c6f636b5f68617368cfffffffffffffffffa9746f6b656e5f69647392ce000249f005\
+    aa626c6f636b5f73697a6502a76c6f72615f696403a66d656469756da3435055a96c6f72615f6e616d65c083a4\
+    74797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739109a66d656469756dc081a4747970\
+    65b0416c6c426c6f636b73436c656172656402";
+
+fn vllm_batch() -> KvEventBatch {
+    KvEventBatch {
+        ts: 1.5,
+        events: vec![
+            KvEvent::BlockStored {
+                block_hashes: vec![9, u64::MAX],
+                parent_block_hash: None,
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 2,
+                lora_id: None,
+                medium: Some(Medium::Gpu),
+            },
+            KvEvent::BlockStored {
+                block_hashes: vec![10],
+                parent_block_hash: Some(u64::MAX),
+                token_ids: vec![150_000, 5],
+                block_size: 2,
+                lora_id: Some(3),
+                medium: Some(Medium::Cpu),
+            },
+            KvEvent::BlockRemoved {
+                block_hashes: vec![9],
+                medium: None,
+            },
+            KvEvent::AllBlocksCleared,
+        ],
+        dp_rank: Some(2),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn map_form_is_what_vllm_0_33_writes() {
+    let bytes = encode_batch(&vllm_batch(), EventFormat::Map);
+    assert_eq!(hex(&bytes), VLLM_0_33_BATCH.replace(' ', ""));
+    assert_eq!(decode_batch(&bytes).unwrap(), vllm_batch());
 }

@@ -7,12 +7,18 @@
 //!   trailing elements ignored);
 //! - block hashes as unsigned ints (vLLM), signed ints (SGLang; the bit pattern is kept), or
 //!   binaries such as 32-byte digests (the last 8 bytes, big-endian);
+//! - `token_ids` as ints, or as the bigram pairs `[t_j, t_{j+1}]` SGLang's EAGLE speculative
+//!   decoding publishes (the first elements are the raw tokens; each pair must continue the
+//!   one before it);
 //! - events of a type this build does not know are skipped, so new engines do not break old
 //!   balancers.
 //!
 //! Input is hostile: every length is checked against the bytes left before anything is
 //! allocated, nesting is bounded, and every failure is a `DecodeError` naming what was wrong and
-//! where. The decoder does not check the events' meaning (for example that `token_ids` holds
+//! where. Events are read one at a time: an event whose msgpack is whole but whose content is
+//! not an event (a negative token id, a missing key) becomes `KvEvent::Undecodable` with its
+//! error and the batch's other events stand; only a payload whose envelope cannot be read (the
+//! batch, its event list, an event's msgpack framing) is an error of the whole batch. The decoder does not check the events' meaning (for example that `token_ids` holds
 //! `block_hashes.len() * block_size` tokens); that is the consumer's call.
 
 #![forbid(unsafe_code)]
@@ -374,11 +380,38 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    /// Token ids: ints, or SGLang's EAGLE bigrams `[t_j, t_{j+1}]` (the first elements are
+    /// the raw tokens; each pair's first element must be the previous pair's second).
     fn tokens(&mut self, field: &str) -> Result<Vec<u32>, DecodeError> {
         let n = self.array_len(field)?;
         let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            out.push(self.u32(field)?);
+        if n == 0 || !self.is_array() {
+            for _ in 0..n {
+                out.push(self.u32(field)?);
+            }
+            return Ok(out);
+        }
+        let mut next = None;
+        for j in 0..n {
+            let at = self.pos;
+            let len = self.array_len(field)?;
+            if len != 2 {
+                self.pos = at;
+                return Err(self.error(&format!(
+                    "{field}: bigram {j} has {len} elements, want [t_j, t_j+1]"
+                )));
+            }
+            let at = self.pos;
+            let first = self.u32(field)?;
+            if next.is_some_and(|t| t != first) {
+                self.pos = at;
+                return Err(self.error(&format!(
+                    "{field}: bigram {j} starts with {first}, does not continue bigram {}",
+                    j - 1
+                )));
+            }
+            next = Some(self.u32(field)?);
+            out.push(first);
         }
         Ok(out)
     }
@@ -503,12 +536,23 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// The event list. An event that fails to read is skipped over as a msgpack value and
+    /// kept as `Undecodable`; when even that fails, the payload's framing is broken and so is
+    /// the batch.
     fn events(&mut self) -> Result<Vec<KvEvent>, DecodeError> {
         let n = self.array_len("batch events")?;
         let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            if let Some(e) = self.event()? {
-                out.push(e);
+        for i in 0..n {
+            let start = self.pos;
+            match self.event() {
+                Ok(Some(e)) => out.push(e),
+                Ok(None) => {}
+                Err(mut e) => {
+                    self.pos = start;
+                    self.skip(1)?;
+                    e.message = format!("event {i}: {}", e.message);
+                    out.push(KvEvent::Undecodable(e));
+                }
             }
         }
         Ok(out)

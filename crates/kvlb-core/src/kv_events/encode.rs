@@ -1,7 +1,10 @@
 //! msgpack encoding of KV event batches exactly as vLLM 0.33 writes them (msgspec with
-//! `omit_defaults`): the batch is always the positional `[ts, events, dp_rank]`; events are
-//! either maps tagged by "type" with nil optional keys left out, or positional arrays with the
-//! tag first; or, for decoders that require every key, maps with the nil keys written out.
+//! `omit_defaults`, which leaves out only the fields that have a default): the batch is always
+//! the positional `[ts, events, dp_rank]`; events are maps tagged by "type" holding every field
+//! of vLLM's classes that has no default, nil or not (`parent_block_hash`, `lora_id`, `medium`,
+//! `lora_name`), byte for byte as msgspec writes them; or positional arrays with the tag first
+//! (older engines); or `MapNil`'s maps (the same keys in the smallest map headers).
+//! `KvEvent::Undecodable` is not written.
 
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -26,11 +29,12 @@ fn len32(n: usize) -> u32 {
 fn write_batch(out: &mut Vec<u8>, batch: &KvEventBatch, format: EventFormat) {
     let _ = mp::write_array_len(out, 3);
     let _ = mp::write_f64(out, batch.ts);
-    let _ = mp::write_array_len(out, len32(batch.events.len()));
-    for event in &batch.events {
+    let written = |e: &&KvEvent| !matches!(e, KvEvent::Undecodable(_));
+    let _ = mp::write_array_len(out, len32(batch.events.iter().filter(written).count()));
+    for event in batch.events.iter().filter(written) {
         match format {
-            EventFormat::Map => write_event_map(out, event, false),
-            EventFormat::MapNil => write_event_map(out, event, true),
+            EventFormat::Map => write_event_map(out, event, true),
+            EventFormat::MapNil => write_event_map(out, event, false),
             EventFormat::Array => write_event_array(out, event),
         }
     }
@@ -66,7 +70,10 @@ fn write_key(out: &mut Vec<u8>, key: &str) {
     let _ = mp::write_str(out, key);
 }
 
-fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, nils: bool) {
+/// `msgspec_header`: BlockStored's map header as msgspec writes it for vLLM's class (16 bits:
+/// it sizes the header for the class's 16 fields, of which 8 are written); otherwise the
+/// smallest header (`MapNil`).
+fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, msgspec_header: bool) {
     match event {
         KvEvent::BlockStored {
             block_hashes,
@@ -76,65 +83,53 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, nils: bool) {
             lora_id,
             medium,
         } => {
-            let len = if nils {
-                8
+            if msgspec_header {
+                out.extend_from_slice(&[0xde, 0, 8]);
             } else {
-                4 + parent_block_hash.is_some() as u32
-                    + lora_id.is_some() as u32
-                    + medium.is_some() as u32
-            };
-            let _ = mp::write_map_len(out, len);
+                let _ = mp::write_map_len(out, 8);
+            }
             write_key(out, "type");
             write_key(out, "BlockStored");
             write_key(out, "block_hashes");
             write_hashes(out, block_hashes);
-            if parent_block_hash.is_some() || nils {
-                write_key(out, "parent_block_hash");
-                match parent_block_hash {
-                    Some(parent) => {
-                        let _ = mp::write_uint(out, *parent);
-                    }
-                    None => {
-                        let _ = mp::write_nil(out);
-                    }
+            write_key(out, "parent_block_hash");
+            match parent_block_hash {
+                Some(parent) => {
+                    let _ = mp::write_uint(out, *parent);
+                }
+                None => {
+                    let _ = mp::write_nil(out);
                 }
             }
             write_key(out, "token_ids");
             write_tokens(out, token_ids);
             write_key(out, "block_size");
             let _ = mp::write_uint(out, *block_size as u64);
-            if lora_id.is_some() || nils {
-                write_key(out, "lora_id");
-                write_opt_int(out, *lora_id);
-            }
-            if medium.is_some() || nils {
-                write_key(out, "medium");
-                write_opt_medium(out, medium);
-            }
-            if nils {
-                write_key(out, "lora_name");
-                let _ = mp::write_nil(out);
-            }
+            write_key(out, "lora_id");
+            write_opt_int(out, *lora_id);
+            write_key(out, "medium");
+            write_opt_medium(out, medium);
+            write_key(out, "lora_name");
+            let _ = mp::write_nil(out);
         }
         KvEvent::BlockRemoved {
             block_hashes,
             medium,
         } => {
-            let _ = mp::write_map_len(out, 2 + (medium.is_some() || nils) as u32);
+            let _ = mp::write_map_len(out, 3);
             write_key(out, "type");
             write_key(out, "BlockRemoved");
             write_key(out, "block_hashes");
             write_hashes(out, block_hashes);
-            if medium.is_some() || nils {
-                write_key(out, "medium");
-                write_opt_medium(out, medium);
-            }
+            write_key(out, "medium");
+            write_opt_medium(out, medium);
         }
         KvEvent::AllBlocksCleared => {
             let _ = mp::write_map_len(out, 1);
             write_key(out, "type");
             write_key(out, "AllBlocksCleared");
         }
+        KvEvent::Undecodable(_) => {}
     }
 }
 
@@ -187,5 +182,6 @@ fn write_event_array(out: &mut Vec<u8>, event: &KvEvent) {
             let _ = mp::write_array_len(out, 1);
             write_key(out, "AllBlocksCleared");
         }
+        KvEvent::Undecodable(_) => {}
     }
 }

@@ -6,9 +6,10 @@
 //! applies removals; content identity comes from `token_ids`.
 //!
 //! `encode` writes batches as vLLM 0.33 does (map or positional events); `decode` reads every
-//! variant vLLM and SGLang send; `kvlb_zmtp::publisher` is the engine side over ZeroMQ (PUB +
-//! replay ROUTER) plus the balancer's `replay` client; `reference_hash` recomputes engine block ids where a fleet
-//! pins a reproducible scheme.
+//! variant vLLM and SGLang send, one event at a time (an event it cannot read is kept as
+//! `KvEvent::Undecodable` and the rest of the batch stands); `kvlb_zmtp::publisher` is the
+//! engine side over ZeroMQ (PUB + replay ROUTER) plus the balancer's `replay` client;
+//! `reference_hash` recomputes engine block ids where a fleet pins a reproducible scheme.
 
 #![forbid(unsafe_code)]
 
@@ -61,7 +62,9 @@ impl Medium {
     }
 }
 
-/// One KV cache event.
+/// One KV cache event. `token_ids` are the raw tokens whichever form the engine sent them
+/// in: plain ids, or SGLang's EAGLE bigrams `(t_j, t_{j+1})`, whose first elements are the raw
+/// sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
     /// `block_hashes.len()` consecutive full blocks; `token_ids` holds
@@ -80,6 +83,9 @@ pub enum KvEvent {
         medium: Option<Medium>,
     },
     AllBlocksCleared,
+    /// An event of the batch that could not be read (why, and where in the payload); the
+    /// batch's other events stand. The encoder writes nothing for it.
+    Undecodable(DecodeError),
 }
 
 /// One published batch: `[ts, events, dp_rank]` on the wire.
@@ -94,12 +100,14 @@ pub struct KvEventBatch {
 /// Which event encoding a publisher uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventFormat {
-    /// msgpack maps tagged by a "type" key (vLLM >= 0.24, SGLang >= 2026-09). The default.
+    /// msgpack maps tagged by a "type" key (vLLM >= 0.24, SGLang >= 2026-09), byte for byte
+    /// what vLLM 0.33's msgspec classes write: every field without a default present, nil
+    /// included (a prompt's first block has `parent_block_hash` nil). The default.
     Map,
     /// positional arrays with the tag first (older engines).
     Array,
-    /// maps as `Map`, but every key written, nil values included (msgspec without
-    /// `omit_defaults`): what decoders that require each key, such as vllm-router 0.1.17's
-    /// `kv_aware`, accept.
+    /// the keys of `Map`, nil values included, in the smallest map headers (msgspec writes
+    /// BlockStored's with a 16-bit one): the form vllm-router 0.1.17's `kv_aware` was checked
+    /// against.
     MapNil,
 }

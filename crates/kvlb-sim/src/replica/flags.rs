@@ -263,11 +263,11 @@ fn names_field(message: &str, field: &str) -> bool {
 /// `--kv-events-format`: the encodings, each with its help.
 fn event_format() -> impl TypedValueParser<Value = EventFormat> {
     PossibleValuesParser::new([
-        PossibleValue::new("map").help("msgpack maps (vLLM >= 0.24)"),
+        PossibleValue::new("map").help("msgpack maps, byte for byte as vLLM 0.33 writes them"),
         PossibleValue::new("array").help("positional arrays (older vLLM)"),
         PossibleValue::new("map-nil").help(
-            "maps with nil keys written out, for decoders that require every key, such as \
-             vllm-router's kv_aware",
+            "the keys of map, nil values included, in the smallest map headers (the form \
+             vllm-router 0.1.17's kv_aware was checked against)",
         ),
     ])
     .map(|name| match name.as_str() {

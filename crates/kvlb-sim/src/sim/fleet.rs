@@ -326,6 +326,7 @@ impl RoutingPolicy {
                         let _ = offload.clear(r);
                     }
                 }
+                KvEvent::Undecodable(_) => {}
             }
         }
     }
