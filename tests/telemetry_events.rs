@@ -784,3 +784,33 @@ fn one_token_pages_and_reuse_reports_from_a_publisher() {
         telemetry_of(&kvlb, 1)
     );
 }
+
+/// An engine given a concrete host in its event endpoint connects instead of binding, so kvlb's
+/// connection to that endpoint is refused for good while the engine's HTTP side answers: kvlb
+/// says so in one log line that names the fix, and counts the failed attempts.
+#[test]
+fn a_refused_event_endpoint_of_a_live_replica_is_explained() {
+    let reps = ReplicaFleet::start(1, &["--time-scale", "50"]);
+    // A port nothing listens on: bound, then closed.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let url = format!("http://{}", reps.http[0]);
+    let spec = format!("{url},kv_events=tcp://{closed}");
+    let kvlb = Kvlb::serve(&["--metrics-interval", "200ms", "--replica", &spec]);
+    let hint = || log_lines_with(&kvlb, &[&url, "nothing listens", "tcp://*:PORT"]);
+    assert!(
+        wait_until(Duration::from_secs(30), || !hint().is_empty()),
+        "no bind-or-connect hint in the log:\n{}",
+        kvlb.stderr()
+    );
+    assert_eq!(hint().len(), 1, "the hint is given once: {:?}", hint());
+    let t = telemetry_of(&kvlb, 0);
+    assert!(t["connect_failures"].as_u64().unwrap() >= 2, "{t}");
+    let labels = format!("replica=\"{url}\"");
+    let failures = kvlb
+        .metric("kvlb_replica_kv_event_connect_failures_total", &[&labels])
+        .unwrap_or(0.0);
+    assert!(failures >= 2.0, "connect failures on /metrics: {failures}");
+}

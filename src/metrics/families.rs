@@ -338,6 +338,21 @@ pub static REPLICA_KV_EVENT_REPLAY_FAILURES: Family = Family::counter(
     &["replica"],
     "Replay requests to the replica that failed or came back without every missing batch (a gap so left clears its residency).",
 );
+pub static REPLICA_KV_EVENT_CONNECT_FAILURES: Family = Family::counter(
+    "kvlb_replica_kv_event_connect_failures_total",
+    &["replica"],
+    "Attempts to connect to the replica's KV event endpoint that failed (kvlb retries with backoff).",
+);
+pub static REPLICA_KV_EVENT_REUSE_REPORTS: Family = Family::counter(
+    "kvlb_replica_kv_event_reuse_reports_total",
+    &["replica"],
+    "BlockStored events that only reported blocks the replica already held (vLLM's full report mode): taken as a use, not a copy.",
+);
+pub static REPLICA_KV_ENGINE_BLOCK_SIZE: Family = Family::gauge(
+    "kvlb_replica_kv_engine_block_size",
+    &["replica"],
+    "The block size (tokens) the replica's KV events use, once one was seen.",
+);
 pub static REPLICA_KV_OFFLOADED_BLOCKS: Family = Family::counter(
     "kvlb_replica_kv_offloaded_blocks_total",
     &["replica"],
@@ -422,6 +437,9 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_EVENT_DECODE_ERRORS,
     &REPLICA_KV_EVENT_REPLAYS,
     &REPLICA_KV_EVENT_REPLAY_FAILURES,
+    &REPLICA_KV_EVENT_CONNECT_FAILURES,
+    &REPLICA_KV_EVENT_REUSE_REPORTS,
+    &REPLICA_KV_ENGINE_BLOCK_SIZE,
     &REPLICA_KV_OFFLOADED_BLOCKS,
     &REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS,
     &REPLICA_KV_EVENT_SKIPPED,

@@ -1080,6 +1080,21 @@ pub const EVENT_GATHER: Duration = Duration::from_millis(20);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
+/// How long connections to an event endpoint are refused, while the replica's /metrics
+/// answers, before the log says that the engine may be connecting instead of binding.
+pub const REFUSED_HINT_AFTER_MS: u64 = 5_000;
+
+/// Whether refused connections since `refused_since_ms` call for the bind-or-connect hint
+/// at `now_ms`: they have lasted `REFUSED_HINT_AFTER_MS`, and a scrape of the replica's
+/// /metrics succeeded meanwhile (`last_metrics_ms`, 0 for never), so the engine is up. An
+/// engine given `tcp://HOST:PORT` connects its PUB socket to that address, and kvlb's
+/// connection to the same address is refused for as long as both run.
+pub fn refusal_needs_hint(refused_since_ms: u64, now_ms: u64, last_metrics_ms: u64) -> bool {
+    now_ms.saturating_sub(refused_since_ms) >= REFUSED_HINT_AFTER_MS
+        && last_metrics_ms >= refused_since_ms
+        && last_metrics_ms > 0
+}
+
 /// The event thread of one replica: runs until `stop` is set or the writer is gone.
 pub fn run(
     source: EventSource,
@@ -1098,6 +1113,10 @@ pub fn run(
     let mut backoff = BACKOFF_MIN;
     let mut ops = Vec::new();
     let mut last_error = String::new();
+    // Since when connections have been refused without a break, and whether that was
+    // explained in the log.
+    let mut refused_since_ms: Option<u64> = None;
+    let mut hinted = false;
     let mut replay = |from: u64| {
         source
             .replay
@@ -1110,6 +1129,7 @@ pub fn run(
         {
             Ok(s) => s,
             Err(e) => {
+                tel.connect_failures.fetch_add(1, Relaxed);
                 let msg = e.to_string();
                 if msg != last_error {
                     eprintln!(
@@ -1117,6 +1137,24 @@ pub fn run(
                         spec.url, source.endpoint
                     );
                     last_error = msg;
+                }
+                let now = shared.now_ms();
+                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    let since = *refused_since_ms.get_or_insert(now);
+                    if !hinted && refusal_needs_hint(since, now, tel.last_metrics_ms.load(Relaxed))
+                    {
+                        hinted = true;
+                        eprintln!(
+                            "kvlb: replica {}: its HTTP side answers but nothing listens at its \
+                             KV event endpoint {}: an engine whose --kv-events-config endpoint \
+                             names a host (tcp://127.0.0.1:PORT, tcp://10.0.0.5:PORT) connects \
+                             there instead of binding; start vLLM with tcp://*:PORT, or give \
+                             SGLang \"bind\": true (docs/engines.md)",
+                            spec.url, source.endpoint
+                        );
+                    }
+                } else {
+                    refused_since_ms = None;
                 }
                 if stop.sleep(backoff) {
                     return;
@@ -1126,6 +1164,8 @@ pub fn run(
             }
         };
         last_error.clear();
+        refused_since_ms = None;
+        hinted = false;
         backoff = BACKOFF_MIN;
         tel.connects.fetch_add(1, Relaxed);
         tel.events_connected.store(true, Relaxed);

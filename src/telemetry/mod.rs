@@ -221,7 +221,7 @@ impl Collector for TelemetryMetrics {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let shared = &*self.0;
         let now = shared.now_ms();
-        let series: [Series; 13] = [
+        let series: [Series; 16] = [
             (&families::REPLICA_RUNNING, |t, _| {
                 known(t.running.load(Relaxed)).map(Value::Whole)
             }),
@@ -254,6 +254,17 @@ impl Collector for TelemetryMetrics {
             }),
             (&families::REPLICA_KV_EVENT_REPLAY_FAILURES, |t, _| {
                 Some(Value::Whole(t.replay_failures.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_CONNECT_FAILURES, |t, _| {
+                Some(Value::Whole(t.connect_failures.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_REUSE_REPORTS, |t, _| {
+                Some(Value::Whole(t.reuse_reports.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_ENGINE_BLOCK_SIZE, |t, _| {
+                Some(t.engine_block_size.load(Relaxed))
+                    .filter(|b| *b > 0)
+                    .map(Value::Whole)
             }),
             (&families::REPLICA_KV_OFFLOADED_BLOCKS, |t, _| {
                 Some(Value::Whole(t.offloaded_blocks.load(Relaxed)))

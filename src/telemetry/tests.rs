@@ -1147,3 +1147,21 @@ fn aggregated_blocks_are_resident_per_tier() {
     assert_eq!(tel.skipped_unknown_parent.load(Relaxed), 1);
     assert!(gpu.holds(0, whole[0]) && !gpu.holds(0, whole[1]));
 }
+
+#[test]
+fn the_bind_or_connect_hint_waits_for_a_live_replica_and_five_seconds() {
+    use super::events::{refusal_needs_hint, REFUSED_HINT_AFTER_MS};
+    let t0 = 1_000_000;
+    // Refused for long enough, and /metrics answered after the refusals began.
+    assert!(refusal_needs_hint(t0, t0 + REFUSED_HINT_AFTER_MS, t0 + 10));
+    // Not yet long enough.
+    assert!(!refusal_needs_hint(
+        t0,
+        t0 + REFUSED_HINT_AFTER_MS - 1,
+        t0 + 10
+    ));
+    // The replica's HTTP side never answered (engine down, not misconfigured).
+    assert!(!refusal_needs_hint(t0, t0 + 60_000, 0));
+    // Its last answer predates the refusals: nothing says it is up now.
+    assert!(!refusal_needs_hint(t0, t0 + 60_000, t0 - 1));
+}

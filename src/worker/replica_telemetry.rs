@@ -74,6 +74,8 @@ pub struct ReplicaTelemetry {
     pub skipped_undecodable: AtomicU64,
     /// Replay requests that failed or came back without every missing batch.
     pub replay_failures: AtomicU64,
+    /// Attempts to connect to the replica's KV event endpoint that failed.
+    pub connect_failures: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -109,6 +111,7 @@ impl Default for ReplicaTelemetry {
             engine_block_size: AtomicU64::new(0),
             skipped_undecodable: AtomicU64::new(0),
             replay_failures: AtomicU64::new(0),
+            connect_failures: AtomicU64::new(0),
         }
     }
 }
@@ -149,7 +152,8 @@ impl ReplicaTelemetry {
             refreshed_blocks,
             engine_block_size,
             skipped_undecodable,
-            replay_failures
+            replay_failures,
+            connect_failures
         );
         self.reported.clear();
     }
@@ -211,6 +215,7 @@ impl ReplicaTelemetry {
             "gaps": self.gaps.load(Relaxed),
             "replays": self.replays.load(Relaxed),
             "replay_failures": self.replay_failures.load(Relaxed),
+            "connect_failures": self.connect_failures.load(Relaxed),
             "restarts": self.restarts.load(Relaxed),
             "connects": self.connects.load(Relaxed),
             "engine_blocks": self.engine_blocks.load(Relaxed),
