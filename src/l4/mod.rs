@@ -281,17 +281,6 @@ async fn first_request(
     ))
 }
 
-async fn connect_replica(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
-    let fd = op::tcp_socket(&addr)?;
-    match op::connect(fd, addr, w.cfg().timeouts.connect).await {
-        Ok(()) => Ok(fd),
-        Err(e) => {
-            op::close(fd);
-            Err(e)
-        }
-    }
-}
-
 /// Connect to the routed replica, send what was read, and relay until the connection ends.
 async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, buf: Vec<u8>) {
     let replica = routed.replica;
@@ -314,7 +303,7 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         return;
     };
     let url: &str = &spec.url;
-    let rfd = match connect_replica(w, spec.addr).await {
+    let rfd = match w.connect_replica(spec.addr).await {
         Ok(fd) => fd,
         Err(e) => {
             let health = &w.cfg().health;

@@ -16,7 +16,6 @@ use crate::rt::op;
 use crate::rt::select::{select, Either};
 use crate::worker::{Upstream, Worker};
 use std::io;
-use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::time::Instant;
 
@@ -43,17 +42,6 @@ pub(super) enum Forwarded {
     Failed(usize, UpstreamFailure, bool),
     /// Refused with 429 while queued; answered, the connection carries on.
     Refused,
-}
-
-async fn connect_upstream(w: &Worker, addr: SocketAddr) -> io::Result<RawFd> {
-    let fd = op::tcp_socket(&addr)?;
-    match op::connect(fd, addr, w.cfg().timeouts.connect).await {
-        Ok(()) => Ok(fd),
-        Err(e) => {
-            op::close(fd);
-            Err(e)
-        }
-    }
 }
 
 pub(super) async fn forward(
@@ -120,7 +108,7 @@ pub(super) async fn forward(
                 if let Some(up) = pooled {
                     up.close();
                 }
-                match connect_upstream(w, routed.spec.addr).await {
+                match w.connect_replica(routed.spec.addr).await {
                     Ok(fd) => {
                         metrics::add(&rc.connects, 1);
                         (Upstream::new(fd), false)

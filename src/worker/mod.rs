@@ -454,6 +454,18 @@ impl Choice {
 }
 
 impl Worker {
+    /// A TCP connection to a replica, within the configured connect timeout (L7 and L4 alike).
+    pub async fn connect_replica(&self, addr: SocketAddr) -> io::Result<RawFd> {
+        let fd = op::tcp_socket(&addr)?;
+        match op::connect(fd, addr, self.cfg().timeouts.connect).await {
+            Ok(()) => Ok(fd),
+            Err(e) => {
+                op::close(fd);
+                Err(e)
+            }
+        }
+    }
+
     /// Hash the prompt's prefix blocks into the worker's buffers (no allocation in text mode),
     /// reading at most `shared.prompt_limits` of it. False when the body is not a prompt, or a
     /// bound stopped it before the fields its prefix starts with; malformed prompts are counted
