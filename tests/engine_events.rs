@@ -14,30 +14,12 @@ mod support;
 use serde_json::{json, Value};
 use std::time::Duration;
 use support::engines::{EnginePublisher, VllmDecoder};
-use support::fleet::{decision, post, replicas_json, ReplicaFleet};
+use support::fleet::{
+    completion_body, decision, post, replicas_json, telemetry_of, token_prompt, ReplicaFleet,
+};
 use support::{wait_until, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
-
-fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
-    (0..n)
-        .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
-        .collect()
-}
-
-fn completion_body(tokens: &[u32]) -> Vec<u8> {
-    json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})
-        .to_string()
-        .into_bytes()
-}
-
-/// Replica `r`'s telemetry from /replicas, with its `resident_blocks` beside it.
-fn telemetry_of(kvlb: &Kvlb, r: usize) -> Value {
-    let all = replicas_json(kvlb);
-    let mut t = all[r]["telemetry"].clone();
-    t["resident_blocks"] = all[r]["resident_blocks"].clone();
-    t
-}
 
 fn resident(kvlb: &Kvlb, r: usize) -> u64 {
     replicas_json(kvlb)[r]["resident_blocks"]

@@ -18,7 +18,8 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
 use support::fleet::{
-    decision, post, replica_count_reaches, replicas_json, serve_subscribed, ReplicaFleet,
+    completion_body, decision, post, replica_count_reaches, replicas_json, serve_subscribed,
+    telemetry_of, token_prompt, ReplicaFleet,
 };
 use support::{wait_until, Kvlb};
 
@@ -79,18 +80,6 @@ impl ChildGuard {
             ),
         }
     }
-}
-
-fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
-    (0..n)
-        .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
-        .collect()
-}
-
-fn completion_body(tokens: &[u32]) -> Vec<u8> {
-    json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})
-        .to_string()
-        .into_bytes()
 }
 
 #[test]
@@ -317,13 +306,6 @@ fn stored_events(tokens: &[u32], first_id: i64) -> Value {
         {"type": "BlockStored", "block_hashes": ids[half..], "parent_block_hash": ids[half - 1],
          "token_ids": tokens[half * 16..blocks * 16], "block_size": 16, "medium": "GPU"},
     ])
-}
-
-fn telemetry_of(kvlb: &Kvlb, r: usize) -> Value {
-    let all = replicas_json(kvlb);
-    let mut t = all[r]["telemetry"].clone();
-    t["resident_blocks"] = all[r]["resident_blocks"].clone();
-    t
 }
 
 /// Replica 1's events come from the Python publisher (its HTTP side is a simulated replica).

@@ -15,7 +15,7 @@ mod support;
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{replica_count_reaches, replicas_json, ReplicaFleet};
+use support::fleet::{replica_count_reaches, replicas_json, token_prompt, ReplicaFleet};
 use support::{wait_until, HttpConn, Kvlb};
 
 const T: Duration = Duration::from_secs(15);
@@ -31,12 +31,6 @@ fn start_instance(reps: &ReplicaFleet) -> Kvlb {
     let mut all = vec!["--explain", "--workers", "1", "--metrics-interval", "100ms"];
     all.extend(args.iter().map(String::as_str));
     Kvlb::serve(&all)
-}
-
-fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
-    (0..n)
-        .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
-        .collect()
 }
 
 fn completion(tokens: &[u32], max_tokens: u32) -> Vec<u8> {

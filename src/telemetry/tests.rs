@@ -778,30 +778,12 @@ fn duplicates_after_a_parent_are_copies_and_need_their_own_removal() {
 #[test]
 fn a_block_on_another_medium_is_not_a_reuse_and_removals_keep_to_their_medium() {
     let whole = kvlb_hashes(0..16);
-    let cpu = |e: KvEvent| match e {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            ..
-        } => KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            medium: Some(Medium::Cpu),
-        },
-        e => e,
-    };
     // Held on CPU, then stored on GPU from the prompt's start: a new GPU copy. A GPU removal
     // of a hash with no GPU copy left changes nothing on the offloaded tier.
     let (s, _, gpu, feed) = through_writer(
         16,
         vec![
-            vec![cpu(stored(&[1], None, 0..16))],
+            vec![on_cpu(stored(&[1], None, 0..16))],
             vec![stored(&[1], None, 0..16)],
             vec![removed(&[1], None), removed(&[1], None)],
         ],
@@ -1102,24 +1084,6 @@ fn a_long_one_token_page_store_is_cheap() {
 #[test]
 fn aggregated_blocks_are_resident_per_tier() {
     let whole = kvlb_hashes(0..32);
-    let on_cpu = |e: KvEvent| match e {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            ..
-        } => KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            medium: Some(Medium::Cpu),
-        },
-        e => e,
-    };
     // One-token pages on GPU, backed up on CPU; the GPU copy of a page inside block 1 goes:
     // block 1 leaves the GPU tier only. Stored again on GPU, it is whole there again.
     let (s, _, gpu, feed) = through_writer(
@@ -1164,4 +1128,12 @@ fn the_bind_or_connect_hint_waits_for_a_live_replica_and_five_seconds() {
     assert!(!refusal_needs_hint(t0, t0 + 60_000, 0));
     // Its last answer predates the refusals: nothing says it is up now.
     assert!(!refusal_needs_hint(t0, t0 + 60_000, t0 - 1));
+}
+
+/// `e` stored on the CPU tier instead (other events unchanged).
+fn on_cpu(mut e: KvEvent) -> KvEvent {
+    if let KvEvent::BlockStored { medium, .. } = &mut e {
+        *medium = Some(Medium::Cpu);
+    }
+    e
 }

@@ -4,7 +4,7 @@
 
 use super::{wait_until, Kvlb, Response};
 use kvlb::kv_events::{EventFormat, KvEvent, KvEventBatch, KvEventPublisher};
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -251,4 +251,26 @@ pub fn tiers(kvlb: &Kvlb, r: usize) -> (u64, u64) {
             .as_u64()
             .unwrap_or(u64::MAX),
     )
+}
+
+/// `n` token ids, different for each `salt`, for token-mode prompts.
+pub fn token_prompt(n: u32, salt: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| 1000 + (i * 7 + salt * 131) % 30_000)
+        .collect()
+}
+
+/// A completions request body with `tokens` as its prompt.
+pub fn completion_body(tokens: &[u32]) -> Vec<u8> {
+    json!({"model": "Qwen/Qwen3-8B", "prompt": tokens, "max_tokens": 1})
+        .to_string()
+        .into_bytes()
+}
+
+/// Replica `r`'s telemetry from /replicas, with its `resident_blocks` beside it.
+pub fn telemetry_of(kvlb: &Kvlb, r: usize) -> Value {
+    let all = replicas_json(kvlb);
+    let mut t = all[r]["telemetry"].clone();
+    t["resident_blocks"] = all[r]["resident_blocks"].clone();
+    t
 }
