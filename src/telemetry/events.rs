@@ -51,7 +51,7 @@
 //!   block it completes. A page removed inside a block rechecks that block's owners by
 //!   walking each back to the block's start (at most B / b steps).
 //! * Neither divides, or a page that would straddle kvlb's blocks (mixed sizes in one chain):
-//!   skipped, counted in `skipped_block_size`, logged (rate-limited).
+//!   skipped, counted in `skipped_block_size`, logged with the batch's other faults.
 //!
 //! Each replica's first event of each size is logged, and /replicas shows the largest usable
 //! size as `engine_block_size`. Memory stays bounded by `MAX_CHAIN_BLOCKS` entries (40 bytes
@@ -205,11 +205,14 @@ fn tier_slot(tier: Tier) -> usize {
     }
 }
 
-/// Block sizes of one replica logged on first sight; beyond that many, the rate-limited line.
+/// Block sizes of one replica logged on first sight; skips of other sizes are logged with the
+/// batch's other faults (`apply_noting`).
 const MAX_SIZES_LOGGED: usize = 16;
 
-/// Lines about block sizes kvlb cannot use, at most one a second for all replicas.
-static BLOCK_SIZE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+/// Whether engine pages of `b` tokens fit kvlb's blocks of `bb`: one divides the other.
+fn usable_block_size(b: u32, bb: u32) -> bool {
+    b > 0 && b <= u16::MAX as u32 && (bb.is_multiple_of(b) || b.is_multiple_of(bb))
+}
 
 /// One replica's view of its event stream.
 pub struct EventState {
@@ -485,8 +488,7 @@ impl EventState {
     /// and size). Returns whether kvlb can use it.
     fn note_block_size(&mut self, b: u32, tel: &ReplicaTelemetry) -> bool {
         let bb = self.token_block_size as u32;
-        let usable =
-            b > 0 && b <= u16::MAX as u32 && (bb.is_multiple_of(b) || b.is_multiple_of(bb));
+        let usable = usable_block_size(b, bb);
         if usable {
             tel.engine_block_size.fetch_max(b as u64, Relaxed);
         }
@@ -507,15 +509,6 @@ impl EventState {
                  {bb}): {how}",
                 self.replica
             );
-        } else if !usable {
-            if let Some(more) = BLOCK_SIZE_LOG.allow() {
-                eprintln!(
-                    "kvlb: replica slot {}: BlockStored of {b}-token blocks skipped: kvlb's \
-                     token block is {bb}{}",
-                    self.replica,
-                    crate::log_limit::more(more)
-                );
-            }
         }
         usable
     }
@@ -560,14 +553,6 @@ impl EventState {
         // smaller one on a multiple of its size (mixed sizes may break either).
         if start % b.min(bb) != 0 || (b > bb && start % bb != 0) {
             tel.skipped_block_size.fetch_add(1, Relaxed);
-            if let Some(more) = BLOCK_SIZE_LOG.allow() {
-                eprintln!(
-                    "kvlb: replica slot {}: BlockStored of {b}-token blocks at token {start} \
-                     straddles kvlb's {bb}-token blocks; skipped{}",
-                    self.replica,
-                    crate::log_limit::more(more)
-                );
-            }
             return;
         }
         if self.chain.len() + n > MAX_CHAIN_BLOCKS {
@@ -884,22 +869,23 @@ impl EventState {
         ];
         let n = |i: usize| after[i].saturating_sub(before[i]);
         if n(0) > 0 {
-            let size = batch.events.iter().find_map(|e| match e {
-                KvEvent::BlockStored { block_size, .. }
-                    if *block_size as usize != self.token_block_size =>
-                {
+            let bb = self.token_block_size as u32;
+            let unusable = batch.events.iter().find_map(|e| match e {
+                KvEvent::BlockStored { block_size, .. } if !usable_block_size(*block_size, bb) => {
                     Some(*block_size)
                 }
                 _ => None,
             });
+            let why = match unusable {
+                Some(b) => format!("blocks of {b} tokens, neither a multiple nor a divisor of it"),
+                None => "pages that would straddle its blocks".to_string(),
+            };
             self.trouble(
                 Trouble::Skipped,
                 format!(
-                    "batch {seq}: skipped {} BlockStored of another block size ({} tokens; \
-                     kvlb's token block is {})",
-                    n(0),
-                    size.unwrap_or(0),
-                    self.token_block_size
+                    "batch {seq}: skipped {} BlockStored that do not fit kvlb's {bb}-token \
+                     blocks ({why})",
+                    n(0)
                 ),
             );
         }
