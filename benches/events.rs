@@ -48,6 +48,7 @@ fn stored(hash: u64, parent: Option<u64>, token_ids: Vec<u32>) -> KvEvent {
         token_ids,
         block_size: BLOCK as u32,
         lora_id: None,
+        key: Default::default(),
         medium: None,
     }
 }

@@ -126,6 +126,7 @@ fn batch_json(b: &KvEventBatch) -> Value {
                 block_size,
                 lora_id,
                 medium,
+                ..
             } => json!({
                 "type": "BlockStored",
                 "block_hashes": block_hashes,
@@ -161,6 +162,7 @@ fn published_batches() -> Vec<KvEventBatch> {
                     token_ids: (1..=32).collect(),
                     block_size: 16,
                     lora_id: None,
+                    key: Default::default(),
                     medium: Some(Medium::Gpu),
                 },
                 KvEvent::BlockRemoved {
@@ -179,6 +181,7 @@ fn published_batches() -> Vec<KvEventBatch> {
                     token_ids: vec![151_643; 12],
                     block_size: 4,
                     lora_id: Some(3),
+                    key: Default::default(),
                     medium: Some(Medium::CpuPinned),
                 },
                 KvEvent::BlockRemoved {

@@ -32,6 +32,7 @@ fn stored(tokens: &[u32], medium: &str) -> KvEvent {
         token_ids: tokens.to_vec(),
         block_size: 16,
         lora_id: None,
+        key: Default::default(),
         medium: Some(Medium::parse(medium)),
     }
 }

@@ -36,6 +36,7 @@ fn stored(tokens: &[u32], base: u64) -> KvEvent {
         token_ids: tokens.to_vec(),
         block_size: 16,
         lora_id: None,
+        key: Default::default(),
         medium: Some(Medium::Gpu),
     }
 }

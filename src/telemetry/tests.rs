@@ -19,6 +19,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>) -> 
         token_ids: tokens.collect(),
         block_size: 16,
         lora_id: None,
+        key: Default::default(),
         medium: Some(Medium::Gpu),
     }
 }
@@ -153,6 +154,7 @@ fn stored_chains_from_parent_and_removed_counts_copies() {
         token_ids: (100..116).collect(),
         block_size: 16,
         lora_id: None,
+        key: Default::default(),
         medium: Some(Medium::Cpu),
     };
     s.receive(
@@ -179,6 +181,7 @@ fn stored_chains_from_parent_and_removed_counts_copies() {
         token_ids: (0..24).collect(),
         block_size: 24,
         lora_id: None,
+        key: Default::default(),
         medium: None,
     };
     s.receive(
@@ -802,6 +805,7 @@ fn pages(first: u64, parent: Option<u64>, tokens: std::ops::Range<u32>, b: u32) 
         token_ids: tokens.collect(),
         block_size: b,
         lora_id: None,
+        key: Default::default(),
         medium: None,
     }
 }
@@ -919,6 +923,7 @@ fn branches_inside_a_kvlb_block_each_lose_only_what_they_contain() {
         token_ids: (500..514).collect(),
         block_size: 1,
         lora_id: None,
+        key: Default::default(),
         medium: None,
     };
     let mut s = EventState::new(0, 16);

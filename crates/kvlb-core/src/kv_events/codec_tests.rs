@@ -14,6 +14,7 @@ fn stored(hashes: Vec<u64>, parent: Option<u64>, block_size: u32) -> KvEvent {
         token_ids: (0..n).map(|t| t * 1000 + 7).collect(),
         block_size,
         lora_id: None,
+        key: Default::default(),
         medium: Some(Medium::Gpu),
     }
 }
@@ -29,6 +30,7 @@ fn sample_batch() -> KvEventBatch {
                 token_ids: vec![150_000; 4],
                 block_size: 4,
                 lora_id: Some(-3),
+                key: Default::default(),
                 medium: Some(Medium::CpuPinned),
             },
             KvEvent::BlockStored {
@@ -37,6 +39,7 @@ fn sample_batch() -> KvEventBatch {
                 token_ids: vec![],
                 block_size: 16,
                 lora_id: Some(7),
+                key: Default::default(),
                 medium: None,
             },
             KvEvent::BlockRemoved {
@@ -211,6 +214,7 @@ fn digest_hashes_use_last_eight_bytes() {
                 token_ids: (0..16).collect(),
                 block_size: 16,
                 lora_id: None,
+                key: Default::default(),
                 medium: Some(Medium::Gpu),
             },
             KvEvent::BlockRemoved {
@@ -271,6 +275,7 @@ fn old_short_arrays_and_long_arrays() {
                 token_ids: (0..4).collect(),
                 block_size: 4,
                 lora_id: None,
+                key: Default::default(),
                 medium: None,
             },
             KvEvent::BlockStored {
@@ -279,6 +284,10 @@ fn old_short_arrays_and_long_arrays() {
                 token_ids: (0..4).collect(),
                 block_size: 4,
                 lora_id: Some(3),
+                key: BlockKey {
+                    lora_name: Some("my-lora".into()),
+                    ..Default::default()
+                },
                 medium: Some(Medium::Cpu),
             },
             KvEvent::BlockRemoved {
@@ -342,6 +351,11 @@ fn maps_in_any_order_with_unknown_keys_and_unknown_types() {
                 token_ids: vec![0, 1],
                 block_size: 2,
                 lora_id: None,
+                // The one string of block 0's extra keys, without an adapter: the salt.
+                key: BlockKey {
+                    cache_salt: Some("salt".into()),
+                    ..Default::default()
+                },
                 medium: Some(Medium::External),
             },
             KvEvent::AllBlocksCleared
@@ -597,6 +611,7 @@ fn one_unreadable_event_leaves_the_rest_of_the_batch() {
             token_ids: vec![0, 1],
             block_size: 2,
             lora_id: None,
+            key: Default::default(),
             medium: None,
         }]
     );
@@ -642,6 +657,7 @@ fn vllm_batch() -> KvEventBatch {
                 token_ids: vec![1, 2, 3, 4],
                 block_size: 2,
                 lora_id: None,
+                key: Default::default(),
                 medium: Some(Medium::Gpu),
             },
             KvEvent::BlockStored {
@@ -650,6 +666,7 @@ fn vllm_batch() -> KvEventBatch {
                 token_ids: vec![150_000, 5],
                 block_size: 2,
                 lora_id: Some(3),
+                key: Default::default(),
                 medium: Some(Medium::Cpu),
             },
             KvEvent::BlockRemoved {
@@ -671,4 +688,130 @@ fn map_form_is_what_vllm_0_33_writes() {
     let bytes = encode_batch(&vllm_batch(), EventFormat::Map);
     assert_eq!(hex(&bytes), VLLM_0_33_BATCH.replace(' ', ""));
     assert_eq!(decode_batch(&bytes).unwrap(), vllm_batch());
+}
+
+/// vLLM's extra_keys: per block the adapter name, multimodal pairs, block 0's salt, prompt
+/// embeddings digests; SGLang's cache_salt field. The encoder writes vLLM's form back.
+#[test]
+fn block_keys_from_extra_keys_and_fields() {
+    // A BlockStored of three 2-token blocks with one more key written by `extra`.
+    let event = |parent: Option<u64>, lora: Option<&str>, extra: &dyn Fn(&mut Vec<u8>)| {
+        let mut e = Vec::new();
+        mp::write_map_len(&mut e, 7).unwrap();
+        key(&mut e, "type");
+        key(&mut e, "BlockStored");
+        key(&mut e, "block_hashes");
+        mp::write_array_len(&mut e, 3).unwrap();
+        for h in [1, 2, 3] {
+            mp::write_uint(&mut e, h).unwrap();
+        }
+        key(&mut e, "parent_block_hash");
+        match parent {
+            Some(p) => mp::write_uint(&mut e, p).map(|_| ()).unwrap(),
+            None => mp::write_nil(&mut e).unwrap(),
+        }
+        key(&mut e, "token_ids");
+        tokens(&mut e, 6);
+        key(&mut e, "block_size");
+        mp::write_uint(&mut e, 2).unwrap();
+        key(&mut e, "lora_name");
+        match lora {
+            Some(l) => key(&mut e, l),
+            None => mp::write_nil(&mut e).unwrap(),
+        }
+        extra(&mut e);
+        match decode_batch(&batch_array(&[e], None))
+            .unwrap()
+            .events
+            .remove(0)
+        {
+            KvEvent::BlockStored { key, .. } => key,
+            other => panic!("{other:?}"),
+        }
+    };
+    type Entry<'a> = &'a dyn Fn(&mut Vec<u8>);
+    let entries = |e: &mut Vec<u8>, blocks: &[Entry<'_>]| {
+        key(e, "extra_keys");
+        mp::write_array_len(e, blocks.len() as u32).unwrap();
+        for b in blocks {
+            b(e);
+        }
+    };
+    // LoRA and salt from the prompt's start: ["a", "s"], ["a"], ["a"].
+    let k = event(None, Some("a"), &|e| {
+        let first = |e: &mut Vec<u8>| {
+            mp::write_array_len(e, 2).unwrap();
+            key(e, "a");
+            key(e, "s");
+        };
+        let other = |e: &mut Vec<u8>| {
+            mp::write_array_len(e, 1).unwrap();
+            key(e, "a");
+        };
+        entries(e, &[&first, &other, &other]);
+    });
+    assert_eq!(
+        k,
+        BlockKey {
+            lora_name: Some("a".into()),
+            cache_salt: Some("s".into()),
+            opaque_from: None
+        }
+    );
+    // A multimodal pair on block 1, after a parent: no salt there, opaque from block 1.
+    let k = event(Some(9), None, &|e| {
+        let none = |e: &mut Vec<u8>| mp::write_nil(e).unwrap();
+        let mm = |e: &mut Vec<u8>| {
+            mp::write_array_len(e, 1).unwrap();
+            mp::write_array_len(e, 2).unwrap();
+            key(e, "img-hash");
+            mp::write_uint(e, 0).unwrap();
+        };
+        entries(e, &[&none, &mm, &none]);
+    });
+    assert_eq!(k.opaque_from, Some(1));
+    assert_eq!(k.cache_salt, None);
+    // Prompt embeddings (a binary digest) on block 0.
+    let k = event(None, None, &|e| {
+        let embeds = |e: &mut Vec<u8>| {
+            mp::write_array_len(e, 1).unwrap();
+            mp::write_bin(e, &[7; 32]).unwrap();
+        };
+        let none = |e: &mut Vec<u8>| mp::write_nil(e).unwrap();
+        entries(e, &[&embeds, &none, &none]);
+    });
+    assert_eq!(k.opaque_from, Some(0));
+    // SGLang: its own field.
+    let k = event(None, None, &|e| {
+        key(e, "cache_salt");
+        key(e, "tenant");
+    });
+    assert_eq!(k.cache_salt, Some("tenant".into()));
+
+    // Encoded as vLLM does and read back.
+    let stored = KvEvent::BlockStored {
+        block_hashes: vec![1, 2],
+        parent_block_hash: None,
+        token_ids: vec![0; 32],
+        block_size: 16,
+        lora_id: Some(1),
+        medium: Some(Medium::Gpu),
+        key: BlockKey {
+            lora_name: Some("a".into()),
+            cache_salt: Some("s".into()),
+            opaque_from: None,
+        },
+    };
+    let batch = KvEventBatch {
+        ts: 1.0,
+        events: vec![stored],
+        dp_rank: None,
+    };
+    for format in [EventFormat::Map, EventFormat::MapNil] {
+        assert_eq!(
+            decode_batch(&encode_batch(&batch, format)).unwrap(),
+            batch,
+            "{format:?}"
+        );
+    }
 }

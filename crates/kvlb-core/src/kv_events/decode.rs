@@ -24,7 +24,7 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use super::{KvEvent, KvEventBatch, Medium};
+use super::{BlockKey, KvEvent, KvEventBatch, Medium};
 use std::fmt;
 
 /// Why a payload is not a KV event batch.
@@ -77,6 +77,41 @@ enum Int {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+}
+
+/// What [`Reader::extra_keys`] keeps: the strings of block 0's entry, and the first block
+/// with a key no request names.
+#[derive(Default)]
+struct ExtraKeys {
+    first_strings: Vec<String>,
+    opaque_from: Option<u32>,
+}
+
+/// The block key of a map BlockStored. vLLM's block-0 entry lists the adapter name first
+/// (when `lora_name` is set), then the cache salt (only from a prompt's start); SGLang names
+/// the salt in its own field.
+fn block_key(
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    parent: Option<u64>,
+    extra: Option<ExtraKeys>,
+) -> BlockKey {
+    let mut key = BlockKey {
+        lora_name,
+        cache_salt,
+        opaque_from: None,
+    };
+    if let Some(extra) = extra {
+        key.opaque_from = extra.opaque_from;
+        let mut strings = extra.first_strings.into_iter().peekable();
+        if key.lora_name.is_some() && strings.peek() == key.lora_name.as_ref() {
+            strings.next();
+        }
+        if parent.is_none() && key.cache_salt.is_none() {
+            key.cache_salt = strings.next();
+        }
+    }
+    key
 }
 
 fn describe(marker: u8) -> &'static str {
@@ -416,6 +451,46 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    fn opt_str(&mut self, field: &str) -> Result<Option<String>, DecodeError> {
+        if self.nil() {
+            return Ok(None);
+        }
+        Ok(Some(self.str(field)?.to_string()))
+    }
+
+    /// vLLM's `extra_keys`: nil, or one entry per block, nil or an array of keys (strings:
+    /// the adapter name and the cache salt; arrays: multimodal `(identifier, offset)` pairs;
+    /// binaries: prompt-embeddings digests).
+    fn extra_keys(&mut self) -> Result<Option<ExtraKeys>, DecodeError> {
+        if self.nil() {
+            return Ok(None);
+        }
+        let n = self.array_len("extra_keys")?;
+        let mut keys = ExtraKeys::default();
+        for i in 0..n {
+            if self.nil() {
+                continue;
+            }
+            let m = self.array_len("extra_keys entry")?;
+            for _ in 0..m {
+                let b = self.peek()?;
+                if self.nil() {
+                    continue;
+                }
+                if b & 0xe0 == 0xa0 || matches!(b, 0xd9..=0xdb) {
+                    let s = self.str("extra_keys entry")?;
+                    if i == 0 {
+                        keys.first_strings.push(s.to_string());
+                    }
+                } else {
+                    self.skip(1)?;
+                    keys.opaque_from.get_or_insert(i as u32);
+                }
+            }
+        }
+        Ok(Some(keys))
+    }
+
     fn opt_medium(&mut self, field: &str) -> Result<Option<Medium>, DecodeError> {
         if self.nil() {
             return Ok(None);
@@ -579,6 +654,9 @@ impl<'a> Reader<'a> {
         let mut block_size = None;
         let mut lora_id = None;
         let mut medium = None;
+        let mut lora_name = None;
+        let mut cache_salt = None;
+        let mut extra_keys = None;
         for _ in 0..n {
             let m = self.peek()?;
             if !(m & 0xe0 == 0xa0 || matches!(m, 0xd9..=0xdb)) {
@@ -594,6 +672,9 @@ impl<'a> Reader<'a> {
                 "block_size" => block_size = Some(self.u32("block_size")?),
                 "lora_id" => lora_id = self.opt_i64("lora_id")?,
                 "medium" => medium = self.opt_medium("medium")?,
+                "lora_name" => lora_name = self.opt_str("lora_name")?,
+                "cache_salt" => cache_salt = self.opt_str("cache_salt")?,
+                "extra_keys" => extra_keys = self.extra_keys()?,
                 _ => self.skip(1)?,
             }
         }
@@ -611,6 +692,7 @@ impl<'a> Reader<'a> {
                 block_size: block_size.ok_or_else(|| missing(self, "BlockStored", "block_size"))?,
                 lora_id,
                 medium,
+                key: block_key(lora_name, cache_salt, parent_block_hash, extra_keys),
             })),
             Some("BlockRemoved") => Ok(Some(KvEvent::BlockRemoved {
                 block_hashes: block_hashes
@@ -651,6 +733,11 @@ impl<'a> Reader<'a> {
                 } else {
                     None
                 };
+                let lora_name = if n > 7 {
+                    self.opt_str("lora_name")?
+                } else {
+                    None
+                };
                 let event = KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
@@ -658,8 +745,12 @@ impl<'a> Reader<'a> {
                     block_size,
                     lora_id,
                     medium,
+                    key: BlockKey {
+                        lora_name,
+                        ..BlockKey::default()
+                    },
                 };
-                (Some(event), n.min(7))
+                (Some(event), n.min(8))
             }
             "BlockRemoved" => {
                 if n < 2 {

@@ -82,11 +82,20 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, msgspec_header: bool) {
             block_size,
             lora_id,
             medium,
+            key,
         } => {
+            // vLLM's extra_keys (a default of None, so written only when set): per block the
+            // adapter name, and on a prompt's block 0 the salt after it.
+            let salted = key
+                .cache_salt
+                .as_ref()
+                .filter(|_| parent_block_hash.is_none());
+            let extra = key.lora_name.is_some() || salted.is_some();
+            let fields = if extra { 9 } else { 8 };
             if msgspec_header {
-                out.extend_from_slice(&[0xde, 0, 8]);
+                out.extend_from_slice(&[0xde, 0, fields]);
             } else {
-                let _ = mp::write_map_len(out, 8);
+                let _ = mp::write_map_len(out, fields as u32);
             }
             write_key(out, "type");
             write_key(out, "BlockStored");
@@ -110,7 +119,30 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, msgspec_header: bool) {
             write_key(out, "medium");
             write_opt_medium(out, medium);
             write_key(out, "lora_name");
-            let _ = mp::write_nil(out);
+            match &key.lora_name {
+                Some(name) => {
+                    let _ = mp::write_str(out, name);
+                }
+                None => {
+                    let _ = mp::write_nil(out);
+                }
+            }
+            if extra {
+                write_key(out, "extra_keys");
+                let _ = mp::write_array_len(out, block_hashes.len() as u32);
+                for i in 0..block_hashes.len() {
+                    let salt = salted.filter(|_| i == 0);
+                    let n = key.lora_name.is_some() as u32 + salt.is_some() as u32;
+                    if n == 0 {
+                        let _ = mp::write_nil(out);
+                        continue;
+                    }
+                    let _ = mp::write_array_len(out, n);
+                    for s in key.lora_name.iter().chain(salt) {
+                        let _ = mp::write_str(out, s);
+                    }
+                }
+            }
         }
         KvEvent::BlockRemoved {
             block_hashes,
@@ -151,6 +183,7 @@ fn write_event_array(out: &mut Vec<u8>, event: &KvEvent) {
             block_size,
             lora_id,
             medium,
+            key,
         } => {
             let _ = mp::write_array_len(out, 8);
             write_key(out, "BlockStored");
@@ -167,7 +200,14 @@ fn write_event_array(out: &mut Vec<u8>, event: &KvEvent) {
             let _ = mp::write_uint(out, *block_size as u64);
             write_opt_int(out, *lora_id);
             write_opt_medium(out, medium);
-            let _ = mp::write_nil(out); // lora_name
+            match &key.lora_name {
+                Some(name) => {
+                    let _ = mp::write_str(out, name);
+                }
+                None => {
+                    let _ = mp::write_nil(out);
+                }
+            }
         }
         KvEvent::BlockRemoved {
             block_hashes,

@@ -77,6 +77,8 @@ pub enum KvEvent {
         block_size: u32,
         lora_id: Option<i64>,
         medium: Option<Medium>,
+        /// What else names the blocks: adapter, salt, keys no request can name.
+        key: BlockKey,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
@@ -86,6 +88,23 @@ pub enum KvEvent {
     /// An event of the batch that could not be read (why, and where in the payload); the
     /// batch's other events stand. The encoder writes nothing for it.
     Undecodable(DecodeError),
+}
+
+/// What names a stored block besides its tokens: the parts of vLLM's block hash extra keys and
+/// of SGLang's cache namespace that a request also names (its adapter and its cache salt), and
+/// where keys begin that no request names (multimodal items, prompt embeddings).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BlockKey {
+    /// The LoRA adapter the blocks were computed with (`lora_name`, vLLM and SGLang).
+    pub lora_name: Option<String>,
+    /// The salt of the request that stored them: SGLang's `cache_salt`; for vLLM the string
+    /// its first block's `extra_keys` holds after the adapter name and the multimodal pairs
+    /// (vLLM salts only a prompt's block 0).
+    pub cache_salt: Option<String>,
+    /// The first block whose `extra_keys` hold a multimodal `(identifier, offset)` pair or a
+    /// prompt-embeddings digest: its hash, and every later one, covers what a request's text or
+    /// token ids do not.
+    pub opaque_from: Option<u32>,
 }
 
 /// One published batch: `[ts, events, dp_rank]` on the wire.

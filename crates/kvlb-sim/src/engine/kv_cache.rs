@@ -243,6 +243,7 @@ impl KvCache {
                 token_ids: tokens.to_vec(),
                 block_size: self.block_size,
                 lora_id: None,
+                key: Default::default(),
                 medium: Some(Medium::Gpu),
             });
         }
@@ -277,6 +278,7 @@ impl KvCache {
                             token_ids: tokens[start * bs..i * bs].to_vec(),
                             block_size: self.block_size,
                             lora_id: None,
+                            key: Default::default(),
                             medium: Some(Medium::Cpu),
                         });
                     }
