@@ -67,11 +67,11 @@ impl Setup {
 
     /// POSTs `tokens` through kvlb; returns (served by replica 1, reason, matched tokens).
     fn route(&self, tokens: &[u32]) -> (bool, String, u64, String) {
-        let r = post(
-            self.kvlb.listen,
-            "/v1/completions",
-            &completion_body(tokens),
-        );
+        self.route_body(&completion_body(tokens))
+    }
+
+    fn route_body(&self, body: &[u8]) -> (bool, String, u64, String) {
+        let r = post(self.kvlb.listen, "/v1/completions", body);
         assert_eq!(r.status, 200, "{}", r.describe());
         let (reason, matched) = decision(&r);
         let on1 = r.header("x-kvlb-replica") == Some(self.replica1().as_str());
@@ -86,6 +86,16 @@ impl Setup {
              telemetry: {}",
             telemetry_of(&self.kvlb, 1)
         );
+    }
+
+    /// Whether `tokens` under `model` and `salt` are routed to replica 1 for its cache.
+    fn cached_as(&self, tokens: &[u32], model: &str, salt: Option<&str>) -> (bool, String) {
+        let mut body = json!({"model": model, "prompt": tokens, "max_tokens": 1});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let (on1, reason, matched, described) = self.route_body(body.to_string().as_bytes());
+        (on1 && reason == "cache" && matched > 0, described)
     }
 
     fn assert_not_cached_on_1(&self, tokens: &[u32], what: &str) {
@@ -161,6 +171,159 @@ fn vllm_full_report_reuse_then_evict_leaves_no_blocks() {
         telemetry_of(&s.kvlb, 1)
     );
     s.assert_not_cached_on_1(&a, "after the eviction");
+}
+
+/// vLLM with LoRA and cache_salt: the adapter (lora_name, and the first entry of each block's
+/// extra_keys) and the salt (block 0's extra_keys) enter its block hashes, so vLLM reuses those
+/// blocks only for requests of the same adapter and salt. kvlb must match them the same way:
+/// the adapter from the request's `model`, learned from the events, the salt from
+/// `cache_salt`.
+#[test]
+fn vllm_lora_and_salt_blocks_match_only_their_requests() {
+    let mut vllm = EnginePublisher::vllm();
+    let s = Setup::new(&vllm);
+    let a = token_prompt(512, 11);
+    let b = token_prompt(512, 12);
+    vllm.publish(json!([
+        {"type": "store", "tokens": a, "from": 0, "to": 32, "lora": "sql-lora"},
+        {"type": "store", "tokens": b, "from": 0, "to": 16, "cache_salt": "tenant-a"},
+        {"type": "store", "tokens": b, "from": 16, "to": 32, "cache_salt": "tenant-a"}
+    ]));
+    assert!(
+        wait_until(T, || resident(&s.kvlb, 1) == 64),
+        "kvlb did not learn the stores: {}",
+        telemetry_of(&s.kvlb, 1)
+    );
+    let t = telemetry_of(&s.kvlb, 1);
+    assert_eq!(t["adapter_blocks"], 32, "{t}");
+    assert_eq!(t["salted_blocks"], 16, "{t}");
+    assert!(
+        wait_until(T, || s.kvlb.stderr().contains("LoRA adapter \"sql-lora\"")),
+        "the adapter learned is not logged:\n{}",
+        s.kvlb.stderr()
+    );
+    assert_eq!(s.kvlb.metric("kvlb_lora_adapters_known", &[]), Some(1.0));
+    let base = "Qwen/Qwen3-8B";
+    for (tokens, model, salt, want, what) in [
+        (&a, "sql-lora", None, true, "the adapter's own request"),
+        (
+            &a,
+            "Qwen/Qwen3-8B:sql-lora",
+            None,
+            true,
+            "the adapter as SGLang names it",
+        ),
+        (
+            &a,
+            base,
+            None,
+            false,
+            "the base model on the adapter's blocks",
+        ),
+        (
+            &a,
+            "sql-lora",
+            Some("tenant-a"),
+            false,
+            "the adapter with a salt",
+        ),
+        (&b, base, Some("tenant-a"), true, "the salt's own request"),
+        (&b, base, None, false, "no salt on salted blocks"),
+        (&b, base, Some("tenant-b"), false, "another salt"),
+        (
+            &b,
+            "sql-lora",
+            Some("tenant-a"),
+            false,
+            "the adapter on base-model blocks",
+        ),
+    ] {
+        let (cached, described) = s.cached_as(tokens, model, salt);
+        assert_eq!(cached, want, "{what}: {described}");
+    }
+}
+
+/// vLLM with a multimodal item: blocks from the one holding its placeholder on are hashed with
+/// the item's identifier, which no request's text or token ids carry. kvlb keeps the blocks
+/// before it, and skips and counts the rest.
+#[test]
+fn vllm_multimodal_blocks_are_skipped_and_counted() {
+    let mut vllm = EnginePublisher::vllm();
+    let s = Setup::new(&vllm);
+    let a = token_prompt(512, 13);
+    vllm.publish(json!([
+        {"type": "store", "tokens": a, "from": 0, "to": 32, "mm": [[20, "img-0", 3]]}
+    ]));
+    assert!(
+        wait_until(T, || telemetry_of(&s.kvlb, 1)["skipped_multimodal"] == 12),
+        "the multimodal blocks were not skipped: {}",
+        telemetry_of(&s.kvlb, 1)
+    );
+    assert!(
+        wait_until(T, || resident(&s.kvlb, 1) == 20),
+        "want the 20 blocks before the image: {}",
+        telemetry_of(&s.kvlb, 1)
+    );
+    // The first request only: once routed, its own blocks are kvlb's guesses on replica 1.
+    let (on1, reason, matched, described) = s.route(&a);
+    assert!(
+        on1 && reason == "cache" && matched == 320,
+        "want the 320 tokens before the image matched on replica 1: {described}"
+    );
+    assert!(
+        wait_until(T, || s
+            .kvlb
+            .metric(
+                "kvlb_replica_kv_event_skipped_total",
+                &["reason=\"multimodal\""]
+            )
+            .unwrap_or(0.0)
+            >= 12.0),
+        "not on /metrics"
+    );
+}
+
+/// SGLang with a cache salt and a LoRA adapter: its recorder names both in every BlockStored
+/// (`cache_salt`, `lora_name`) and namespaces its hashes by them. kvlb matches salted pages
+/// only for the same salt, and the adapter's only for its `model`.
+#[test]
+fn sglang_salt_and_lora_pages_match_only_their_requests() {
+    let mut sglang = EnginePublisher::sglang(1);
+    let s = Setup::new(&sglang);
+    let a = token_prompt(320, 14);
+    let b = token_prompt(320, 15);
+    let lora_key = format!("lora-ns-{}", "0123456789abcdef0123456789abcdef");
+    sglang.publish(json!([
+        {"type": "store", "node": "a", "tokens": a, "cache_salt": "tenant-a"},
+        {"type": "store", "node": "b", "tokens": b, "extra_key": lora_key, "lora_name": "chat-lora"}
+    ]));
+    assert!(
+        wait_until(T, || resident(&s.kvlb, 1) >= 40),
+        "kvlb did not learn SGLang's stores: {}",
+        telemetry_of(&s.kvlb, 1)
+    );
+    let base = "Qwen/Qwen3-8B";
+    for (tokens, model, salt, want, what) in [
+        (&a, base, Some("tenant-a"), true, "the salt's own request"),
+        (&a, base, None, false, "no salt on salted pages"),
+        (
+            &b,
+            "Qwen/Qwen3-8B:chat-lora",
+            None,
+            true,
+            "the adapter as SGLang names it",
+        ),
+        (
+            &b,
+            base,
+            None,
+            false,
+            "the base model on the adapter's pages",
+        ),
+    ] {
+        let (cached, described) = s.cached_as(tokens, model, salt);
+        assert_eq!(cached, want, "{what}: {described}");
+    }
 }
 
 /// SGLang with its default page_size 1: a radix node of a few hundred tokens is one coalesced

@@ -87,6 +87,7 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_kv_offloaded_blocks_total", "counter"),
     ("kvlb_replica_kv_offload_resident_blocks", "gauge"),
     ("kvlb_replica_kv_event_skipped_total", "counter"),
+    ("kvlb_lora_adapters_known", "gauge"),
 ];
 
 fn type_name(kind: Kind) -> &'static str {

@@ -366,7 +366,12 @@ pub static REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS: Family = Family::gauge(
 pub static REPLICA_KV_EVENT_SKIPPED: Family = Family::counter(
     "kvlb_replica_kv_event_skipped_total",
     &["replica", "reason"],
-    "KV events from the replica that kvlb skipped, by reason: undecodable (the event could not be read; the rest of its batch was applied), block_size (a BlockStored of a block size other than kvlb's token block), malformed (no block, or a token count other than blocks x block size), unknown_parent (a BlockStored whose parent block kvlb does not know).",
+    "KV events from the replica that kvlb skipped, by reason: undecodable (the event could not be read; the rest of its batch was applied), block_size (a BlockStored of a block size other than kvlb's token block), malformed (no block, or a token count other than blocks x block size), unknown_parent (a BlockStored whose parent block kvlb does not know), multimodal (blocks, not events: hashed with multimodal items or prompt embeddings, which no request's text or token ids name).",
+);
+pub static LORA_ADAPTERS: Family = Family::gauge(
+    "kvlb_lora_adapters_known",
+    &[],
+    "LoRA adapter names learned from the replicas' KV events: a token-mode request whose model names one matches only blocks stored under it.",
 );
 
 /// Every family, in the order /metrics shows them.
@@ -443,4 +448,5 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_OFFLOADED_BLOCKS,
     &REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS,
     &REPLICA_KV_EVENT_SKIPPED,
+    &LORA_ADAPTERS,
 ];

@@ -67,9 +67,10 @@
 
 use super::{ReplicaTelemetry, ResidencyOp, Tier};
 use crate::fleet::StopSignal;
-use crate::kv_events::{decode_batch, KvEvent, KvEventBatch, Medium};
+use crate::kv_events::{decode_batch, BlockKey, KvEvent, KvEventBatch, Medium};
 use crate::log_limit::LogLimit;
-use crate::prefix::{token_block_hashes_from, TOKEN_CHAIN_ROOT};
+use crate::prefix::token_block_hashes_from;
+use crate::prefix::{name_hash, token_root, AdapterNames, Learned};
 use crate::worker::Shared;
 use crate::zmtp::SubClient;
 use crossbeam::channel::Sender;
@@ -236,6 +237,19 @@ pub struct EventState {
     recheck: Vec<u64>,
     /// What went wrong in the messages received since `take_troubles`, for `run` to log.
     troubles: Vec<(Trouble, String)>,
+    /// Where the adapter names of stored blocks are learned (None: not kept).
+    adapters: Option<Arc<AdapterNames>>,
+}
+
+/// A BlockStored's fields, as `EventState::stored` takes them.
+struct Stored<'a> {
+    block_hashes: &'a [u64],
+    parent: Option<u64>,
+    token_ids: &'a [u32],
+    block_size: u32,
+    medium: Option<Medium>,
+    lora_id: Option<i64>,
+    key: &'a BlockKey,
 }
 
 impl EventState {
@@ -257,7 +271,14 @@ impl EventState {
             walk: Vec::new(),
             recheck: Vec::new(),
             troubles: Vec::new(),
+            adapters: None,
         }
+    }
+
+    /// Learn the adapter name of every block stored under one into `adapters`, for requests
+    /// whose `model` names it.
+    pub fn learn_adapters(&mut self, adapters: Arc<AdapterNames>) {
+        self.adapters = Some(adapters);
     }
 
     pub fn check_seq(&self, seq: u64) -> SeqCheck {
@@ -310,13 +331,18 @@ impl EventState {
                     token_ids,
                     block_size,
                     medium,
-                    ..
+                    lora_id,
+                    key,
                 } => self.stored(
-                    block_hashes,
-                    *parent_block_hash,
-                    token_ids,
-                    *block_size,
-                    *medium,
+                    Stored {
+                        block_hashes,
+                        parent: *parent_block_hash,
+                        token_ids,
+                        block_size: *block_size,
+                        medium: *medium,
+                        lora_id: *lora_id,
+                        key,
+                    },
                     tel,
                     ops,
                 ),
@@ -513,30 +539,93 @@ impl EventState {
         usable
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn stored(
-        &mut self,
-        block_hashes: &[u64],
-        parent: Option<u64>,
-        token_ids: &[u32],
-        block_size: u32,
-        medium: Option<Medium>,
-        tel: &ReplicaTelemetry,
-        ops: &mut Vec<ResidencyOp>,
-    ) {
+    /// The root a prompt's first block chains from: the adapter and salt of the event
+    /// (see `crate::prefix::token_root`), learning the adapter's name. An adapter known only by
+    /// `lora_id` (engines before `lora_name`) gets a root of its own that no request names.
+    fn root_of(&mut self, key: &BlockKey, lora_id: Option<i64>) -> u64 {
+        let lora = match (&key.lora_name, lora_id) {
+            (Some(name), _) => {
+                self.learn(name);
+                Some(name_hash(name.as_bytes()))
+            }
+            (None, Some(id)) => Some(name_hash(format!("\0lora_id\0{id}").as_bytes())),
+            (None, None) => None,
+        };
+        let salt = key
+            .cache_salt
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| name_hash(s.as_bytes()));
+        token_root(lora, salt)
+    }
+
+    fn learn(&mut self, name: &str) {
+        let Some(adapters) = &self.adapters else {
+            return;
+        };
+        match adapters.insert(name.as_bytes()) {
+            Learned::Known => {}
+            Learned::New => eprintln!(
+                "kvlb: replica slot {}: KV events of LoRA adapter {name:?}: requests whose \
+                 model names it match its blocks only",
+                self.replica
+            ),
+            Learned::Full => self.trouble(
+                Trouble::Skipped,
+                format!(
+                    "LoRA adapter {name:?} not learned: {} adapter names are known already; \
+                     its requests match base-model blocks",
+                    AdapterNames::CAPACITY
+                ),
+            ),
+        }
+    }
+
+    fn stored(&mut self, event: Stored<'_>, tel: &ReplicaTelemetry, ops: &mut Vec<ResidencyOp>) {
+        let Stored {
+            mut block_hashes,
+            parent,
+            mut token_ids,
+            block_size,
+            medium,
+            lora_id,
+            key,
+        } = event;
         if !self.note_block_size(block_size, tel) {
             tel.skipped_block_size.fetch_add(1, Relaxed);
             return;
         }
         let b = block_size as usize;
         let bb = self.token_block_size;
-        let n = block_hashes.len();
+        let mut n = block_hashes.len();
         if n == 0 || token_ids.len() != n * b {
             tel.skipped_malformed.fetch_add(1, Relaxed);
             return;
         }
+        if let Some(name) = &key.lora_name {
+            // Continuations carry the adapter too: learn it whichever event comes first.
+            self.learn(name);
+            tel.adapter_blocks.fetch_add(n as u64, Relaxed);
+        }
+        if let Some(k) = key.opaque_from {
+            // Hashed with multimodal items or prompt embeddings no request's tokens name: not
+            // kept (their children then have an unknown parent and are skipped too).
+            let k = (k as usize).min(n);
+            tel.skipped_multimodal.fetch_add((n - k) as u64, Relaxed);
+            if k == 0 {
+                return;
+            }
+            n = k;
+            block_hashes = &block_hashes[..n];
+            token_ids = &token_ids[..n * b];
+        }
         let (start, root) = match parent {
-            None => (0, TOKEN_CHAIN_ROOT),
+            None => {
+                if key.cache_salt.as_deref().is_some_and(|s| !s.is_empty()) {
+                    tel.salted_blocks.fetch_add(n as u64, Relaxed);
+                }
+                (0, self.root_of(key, lora_id))
+            }
             Some(p) => match self.chain.get(&p) {
                 Some(e) => (e.end as usize, e.kvlb),
                 None => {
@@ -837,6 +926,7 @@ impl EventState {
             tel.skipped_block_size.load(Relaxed),
             tel.skipped_malformed.load(Relaxed),
             tel.skipped_unknown_parent.load(Relaxed),
+            tel.skipped_multimodal.load(Relaxed),
         ];
         let applied = self.apply(seq, batch, tel, ops);
         // One line per batch and reason however many events it skipped: a hostile stream
@@ -866,6 +956,7 @@ impl EventState {
             tel.skipped_block_size.load(Relaxed),
             tel.skipped_malformed.load(Relaxed),
             tel.skipped_unknown_parent.load(Relaxed),
+            tel.skipped_multimodal.load(Relaxed),
         ];
         let n = |i: usize| after[i].saturating_sub(before[i]);
         if n(0) > 0 {
@@ -905,6 +996,16 @@ impl EventState {
                 format!(
                     "batch {seq}: skipped {} BlockStored whose parent block kvlb does not know",
                     n(2)
+                ),
+            );
+        }
+        if n(3) > 0 {
+            self.trouble(
+                Trouble::Skipped,
+                format!(
+                    "batch {seq}: skipped {} blocks hashed with multimodal items or prompt \
+                     embeddings (their extra_keys), which no request's tokens name",
+                    n(3)
                 ),
             );
         }
@@ -1096,6 +1197,7 @@ pub fn run(
     // (an idle engine publishes nothing): count it as fresh telemetry.
     let connection_is_liveness = !spec.scrape_metrics();
     let mut state = EventState::new(source.replica, source.token_block_size);
+    state.learn_adapters(shared.adapters.clone());
     let mut backoff = BACKOFF_MIN;
     let mut ops = Vec::new();
     let mut last_error = String::new();

@@ -297,10 +297,14 @@ impl Collector for TelemetryMetrics {
                 ("block_size", &t.skipped_block_size),
                 ("malformed", &t.skipped_malformed),
                 ("unknown_parent", &t.skipped_unknown_parent),
+                ("multimodal", &t.skipped_multimodal),
             ] {
                 samples.counter(&[replica.url.as_str(), reason], v.load(Relaxed))?;
             }
         }
+        families::LORA_ADAPTERS
+            .describe(&mut enc)?
+            .gauge(&[], shared.adapters.len() as u64)?;
         Ok(())
     }
 }

@@ -43,6 +43,9 @@ pub struct Shared {
     pub routing_logs: Vec<Arc<crate::residency::RoutingLog>>,
     /// How prompts are cut into prefix blocks.
     pub prefix: crate::prefix::PrefixConfig,
+    /// The LoRA adapter names learned from the replicas' KV events: a request whose `model`
+    /// names one is hashed under it (see `crate::prefix::token_root`).
+    pub adapters: Arc<crate::prefix::AdapterNames>,
     /// How much of a prompt a worker reads (`max_prompt_tokens`, fixed at start).
     pub prompt_limits: crate::prompt::PromptLimits,
     pub loads: Vec<ReplicaGauges>,
@@ -85,6 +88,7 @@ impl Shared {
             offload_residency: None,
             routing_logs,
             prefix,
+            adapters: Arc::new(crate::prefix::AdapterNames::new()),
             prompt_limits: crate::prompt::PromptLimits::for_tokens(cfg.max_prompt_tokens),
             loads: (0..n).map(|_| ReplicaGauges::default()).collect(),
             workers,
@@ -691,7 +695,11 @@ impl Worker {
             body_reserved: Cell::new(0),
             candidates: RefCell::new(Vec::with_capacity(n_replicas)),
             spans: RefCell::new(Vec::with_capacity(64)),
-            prefix: RefCell::new(crate::prefix::PrefixHashes::new(&shared.prefix)),
+            prefix: RefCell::new({
+                let mut prefix = crate::prefix::PrefixHashes::new(&shared.prefix);
+                prefix.set_adapters(shared.adapters.clone());
+                prefix
+            }),
             tokens: RefCell::new(crate::tokenize::TokenScratch::default()),
             idle_clients: RefCell::new(Vec::new()),
             free_idle: RefCell::new(Vec::new()),

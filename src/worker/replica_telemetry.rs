@@ -47,6 +47,12 @@ pub struct ReplicaTelemetry {
     pub skipped_unknown_parent: AtomicU64,
     pub skipped_malformed: AtomicU64,
     pub skipped_block_size: AtomicU64,
+    /// Blocks not kept because their hash covers multimodal items or prompt embeddings (vLLM
+    /// `extra_keys`), which no request's text or token ids name.
+    pub skipped_multimodal: AtomicU64,
+    /// Blocks stored under a LoRA adapter, and (from a prompt's start) under a cache salt.
+    pub adapter_blocks: AtomicU64,
+    pub salted_blocks: AtomicU64,
     /// Messages that were not a valid event batch.
     pub decode_errors: AtomicU64,
     /// Sequence gaps seen, gaps filled by replay, engine restarts (sequence went backwards).
@@ -99,6 +105,9 @@ impl Default for ReplicaTelemetry {
             skipped_unknown_parent: AtomicU64::new(0),
             skipped_malformed: AtomicU64::new(0),
             skipped_block_size: AtomicU64::new(0),
+            skipped_multimodal: AtomicU64::new(0),
+            adapter_blocks: AtomicU64::new(0),
+            salted_blocks: AtomicU64::new(0),
             decode_errors: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
             replays: AtomicU64::new(0),
@@ -142,6 +151,9 @@ impl ReplicaTelemetry {
             skipped_unknown_parent,
             skipped_malformed,
             skipped_block_size,
+            skipped_multimodal,
+            adapter_blocks,
+            salted_blocks,
             decode_errors,
             gaps,
             replays,
@@ -210,6 +222,9 @@ impl ReplicaTelemetry {
             "skipped_unknown_parent": self.skipped_unknown_parent.load(Relaxed),
             "skipped_malformed": self.skipped_malformed.load(Relaxed),
             "skipped_block_size": self.skipped_block_size.load(Relaxed),
+            "skipped_multimodal": self.skipped_multimodal.load(Relaxed),
+            "adapter_blocks": self.adapter_blocks.load(Relaxed),
+            "salted_blocks": self.salted_blocks.load(Relaxed),
             "skipped_undecodable": self.skipped_undecodable.load(Relaxed),
             "decode_errors": self.decode_errors.load(Relaxed),
             "gaps": self.gaps.load(Relaxed),

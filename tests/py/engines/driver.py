@@ -23,8 +23,11 @@ vLLM events are built as vllm/v1/core/block_pool.py builds them, from a request'
 hashes chained from block 0: sha256 of (parent, tokens), published as the low 64 bits as with
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, vLLM's default, or as the 32-byte digest with
 --bytes-hashes):
-    {"type": "store", "tokens": [...], "from": K, "to": M, "block_size": 16}
-        cache_full_blocks: blocks K..M of the request newly cached, parent block K-1 (or None)
+    {"type": "store", "tokens": [...], "from": K, "to": M, "block_size": 16,
+     "lora": null | "NAME", "cache_salt": null | "SALT", "mm": [[BLOCK, ID, OFFSET], ...]}
+        cache_full_blocks: blocks K..M of the request newly cached, parent block K-1 (or None);
+        a LoRA adapter, a salt and multimodal items enter the hashes and extra_keys as
+        generate_block_hash_extra_keys and to_event_extra_keys make them (same keys for "reuse")
     {"type": "reuse", "tokens": [...], "blocks": N, "block_size": 16}
         emit_cached_block_events ("full" kv_cache_report_mode): BlockStored again for the N
         prefix-cache hits, parent None, from block 0
@@ -37,7 +40,7 @@ SGLang events come from its real KVCacheEventRecorder (mem_cache/events.py, page
 --page-size, 1 by default as in SGLang) driven by radix-node stand-ins, and are taken and
 published as SchedulerKvEventsPublisher.publish_kv_events does:
     {"type": "store", "node": "a", "parent": "b" | null, "tokens": [...], "bigram": false,
-     "extra_key": null, "cache_salt": null}
+     "extra_key": null, "cache_salt": null, "lora_name": null}
         a new radix node under node "b" (null: the root) with key tokens (for a bigram key, the
         raw tokens: N + 1 of them for N bigrams, as EAGLE's RadixKey), then record_store
     {"type": "remove", "node": "a"}      record_remove (eviction of the node)
@@ -57,6 +60,7 @@ import pickle
 import subprocess
 import sys
 import time
+import types
 from array import array
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,13 +128,43 @@ def import_engine(name):
 NONE_HASH = hashlib.sha256(b"kvlb engine tests: vLLM NONE_HASH").digest()
 
 
-def vllm_chain(tokens, block_size):
+def vllm_block_keys(spec, n):
+    """Each block's extra keys as generate_block_hash_extra_keys builds them (kv_cache_utils.py):
+    the LoRA key, the block's multimodal keys, the cache salt on block 0; None when empty."""
+    lora = spec.get("lora")
+    salt = spec.get("cache_salt")
+    mm = {}
+    for block, identifier, offset in spec.get("mm", []):
+        mm.setdefault(block, []).append(("mm", identifier, offset))
+    out = []
+    for i in range(n):
+        keys = [("lora", lora, "/adapters/" + lora)] if lora else []
+        keys += mm.get(i, [])
+        if i == 0 and salt:
+            keys.append(("cache_salt", salt))
+        out.append(tuple(keys) if keys else None)
+    return out
+
+
+def vllm_event_keys(keys):
+    """to_event_extra_keys (kv_cache_utils.py): the untagged per-block list events carry."""
+    if not keys:
+        return None
+    event_keys = [
+        None if k is None else tuple(key[1:] if key[0] == "mm" else key[1] for key in k)
+        for k in keys
+    ]
+    return event_keys or None
+
+
+def vllm_chain(tokens, block_size, keys=None):
     """Digest of each full block, chained as hash_block_tokens does (sha256 of the pickled
     (parent, tokens, extra_keys), vLLM's "sha256" hash function)."""
     out, parent = [], NONE_HASH
     for i in range(len(tokens) // block_size):
         block = tuple(tokens[i * block_size : (i + 1) * block_size])
-        parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
+        extra = keys[i] if keys else None
+        parent = hashlib.sha256(pickle.dumps((parent, block, extra), protocol=5)).digest()
         out.append(parent)
     return out
 
@@ -162,18 +196,19 @@ class Vllm:
             return digest
         return int.from_bytes(digest, byteorder="big") & ((1 << 64) - 1)
 
-    def stored(self, hashes, parent, tokens, block_size):
-        # BlockPool._build_block_stored_event for a request without LoRA, multimodal inputs,
-        # cache_salt, session or lookahead hashing, in KV cache group 0.
+    def stored(self, hashes, parent, tokens, block_size, lora=None, keys=None):
+        # BlockPool._build_block_stored_event without session or lookahead hashing, in KV
+        # cache group 0: lora_id and lora_name from the request's LoRARequest, extra_keys
+        # through to_event_extra_keys.
         return self.kv.BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent,
             token_ids=tokens,
             block_size=block_size,
-            lora_id=None,
+            lora_id=(abs(hash(lora)) % 1000 + 1) if lora else None,
             medium=self.medium,
-            lora_name=None,
-            extra_keys=None,
+            lora_name=lora,
+            extra_keys=vllm_event_keys(keys),
             group_idx=0,
             session_id=None,
             lookahead_token_ids=None,
@@ -187,16 +222,20 @@ class Vllm:
             kind = s["type"]
             bs = s.get("block_size", 16)
             tokens = s.get("tokens", [])
-            chain = vllm_chain(tokens, bs)
+            keys = vllm_block_keys(s, len(tokens) // bs)
+            chain = vllm_chain(tokens, bs, keys)
+            lora = s.get("lora")
             if kind == "store":
                 k, m = s["from"], s["to"]
                 parent = self.external(chain[k - 1]) if k > 0 else None
                 hashes = [self.external(h) for h in chain[k:m]]
-                out.append(self.stored(hashes, parent, tokens[k * bs : m * bs], bs))
+                ev_keys = keys[k:m] if any(keys[k:m]) else None
+                out.append(self.stored(hashes, parent, tokens[k * bs : m * bs], bs, lora, ev_keys))
             elif kind == "reuse":
                 n = s["blocks"]
                 hashes = [self.external(h) for h in chain[:n]]
-                out.append(self.stored(hashes, None, tokens[: n * bs], bs))
+                ev_keys = keys[:n] if any(keys[:n]) else None
+                out.append(self.stored(hashes, None, tokens[: n * bs], bs, lora, ev_keys))
             elif kind == "evict":
                 for i in s["blocks"]:
                     out.append(
@@ -290,6 +329,13 @@ class Sglang:
             kind = s["type"]
             if kind == "store":
                 parent = self.nodes[s["parent"]] if s.get("parent") else self.root
+                if s.get("lora_name"):
+                    # Scheduler admission: KvEventLoraNames.register(req, lora_name), the
+                    # request's extra_key ending with its 32-character lora_id.
+                    req = types.SimpleNamespace(
+                        extra_key=s["extra_key"], lora_id=s["extra_key"][-32:]
+                    )
+                    self.recorder.lora_names.register(req, s["lora_name"])
                 key = RadixKey(
                     array("q", s["tokens"]),
                     extra_key=s.get("extra_key"),

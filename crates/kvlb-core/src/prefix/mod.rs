@@ -32,7 +32,11 @@
 //! [`TOKEN_CHAIN_ROOT`]. [`token_block_hashes`] is the same function for the `token_ids` of KV
 //! cache events, so a `BlockStored` block and a token-mode request name equal tokens with equal
 //! hashes (engine hashes themselves cannot be recomputed; see replica-interfaces.md section 1).
-//! Token hashes cover tokens only: no model, no salt, since events carry neither.
+//! A prompt's first block chains from [`token_root`] of the LoRA adapter its `model` names
+//! and its `cache_salt` (see `identity`): the same root a KV event's adapter and salt give,
+//! [`TOKEN_CHAIN_ROOT`] for the base model without a salt. Since `model` and `cache_salt` may
+//! follow the prompt in the body, the sink keeps each token block's digest and the chain steps
+//! run once the body is read.
 //!
 //! # Cost
 //! `benches/routing.rs`, fastest samples (criterion's `sample.json`) on the 2-core build
@@ -53,14 +57,18 @@
 // `#[target_feature]` function is unsafe. The one module of prefix that may use it.
 #[allow(unsafe_code)]
 mod block_hash;
+mod identity;
 #[cfg(test)]
 mod tests;
 
+pub use identity::{name_hash, token_root, AdapterNames, Learned};
+
 use crate::prompt::{
-    extract_prompt_within, Endpoint, Extent, Piece, PromptError, PromptForm, PromptLimits,
+    extract_prompt_within, Endpoint, Extent, Field, Piece, PromptError, PromptForm, PromptLimits,
     PromptScratch, PromptSink,
 };
-use xxhash_rust::xxh3::xxh3_64;
+use std::sync::Arc;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// Canonical bytes per text-mode block (see the module header for the choice).
 pub const BLOCK_BYTES: usize = 256;
@@ -147,6 +155,15 @@ pub struct PrefixHashes {
     pub est_prompt_tokens: u32,
     /// How much of the prompt was read (see [`hash_request_within`]).
     pub extent: Extent,
+    /// The parent of the first token-mode block: [`token_root`] of the adapter the request's
+    /// `model` names and its `cache_salt` (set in either mode, for a caller that hashes the
+    /// prompt's tokens itself, as with a tokenizer).
+    pub token_root: u64,
+    /// Whether the request named a known adapter, and whether it had a salt.
+    pub lora: bool,
+    pub salted: bool,
+    /// The adapter names requests are checked against (none: every model is a base model).
+    adapters: Option<Arc<AdapterNames>>,
     /// The block being filled, when pieces do not end on a block boundary.
     block: Box<[u8; BLOCK_BUFFER]>,
     /// Where extraction records the messages during its first pass.
@@ -167,12 +184,21 @@ impl PrefixHashes {
             total_units: 0,
             est_prompt_tokens: 0,
             extent: Extent::Whole,
+            token_root: TOKEN_CHAIN_ROOT,
+            lora: false,
+            salted: false,
+            adapters: None,
             block: Box::new([0u8; BLOCK_BUFFER]),
             scratch: PromptScratch::new(RECORDED_PIECES),
         }
     }
 
-    /// Forgets the last request (capacity is kept).
+    /// Checks requests' `model` against `adapters` from now on.
+    pub fn set_adapters(&mut self, adapters: Arc<AdapterNames>) {
+        self.adapters = Some(adapters);
+    }
+
+    /// Forgets the last request (capacity and adapters are kept).
     pub fn clear(&mut self) {
         self.mode = PrefixMode::Text;
         self.hashes.clear();
@@ -180,17 +206,25 @@ impl PrefixHashes {
         self.total_units = 0;
         self.est_prompt_tokens = 0;
         self.extent = Extent::Whole;
+        self.token_root = TOKEN_CHAIN_ROOT;
+        self.lora = false;
+        self.salted = false;
     }
 }
 
 /// Hash of one block given its parent's hash (see the module header).
 #[inline]
 pub fn chain_hash(parent: u64, block: &[u8]) -> u64 {
-    let digest = match <&[u8; BLOCK_BYTES]>::try_from(block) {
+    block_hash::chain_step(parent, block_digest(block))
+}
+
+/// xxh3 of one block, before the chain step folds in its parent.
+#[inline]
+fn block_digest(block: &[u8]) -> u64 {
+    match <&[u8; BLOCK_BYTES]>::try_from(block) {
         Ok(text_block) => block_hash::xxh3_64_block(text_block),
         Err(_) => xxh3_64(block),
-    };
-    block_hash::chain_step(parent, digest)
+    }
 }
 
 /// Appends to `out` the chained hashes of the full `block_size`-token blocks of `tokens`, from
@@ -258,7 +292,6 @@ pub fn hash_request_within(
         fill: 0,
         token_block_bytes: token_block * 4,
         text_hash: TEXT_CHAIN_ROOT,
-        token_hash: TOKEN_CHAIN_ROOT,
         max_blocks: cfg.max_blocks,
         // Exactly the blocks of the first `max_tokens` (4 bytes a token); the extraction stops
         // at its next check once they are hashed (`PromptSink::full`).
@@ -266,8 +299,22 @@ pub fn hash_request_within(
             .max_blocks
             .min(limits.max_tokens.saturating_mul(4) / BLOCK_BYTES),
         units: 0,
+        model: [0; MODEL_BYTES],
+        model_len: 0,
+        salt: None,
+        lora_path: None,
     };
-    match extract_prompt_within(endpoint, body, &mut out.scratch, limits, &mut chain) {
+    let result = extract_prompt_within(endpoint, body, &mut out.scratch, limits, &mut chain);
+    // The adapter `model` names, else SGLang's explicit `lora_path`.
+    let lora = match (&out.adapters, chain.model_len <= MODEL_BYTES) {
+        (Some(names), true) => names
+            .adapter_of(&chain.model[..chain.model_len])
+            .map(name_hash),
+        _ => None,
+    }
+    .or_else(|| chain.lora_path.as_ref().map(|h| h.digest()));
+    let salt = chain.salt.as_ref().map(|s| s.digest());
+    match result {
         Ok((_, extent @ Extent::Unknown(_))) => {
             out.clear();
             out.extent = extent;
@@ -280,6 +327,18 @@ pub fn hash_request_within(
                 extent = Extent::Prefix(crate::prompt::Bound::Tokens);
             }
             out.total_units = units;
+            out.token_root = token_root(lora, salt);
+            out.lora = lora.is_some();
+            out.salted = salt.is_some();
+            if form == PromptForm::Tokens {
+                // The sink kept each block's digest: chain them from the root the adapter and
+                // the salt give, known only once the body was read.
+                let mut hash = out.token_root;
+                for h in out.hashes.iter_mut() {
+                    hash = block_hash::chain_step(hash, *h);
+                    *h = hash;
+                }
+            }
             let (mode, block_units, tokens) = match form {
                 PromptForm::Text => (PrefixMode::Text, BLOCK_BYTES as u32, units / 4),
                 PromptForm::Tokens => (PrefixMode::Tokens, token_block as u32, units),
@@ -355,14 +414,22 @@ struct BlockChain<'a> {
     token_block_bytes: usize,
     /// Last text-mode hash (the parent of the next block).
     text_hash: u64,
-    /// Last token-mode hash.
-    token_hash: u64,
     max_blocks: usize,
     /// Text-mode blocks hashed at most (at most `max_blocks`).
     max_text_blocks: usize,
     /// Bytes or tokens seen, whether hashed or not.
     units: usize,
+    /// The decoded `model`, and its length (past [`MODEL_BYTES`]: longer than any adapter
+    /// name kept, so none).
+    model: [u8; MODEL_BYTES],
+    model_len: usize,
+    /// The decoded `cache_salt` and `lora_path`, hashed as they come.
+    salt: Option<Xxh3>,
+    lora_path: Option<Xxh3>,
 }
+
+/// Longest `model` checked against the adapter names.
+const MODEL_BYTES: usize = 256;
 
 impl BlockChain<'_> {
     #[inline]
@@ -431,8 +498,9 @@ impl BlockChain<'_> {
         self.block[fill..fill + 4].copy_from_slice(&id.to_le_bytes());
         self.fill = fill + 4;
         if self.fill == self.token_block_bytes {
-            self.token_hash = chain_hash(self.token_hash, &self.block[..self.token_block_bytes]);
-            self.hashes.push(self.token_hash);
+            // The digest only: the chain's root is known once the body is read.
+            self.hashes
+                .push(block_digest(&self.block[..self.token_block_bytes]));
             self.fill = 0;
         }
     }
@@ -444,6 +512,24 @@ impl PromptSink for BlockChain<'_> {
         match piece {
             Piece::Text(bytes) => self.text(bytes),
             Piece::Token(id) => self.token(id),
+        }
+    }
+
+    #[inline]
+    fn field(&mut self, field: Field, piece: &[u8]) {
+        match field {
+            Field::Model => {
+                let end = self.model_len + piece.len();
+                if end <= MODEL_BYTES {
+                    self.model[self.model_len..end].copy_from_slice(piece);
+                }
+                self.model_len = end;
+            }
+            // An empty salt is none, to vLLM and SGLang alike.
+            Field::CacheSalt if piece.is_empty() => {}
+            Field::CacheSalt => self.salt.get_or_insert_with(Xxh3::new).update(piece),
+            Field::LoraPath if piece.is_empty() => {}
+            Field::LoraPath => self.lora_path.get_or_insert_with(Xxh3::new).update(piece),
         }
     }
 

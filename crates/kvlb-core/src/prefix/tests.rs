@@ -472,3 +472,104 @@ fn text_blocks_stop_exactly_at_the_token_bound() {
     assert_eq!(out.extent, Extent::Whole);
     assert_eq!(out.hashes, hashes(CHAT, &body).hashes);
 }
+
+/// A token-id prompt under an adapter or a salt chains from their root, wherever `model` and
+/// `cache_salt` sit in the body; the base model without a salt keeps the plain root. A model
+/// is an adapter only once its name is known.
+#[test]
+fn adapter_and_salt_root_token_prompts() {
+    let cfg = PrefixConfig::default();
+    let ids: Vec<u32> = (0..64).collect();
+    let list = format!("{ids:?}").replace(' ', "");
+    let adapters = Arc::new(AdapterNames::new());
+    let mut out = PrefixHashes::new(&cfg);
+    out.set_adapters(adapters.clone());
+    let mut run = |body: String| {
+        hash_request(COMPLETIONS, body.as_bytes(), &cfg, &mut out).unwrap();
+        assert_eq!(out.mode, PrefixMode::Tokens);
+        out.hashes.clone()
+    };
+    let want = |lora: Option<&str>, salt: Option<&str>| {
+        let root = token_root(
+            lora.map(|l| name_hash(l.as_bytes())),
+            salt.map(|s| name_hash(s.as_bytes())),
+        );
+        let mut h = Vec::new();
+        token_block_hashes_from(root, &ids, 16, &mut h);
+        h
+    };
+    let plain = want(None, None);
+    let mut base = Vec::new();
+    token_block_hashes(&ids, 16, &mut base);
+    assert_eq!(plain, base, "the base model's root is the plain one");
+    assert_eq!(run(format!(r#"{{"model":"sql","prompt":{list}}}"#)), plain);
+    adapters.insert(b"sql");
+    assert_eq!(
+        run(format!(r#"{{"model":"sql","prompt":{list}}}"#)),
+        want(Some("sql"), None)
+    );
+    assert_eq!(
+        run(format!(r#"{{"prompt":{list},"model":"base:sql"}}"#)),
+        want(Some("sql"), None),
+        "SGLang's base:adapter, model after the prompt"
+    );
+    assert_eq!(
+        run(format!(r#"{{"model":"other","prompt":{list}}}"#)),
+        plain
+    );
+    assert_eq!(
+        run(format!(
+            r#"{{"prompt":{list},"cache_salt":"t\u0041","model":"m"}}"#
+        )),
+        want(None, Some("tA")),
+        "the decoded salt"
+    );
+    assert_eq!(
+        run(format!(
+            r#"{{"model":"sql","cache_salt":"s","prompt":{list}}}"#
+        )),
+        want(Some("sql"), Some("s"))
+    );
+    assert_eq!(
+        run(format!(
+            r#"{{"model":"m","cache_salt":"","prompt":{list}}}"#
+        )),
+        plain
+    );
+    assert_eq!(
+        run(format!(
+            r#"{{"model":"base","lora_path":"chat","prompt":{list}}}"#
+        )),
+        want(Some("chat"), None),
+        "SGLang's lora_path names an adapter, known or not"
+    );
+    assert_eq!(
+        run(format!(
+            r#"{{"model":"sql","lora_path":"chat","prompt":{list}}}"#
+        )),
+        want(Some("sql"), None),
+        "model first, as SGLang resolves it"
+    );
+    assert_ne!(want(Some("s"), None), want(None, Some("s")), "tagged apart");
+}
+
+/// A chat body's adapter and salt give the root a tokenizer's ids are hashed from.
+#[test]
+fn chat_bodies_carry_their_token_root() {
+    let cfg = PrefixConfig::default();
+    let adapters = Arc::new(AdapterNames::new());
+    adapters.insert(b"sql");
+    let mut out = PrefixHashes::new(&cfg);
+    out.set_adapters(adapters);
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"model":"sql","cache_salt":"s"}"#;
+    hash_request(CHAT, body.as_bytes(), &cfg, &mut out).unwrap();
+    assert_eq!(out.mode, PrefixMode::Text);
+    assert_eq!(
+        out.token_root,
+        token_root(Some(name_hash(b"sql")), Some(name_hash(b"s")))
+    );
+    assert!(out.lora && out.salted);
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"model":"base"}"#;
+    hash_request(CHAT, body.as_bytes(), &cfg, &mut out).unwrap();
+    assert_eq!(out.token_root, TOKEN_CHAIN_ROOT);
+}

@@ -24,7 +24,8 @@
 //!
 //! Completions whose `prompt` is token ids (a list of ints, or a list of lists: the first is
 //! used) produce [`Piece::Token`]s only, no text: token-mode block hashes must equal the hashes
-//! of the same ids in KV events, which know nothing of model or salt.
+//! of the same ids in KV events. The decoded `model` and `cache_salt`, which name a block's
+//! adapter and salt, go to [`PromptSink::field`] in either form.
 //!
 //! # How
 //! Two passes over the borrowed body, never a copy of it: the first validates the whole body
@@ -141,6 +142,12 @@ pub enum Piece<'a> {
 pub trait PromptSink {
     fn piece(&mut self, piece: Piece<'_>);
 
+    /// A piece of the decoded `model`, `cache_salt` or `lora_path` string, which name a block
+    /// besides its tokens (the adapter and the salt): given for both forms once the first pass has read
+    /// the body, each field's pieces in order (a token-id prompt's tokens come before them).
+    #[inline(always)]
+    fn field(&mut self, _field: Field, _piece: &[u8]) {}
+
     /// True once the sink wants no more text: [`extract_prompt_within`] then stops at its next
     /// check ([`Bound::Tokens`]; a few more pieces may come before it).
     #[inline(always)]
@@ -154,6 +161,15 @@ impl<F: FnMut(Piece<'_>)> PromptSink for F {
     fn piece(&mut self, piece: Piece<'_>) {
         self(piece)
     }
+}
+
+/// A top-level string field given to [`PromptSink::field`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Model,
+    CacheSalt,
+    /// SGLang's `lora_path`: the adapter's name, when `model` names none.
+    LoraPath,
 }
 
 /// The bound that stopped an extraction (see the module header).
@@ -425,6 +441,19 @@ fn extract(
             }
         }
     };
+    for (field, start) in [
+        (Field::Model, fields.model),
+        (Field::CacheSalt, fields.cache_salt),
+        (Field::LoraPath, fields.lora_path),
+    ] {
+        // Validated by the first pass; a value of the wrong type names nothing here (and is
+        // the text form's error below for model and salt; SGLang's batch form of lora_path, a
+        // list, names no one adapter).
+        if let Some(start) = start {
+            let mut c = Cursor::new(body, start);
+            let _ = string_or_null(&mut c, "field", &mut |p: &[u8]| sink.field(field, p));
+        }
+    }
     if fields.tokens_emitted {
         let extent = budget.stopped.map_or(Extent::Whole, Extent::Prefix);
         return Ok((PromptForm::Tokens, extent));
@@ -1027,6 +1056,8 @@ fn record_messages(
 struct TopLevel {
     model: Option<usize>,
     cache_salt: Option<usize>,
+    /// SGLang's adapter field (a name, despite its name), read for [`PromptSink::field`] only.
+    lora_path: Option<usize>,
     tools: Option<usize>,
     messages: Option<usize>,
     prompt: Option<usize>,
@@ -1065,6 +1096,7 @@ fn top_level(
         let slot = match key {
             b"model" => Some((&mut fields.model, "model")),
             b"cache_salt" => Some((&mut fields.cache_salt, "cache_salt")),
+            b"lora_path" => Some((&mut fields.lora_path, "lora_path")),
             b"tools" => Some((&mut fields.tools, "tools")),
             b"messages" => Some((&mut fields.messages, "messages")),
             b"prompt" => Some((&mut fields.prompt, "prompt")),
