@@ -1,8 +1,9 @@
 //! The L4 mode of `kvlb serve` (`--mode l4`) end to end, on both forwarding paths (io_uring
 //! splice and the BPF sockmap), with a real kvlb process, the Python test replica and raw
 //! client sockets: byte-exact bulk transfers both ways, every request of a connection going to
-//! the replica chosen for its first, half-close, client and replica aborts releasing both
-//! sockets (checked in /proc/PID/fd) and the sockmap entries, and the sockmap really in use.
+//! the replica chosen for its first, half-close (also with the replica's last bytes in its FIN
+//! segment), client and replica aborts releasing both sockets (checked in /proc/PID/fd) and the
+//! sockmap entries, and the sockmap really in use.
 //!
 //! The sockmap tests need CAP_BPF (root here). Without it they skip with a message; as root a
 //! sockmap that does not load fails them.
@@ -320,6 +321,43 @@ fn splice_passes_half_close_on() {
 #[test]
 fn sockmap_passes_half_close_on() {
     half_close("sockmap");
+}
+
+/// The replica's last bytes come in one segment with its FIN (TCP reports that end before it
+/// hands the segment's data on): the bytes must reach the client before the end does.
+fn body_with_fin(forwarding: &str) {
+    let backend = Backend::start();
+    let Some(kvlb) = proxy_for(forwarding, &[&backend]) else {
+        return;
+    };
+    for i in 0..50 {
+        let mut conn = HttpConn::connect(kvlb.listen);
+        let resp = conn.request("POST", "/echo", &[], b"first").unwrap();
+        assert_eq!(resp.body, b"first");
+        conn.send(
+            b"POST /echo?fin_with_body=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nsecond",
+        )
+        .unwrap();
+        conn.shutdown_write();
+        let rest = conn.read_until_close().unwrap();
+        let text = String::from_utf8_lossy(&rest);
+        assert!(
+            text.starts_with("HTTP/1.1 200") && text.ends_with("second"),
+            "connection {i}: {text}"
+        );
+    }
+    wait_idle(&kvlb, "after the connections");
+    assert_eq!(metric(&kvlb, "kvlb_l4_aborted_connections_total", &[]), 0.0);
+}
+
+#[test]
+fn splice_passes_a_body_that_shares_its_segment_with_the_fin() {
+    body_with_fin("splice");
+}
+
+#[test]
+fn sockmap_passes_a_body_that_shares_its_segment_with_the_fin() {
+    body_with_fin("sockmap");
 }
 
 /// The process's sockets once idle, before the test's own connections.

@@ -14,6 +14,11 @@
 //! - FIN is not forwarded. kvlb watches each socket for end of file, waits until every byte the
 //!   program redirected from it has reached the peer's send queue (the program counts them; the
 //!   peer's TCP_INFO says what it has been given), then shuts the peer's write half down.
+//! - The end of file can be seen before the last bytes were redirected: when data and FIN come
+//!   in one segment, TCP marks the end (and wakes kvlb) before it hands the data to the
+//!   program. So at end of file kvlb first waits for the kernel to finish with the socket (see
+//!   `settle`), and only then reads the program's count; bytes the program did not take are
+//!   received and sent on by kvlb, after the redirected ones.
 //! - A socket already closing cannot be inserted: the connection then uses splice.
 
 use super::{InFlight, Moved};
@@ -244,6 +249,27 @@ pub(crate) fn take_queued(fd: RawFd, buf: &mut Vec<u8>) {
     }
 }
 
+/// Called once the end of file of `fd` was seen: returns when the kernel has finished the
+/// segment that carried the FIN, so the program has been run over every byte before it and its
+/// count is final; bytes still queued (the program did not take them) are received into `rest`.
+///
+/// TCP sets the end of file and wakes its waiters from within the processing of the FIN
+/// segment, before it passes that segment's data to the socket's data-ready callback (the
+/// program). That processing holds the socket lock throughout, and SIOCINQ (the first step of
+/// `take_queued`) takes the lock, so it cannot return before the program has seen those bytes.
+fn settle(fd: RawFd, rest: &mut Vec<u8>) {
+    take_queued(fd, rest);
+}
+
+/// Send `rest` (what `settle` received) to `to`. Err: `to` failed.
+async fn send_rest(to: RawFd, rest: Vec<u8>) -> io::Result<u64> {
+    let n = rest.len();
+    if n == 0 {
+        return Ok(0);
+    }
+    op::send_all(to, rest, 0, n).await.0.map(|()| n as u64)
+}
+
 /// Bytes the socket has been given to send (by kvlb or by the program): what it transmitted
 /// once plus what waits in its queue. Exact for data: SYN and FIN are not counted.
 fn bytes_written(fd: RawFd) -> io::Result<u64> {
@@ -429,6 +455,8 @@ pub(crate) async fn relay(
 
     let (mut c_eof, mut r_eof) = (false, false);
     let mut aborted = None;
+    // Bytes kvlb sent itself at an end of file (see `settle`): client -> replica, back.
+    let (mut rest_up, mut rest_down) = (0u64, 0u64);
     while !(c_eof && r_eof) {
         let watch_c = pin!(watch(cfd, c_eof));
         let watch_r = pin!(watch(rfd, r_eof));
@@ -446,7 +474,16 @@ pub(crate) async fn relay(
                     break;
                 }
                 c_eof = true;
+                let mut rest = Vec::new();
+                settle(cfd, &mut rest);
                 flushed(rfd, || prelude + sm.redirected(ck)).await;
+                match send_rest(rfd, rest).await {
+                    Ok(n) => rest_up += n,
+                    Err(_) => {
+                        aborted = Some(false);
+                        break;
+                    }
+                }
                 super::shutdown(rfd, libc::SHUT_WR);
             }
             Either::Left(Either::Right(bits)) => {
@@ -455,7 +492,16 @@ pub(crate) async fn relay(
                     break;
                 }
                 r_eof = true;
+                let mut rest = Vec::new();
+                settle(rfd, &mut rest);
                 flushed(cfd, || sm.redirected(rk)).await;
+                match send_rest(cfd, rest).await {
+                    Ok(n) => rest_down += n,
+                    Err(_) => {
+                        aborted = Some(true);
+                        break;
+                    }
+                }
                 super::shutdown(cfd, libc::SHUT_WR);
             }
             Either::Right(()) => {}
@@ -465,6 +511,7 @@ pub(crate) async fn relay(
         }
     }
     let (up, down) = sm.leave(ck, rk);
+    let (up, down) = (up + rest_up, down + rest_down);
     if down > 0 {
         in_flight.first_byte();
     }

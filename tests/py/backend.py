@@ -34,6 +34,9 @@ handle:
                         an invalid chunk size); reset_mid (part of the body, 200 ms, then a
                         reset instead of a close)
   /echo?conn_close=1    the echo answer with `Connection: close`; the connection then closes
+  /echo?fin_with_body=1 the echo answer's head in one segment, then its body together with the
+                        FIN in the next (the body is corked until the close adds the FIN), as
+                        a server whose last write Nagle still holds when it closes
   /stats                JSON counters: connections_opened, connections_closed, requests,
                         aborted (slow/hang requests whose peer closed first)
   /health               200 (503 after /set_health?ok=0); not counted in requests
@@ -286,6 +289,15 @@ class Handler(BaseHTTPRequestHandler):
             return "<none>" if not values else ", ".join(values)
 
         names = ",".join(k.lower() for k in h.keys())
+        if q.get("fin_with_body") == "1":
+            self.close_connection = True
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+            self.wfile.write(body)
+            return
         extra_close = []
         if q.get("conn_close") == "1":
             self.close_connection = True
