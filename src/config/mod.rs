@@ -11,6 +11,7 @@ pub mod settings;
 mod values;
 
 pub use settings::{apply_toml, from_args, load_file, reference_markdown, ServeSettings};
+pub use values::{parse_replica_flag, replica_flag_help, ReplicaOption, REPLICA_OPTIONS};
 
 /// The policy names live with the policies (`select`), which config builds.
 pub use crate::select::PolicyName;
@@ -516,68 +517,6 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
     })
 }
 
-/// `URL[,key=value...]` as given to --replica.
-pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigError> {
-    let mut parts = v.split(',');
-    let url = parts.next().unwrap_or("");
-    let mut r = parse_replica_url(key, url)?;
-    let mut seen: Vec<&str> = Vec::new();
-    for opt in parts {
-        let (k, val) = opt
-            .split_once('=')
-            .ok_or_else(|| bad(key, v, "expected URL[,key=value...]"))?;
-        if seen.contains(&k) {
-            // The last would win silently: two event endpoints are two data-parallel ranks,
-            // which are two replicas (docs/engines.md).
-            return Err(bad(
-                key,
-                v,
-                &format!("replica option {k:?} given twice (one value each; a data-parallel engine's ranks are separate replicas)"),
-            ));
-        }
-        seen.push(k);
-        match k {
-            "kv_capacity_tokens" => {
-                r.kv_capacity_tokens =
-                    val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                        bad(
-                            &format!("{key} kv_capacity_tokens"),
-                            val,
-                            "expected a positive number of tokens",
-                        )
-                    })?
-            }
-            "kv_offload_capacity_tokens" => {
-                r.kv_offload_capacity_tokens =
-                    Some(val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                        bad(
-                            &format!("{key} kv_offload_capacity_tokens"),
-                            val,
-                            "expected a positive number of tokens",
-                        )
-                    })?)
-            }
-            "kv_events" => r.kv_events = Some(parse_zmq_endpoint(&format!("{key} kv_events"), val)?),
-            "kv_replay" => r.kv_replay = Some(parse_zmq_endpoint(&format!("{key} kv_replay"), val)?),
-            "metrics" => r.metrics = Some(parse_switch(&format!("{key} metrics"), val)?),
-            "max_in_flight" => {
-                r.max_in_flight = Some(parse_count(&format!("{key} max_in_flight"), val, 0)?)
-            }
-            _ => {
-                return Err(bad(
-                    key,
-                    v,
-                    &format!(
-                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_offload_capacity_tokens, kv_events, kv_replay, metrics, max_in_flight)"
-                    ),
-                ))
-            }
-        }
-    }
-    check_replay(key, &r)?;
-    Ok(r)
-}
-
 fn check_replay(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
     match (&r.kv_replay, &r.kv_events) {
         (Some(replay), None) => Err(bad(
@@ -796,13 +735,6 @@ fn check_dns_server(key: &str, v: &str) -> Result<(), ConfigError> {
 /// `max_prompt_tokens` bounds: one text block, and 2^20 token-mode blocks of 16.
 const MIN_PROMPT_TOKENS: usize = 64;
 const MAX_PROMPT_TOKENS: usize = 1 << 24;
-
-fn parse_count(key: &str, v: &str, min: u32) -> Result<u32, ConfigError> {
-    v.parse::<u32>()
-        .ok()
-        .filter(|n| *n >= min && *n <= 1_000_000)
-        .ok_or_else(|| bad(key, v, &format!("expected a whole number >= {min}")))
-}
 
 /// Loads `tokenizer` and `chat_template` into `token_mode`; errors name the key and the file.
 fn load_token_mode(cfg: &mut ServeConfig) -> Result<(), ConfigError> {

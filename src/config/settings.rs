@@ -68,15 +68,7 @@ pub struct ServeSettings {
     pub splice_responses_from: Option<SizeOrOff>,
 
     /// A replica, repeatable: its base URL (http://10.0.0.5:8000), with options after commas.
-    ///
-    /// Options: kv_capacity_tokens=N, its KV cache in tokens (default 400000);
-    /// kv_offload_capacity_tokens=N, its offloaded tier (CPU, disk; default 8x
-    /// kv_capacity_tokens); kv_events=tcp://HOST:PORT, its KV event publisher;
-    /// kv_replay=tcp://HOST:PORT, its replay endpoint; metrics=on|off, poll its /metrics
-    /// (default: on with kv_events); max_in_flight=N, its own limit of requests in flight. In
-    /// the file `[[replica]]` tables with `url` and these keys. Flags replace the file's
-    /// replicas. Responses name the URL in x-kvlb-replica.
-    #[arg(long, value_name = "URL[,OPTION=VALUE...]")]
+    #[arg(long, value_name = "URL[,OPTION=VALUE...]", long_help = super::replica_flag_help())]
     pub replica: Vec<ReplicaSpec>,
 
     /// Routing policy: cache_aware, round_robin, least_loaded, power_of_two, consistent_hash
@@ -716,6 +708,14 @@ pub fn reference_markdown() -> String {
             .unwrap_or_default();
         let flag = format!("--{long}{value}").replace('|', "\\|");
         out.push_str(&format!("| `{flag}` | {key} | {} |\n", one_line(&help)));
+    }
+    for o in super::REPLICA_OPTIONS {
+        let flag = format!("--replica URL,{}={}", o.name, o.value).replace('|', "\\|");
+        out.push_str(&format!(
+            "| `{flag}` | `[[replica]]` `{}` | {} |\n",
+            o.name,
+            one_line(o.doc)
+        ));
     }
     for (key, doc) in FILE_ONLY {
         out.push_str(&format!("| (file only) | `{key}` | {doc} |\n"));

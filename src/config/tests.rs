@@ -495,3 +495,67 @@ fn reference_is_current() {
         panic!("docs/configuration.md is out of date: KVLB_BLESS=1 cargo test --release --lib reference_is_current rewrites it");
     }
 }
+
+/// The replica options are declared once (`values::replica_options!`): the flag's options and
+/// the file's keys read the same values into the same replica, and the help and the reference
+/// list every one.
+#[test]
+fn replica_options_flag_file_help_and_reference_agree() {
+    let samples = [
+        ("kv_capacity_tokens", "1000"),
+        ("kv_offload_capacity_tokens", "3000"),
+        ("kv_events", "tcp://127.0.0.1:5557"),
+        ("kv_replay", "tcp://127.0.0.1:5558"),
+        ("metrics", "on"),
+        ("max_in_flight", "7"),
+    ];
+    let help = replica_flag_help();
+    let reference = reference_markdown();
+    for o in REPLICA_OPTIONS {
+        let (_, v) = samples
+            .iter()
+            .find(|(k, _)| *k == o.name)
+            .unwrap_or_else(|| panic!("no sample value for replica option {}", o.name));
+        // Replay needs an event stream to fill.
+        let (with_flag, with_key) = match o.name {
+            "kv_replay" => (
+                ",kv_events=tcp://127.0.0.1:5557",
+                "kv_events = \"tcp://127.0.0.1:5557\"\n",
+            ),
+            _ => ("", ""),
+        };
+        let flag = parse_replica_flag(
+            "",
+            &format!("http://127.0.0.1:9000,{}={v}{with_flag}", o.name),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", o.name));
+        let mut c = ServeConfig::default();
+        apply_toml(
+            &mut c,
+            &format!(
+                "[[replica]]\nurl = \"http://127.0.0.1:9000\"\n{} = \"{v}\"\n{with_key}",
+                o.name
+            ),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", o.name));
+        let file = c.replicas[0].clone();
+        assert_eq!(c.replicas, vec![flag], "{}", o.name);
+        assert_ne!(
+            file,
+            parse_replica_url("", "http://127.0.0.1:9000").unwrap(),
+            "{}",
+            o.name
+        );
+        assert!(help.contains(&format!("{}={}", o.name, o.value)), "{help}");
+        assert!(
+            reference.contains(&format!("`[[replica]]` `{}`", o.name)),
+            "reference lacks {}",
+            o.name
+        );
+    }
+    let e = parse_replica_flag("", "http://127.0.0.1:9000,kv_capacity=5").unwrap_err();
+    assert!(
+        e.0.contains("unknown replica option \"kv_capacity\"") && e.0.contains("max_in_flight"),
+        "{e}"
+    );
+}
