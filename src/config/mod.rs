@@ -91,9 +91,59 @@ pub struct ReplicaConfig {
     pub metrics: Option<bool>,
     /// Most requests in flight there (None: the global `max_in_flight`).
     pub max_in_flight: Option<u32>,
+    /// Data-parallel ranks behind the URL (`dp_size`, 1: none). `ranks` expands a replica
+    /// of N ranks into N, one per rank; the fleet holds those.
+    pub dp_size: u32,
+    /// This rank of a data-parallel engine (Some only after `ranks`, with `dp_size` > 1):
+    /// requests carry `X-Data-Parallel-Rank: r`, events come from the ports + r, and the
+    /// name (`url`) is the URL with `#r`.
+    pub dp_rank: Option<u32>,
+}
+
+/// Most data-parallel ranks of one replica (`dp_size`).
+pub const MAX_DP_SIZE: u64 = 64;
+
+/// `tcp://HOST:PORT` with the port moved up by `by`, as engines offset a data-parallel rank's
+/// event endpoints (vLLM and SGLang `offset_endpoint_port`); None past port 65535.
+pub fn offset_port(endpoint: &str, by: u32) -> Option<String> {
+    let (base, port) = endpoint.rsplit_once(':')?;
+    let port = port.parse::<u32>().ok()? + by;
+    (port <= 65535).then(|| format!("{base}:{port}"))
 }
 
 impl ReplicaConfig {
+    /// The URL without a rank (`#r`): what the replica's ranks share.
+    pub fn base_url(&self) -> &str {
+        let url = self.url.split('#').next().unwrap_or(&self.url);
+        url.trim_end_matches('/')
+    }
+
+    /// One replica per data-parallel rank (itself alone without `dp_size`): rank r named
+    /// `URL#r`, its events at `kv_events` port + r and `kv_replay` port + r; capacity and the
+    /// in-flight limit are each rank's.
+    pub fn ranks(self) -> Vec<ReplicaConfig> {
+        if self.dp_size <= 1 {
+            return vec![self];
+        }
+        let base = self.base_url().to_string();
+        (0..self.dp_size)
+            .map(|r| {
+                // Checked at parse time (`check_dp_size`): every rank's ports exist.
+                let offset = |e: &Option<String>| {
+                    e.as_deref()
+                        .map(|e| offset_port(e, r).unwrap_or_else(|| e.to_string()))
+                };
+                ReplicaConfig {
+                    url: format!("{base}#{r}"),
+                    kv_events: offset(&self.kv_events),
+                    kv_replay: offset(&self.kv_replay),
+                    dp_rank: Some(r),
+                    ..self.clone()
+                }
+            })
+            .collect()
+    }
+
     /// Whether kvlb polls this replica's /metrics.
     pub fn scrape_metrics(&self) -> bool {
         self.metrics.unwrap_or(self.kv_events.is_some())
@@ -514,6 +564,8 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         kv_replay: None,
         metrics: None,
         max_in_flight: None,
+        dp_size: 1,
+        dp_rank: None,
     })
 }
 
@@ -526,6 +578,25 @@ fn check_replay(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
         )),
         _ => Ok(()),
     }
+}
+
+/// With `dp_size` N, rank N-1's event ports (kv_events and kv_replay port + N-1) must exist.
+fn check_dp_size(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
+    let last = r.dp_size.saturating_sub(1);
+    for (name, e) in [("kv_events", &r.kv_events), ("kv_replay", &r.kv_replay)] {
+        if let Some(e) = e {
+            if offset_port(e, last).is_none() {
+                return Err(bad(
+                    &format!("{key} dp_size"),
+                    &r.dp_size.to_string(),
+                    &format!(
+                        "rank {last} would publish on {name} port + {last}, past 65535 ({e}); lower {name}'s port"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `0`, `2-5`, `0,2`, `0-1,4` -> core ids.

@@ -464,7 +464,8 @@ impl ServeSettings {
             splice_responses_from.map(|v| v.0),
         );
         if !replica.is_empty() {
-            cfg.replicas = replica.into_iter().map(|r| r.0).collect();
+            // A data-parallel replica is one replica per rank (`ReplicaConfig::ranks`).
+            cfg.replicas = replica.into_iter().flat_map(|r| r.0.ranks()).collect();
         }
         set(&mut cfg.policy, policy);
         set(&mut cfg.explain, explain.map(|v| v.0));
@@ -665,6 +666,22 @@ fn validate(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
     urls.sort_unstable();
     if let Some(w) = urls.windows(2).find(|w| w[0] == w[1]) {
         return Err(ConfigError(format!("replica = {:?}: listed twice", w[0])));
+    }
+    // The ranks of one dp_size replica share its URL; the URL listed again is the same engine.
+    for (i, r) in cfg.replicas.iter().enumerate() {
+        let again = cfg.replicas[..i].iter().any(|o| {
+            o.base_url() == r.base_url()
+                && (o.dp_rank.is_none()
+                    || r.dp_rank.is_none()
+                    || o.dp_size != r.dp_size
+                    || o.dp_rank == r.dp_rank)
+        });
+        if again {
+            return Err(ConfigError(format!(
+                "replica = {:?}: listed twice (a data-parallel engine is one replica with dp_size=N)",
+                r.base_url()
+            )));
+        }
     }
     Ok(())
 }

@@ -8,7 +8,7 @@
 use super::{
     bad, check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
     parse_duration_or_off, parse_probe_path, parse_replica_url, parse_size, parse_switch,
-    parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, ReplicaConfig,
+    parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, ReplicaConfig, MAX_DP_SIZE,
 };
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -269,18 +269,23 @@ macro_rules! replica_options {
 }
 
 replica_options! {
-    /// its KV cache in tokens (default 400000)
+    /// its KV cache in tokens, of each rank with dp_size (default 400000)
     kv_capacity_tokens: Whole<1, { u64::MAX }> = "N";
     /// its offloaded tier (CPU, disk; default 8x kv_capacity_tokens)
     kv_offload_capacity_tokens: Whole<1, { u64::MAX }> = "N";
-    /// its KV event publisher
+    /// its KV event publisher (with dp_size: rank 0's; rank r publishes on port + r)
     kv_events: ZmqEndpoint = "tcp://HOST:PORT";
-    /// its replay endpoint
+    /// its replay endpoint (with dp_size: rank 0's; rank r answers on port + r)
     kv_replay: ZmqEndpoint = "tcp://HOST:PORT";
     /// poll its /metrics (default: on with kv_events)
     metrics: Switch = "on|off";
-    /// its own limit of requests in flight
+    /// its own limit of requests in flight (of each rank with dp_size)
     max_in_flight: Whole<0, 1_000_000> = "N";
+    /// data-parallel ranks behind the URL (vLLM --data-parallel-size with its internal load
+    /// balancer, SGLang --enable-dp-attention --dp-size): each rank is a replica named URL#r,
+    /// sent requests with X-Data-Parallel-Rank: r, its events on the kv_events and kv_replay
+    /// ports + r (default 1)
+    dp_size: Whole<1, MAX_DP_SIZE> = "N";
 }
 
 /// A key that is there holds a value (the flag's options are plain text, which has no
@@ -302,6 +307,7 @@ impl ReplicaTable {
             kv_replay,
             metrics,
             max_in_flight,
+            dp_size,
         } = self;
         let mut r = url.0;
         if let Some(n) = kv_capacity_tokens {
@@ -312,7 +318,9 @@ impl ReplicaTable {
         r.kv_replay = kv_replay.map(|e| e.0);
         r.metrics = metrics.map(|m| m.0);
         r.max_in_flight = max_in_flight.map(|n| n.0 as u32);
+        r.dp_size = dp_size.map_or(1, |n| n.0 as u32);
         super::check_replay(key, &r)?;
+        super::check_dp_size(key, &r)?;
         Ok(r)
     }
 }

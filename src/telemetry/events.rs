@@ -113,11 +113,14 @@ pub enum Trouble {
     Restart,
     /// A replay on joining a running stream failed.
     Replay,
+    /// A batch of another data-parallel rank (not applied).
+    WrongRank,
 }
 
 impl Trouble {
     fn limit(self) -> &'static LogLimit {
-        static LIMITS: [LogLimit; 5] = [
+        static LIMITS: [LogLimit; 6] = [
+            LogLimit::new(),
             LogLimit::new(),
             LogLimit::new(),
             LogLimit::new(),
@@ -236,6 +239,9 @@ pub struct EventState {
     recheck: Vec<u64>,
     /// What went wrong in the messages received since `take_troubles`, for `run` to log.
     troubles: Vec<(Trouble, String)>,
+    /// The data-parallel rank whose stream this is (None: any `data_parallel_rank` is taken,
+    /// as from an engine that is one rank of an externally balanced DP deployment).
+    rank: Option<u32>,
 }
 
 impl EventState {
@@ -257,7 +263,15 @@ impl EventState {
             walk: Vec::new(),
             recheck: Vec::new(),
             troubles: Vec::new(),
+            rank: None,
         }
+    }
+
+    /// Only batches of data-parallel rank `rank` (or without a rank) are applied; others are
+    /// counted in `wrong_rank` and noted.
+    pub fn with_rank(mut self, rank: Option<u32>) -> EventState {
+        self.rank = rank;
+        self
     }
 
     pub fn check_seq(&self, seq: u64) -> SeqCheck {
@@ -947,6 +961,21 @@ impl EventState {
                 return Err(e);
             }
         };
+        if let (Some(want), Some(got)) = (self.rank, batch.dp_rank) {
+            if got != i64::from(want) {
+                // Not applied and not numbered: this rank's own batches, when they come, carry
+                // on from the last one applied.
+                tel.wrong_rank.fetch_add(1, Relaxed);
+                let e = format!(
+                    "batch {seq}: data_parallel_rank {got}, but this endpoint is rank {want}'s"
+                );
+                self.trouble(
+                    Trouble::WrongRank,
+                    format!("{e}; not applied (is kv_events rank 0's endpoint, with rank r on its port + r?)"),
+                );
+                return Err(e);
+            }
+        }
         let mut applied = 0;
         match self.check_seq(seq) {
             SeqCheck::InOrder => {
@@ -1052,6 +1081,8 @@ pub struct EventSource {
     pub endpoint: String,
     pub replay: Option<String>,
     pub token_block_size: u32,
+    /// The data-parallel rank of the slot (`ReplicaConfig::dp_rank`).
+    pub rank: Option<u32>,
 }
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -1095,7 +1126,7 @@ pub fn run(
     // Without metrics, an open event connection is the only sign of life of an idle engine
     // (an idle engine publishes nothing): count it as fresh telemetry.
     let connection_is_liveness = !spec.scrape_metrics();
-    let mut state = EventState::new(source.replica, source.token_block_size);
+    let mut state = EventState::new(source.replica, source.token_block_size).with_rank(source.rank);
     let mut backoff = BACKOFF_MIN;
     let mut ops = Vec::new();
     let mut last_error = String::new();

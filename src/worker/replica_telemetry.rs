@@ -49,6 +49,9 @@ pub struct ReplicaTelemetry {
     pub skipped_block_size: AtomicU64,
     /// Messages that were not a valid event batch.
     pub decode_errors: AtomicU64,
+    /// Batches of a data-parallel rank's stream whose `data_parallel_rank` named another rank
+    /// (not applied: the endpoint is another rank's, or the ports are not offset as assumed).
+    pub wrong_rank: AtomicU64,
     /// Sequence gaps seen, gaps filled by replay, engine restarts (sequence went backwards).
     pub gaps: AtomicU64,
     pub replays: AtomicU64,
@@ -100,6 +103,7 @@ impl Default for ReplicaTelemetry {
             skipped_malformed: AtomicU64::new(0),
             skipped_block_size: AtomicU64::new(0),
             decode_errors: AtomicU64::new(0),
+            wrong_rank: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
             replays: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
@@ -143,6 +147,7 @@ impl ReplicaTelemetry {
             skipped_malformed,
             skipped_block_size,
             decode_errors,
+            wrong_rank,
             gaps,
             replays,
             restarts,
@@ -212,6 +217,7 @@ impl ReplicaTelemetry {
             "skipped_block_size": self.skipped_block_size.load(Relaxed),
             "skipped_undecodable": self.skipped_undecodable.load(Relaxed),
             "decode_errors": self.decode_errors.load(Relaxed),
+            "wrong_rank": self.wrong_rank.load(Relaxed),
             "gaps": self.gaps.load(Relaxed),
             "replays": self.replays.load(Relaxed),
             "replay_failures": self.replay_failures.load(Relaxed),
