@@ -209,7 +209,7 @@ impl Control {
         let mut wanted = Vec::new();
         for a in addrs {
             match config::parse_replica_flag("replica_dns", &source.replica_flag(*a)) {
-                Ok(r) => wanted.push(r),
+                Ok(r) => wanted.extend(r.ranks()),
                 Err(e) => eprintln!("kvlb: discovery {}: {a}: {e}", source.spec),
             }
         }

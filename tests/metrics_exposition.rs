@@ -79,6 +79,7 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_kv_event_gaps_total", "counter"),
     ("kvlb_replica_kv_event_restarts_total", "counter"),
     ("kvlb_replica_kv_event_decode_errors_total", "counter"),
+    ("kvlb_replica_kv_event_wrong_rank_total", "counter"),
     ("kvlb_replica_kv_event_replays_total", "counter"),
     ("kvlb_replica_kv_event_replay_failures_total", "counter"),
     ("kvlb_replica_kv_event_connect_failures_total", "counter"),

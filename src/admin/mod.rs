@@ -492,6 +492,24 @@ fn route(method: &str, path: &str, auth: Option<&str>, body: &[u8], admin: &Admi
                 Err(e) => return error(400, "invalid_request_error", &e.0),
             };
             let url = spec.url.clone();
+            if spec.dp_size > 1 {
+                // One slot per rank; the ranks added before a refusal stay (each is named).
+                let mut added = Vec::new();
+                for rank in spec.ranks() {
+                    let name = rank.url.clone();
+                    match control.add(rank) {
+                        Ok(slot) => {
+                            eprintln!("kvlb: admin: replica {name} added (slot {slot})");
+                            added.push(serde_json::json!({"url": name, "slot": slot}));
+                        }
+                        Err(e) => {
+                            let e = format!("{e} (added before: {})", serde_json::Value::from(added));
+                            return error(409, "conflict", &e);
+                        }
+                    }
+                }
+                return (200, "application/json", serde_json::json!({"status": "ok", "url": url, "ranks": added}).to_string());
+            }
             match control.add(spec) {
                 Ok(slot) => {
                     eprintln!("kvlb: admin: replica {url} added (slot {slot})");
@@ -559,6 +577,7 @@ fn get(path: &str, admin: &Admin) -> Reply {
                         .sum();
                     serde_json::json!({
                         "url": r.url,
+                        "rank": r.dp_rank,
                         "slot": i,
                         "address": r.addr.to_string(),
                         "state": slot.state_name(),

@@ -11,6 +11,7 @@ pub mod settings;
 mod values;
 
 pub use settings::{apply_toml, from_args, load_file, reference_markdown, ServeSettings};
+pub use values::{parse_replica_flag, replica_flag_help, ReplicaOption, REPLICA_OPTIONS};
 
 /// The policy names live with the policies (`select`), which config builds.
 pub use crate::select::PolicyName;
@@ -90,9 +91,59 @@ pub struct ReplicaConfig {
     pub metrics: Option<bool>,
     /// Most requests in flight there (None: the global `max_in_flight`).
     pub max_in_flight: Option<u32>,
+    /// Data-parallel ranks behind the URL (`dp_size`, 1: none). `ranks` expands a replica
+    /// of N ranks into N, one per rank; the fleet holds those.
+    pub dp_size: u32,
+    /// This rank of a data-parallel engine (Some only after `ranks`, with `dp_size` > 1):
+    /// requests carry `X-Data-Parallel-Rank: r`, events come from the ports + r, and the
+    /// name (`url`) is the URL with `#r`.
+    pub dp_rank: Option<u32>,
+}
+
+/// Most data-parallel ranks of one replica (`dp_size`).
+pub const MAX_DP_SIZE: u64 = 64;
+
+/// `tcp://HOST:PORT` with the port moved up by `by`, as engines offset a data-parallel rank's
+/// event endpoints (vLLM and SGLang `offset_endpoint_port`); None past port 65535.
+pub fn offset_port(endpoint: &str, by: u32) -> Option<String> {
+    let (base, port) = endpoint.rsplit_once(':')?;
+    let port = port.parse::<u32>().ok()? + by;
+    (port <= 65535).then(|| format!("{base}:{port}"))
 }
 
 impl ReplicaConfig {
+    /// The URL without a rank (`#r`): what the replica's ranks share.
+    pub fn base_url(&self) -> &str {
+        let url = self.url.split('#').next().unwrap_or(&self.url);
+        url.trim_end_matches('/')
+    }
+
+    /// One replica per data-parallel rank (itself alone without `dp_size`): rank r named
+    /// `URL#r`, its events at `kv_events` port + r and `kv_replay` port + r; capacity and the
+    /// in-flight limit are each rank's.
+    pub fn ranks(self) -> Vec<ReplicaConfig> {
+        if self.dp_size <= 1 {
+            return vec![self];
+        }
+        let base = self.base_url().to_string();
+        (0..self.dp_size)
+            .map(|r| {
+                // Checked at parse time (`check_dp_size`): every rank's ports exist.
+                let offset = |e: &Option<String>| {
+                    e.as_deref()
+                        .map(|e| offset_port(e, r).unwrap_or_else(|| e.to_string()))
+                };
+                ReplicaConfig {
+                    url: format!("{base}#{r}"),
+                    kv_events: offset(&self.kv_events),
+                    kv_replay: offset(&self.kv_replay),
+                    dp_rank: Some(r),
+                    ..self.clone()
+                }
+            })
+            .collect()
+    }
+
     /// Whether kvlb polls this replica's /metrics.
     pub fn scrape_metrics(&self) -> bool {
         self.metrics.unwrap_or(self.kv_events.is_some())
@@ -513,69 +564,9 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         kv_replay: None,
         metrics: None,
         max_in_flight: None,
+        dp_size: 1,
+        dp_rank: None,
     })
-}
-
-/// `URL[,key=value...]` as given to --replica.
-pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigError> {
-    let mut parts = v.split(',');
-    let url = parts.next().unwrap_or("");
-    let mut r = parse_replica_url(key, url)?;
-    let mut seen: Vec<&str> = Vec::new();
-    for opt in parts {
-        let (k, val) = opt
-            .split_once('=')
-            .ok_or_else(|| bad(key, v, "expected URL[,key=value...]"))?;
-        if seen.contains(&k) {
-            // The last would win silently: two event endpoints are two data-parallel ranks,
-            // which are two replicas (docs/engines.md).
-            return Err(bad(
-                key,
-                v,
-                &format!("replica option {k:?} given twice (one value each; a data-parallel engine's ranks are separate replicas)"),
-            ));
-        }
-        seen.push(k);
-        match k {
-            "kv_capacity_tokens" => {
-                r.kv_capacity_tokens =
-                    val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                        bad(
-                            &format!("{key} kv_capacity_tokens"),
-                            val,
-                            "expected a positive number of tokens",
-                        )
-                    })?
-            }
-            "kv_offload_capacity_tokens" => {
-                r.kv_offload_capacity_tokens =
-                    Some(val.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                        bad(
-                            &format!("{key} kv_offload_capacity_tokens"),
-                            val,
-                            "expected a positive number of tokens",
-                        )
-                    })?)
-            }
-            "kv_events" => r.kv_events = Some(parse_zmq_endpoint(&format!("{key} kv_events"), val)?),
-            "kv_replay" => r.kv_replay = Some(parse_zmq_endpoint(&format!("{key} kv_replay"), val)?),
-            "metrics" => r.metrics = Some(parse_switch(&format!("{key} metrics"), val)?),
-            "max_in_flight" => {
-                r.max_in_flight = Some(parse_count(&format!("{key} max_in_flight"), val, 0)?)
-            }
-            _ => {
-                return Err(bad(
-                    key,
-                    v,
-                    &format!(
-                        "unknown replica option {k:?} (known: kv_capacity_tokens, kv_offload_capacity_tokens, kv_events, kv_replay, metrics, max_in_flight)"
-                    ),
-                ))
-            }
-        }
-    }
-    check_replay(key, &r)?;
-    Ok(r)
 }
 
 fn check_replay(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
@@ -587,6 +578,25 @@ fn check_replay(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
         )),
         _ => Ok(()),
     }
+}
+
+/// With `dp_size` N, rank N-1's event ports (kv_events and kv_replay port + N-1) must exist.
+fn check_dp_size(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
+    let last = r.dp_size.saturating_sub(1);
+    for (name, e) in [("kv_events", &r.kv_events), ("kv_replay", &r.kv_replay)] {
+        if let Some(e) = e {
+            if offset_port(e, last).is_none() {
+                return Err(bad(
+                    &format!("{key} dp_size"),
+                    &r.dp_size.to_string(),
+                    &format!(
+                        "rank {last} would publish on {name} port + {last}, past 65535 ({e}); lower {name}'s port"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `0`, `2-5`, `0,2`, `0-1,4` -> core ids.
@@ -796,13 +806,6 @@ fn check_dns_server(key: &str, v: &str) -> Result<(), ConfigError> {
 /// `max_prompt_tokens` bounds: one text block, and 2^20 token-mode blocks of 16.
 const MIN_PROMPT_TOKENS: usize = 64;
 const MAX_PROMPT_TOKENS: usize = 1 << 24;
-
-fn parse_count(key: &str, v: &str, min: u32) -> Result<u32, ConfigError> {
-    v.parse::<u32>()
-        .ok()
-        .filter(|n| *n >= min && *n <= 1_000_000)
-        .ok_or_else(|| bad(key, v, &format!("expected a whole number >= {min}")))
-}
 
 /// Loads `tokenizer` and `chat_template` into `token_mode`; errors name the key and the file.
 fn load_token_mode(cfg: &mut ServeConfig) -> Result<(), ConfigError> {

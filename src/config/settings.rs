@@ -68,15 +68,7 @@ pub struct ServeSettings {
     pub splice_responses_from: Option<SizeOrOff>,
 
     /// A replica, repeatable: its base URL (http://10.0.0.5:8000), with options after commas.
-    ///
-    /// Options: kv_capacity_tokens=N, its KV cache in tokens (default 400000);
-    /// kv_offload_capacity_tokens=N, its offloaded tier (CPU, disk; default 8x
-    /// kv_capacity_tokens); kv_events=tcp://HOST:PORT, its KV event publisher;
-    /// kv_replay=tcp://HOST:PORT, its replay endpoint; metrics=on|off, poll its /metrics
-    /// (default: on with kv_events); max_in_flight=N, its own limit of requests in flight. In
-    /// the file `[[replica]]` tables with `url` and these keys. Flags replace the file's
-    /// replicas. Responses name the URL in x-kvlb-replica.
-    #[arg(long, value_name = "URL[,OPTION=VALUE...]")]
+    #[arg(long, value_name = "URL[,OPTION=VALUE...]", long_help = super::replica_flag_help())]
     pub replica: Vec<ReplicaSpec>,
 
     /// Routing policy: cache_aware, round_robin, least_loaded, power_of_two, consistent_hash
@@ -472,7 +464,8 @@ impl ServeSettings {
             splice_responses_from.map(|v| v.0),
         );
         if !replica.is_empty() {
-            cfg.replicas = replica.into_iter().map(|r| r.0).collect();
+            // A data-parallel replica is one replica per rank (`ReplicaConfig::ranks`).
+            cfg.replicas = replica.into_iter().flat_map(|r| r.0.ranks()).collect();
         }
         set(&mut cfg.policy, policy);
         set(&mut cfg.explain, explain.map(|v| v.0));
@@ -674,6 +667,22 @@ fn validate(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
     if let Some(w) = urls.windows(2).find(|w| w[0] == w[1]) {
         return Err(ConfigError(format!("replica = {:?}: listed twice", w[0])));
     }
+    // The ranks of one dp_size replica share its URL; the URL listed again is the same engine.
+    for (i, r) in cfg.replicas.iter().enumerate() {
+        let again = cfg.replicas[..i].iter().any(|o| {
+            o.base_url() == r.base_url()
+                && (o.dp_rank.is_none()
+                    || r.dp_rank.is_none()
+                    || o.dp_size != r.dp_size
+                    || o.dp_rank == r.dp_rank)
+        });
+        if again {
+            return Err(ConfigError(format!(
+                "replica = {:?}: listed twice (a data-parallel engine is one replica with dp_size=N)",
+                r.base_url()
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -716,6 +725,14 @@ pub fn reference_markdown() -> String {
             .unwrap_or_default();
         let flag = format!("--{long}{value}").replace('|', "\\|");
         out.push_str(&format!("| `{flag}` | {key} | {} |\n", one_line(&help)));
+    }
+    for o in super::REPLICA_OPTIONS {
+        let flag = format!("--replica URL,{}={}", o.name, o.value).replace('|', "\\|");
+        out.push_str(&format!(
+            "| `{flag}` | `[[replica]]` `{}` | {} |\n",
+            o.name,
+            one_line(o.doc)
+        ));
     }
     for (key, doc) in FILE_ONLY {
         out.push_str(&format!("| (file only) | `{key}` | {doc} |\n"));

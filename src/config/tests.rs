@@ -495,3 +495,146 @@ fn reference_is_current() {
         panic!("docs/configuration.md is out of date: KVLB_BLESS=1 cargo test --release --lib reference_is_current rewrites it");
     }
 }
+
+/// The replica options are declared once (`values::replica_options!`): the flag's options and
+/// the file's keys read the same values into the same replica, and the help and the reference
+/// list every one.
+#[test]
+fn replica_options_flag_file_help_and_reference_agree() {
+    let samples = [
+        ("kv_capacity_tokens", "1000"),
+        ("kv_offload_capacity_tokens", "3000"),
+        ("kv_events", "tcp://127.0.0.1:5557"),
+        ("kv_replay", "tcp://127.0.0.1:5558"),
+        ("metrics", "on"),
+        ("max_in_flight", "7"),
+        ("dp_size", "2"),
+    ];
+    let help = replica_flag_help();
+    let reference = reference_markdown();
+    for o in REPLICA_OPTIONS {
+        let (_, v) = samples
+            .iter()
+            .find(|(k, _)| *k == o.name)
+            .unwrap_or_else(|| panic!("no sample value for replica option {}", o.name));
+        // Replay needs an event stream to fill.
+        let (with_flag, with_key) = match o.name {
+            "kv_replay" => (
+                ",kv_events=tcp://127.0.0.1:5557",
+                "kv_events = \"tcp://127.0.0.1:5557\"\n",
+            ),
+            _ => ("", ""),
+        };
+        let flag = parse_replica_flag(
+            "",
+            &format!("http://127.0.0.1:9000,{}={v}{with_flag}", o.name),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", o.name));
+        let mut c = ServeConfig::default();
+        apply_toml(
+            &mut c,
+            &format!(
+                "[[replica]]\nurl = \"http://127.0.0.1:9000\"\n{} = \"{v}\"\n{with_key}",
+                o.name
+            ),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", o.name));
+        let file = c.replicas[0].clone();
+        assert_eq!(c.replicas, flag.ranks(), "{}", o.name);
+        assert_ne!(
+            file,
+            parse_replica_url("", "http://127.0.0.1:9000").unwrap(),
+            "{}",
+            o.name
+        );
+        assert!(help.contains(&format!("{}={}", o.name, o.value)), "{help}");
+        assert!(
+            reference.contains(&format!("`[[replica]]` `{}`", o.name)),
+            "reference lacks {}",
+            o.name
+        );
+    }
+    let e = parse_replica_flag("", "http://127.0.0.1:9000,kv_capacity=5").unwrap_err();
+    assert!(
+        e.0.contains("unknown replica option \"kv_capacity\"") && e.0.contains("dp_size"),
+        "{e}"
+    );
+}
+
+/// `dp_size=N`: N replicas, one per rank, named URL#r, events on the ports + r, capacity and
+/// limits each rank's; bad values name the option.
+#[test]
+fn dp_size_expands_into_ranks() {
+    let c = from_args(&args("--listen 127.0.0.1:0 --replica http://127.0.0.1:8000/,kv_events=tcp://h:5557,kv_replay=tcp://h:5600,dp_size=3,kv_capacity_tokens=1000,max_in_flight=4")).unwrap();
+    assert_eq!(c.replicas.len(), 3);
+    for (r, rep) in c.replicas.iter().enumerate() {
+        assert_eq!(rep.url, format!("http://127.0.0.1:8000#{r}"));
+        assert_eq!(rep.dp_rank, Some(r as u32));
+        assert_eq!(
+            rep.kv_events.as_deref(),
+            Some(format!("tcp://h:{}", 5557 + r).as_str())
+        );
+        assert_eq!(
+            rep.kv_replay.as_deref(),
+            Some(format!("tcp://h:{}", 5600 + r).as_str())
+        );
+        assert_eq!(rep.kv_capacity_tokens, 1000);
+        assert_eq!(rep.max_in_flight, Some(4));
+        assert_eq!(rep.addr, "127.0.0.1:8000".parse().unwrap());
+        assert_eq!(rep.base_url(), "http://127.0.0.1:8000");
+    }
+    let mut f = ServeConfig::default();
+    apply_toml(
+        &mut f,
+        "[[replica]]\nurl = \"http://127.0.0.1:8000\"\ndp_size = 2\n",
+    )
+    .unwrap();
+    assert_eq!(f.replicas.len(), 2);
+    assert_eq!(f.replicas[1].url, "http://127.0.0.1:8000#1");
+    assert_eq!(f.replicas[1].kv_events, None);
+
+    for (bad, want) in [
+        (
+            "dp_size=0",
+            "dp_size = \"0\": expected a whole number from 1 to 64",
+        ),
+        (
+            "dp_size=65",
+            "dp_size = \"65\": expected a whole number from 1 to 64",
+        ),
+        ("dp_size=two", "dp_size = \"two\""),
+        (
+            "kv_events=tcp://h:65535,dp_size=2",
+            "dp_size = \"2\": rank 1 would publish on kv_events port + 1, past 65535",
+        ),
+        (
+            "kv_events=tcp://h:5557,kv_replay=tcp://h:65534,dp_size=4",
+            "kv_replay port + 3, past 65535",
+        ),
+    ] {
+        let e = from_args(&args(&format!(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,{bad}"
+        )))
+        .unwrap_err()
+        .unwrap();
+        assert!(
+            e.0.contains(want) && e.0.contains("--replica"),
+            "{bad}: {e}"
+        );
+    }
+    let e = apply_toml(
+        &mut f,
+        "[[replica]]\nurl = \"http://127.0.0.1:8000\"\ndp_size = 0\n",
+    )
+    .unwrap_err();
+    assert!(e.0.contains("replica[0].dp_size"), "{e}");
+    // The URL once as a data-parallel replica and once more: the same engine twice.
+    for again in ["http://127.0.0.1:8000", "http://127.0.0.1:8000,dp_size=3"] {
+        let e = from_args(&args(&format!(
+            "--listen 127.0.0.1:0 --replica http://127.0.0.1:8000,dp_size=2 --replica {again}"
+        )))
+        .unwrap_err()
+        .unwrap();
+        assert!(e.0.contains("listed twice"), "{again}: {e}");
+    }
+}

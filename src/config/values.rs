@@ -6,9 +6,9 @@
 #![forbid(unsafe_code)]
 
 use super::{
-    check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
-    parse_duration_or_off, parse_probe_path, parse_replica_flag, parse_replica_url, parse_size,
-    parse_switch, parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, ReplicaConfig,
+    bad, check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
+    parse_duration_or_off, parse_probe_path, parse_replica_url, parse_size, parse_switch,
+    parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, ReplicaConfig, MAX_DP_SIZE,
 };
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -234,17 +234,161 @@ impl FromStr for ReplicaSpec {
     }
 }
 
-/// A `[[replica]]` table; its keys are the options of `--replica URL,OPTION=VALUE`.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReplicaTable {
-    url: ReplicaUrl,
-    kv_capacity_tokens: Option<Whole<1, { u64::MAX }>>,
-    kv_offload_capacity_tokens: Option<Whole<1, { u64::MAX }>>,
-    kv_events: Option<ZmqEndpoint>,
-    kv_replay: Option<ZmqEndpoint>,
-    metrics: Option<Switch>,
-    max_in_flight: Option<Whole<0, 1_000_000>>,
+/// One option of a replica: `NAME=VALUE` after its URL on the command line, key `NAME` of its
+/// `[[replica]]` table in the file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaOption {
+    pub name: &'static str,
+    /// What the value looks like (`N`, `tcp://HOST:PORT`).
+    pub value: &'static str,
+    /// What it does (its doc comment below, on one line).
+    pub doc: &'static str,
+}
+
+/// Declares the replica options once: each is a field of `ReplicaTable` (the file's keys and
+/// the flag's options, both read by serde through the field's type: its validation) and an
+/// entry of `REPLICA_OPTIONS` (the help of --replica and the configuration reference).
+macro_rules! replica_options {
+    ($($(#[doc = $doc:literal])+ $name:ident: $ty:ty = $value:literal;)*) => {
+        /// A `[[replica]]` table, or the options of `--replica URL,OPTION=VALUE...`.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct ReplicaTable {
+            url: ReplicaUrl,
+            $(#[serde(default, deserialize_with = "present")]
+            $name: Option<$ty>,)*
+        }
+
+        /// Every replica option, in the order of the declaration.
+        pub const REPLICA_OPTIONS: &[ReplicaOption] = &[$(ReplicaOption {
+            name: stringify!($name),
+            value: $value,
+            doc: concat!($($doc),+),
+        },)*];
+    };
+}
+
+replica_options! {
+    /// its KV cache in tokens, of each rank with dp_size (default 400000)
+    kv_capacity_tokens: Whole<1, { u64::MAX }> = "N";
+    /// its offloaded tier (CPU, disk; default 8x kv_capacity_tokens)
+    kv_offload_capacity_tokens: Whole<1, { u64::MAX }> = "N";
+    /// its KV event publisher (with dp_size: rank 0's; rank r publishes on port + r)
+    kv_events: ZmqEndpoint = "tcp://HOST:PORT";
+    /// its replay endpoint (with dp_size: rank 0's; rank r answers on port + r)
+    kv_replay: ZmqEndpoint = "tcp://HOST:PORT";
+    /// poll its /metrics (default: on with kv_events)
+    metrics: Switch = "on|off";
+    /// its own limit of requests in flight (of each rank with dp_size)
+    max_in_flight: Whole<0, 1_000_000> = "N";
+    /// data-parallel ranks behind the URL (vLLM --data-parallel-size with its internal load
+    /// balancer, SGLang --enable-dp-attention --dp-size): each rank is a replica named URL#r,
+    /// sent requests with X-Data-Parallel-Rank: r, its events on the kv_events and kv_replay
+    /// ports + r (default 1)
+    dp_size: Whole<1, MAX_DP_SIZE> = "N";
+}
+
+/// A key that is there holds a value (the flag's options are plain text, which has no
+/// "none"; an absent key is None by `default`).
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+impl ReplicaTable {
+    /// The replica these options describe, checked across options; errors name `key` (the
+    /// flag's or the file's, empty when the caller names it) and the option.
+    fn into_config(self, key: &str) -> Result<ReplicaConfig, ConfigError> {
+        // Every field by name: an option declared above and not applied here does not compile.
+        let ReplicaTable {
+            url,
+            kv_capacity_tokens,
+            kv_offload_capacity_tokens,
+            kv_events,
+            kv_replay,
+            metrics,
+            max_in_flight,
+            dp_size,
+        } = self;
+        let mut r = url.0;
+        if let Some(n) = kv_capacity_tokens {
+            r.kv_capacity_tokens = n.0;
+        }
+        r.kv_offload_capacity_tokens = kv_offload_capacity_tokens.map(|n| n.0);
+        r.kv_events = kv_events.map(|e| e.0);
+        r.kv_replay = kv_replay.map(|e| e.0);
+        r.metrics = metrics.map(|m| m.0);
+        r.max_in_flight = max_in_flight.map(|n| n.0 as u32);
+        r.dp_size = dp_size.map_or(1, |n| n.0 as u32);
+        super::check_replay(key, &r)?;
+        super::check_dp_size(key, &r)?;
+        Ok(r)
+    }
+}
+
+/// `URL[,OPTION=VALUE...]` as given to --replica (and built by the admin API and DNS
+/// discovery): the options go through the same table as the file's.
+pub fn parse_replica_flag(key: &str, v: &str) -> Result<ReplicaConfig, ConfigError> {
+    let mut parts = v.split(',');
+    let url = parts.next().unwrap_or("");
+    let mut pairs: Vec<(&str, &str)> = vec![("url", url)];
+    for opt in parts {
+        let (k, val) = opt
+            .split_once('=')
+            .ok_or_else(|| bad(key, v, "expected URL[,key=value...]"))?;
+        if !REPLICA_OPTIONS.iter().any(|o| o.name == k) {
+            let known: Vec<&str> = REPLICA_OPTIONS.iter().map(|o| o.name).collect();
+            return Err(bad(
+                key,
+                v,
+                &format!("unknown replica option {k:?} (known: {})", known.join(", ")),
+            ));
+        }
+        if pairs.iter().any(|(seen, _)| *seen == k) {
+            // The last would win silently.
+            return Err(bad(
+                key,
+                v,
+                &format!("replica option {k:?} given twice (one value each)"),
+            ));
+        }
+        pairs.push((k, val));
+    }
+    let table: ReplicaTable = serde_path_to_error::deserialize(de::value::MapDeserializer::<
+        _,
+        de::value::Error,
+    >::new(pairs.iter().copied()))
+    .map_err(|e| {
+        let option = e.path().to_string();
+        let value = pairs
+            .iter()
+            .find(|(k, _)| *k == option)
+            .map_or("", |(_, val)| *val);
+        let msg = e.into_inner().to_string();
+        // A value's parser wrote `"value": why`.
+        let reason = msg
+            .strip_prefix(&format!("{value:?}: "))
+            .unwrap_or(&msg)
+            .to_string();
+        match option.as_str() {
+            "url" => bad(key, url, &reason),
+            _ => bad(&format!("{key} {option}"), value, &reason),
+        }
+    })?;
+    table.into_config(key)
+}
+
+/// The help of --replica, its options listed from `REPLICA_OPTIONS`.
+pub fn replica_flag_help() -> String {
+    let options: Vec<String> = REPLICA_OPTIONS
+        .iter()
+        .map(|o| format!("{}={}, {}", o.name, o.value, o.doc.trim()))
+        .collect();
+    format!(
+        "A replica, repeatable: its base URL (http://10.0.0.5:8000), with options after commas.\n\n\
+         Options: {}. In the file `[[replica]]` tables with `url` and these keys. Flags replace \
+         the file's replicas. Responses name the URL in x-kvlb-replica.",
+        options.join("; ")
+    )
 }
 
 impl<'de> Deserialize<'de> for ReplicaSpec {
@@ -257,17 +401,9 @@ impl<'de> Deserialize<'de> for ReplicaSpec {
             }
             fn visit_map<M: MapAccess<'de>>(self, map: M) -> Result<ReplicaSpec, M::Error> {
                 let t = ReplicaTable::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                let mut r = t.url.0;
-                if let Some(n) = t.kv_capacity_tokens {
-                    r.kv_capacity_tokens = n.0;
-                }
-                r.kv_offload_capacity_tokens = t.kv_offload_capacity_tokens.map(|n| n.0);
-                r.kv_events = t.kv_events.map(|e| e.0);
-                r.kv_replay = t.kv_replay.map(|e| e.0);
-                r.metrics = t.metrics.map(|m| m.0);
-                r.max_in_flight = t.max_in_flight.map(|n| n.0 as u32);
-                super::check_replay("", &r).map_err(|e| de::Error::custom(e.0))?;
-                Ok(ReplicaSpec(r))
+                t.into_config("")
+                    .map(ReplicaSpec)
+                    .map_err(|e| de::Error::custom(e.0))
             }
         }
         d.deserialize_map(Table)

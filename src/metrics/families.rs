@@ -328,6 +328,11 @@ pub static REPLICA_KV_EVENT_DECODE_ERRORS: Family = Family::counter(
     &["replica"],
     "Messages from the replica that were no readable KV event batch (not applied; the next batch shows a gap).",
 );
+pub static REPLICA_KV_EVENT_WRONG_RANK: Family = Family::counter(
+    "kvlb_replica_kv_event_wrong_rank_total",
+    &["replica"],
+    "Batches on a data-parallel rank's event endpoint whose data_parallel_rank named another rank (not applied).",
+);
 pub static REPLICA_KV_EVENT_REPLAYS: Family = Family::counter(
     "kvlb_replica_kv_event_replays_total",
     &["replica"],
@@ -440,6 +445,7 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_EVENT_GAPS,
     &REPLICA_KV_EVENT_RESTARTS,
     &REPLICA_KV_EVENT_DECODE_ERRORS,
+    &REPLICA_KV_EVENT_WRONG_RANK,
     &REPLICA_KV_EVENT_REPLAYS,
     &REPLICA_KV_EVENT_REPLAY_FAILURES,
     &REPLICA_KV_EVENT_CONNECT_FAILURES,

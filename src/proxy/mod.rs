@@ -281,6 +281,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                     .extend_from_slice(routed.spec.authority.as_bytes());
                 conn.obuf.extend_from_slice(b"\r\n");
             }
+            if let Some(rank) = routed.spec.dp_rank {
+                request::push_dp_rank(&mut conn.obuf, rank);
+            }
             request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
             let replica = routed.replica;
             tried[attempts] = replica;

@@ -114,11 +114,14 @@ pub enum Trouble {
     Restart,
     /// A replay on joining a running stream failed.
     Replay,
+    /// A batch of another data-parallel rank (not applied).
+    WrongRank,
 }
 
 impl Trouble {
     fn limit(self) -> &'static LogLimit {
-        static LIMITS: [LogLimit; 5] = [
+        static LIMITS: [LogLimit; 6] = [
+            LogLimit::new(),
             LogLimit::new(),
             LogLimit::new(),
             LogLimit::new(),
@@ -239,6 +242,9 @@ pub struct EventState {
     troubles: Vec<(Trouble, String)>,
     /// Where the adapter names of stored blocks are learned (None: not kept).
     adapters: Option<Arc<AdapterNames>>,
+    /// The data-parallel rank whose stream this is (None: any `data_parallel_rank` is taken,
+    /// as from an engine that is one rank of an externally balanced DP deployment).
+    rank: Option<u32>,
 }
 
 /// A BlockStored's fields, as `EventState::stored` takes them.
@@ -272,6 +278,7 @@ impl EventState {
             recheck: Vec::new(),
             troubles: Vec::new(),
             adapters: None,
+            rank: None,
         }
     }
 
@@ -279,6 +286,13 @@ impl EventState {
     /// whose `model` names it.
     pub fn learn_adapters(&mut self, adapters: Arc<AdapterNames>) {
         self.adapters = Some(adapters);
+    }
+
+    /// Only batches of data-parallel rank `rank` (or without a rank) are applied; others are
+    /// counted in `wrong_rank` and noted.
+    pub fn with_rank(mut self, rank: Option<u32>) -> EventState {
+        self.rank = rank;
+        self
     }
 
     pub fn check_seq(&self, seq: u64) -> SeqCheck {
@@ -1048,6 +1062,21 @@ impl EventState {
                 return Err(e);
             }
         };
+        if let (Some(want), Some(got)) = (self.rank, batch.dp_rank) {
+            if got != i64::from(want) {
+                // Not applied and not numbered: this rank's own batches, when they come, carry
+                // on from the last one applied.
+                tel.wrong_rank.fetch_add(1, Relaxed);
+                let e = format!(
+                    "batch {seq}: data_parallel_rank {got}, but this endpoint is rank {want}'s"
+                );
+                self.trouble(
+                    Trouble::WrongRank,
+                    format!("{e}; not applied (is kv_events rank 0's endpoint, with rank r on its port + r?)"),
+                );
+                return Err(e);
+            }
+        }
         let mut applied = 0;
         match self.check_seq(seq) {
             SeqCheck::InOrder => {
@@ -1153,6 +1182,8 @@ pub struct EventSource {
     pub endpoint: String,
     pub replay: Option<String>,
     pub token_block_size: u32,
+    /// The data-parallel rank of the slot (`ReplicaConfig::dp_rank`).
+    pub rank: Option<u32>,
 }
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -1196,7 +1227,7 @@ pub fn run(
     // Without metrics, an open event connection is the only sign of life of an idle engine
     // (an idle engine publishes nothing): count it as fresh telemetry.
     let connection_is_liveness = !spec.scrape_metrics();
-    let mut state = EventState::new(source.replica, source.token_block_size);
+    let mut state = EventState::new(source.replica, source.token_block_size).with_rank(source.rank);
     state.learn_adapters(shared.adapters.clone());
     let mut backoff = BACKOFF_MIN;
     let mut ops = Vec::new();

@@ -167,13 +167,15 @@ impl Telemetry {
                 endpoint,
                 replay: replica.kv_replay.clone(),
                 token_block_size: shared.prefix.token_block_size,
+                rank: replica.dp_rank,
             };
             let (shared, stop, tx) = (shared.clone(), stop.clone(), self.tx.clone());
             std::thread::Builder::new()
                 .name(format!("kvlb-events-{r}"))
                 .spawn(move || events::run(source, shared, tx, stop))?;
         }
-        if replica.scrape_metrics() {
+        // A data-parallel engine's /metrics is scraped once, by rank 0's thread, for every rank.
+        if replica.scrape_metrics() && replica.dp_rank.unwrap_or(0) == 0 {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name(format!("kvlb-scrape-{r}"))
@@ -221,7 +223,7 @@ impl Collector for TelemetryMetrics {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let shared = &*self.0;
         let now = shared.now_ms();
-        let series: [Series; 16] = [
+        let series: [Series; 17] = [
             (&families::REPLICA_RUNNING, |t, _| {
                 known(t.running.load(Relaxed)).map(Value::Whole)
             }),
@@ -248,6 +250,9 @@ impl Collector for TelemetryMetrics {
             }),
             (&families::REPLICA_KV_EVENT_DECODE_ERRORS, |t, _| {
                 Some(Value::Whole(t.decode_errors.load(Relaxed)))
+            }),
+            (&families::REPLICA_KV_EVENT_WRONG_RANK, |t, _| {
+                Some(Value::Whole(t.wrong_rank.load(Relaxed)))
             }),
             (&families::REPLICA_KV_EVENT_REPLAYS, |t, _| {
                 Some(Value::Whole(t.replays.load(Relaxed)))

@@ -4,9 +4,11 @@
 //!
 //! Names read: vLLM `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 //! `vllm:kv_cache_usage_perc` (older `vllm:gpu_cache_usage_perc`); SGLang
-//! `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`. Labels are
-//! ignored; several samples (one per engine / data-parallel rank) are summed for the request
-//! counts and averaged for the usage.
+//! `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`. For a replica
+//! without `dp_size` labels are ignored: several samples (one per engine) are summed for the
+//! request counts and averaged for the usage. For the ranks of a `dp_size` replica the one
+//! scrape is split by each series' rank label (`parse_metrics_ranks`: vLLM `engine`, SGLang
+//! `dp_rank`) and each rank's figures go to that rank's slot.
 //!
 //! Each scrape also publishes `ReplicaTelemetry::reported` for the cost model: the replica's
 //! queue less this instance's requests there when it asked (`estimate::reported`).
@@ -57,6 +59,11 @@ impl Acc {
 
 /// One sample line -> (metric name, value); None for comments, blanks and malformed lines.
 fn sample(line: &str) -> Option<(&str, f64)> {
+    labeled_sample(line).map(|(name, _, v)| (name, v))
+}
+
+/// One sample line -> (metric name, its labels between the braces, value).
+fn labeled_sample(line: &str) -> Option<(&str, &str, f64)> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
         return None;
@@ -64,6 +71,7 @@ fn sample(line: &str) -> Option<(&str, f64)> {
     let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
     let name = &line[..name_end];
     let mut rest = &line[name_end..];
+    let mut labels = "";
     if rest.starts_with('{') {
         // Skip the labels, minding quoted values that may hold '}' or escaped quotes.
         let mut in_quotes = false;
@@ -82,10 +90,90 @@ fn sample(line: &str) -> Option<(&str, f64)> {
                 _ => {}
             }
         }
-        rest = &rest[end? + 1..];
+        let end = end?;
+        labels = &rest[1..end];
+        rest = &rest[end + 1..];
     }
     let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-    Some((name, value))
+    Some((name, labels, value))
+}
+
+/// The data-parallel rank a series is of: vLLM's `engine="r"`, SGLang's `dp_rank="r"`.
+pub fn label_rank(labels: &str) -> Option<u32> {
+    let mut rest = labels;
+    while !rest.is_empty() {
+        let (key, after) = rest.split_once('=')?;
+        let after = after.strip_prefix('"')?;
+        // The value ends at the first quote not escaped.
+        let mut end = None;
+        let mut escaped = false;
+        for (i, c) in after.char_indices() {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    end = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let end = end?;
+        let key = key.trim().trim_start_matches(',').trim();
+        if key == "engine" || key == "dp_rank" {
+            return after[..end].parse().ok();
+        }
+        rest = after[end + 1..].trim_start_matches(',').trim_start();
+    }
+    None
+}
+
+/// `parse_metrics` split over `n` data-parallel ranks by each series' rank label
+/// (`label_rank`): rank r's sample from its series, a series of a rank beyond `n` ignored. A
+/// series without the label is the whole engine's, shared: its request counts divided evenly
+/// among the ranks, its KV usage each rank's.
+pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
+    let mut ranks: Vec<[Acc; 4]> = (0..n).map(|_| Default::default()).collect();
+    let mut shared: [Acc; 4] = Default::default();
+    for line in text.lines() {
+        let Some((name, labels, v)) = labeled_sample(line) else {
+            continue;
+        };
+        let i = match name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => 0,
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => 1,
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => 2,
+            "vllm:gpu_cache_usage_perc" => 3,
+            _ => continue,
+        };
+        match label_rank(labels) {
+            Some(r) => {
+                if let Some(acc) = ranks.get_mut(r as usize) {
+                    acc[i].add(v);
+                }
+            }
+            None => shared[i].add(v),
+        }
+    }
+    let share = |own: &Acc, all: &Acc| match (own.sum(), all.sum()) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0) / n as f64),
+    };
+    ranks
+        .iter()
+        .map(|acc| {
+            let usage = acc[2]
+                .mean()
+                .or(shared[2].mean())
+                .or(acc[3].mean())
+                .or(shared[3].mean());
+            MetricsSample {
+                running: share(&acc[0], &shared[0]),
+                waiting: share(&acc[1], &shared[1]),
+                kv_usage: usage.map(|u| u.clamp(0.0, 1.0)),
+            }
+        })
+        .collect()
 }
 
 /// Read the queue and KV usage series out of a Prometheus text exposition.
@@ -159,14 +247,52 @@ pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io
     Ok(String::from_utf8_lossy(&buf[head_end + 4..]).into_owned())
 }
 
-/// The scrape thread of replica `r`: every `metrics_interval` until `stop`.
+/// Publish one scrape's figures for slot `r`; `own`: this instance's in flight and decoding
+/// there when it asked.
+fn publish(shared: &Shared, r: usize, m: &MetricsSample, own: (u64, u64), interval: Duration) {
+    let tel = &shared.telemetry[r];
+    let store = |a: &std::sync::atomic::AtomicU64, v: Option<f64>| {
+        if let Some(v) = v {
+            a.store(v.max(0.0).round() as u64, Relaxed);
+        }
+    };
+    store(&tel.running, m.running);
+    store(&tel.waiting, m.waiting);
+    store(&tel.kv_usage_milli, m.kv_usage.map(|u| u * 1000.0));
+    let now_ms = shared.now_ms();
+    let count = |v: Option<f64>| v.map_or(0, |v| v.max(0.0).round() as u64);
+    tel.reported.publish(ReportedLoad::from_scrape(
+        count(m.waiting),
+        count(m.running),
+        m.kv_usage,
+        own.0,
+        own.1,
+        now_ms,
+        interval.as_millis() as u64,
+    ));
+    tel.last_metrics_ms.store(now_ms.max(1), Relaxed);
+    tel.touch(now_ms);
+    tel.scrapes.fetch_add(1, Relaxed);
+}
+
+/// The scrape thread of replica `r`: every `metrics_interval` until `stop`. For rank 0 of a
+/// data-parallel engine it scrapes once for all ranks and publishes each rank's share in the
+/// slot of that rank (`URL#r`).
 pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
     let Some(replica) = shared.fleet.slot(r).spec() else {
         return;
     };
-    let tel = &shared.telemetry[r];
     let interval = shared.cfg().telemetry.metrics_interval;
     let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(5));
+    let ranks = replica.dp_size.max(1) as usize;
+    let names: Vec<String> = match replica.dp_rank {
+        Some(_) => (0..ranks)
+            .map(|k| format!("{}#{k}", replica.base_url()))
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut slots: Vec<Option<usize>> = vec![Some(r)];
+    let mut own: Vec<(u64, u64)> = Vec::new();
     let mut next = Instant::now();
     while !stop.is_stopped() {
         let now = Instant::now();
@@ -175,44 +301,43 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
             continue;
         }
         next = now + interval;
+        if !names.is_empty() {
+            // The ranks' slots, as they are now (a rank may be drained or removed alone).
+            slots = names.iter().map(|n| shared.fleet.find(n)).collect();
+        }
         // This instance's requests there as the replica renders its figures (sampled just
         // before asking: those sent earlier have mostly arrived).
-        let own = &shared.loads[r];
-        let own_in_flight = own.in_flight.load(Relaxed) as u64;
-        let own_decoding = own.decoding.load(Relaxed) as u64;
+        own.clear();
+        own.extend(slots.iter().map(|s| {
+            s.map_or((0, 0), |i| {
+                let l = &shared.loads[i];
+                (
+                    l.in_flight.load(Relaxed) as u64,
+                    l.decoding.load(Relaxed) as u64,
+                )
+            })
+        }));
         match fetch_metrics(replica.addr, &replica.authority, timeout) {
             Ok(text) => {
-                let m = parse_metrics(&text);
-                if m == MetricsSample::default() {
-                    // A /metrics without any series we know: not a replica's telemetry.
-                    tel.scrape_errors.fetch_add(1, Relaxed);
-                    continue;
-                }
-                let store = |a: &std::sync::atomic::AtomicU64, v: Option<f64>| {
-                    if let Some(v) = v {
-                        a.store(v.max(0.0).round() as u64, Relaxed);
-                    }
+                let samples = if names.is_empty() {
+                    vec![parse_metrics(&text)]
+                } else {
+                    parse_metrics_ranks(&text, ranks)
                 };
-                store(&tel.running, m.running);
-                store(&tel.waiting, m.waiting);
-                store(&tel.kv_usage_milli, m.kv_usage.map(|u| u * 1000.0));
-                let now_ms = shared.now_ms();
-                let count = |v: Option<f64>| v.map_or(0, |v| v.max(0.0).round() as u64);
-                tel.reported.publish(ReportedLoad::from_scrape(
-                    count(m.waiting),
-                    count(m.running),
-                    m.kv_usage,
-                    own_in_flight,
-                    own_decoding,
-                    now_ms,
-                    interval.as_millis() as u64,
-                ));
-                tel.last_metrics_ms.store(now_ms.max(1), Relaxed);
-                tel.touch(now_ms);
-                tel.scrapes.fetch_add(1, Relaxed);
+                for ((slot, m), own) in slots.iter().zip(&samples).zip(&own) {
+                    let Some(i) = *slot else { continue };
+                    if *m == MetricsSample::default() {
+                        // A /metrics without any series we know: not a replica's telemetry.
+                        shared.telemetry[i].scrape_errors.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                    publish(&shared, i, m, *own, interval);
+                }
             }
             Err(_) => {
-                tel.scrape_errors.fetch_add(1, Relaxed);
+                for i in slots.iter().flatten() {
+                    shared.telemetry[*i].scrape_errors.fetch_add(1, Relaxed);
+                }
             }
         }
     }

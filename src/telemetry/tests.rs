@@ -1142,3 +1142,37 @@ fn on_cpu(mut e: KvEvent) -> KvEvent {
     }
     e
 }
+
+/// One /metrics of a data-parallel engine split per rank: vLLM's `engine` label, SGLang's
+/// `dp_rank`; a series without the label is shared (counts divided among the ranks).
+#[test]
+fn metrics_split_per_rank() {
+    use super::scrape::{label_rank, parse_metrics_ranks};
+    assert_eq!(label_rank("engine=\"1\",model_name=\"m\""), Some(1));
+    assert_eq!(
+        label_rank("model_name=\"a,engine=\\\"9\\\"\", dp_rank=\"2\""),
+        Some(2)
+    );
+    assert_eq!(label_rank("model_name=\"m\""), None);
+    let vllm = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3\n\
+                vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 5\n\
+                vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 2\n\
+                vllm:num_requests_waiting{model_name=\"m\"} 4\n\
+                vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+                vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n\
+                vllm:num_requests_running{engine=\"7\",model_name=\"m\"} 100\n";
+    let m = parse_metrics_ranks(vllm, 2);
+    assert_eq!(m[0].running, Some(3.0));
+    assert_eq!(m[1].running, Some(5.0));
+    assert_eq!(m[0].waiting, Some(2.0));
+    assert_eq!(m[1].waiting, Some(4.0));
+    assert_eq!(m[0].kv_usage, Some(0.25));
+    assert_eq!(m[1].kv_usage, Some(0.5));
+    let sglang = "sglang:num_running_reqs{dp_rank=\"1\",tp_rank=\"0\"} 6\n\
+                  sglang:token_usage{model_name=\"m\"} 0.3\n";
+    let m = parse_metrics_ranks(sglang, 2);
+    assert_eq!(m[0].running, None);
+    assert_eq!(m[1].running, Some(6.0));
+    assert_eq!(m[0].kv_usage, Some(0.3));
+    assert_eq!(m[1].kv_usage, Some(0.3));
+}

@@ -55,6 +55,9 @@ pub struct ReplicaTelemetry {
     pub salted_blocks: AtomicU64,
     /// Messages that were not a valid event batch.
     pub decode_errors: AtomicU64,
+    /// Batches of a data-parallel rank's stream whose `data_parallel_rank` named another rank
+    /// (not applied: the endpoint is another rank's, or the ports are not offset as assumed).
+    pub wrong_rank: AtomicU64,
     /// Sequence gaps seen, gaps filled by replay, engine restarts (sequence went backwards).
     pub gaps: AtomicU64,
     pub replays: AtomicU64,
@@ -109,6 +112,7 @@ impl Default for ReplicaTelemetry {
             adapter_blocks: AtomicU64::new(0),
             salted_blocks: AtomicU64::new(0),
             decode_errors: AtomicU64::new(0),
+            wrong_rank: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
             replays: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
@@ -155,6 +159,7 @@ impl ReplicaTelemetry {
             adapter_blocks,
             salted_blocks,
             decode_errors,
+            wrong_rank,
             gaps,
             replays,
             restarts,
@@ -227,6 +232,7 @@ impl ReplicaTelemetry {
             "salted_blocks": self.salted_blocks.load(Relaxed),
             "skipped_undecodable": self.skipped_undecodable.load(Relaxed),
             "decode_errors": self.decode_errors.load(Relaxed),
+            "wrong_rank": self.wrong_rank.load(Relaxed),
             "gaps": self.gaps.load(Relaxed),
             "replays": self.replays.load(Relaxed),
             "replay_failures": self.replay_failures.load(Relaxed),

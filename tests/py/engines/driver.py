@@ -2,7 +2,7 @@
 """Runs the engines' own KV event code (vLLM 0.33.0, SGLang 0.5.23), unmodified, over real
 ZeroMQ: the files fetch.py extracts, imported behind the stand-ins in shims/.
 
-    driver.py publish --engine vllm [--bytes-hashes] [--topic T]
+    driver.py publish --engine vllm [--bytes-hashes] [--topic T] [--dp-rank R --port P --replay-port Q]
     driver.py publish --engine sglang [--page-size N] [--topic T]
     driver.py decode --endpoint tcp://HOST:PORT [--topic T]
 
@@ -179,12 +179,15 @@ class Vllm:
         config = KVEventsConfig(
             enable_kv_cache_events=True,
             publisher="zmq",
-            # tcp://*:0 binds the node IP (shims: 127.0.0.1) on an ephemeral port.
-            endpoint="tcp://*:0",
-            replay_endpoint="tcp://*:0",
+            # tcp://*:0 binds the node IP (shims: 127.0.0.1) on an ephemeral port; with
+            # --port, rank 0's ports, which the publisher offsets by its --dp-rank itself.
+            endpoint=f"tcp://*:{args.port}",
+            replay_endpoint=f"tcp://*:{args.replay_port}",
             topic=args.topic,
         )
-        self.publisher = kv_events.EventPublisherFactory.create(config, data_parallel_rank=0)
+        self.publisher = kv_events.EventPublisherFactory.create(
+            config, data_parallel_rank=args.dp_rank
+        )
         resolved = self.publisher.get_publisher_config()
         self.endpoint, self.replay = resolved.endpoint, resolved.replay_endpoint
         self.bytes_hashes = args.bytes_hashes
@@ -442,6 +445,9 @@ def main():
     pub.add_argument("--page-size", type=int, default=1)
     pub.add_argument("--bytes-hashes", action="store_true")
     pub.add_argument("--topic", default="")
+    pub.add_argument("--dp-rank", type=int, default=0, help="vLLM: data_parallel_rank")
+    pub.add_argument("--port", type=int, default=0, help="vLLM: rank 0's PUB port")
+    pub.add_argument("--replay-port", type=int, default=0, help="vLLM: rank 0's replay port")
     dec = sub.add_parser("decode")
     dec.add_argument("--endpoint", required=True)
     dec.add_argument("--topic", default="")

@@ -516,6 +516,14 @@ pub fn parse_request(
 }
 
 /// Append Content-Length (when a body goes upstream) and the empty line.
+/// The header that sends a request to one rank of a data-parallel engine (vLLM and SGLang
+/// read it case-insensitively), written into the upstream head in place.
+pub fn push_dp_rank(out: &mut Vec<u8>, rank: u32) {
+    out.extend_from_slice(b"x-data-parallel-rank: ");
+    super::push_decimal(out, u64::from(rank));
+    out.extend_from_slice(b"\r\n");
+}
+
 pub fn finish_upstream_head(out: &mut Vec<u8>, method: Method, body_len: usize) {
     if body_len > 0 || matches!(method, Method::Post | Method::Put | Method::Patch) {
         out.extend_from_slice(b"content-length: ");

@@ -77,6 +77,9 @@ pub struct Replica {
     next_request_id: AtomicU64,
     id_seed: u64,
     publisher: Option<KvEventPublisher>,
+    /// Its rank in a data-parallel engine (`--dp-size`): in every event batch, and the
+    /// `engine` label of its metrics (0 without).
+    pub dp_rank: Option<u32>,
 }
 
 fn unix_now() -> f64 {
@@ -94,6 +97,7 @@ impl Replica {
         time_scale: f64,
         id_seed: u64,
         publisher: Option<KvEventPublisher>,
+        dp_rank: Option<u32>,
     ) -> Arc<Replica> {
         let (wake_tx, wake_rx) = channel::bounded(1);
         let max_model_len = cfg.max_model_len;
@@ -116,6 +120,7 @@ impl Replica {
             next_request_id: AtomicU64::new(1),
             id_seed,
             publisher,
+            dp_rank,
         })
     }
 
@@ -223,7 +228,7 @@ impl Replica {
             counters.host_kv_tier = st.engine.config().host_kv_capacity_tokens > 0;
             (st.engine.stats(), counters)
         };
-        metrics::render(&self.model, &stats, &counters)
+        metrics::render(&self.model, self.dp_rank.unwrap_or(0), &stats, &counters)
     }
 
     /// The driver loop; runs forever on its own thread.
@@ -246,7 +251,7 @@ impl Replica {
                     p.publish(&KvEventBatch {
                         ts: unix_now(),
                         events: std::mem::take(&mut events),
-                        dp_rank: None,
+                        dp_rank: self.dp_rank.map(i64::from),
                     });
                 }
                 events.clear();

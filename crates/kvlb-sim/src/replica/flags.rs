@@ -37,6 +37,12 @@ pub struct ReplicaFlags {
     /// Serve N independent replicas on consecutive ports
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, 1024>)]
     pub count: u32,
+    /// Serve N data-parallel ranks behind the one HTTP port, as vLLM --data-parallel-size: each
+    /// rank its own engine and KV cache, chosen by the X-Data-Parallel-Rank header (none:
+    /// round-robin), publishing events on the --kv-events and --kv-replay ports + rank with
+    /// its data_parallel_rank, metrics with engine="rank" (needs --count 1)
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, 64>)]
+    pub dp_size: u32,
     /// Publish KV cache events (ZeroMQ PUB) on ADDR, port shifted per replica (tcp://*:PORT
     /// binds all interfaces)
     #[arg(long, value_name = "tcp://ADDR", value_parser = tcp_endpoint)]
@@ -191,6 +197,22 @@ impl ReplicaFlags {
         if self.kv_replay.is_some() && self.kv_events.is_none() {
             return Err("--kv-replay needs --kv-events".to_string());
         }
+        if self.dp_size > 1 && self.count > 1 {
+            return Err(format!(
+                "--dp-size {} needs --count 1 (one data-parallel engine per process)",
+                self.dp_size
+            ));
+        }
+        let dp_ephemeral = [self.kv_events, self.kv_replay]
+            .iter()
+            .flatten()
+            .any(|a| a.port() == 0);
+        if self.dp_size > 1 && dp_ephemeral {
+            return Err(format!(
+                "--dp-size {} needs fixed --kv-events / --kv-replay ports (rank r publishes on port + r)",
+                self.dp_size
+            ));
+        }
         let engine = self.engine.config();
         if engine.kv_capacity_tokens < engine.block_size as u64 {
             return Err(format!(
@@ -220,10 +242,11 @@ impl ReplicaFlags {
         ];
         for (name, addr) in runs {
             if let Some(a) = addr {
-                if a.port() != 0 && a.port() as u32 + self.count - 1 > 65_535 {
+                let run = self.count * self.dp_size;
+                if a.port() != 0 && a.port() as u32 + run - 1 > 65_535 {
                     return Err(format!(
-                        "bad value for {name}: {a} (port + --count {} runs past 65535)",
-                        self.count
+                        "bad value for {name}: {a} (port + --count {} x --dp-size {} runs past 65535)",
+                        self.count, self.dp_size
                     ));
                 }
             }
@@ -237,7 +260,8 @@ impl ReplicaFlags {
                     continue;
                 }
                 let (pa, pb) = (a.port() as u32, b.port() as u32);
-                if pa < pb + self.count && pb < pa + self.count {
+                let run = self.count * self.dp_size;
+                if pa < pb + run && pb < pa + run {
                     return Err(format!(
                         "bad value for {name_b}: {b} (ports {pb}..{} overlap {name_a} ports {pa}..{} with --count {})",
                         pb + self.count - 1,

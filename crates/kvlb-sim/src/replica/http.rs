@@ -32,6 +32,8 @@ pub struct Request {
     pub path: String,
     pub keep_alive: bool,
     pub body: Vec<u8>,
+    /// `X-Data-Parallel-Rank: r` (any case), as vLLM and SGLang read it: the rank asked for.
+    pub dp_rank: Option<u32>,
 }
 
 /// Why no request could be read.
@@ -126,14 +128,16 @@ impl Connection {
     /// arrive within 30 s.
     pub fn read_request(&mut self) -> Result<Request, ReadRequestError> {
         let mut timed = false;
-        let (head_len, method, path, keep_alive, body_kind, expect_continue) = loop {
+        let (head_len, method, path, keep_alive, body_kind, expect_continue, dp_rank) = loop {
             if self.filled > 0 {
                 let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
                 let mut req = httparse::Request::new(&mut headers);
                 match req.parse(&self.buf[..self.filled]) {
                     Ok(httparse::Status::Complete(n)) => {
                         let parsed = head_fields(&req)?;
-                        break (n, parsed.0, parsed.1, parsed.2, parsed.3, parsed.4);
+                        break (
+                            n, parsed.0, parsed.1, parsed.2, parsed.3, parsed.4, parsed.5,
+                        );
                     }
                     Ok(httparse::Status::Partial) => {
                         if self.filled >= MAX_HEAD_BYTES {
@@ -172,6 +176,7 @@ impl Connection {
             path,
             keep_alive,
             body,
+            dp_rank,
         })
     }
 
@@ -349,7 +354,7 @@ enum BodyKind {
     Chunked,
 }
 
-type HeadFields = (Method, String, bool, BodyKind, bool);
+type HeadFields = (Method, String, bool, BodyKind, bool, Option<u32>);
 
 fn head_fields(req: &httparse::Request) -> Result<HeadFields, ReadRequestError> {
     let method = match req.method.unwrap_or("") {
@@ -366,8 +371,18 @@ fn head_fields(req: &httparse::Request) -> Result<HeadFields, ReadRequestError> 
     let mut content_length: Option<usize> = None;
     let mut chunked = false;
     let mut expect_continue = false;
+    let mut dp_rank = None;
     for h in req.headers.iter() {
         let name = h.name;
+        if name.eq_ignore_ascii_case("x-data-parallel-rank") {
+            let v = std::str::from_utf8(h.value).ok().map(str::trim);
+            dp_rank = Some(v.and_then(|s| s.parse::<u32>().ok()).ok_or_else(|| {
+                bad(
+                    400,
+                    "X-Data-Parallel-Rank: expected a rank number".to_string(),
+                )
+            })?);
+        }
         if name.eq_ignore_ascii_case("content-length") {
             let v = std::str::from_utf8(h.value).ok().map(str::trim);
             match v.and_then(|s| s.parse::<usize>().ok()) {
@@ -409,7 +424,7 @@ fn head_fields(req: &httparse::Request) -> Result<HeadFields, ReadRequestError> 
             body = BodyKind::Length(n);
         }
     }
-    Ok((method, path, keep_alive, body, expect_continue))
+    Ok((method, path, keep_alive, body, expect_continue, dp_rank))
 }
 
 fn find_crlf(b: &[u8]) -> Option<usize> {

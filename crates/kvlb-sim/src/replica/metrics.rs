@@ -92,9 +92,9 @@ fn escape_label(v: &str) -> String {
 }
 
 /// Render the metrics page of one replica.
-pub fn render(model: &str, stats: &EngineStats, counters: &RequestCounters) -> String {
+pub fn render(model: &str, engine: u32, stats: &EngineStats, counters: &RequestCounters) -> String {
     let m = escape_label(model);
-    let labels = format!("engine=\"0\",model_name=\"{m}\"");
+    let labels = format!("engine=\"{engine}\",model_name=\"{m}\"");
     let mut out = String::with_capacity(4096);
     let family = |out: &mut String, name: &str, kind: &str, help: &str, value: f64| {
         let _ = write!(
@@ -186,7 +186,7 @@ pub fn render(model: &str, stats: &EngineStats, counters: &RequestCounters) -> S
     ] {
         let _ = writeln!(
             out,
-            "vllm:request_success_total{{engine=\"0\",finished_reason=\"{reason}\",model_name=\"{m}\"}} {}",
+            "vllm:request_success_total{{engine=\"{engine}\",finished_reason=\"{reason}\",model_name=\"{m}\"}} {}",
             num(n as f64)
         );
     }
@@ -201,7 +201,7 @@ pub fn render(model: &str, stats: &EngineStats, counters: &RequestCounters) -> S
         cumulative += h.counts[i];
         let _ = writeln!(
             out,
-            "{name}_bucket{{engine=\"0\",le=\"{}\",model_name=\"{m}\"}} {}",
+            "{name}_bucket{{engine=\"{engine}\",le=\"{}\",model_name=\"{m}\"}} {}",
             num(*le),
             num(cumulative as f64)
         );
@@ -209,7 +209,7 @@ pub fn render(model: &str, stats: &EngineStats, counters: &RequestCounters) -> S
     cumulative += h.over;
     let _ = writeln!(
         out,
-        "{name}_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"{m}\"}} {}",
+        "{name}_bucket{{engine=\"{engine}\",le=\"+Inf\",model_name=\"{m}\"}} {}",
         num(cumulative as f64)
     );
     let _ = writeln!(out, "{name}_count{{{labels}}} {}", num(cumulative as f64));
@@ -240,7 +240,7 @@ mod tests {
         c.ttft.observe(0.3);
         c.ttft.observe(5000.0);
         c.finished(FinishReason::Length);
-        let text = render("Qwen/Qwen3-8B", &stats, &c);
+        let text = render("Qwen/Qwen3-8B", 0, &stats, &c);
         for line in [
             "vllm:num_requests_running{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 3.0",
             "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 0.41",
@@ -259,7 +259,7 @@ mod tests {
         assert_eq!(c.ttft.count(), 3);
         assert!(!text.contains("external_prefix_cache"), "no host tier");
         c.host_kv_tier = true;
-        let text = render("Qwen/Qwen3-8B", &stats, &c);
+        let text = render("Qwen/Qwen3-8B", 0, &stats, &c);
         for line in [
             "vllm:external_prefix_cache_queries_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 77824.0",
             "vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1024.0",

@@ -53,42 +53,54 @@ pub fn main(args: Vec<String>) -> i32 {
                 return 1;
             }
         };
-        let publisher = match flags.kv_events {
-            None => None,
-            Some(base) => {
-                let pub_addr = format!("tcp://{}", shifted(base, i));
-                let replay_addr = flags.kv_replay.map(|r| format!("tcp://{}", shifted(r, i)));
-                match KvEventPublisher::bind(
-                    &pub_addr,
-                    replay_addr.as_deref(),
-                    &flags.kv_events_topic,
-                    flags.kv_events_format,
-                ) {
-                    Ok(p) => Some(p),
-                    Err(e) => {
-                        eprintln!(
-                            "kvlb replica: replica {i}: cannot bind KV events on {pub_addr} (replay {}): {e}",
-                            replay_addr.as_deref().unwrap_or("none")
-                        );
-                        return 1;
+        let mut engines = Vec::with_capacity(flags.dp_size as usize);
+        for rank in 0..flags.dp_size {
+            // Replica i's events; rank r of a data-parallel one on the ports + r.
+            let shift = i + rank;
+            let publisher = match flags.kv_events {
+                None => None,
+                Some(base) => {
+                    let pub_addr = format!("tcp://{}", shifted(base, shift));
+                    let replay_addr = flags
+                        .kv_replay
+                        .map(|r| format!("tcp://{}", shifted(r, shift)));
+                    match KvEventPublisher::bind(
+                        &pub_addr,
+                        replay_addr.as_deref(),
+                        &flags.kv_events_topic,
+                        flags.kv_events_format,
+                    ) {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            eprintln!(
+                                "kvlb replica: replica {i}: cannot bind KV events on {pub_addr} (replay {}): {e}",
+                                replay_addr.as_deref().unwrap_or("none")
+                            );
+                            return 1;
+                        }
                     }
                 }
-            }
-        };
-        let mut engine = flags.engine.config();
-        engine.hash_seed = xxhash_rust::xxh3::xxh3_64_with_seed(&i.to_le_bytes(), flags.seed);
-        let id_seed = xxhash_rust::xxh3::xxh3_64_with_seed(b"response-ids", flags.seed ^ i as u64);
-        let replica = Replica::new(
-            i,
-            flags.model.clone(),
-            engine,
-            flags.time_scale,
-            id_seed,
-            publisher,
-        );
-        started.push((listener, replica));
+            };
+            let mut engine = flags.engine.config();
+            engine.hash_seed =
+                xxhash_rust::xxh3::xxh3_64_with_seed(&shift.to_le_bytes(), flags.seed);
+            let id_seed =
+                xxhash_rust::xxh3::xxh3_64_with_seed(b"response-ids", flags.seed ^ shift as u64);
+            let dp_rank = (flags.dp_size > 1).then_some(rank);
+            engines.push(Replica::new(
+                i,
+                flags.model.clone(),
+                engine,
+                flags.time_scale,
+                id_seed,
+                publisher,
+                dp_rank,
+            ));
+        }
+        started.push((listener, engines));
     }
-    for (listener, replica) in started {
+    for (listener, engines) in started {
+        let replica = engines[0].clone();
         let mut line = match listener.local_addr() {
             Ok(a) => format!("kvlb replica: replica {} on {a}", replica.index),
             Err(e) => {
@@ -99,7 +111,8 @@ pub fn main(args: Vec<String>) -> i32 {
                 return 1;
             }
         };
-        if let Some(p) = replica.publisher() {
+        for e in &engines {
+            let Some(p) = e.publisher() else { continue };
             let (pub_addr, replay) = p.local_addrs();
             line.push_str(&format!(" kv_events=tcp://{pub_addr}"));
             if let Some(r) = replay {
@@ -107,27 +120,39 @@ pub fn main(args: Vec<String>) -> i32 {
             }
         }
         eprintln!("{line}");
-        let driven = replica.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("replica{}-driver", replica.index))
-            .spawn(move || {
-                // An engine failure must not leave clients waiting forever on a dead replica.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driven.drive()))
-                    .is_err()
-                {
-                    eprintln!(
-                        "kvlb replica: replica {}: engine driver failed; exiting",
-                        driven.index
-                    );
-                    std::process::exit(70);
-                }
-            })
-            .and_then(|_| {
-                let index = replica.index;
-                std::thread::Builder::new()
-                    .name(format!("replica{index}-accept"))
-                    .spawn(move || server::serve(listener, replica))
-            });
+        let mut spawned = Ok(());
+        for e in &engines {
+            let driven = e.clone();
+            let name = match e.dp_rank {
+                Some(r) => format!("replica{}-rank{r}-driver", e.index),
+                None => format!("replica{}-driver", e.index),
+            };
+            spawned = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || {
+                    // An engine failure must not leave clients waiting forever on a dead replica.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driven.drive()))
+                        .is_err()
+                    {
+                        eprintln!(
+                            "kvlb replica: replica {}: engine driver failed; exiting",
+                            driven.index
+                        );
+                        std::process::exit(70);
+                    }
+                })
+                .map(|_| ());
+            if spawned.is_err() {
+                break;
+            }
+        }
+        let ranks = server::Ranks::new(engines);
+        let spawned = spawned.and_then(|_| {
+            let index = replica.index;
+            std::thread::Builder::new()
+                .name(format!("replica{index}-accept"))
+                .spawn(move || server::serve(listener, ranks))
+        });
         if let Err(e) = spawned {
             eprintln!("kvlb replica: cannot start threads: {e}");
             return 1;

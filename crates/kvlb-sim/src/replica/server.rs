@@ -16,6 +16,7 @@ use crate::engine::{EngineOutput, EngineRequest, FinishReason, RequestId};
 use crossbeam::channel::{self, Receiver, RecvTimeoutError};
 use std::io;
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -24,12 +25,87 @@ const CONNECTION_STACK_BYTES: usize = 512 * 1024;
 /// How often a waiting connection checks that its client is still there.
 const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The engines behind one HTTP port: one, or the ranks of a data-parallel engine
+/// (`--dp-size`), each with its own KV cache and event stream.
+pub struct Ranks {
+    pub engines: Vec<Arc<Replica>>,
+    /// Round-robin over the ranks for requests that name none (vLLM's internal load balancer
+    /// balances by load; round-robin is its idle-fleet behaviour).
+    next: AtomicUsize,
+}
+
+impl Ranks {
+    pub fn new(engines: Vec<Arc<Replica>>) -> Arc<Ranks> {
+        Arc::new(Ranks {
+            engines,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// The engine a request goes to: rank `asked` (X-Data-Parallel-Rank), else the next.
+    fn pick(&self, asked: Option<u32>) -> Result<&Replica, ApiError> {
+        match asked {
+            Some(r) => self.engines.get(r as usize).map(|e| &**e).ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "X-Data-Parallel-Rank {r}: out of range (data parallel size {})",
+                    self.engines.len()
+                ))
+            }),
+            None => {
+                let i = self.next.fetch_add(1, Relaxed) % self.engines.len();
+                Ok(&self.engines[i])
+            }
+        }
+    }
+
+    /// /metrics of every rank in one exposition: each family's HELP and TYPE once, then the
+    /// samples of every rank (told apart by their `engine` label).
+    fn metrics_text(&self) -> String {
+        if self.engines.len() == 1 {
+            return self.engines[0].metrics_text();
+        }
+        // (family, its HELP and TYPE lines, its samples of every rank)
+        let mut families: Vec<(String, String, String)> = Vec::new();
+        for (rank, e) in self.engines.iter().enumerate() {
+            let text = e.metrics_text();
+            let mut current = None;
+            for line in text.lines() {
+                if let Some(rest) = line.strip_prefix("# ") {
+                    let name = rest.split_whitespace().nth(1).unwrap_or("");
+                    let i = match families.iter().position(|f| f.0 == name) {
+                        Some(i) => i,
+                        None => {
+                            families.push((name.to_string(), String::new(), String::new()));
+                            families.len() - 1
+                        }
+                    };
+                    if rank == 0 {
+                        families[i].1.push_str(line);
+                        families[i].1.push('\n');
+                    }
+                    current = Some(i);
+                } else if let (false, Some(i)) = (line.is_empty(), current) {
+                    families[i].2.push_str(line);
+                    families[i].2.push('\n');
+                }
+            }
+        }
+        let mut out = String::new();
+        for (_, head, samples) in &families {
+            out.push_str(head);
+            out.push_str(samples);
+        }
+        out
+    }
+}
+
 /// Accept connections forever, one thread each.
-pub fn serve(listener: TcpListener, replica: Arc<Replica>) {
+pub fn serve(listener: TcpListener, ranks: Arc<Ranks>) {
+    let replica = ranks.engines[0].clone();
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
-                let for_connection = replica.clone();
+                let for_connection = ranks.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("replica{}-conn", replica.index))
                     .stack_size(CONNECTION_STACK_BYTES)
@@ -52,7 +128,7 @@ pub fn serve(listener: TcpListener, replica: Arc<Replica>) {
     }
 }
 
-fn handle_connection(stream: TcpStream, replica: &Replica) {
+fn handle_connection(stream: TcpStream, ranks: &Ranks) {
     let mut conn = Connection::new(stream);
     loop {
         let req = match conn.read_request() {
@@ -80,9 +156,12 @@ fn handle_connection(stream: TcpStream, replica: &Replica) {
             }
         };
         let keep_alive = req.keep_alive;
-        let result = dispatch(
-            &mut conn, replica, req.method, &req.path, &req.body, keep_alive,
-        );
+        let result = match ranks.pick(req.dp_rank) {
+            Ok(replica) => dispatch(
+                &mut conn, ranks, replica, req.method, &req.path, &req.body, keep_alive,
+            ),
+            Err(e) => send_error(&mut conn, &e, keep_alive),
+        };
         if result.is_err() || !keep_alive {
             return;
         }
@@ -109,6 +188,7 @@ fn send_json(conn: &mut Connection, body: &str, keep_alive: bool) -> io::Result<
 
 fn dispatch(
     conn: &mut Connection,
+    ranks: &Ranks,
     replica: &Replica,
     method: Method,
     path: &str,
@@ -149,7 +229,9 @@ fn dispatch(
         },
         "/reset_prefix_cache" => {
             // vLLM answers 200 even when running requests keep it from resetting.
-            replica.reset_prefix_cache();
+            for e in &ranks.engines {
+                e.reset_prefix_cache();
+            }
             conn.write_all(&http::response(200, None, b"", keep_alive))
         }
         "/v1/models" => send_json(
@@ -162,7 +244,7 @@ fn dispatch(
         "/metrics" => conn.write_all(&http::response(
             200,
             Some("text/plain; version=0.0.4; charset=utf-8"),
-            replica.metrics_text().as_bytes(),
+            ranks.metrics_text().as_bytes(),
             keep_alive,
         )),
         _ => send_error(conn, &ApiError::not_found("Not Found"), keep_alive),
