@@ -362,6 +362,8 @@ pub enum Field {
     XForwardedFor,
     ProxyAuthorization,
     ProxyAuthenticate,
+    /// The rank of a data-parallel engine a request is for: kvlb picks it, never the client.
+    DataParallelRank,
     Other,
 }
 
@@ -402,6 +404,7 @@ pub fn field(name: &str) -> Field {
         17 if is("transfer-encoding") => Field::TransferEncoding,
         18 if is("proxy-authenticate") => Field::ProxyAuthenticate,
         19 if is("proxy-authorization") => Field::ProxyAuthorization,
+        20 if is("x-data-parallel-rank") => Field::DataParallelRank,
         _ => Field::Other,
     }
 }
@@ -495,6 +498,7 @@ mod tests {
             ("x-forwarded-for", Field::XForwardedFor),
             ("proxy-authorization", Field::ProxyAuthorization),
             ("proxy-authenticate", Field::ProxyAuthenticate),
+            ("x-data-parallel-rank", Field::DataParallelRank),
         ];
         for (name, f) in known {
             assert_eq!(field(name), f, "{name}");

@@ -74,12 +74,18 @@ fn method_of(m: &str) -> Method {
 }
 
 /// Header fields never forwarded (RFC 9110 section 7.6.1), plus the framing fields kvlb
-/// rewrites itself and `Expect` (kvlb answers 100-continue itself and sends whole bodies).
+/// rewrites itself, `Expect` (kvlb answers 100-continue itself and sends whole bodies) and a
+/// client's `X-Data-Parallel-Rank` (the rank of a data-parallel engine is kvlb's choice, made
+/// with that rank's queue and cache; a client's would run the request where kvlb does not
+/// count it).
 fn not_forwarded(f: Field) -> bool {
     f.hop_by_hop()
         || matches!(
             f,
-            Field::TransferEncoding | Field::ContentLength | Field::Expect
+            Field::TransferEncoding
+                | Field::ContentLength
+                | Field::Expect
+                | Field::DataParallelRank
         )
 }
 
@@ -831,6 +837,18 @@ mod tests {
         ] {
             assert!(up.contains(f), "{f} not forwarded: {up}");
         }
+    }
+
+    #[test]
+    fn a_clients_data_parallel_rank_is_dropped() {
+        let (_, up) = parse(
+            b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nX-Data-Parallel-Rank: 3\r\n\
+              Content-Length: 0\r\n\r\n",
+        )
+        .unwrap();
+        let up = up.to_ascii_lowercase();
+        assert!(!up.contains("data-parallel"), "{up}");
+        assert!(up.contains("host: a"), "{up}");
     }
 
     #[test]
