@@ -61,6 +61,7 @@ fn stored(tokens: &[u32], first_hash: u64) -> KvEvent {
         token_ids: tokens.to_vec(),
         block_size: 16,
         lora_id: None,
+        key: Default::default(),
         medium: None,
     }
 }
