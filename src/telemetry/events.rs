@@ -554,22 +554,15 @@ impl EventState {
     }
 
     /// The root a prompt's first block chains from: the adapter and salt of the event
-    /// (see `crate::prefix::token_root`), learning the adapter's name. An adapter known only by
-    /// `lora_id` (engines before `lora_name`) gets a root of its own that no request names.
-    fn root_of(&mut self, key: &BlockKey, lora_id: Option<i64>) -> u64 {
+    /// (see `crate::prefix::token_root`). An adapter known only by `lora_id` (engines before
+    /// `lora_name`) gets a root of its own that no request names.
+    fn root_of(key: &BlockKey, lora_id: Option<i64>) -> u64 {
         let lora = match (&key.lora_name, lora_id) {
-            (Some(name), _) => {
-                self.learn(name);
-                Some(name_hash(name.as_bytes()))
-            }
+            (Some(name), _) => Some(name_hash(name.as_bytes())),
             (None, Some(id)) => Some(name_hash(format!("\0lora_id\0{id}").as_bytes())),
             (None, None) => None,
         };
-        let salt = key
-            .cache_salt
-            .as_deref()
-            .filter(|s| !s.is_empty())
-            .map(|s| name_hash(s.as_bytes()));
+        let salt = key.cache_salt.as_deref().map(|s| name_hash(s.as_bytes()));
         token_root(lora, salt)
     }
 
@@ -635,10 +628,10 @@ impl EventState {
         }
         let (start, root) = match parent {
             None => {
-                if key.cache_salt.as_deref().is_some_and(|s| !s.is_empty()) {
+                if key.cache_salt.is_some() {
                     tel.salted_blocks.fetch_add(n as u64, Relaxed);
                 }
-                (0, self.root_of(key, lora_id))
+                (0, Self::root_of(key, lora_id))
             }
             Some(p) => match self.chain.get(&p) {
                 Some(e) => (e.end as usize, e.kvlb),

@@ -1005,9 +1005,9 @@ impl SegmentCache {
 /// [`prefix::hash_request`] does for a prompt given as token ids, from the root `out` holds
 /// (the request's adapter and salt, as [`prefix::hash_request_within`] found them).
 pub fn fill_prefix(tokens: &[u32], cfg: &prefix::PrefixConfig, out: &mut prefix::PrefixHashes) {
-    let (root, lora, salted) = (out.token_root, out.lora, out.salted);
+    let root = out.token_root;
     out.clear();
-    (out.token_root, out.lora, out.salted) = (root, lora, salted);
+    out.token_root = root;
     let block = cfg.token_block_size.clamp(1, prefix::MAX_TOKEN_BLOCK) as usize;
     let hashed = tokens.len().min(cfg.max_blocks.saturating_mul(block));
     prefix::token_block_hashes_from(root, &tokens[..hashed], block, &mut out.hashes);

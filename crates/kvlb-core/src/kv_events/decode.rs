@@ -111,6 +111,8 @@ fn block_key(
             key.cache_salt = strings.next();
         }
     }
+    // An empty salt is none, to vLLM and SGLang alike.
+    key.cache_salt = key.cache_salt.filter(|s| !s.is_empty());
     key
 }
 

@@ -119,14 +119,7 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, msgspec_header: bool) {
             write_key(out, "medium");
             write_opt_medium(out, medium);
             write_key(out, "lora_name");
-            match &key.lora_name {
-                Some(name) => {
-                    let _ = mp::write_str(out, name);
-                }
-                None => {
-                    let _ = mp::write_nil(out);
-                }
-            }
+            write_opt_str(out, key.lora_name.as_deref());
             if extra {
                 write_key(out, "extra_keys");
                 let _ = mp::write_array_len(out, block_hashes.len() as u32);
@@ -165,6 +158,17 @@ fn write_event_map(out: &mut Vec<u8>, event: &KvEvent, msgspec_header: bool) {
     }
 }
 
+fn write_opt_str(out: &mut Vec<u8>, v: Option<&str>) {
+    match v {
+        Some(s) => {
+            let _ = mp::write_str(out, s);
+        }
+        None => {
+            let _ = mp::write_nil(out);
+        }
+    }
+}
+
 fn write_opt_medium(out: &mut Vec<u8>, medium: &Option<super::Medium>) {
     match medium {
         Some(m) => write_key(out, m.as_str()),
@@ -200,14 +204,7 @@ fn write_event_array(out: &mut Vec<u8>, event: &KvEvent) {
             let _ = mp::write_uint(out, *block_size as u64);
             write_opt_int(out, *lora_id);
             write_opt_medium(out, medium);
-            match &key.lora_name {
-                Some(name) => {
-                    let _ = mp::write_str(out, name);
-                }
-                None => {
-                    let _ = mp::write_nil(out);
-                }
-            }
+            write_opt_str(out, key.lora_name.as_deref());
         }
         KvEvent::BlockRemoved {
             block_hashes,

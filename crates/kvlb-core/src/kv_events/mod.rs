@@ -99,7 +99,7 @@ pub struct BlockKey {
     pub lora_name: Option<String>,
     /// The salt of the request that stored them: SGLang's `cache_salt`; for vLLM the string
     /// its first block's `extra_keys` holds after the adapter name and the multimodal pairs
-    /// (vLLM salts only a prompt's block 0).
+    /// (vLLM salts only a prompt's block 0). Never empty: an empty salt is none.
     pub cache_salt: Option<String>,
     /// The first block whose `extra_keys` hold a multimodal `(identifier, offset)` pair or a
     /// prompt-embeddings digest: its hash, and every later one, covers what a request's text or

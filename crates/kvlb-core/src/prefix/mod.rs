@@ -159,9 +159,6 @@ pub struct PrefixHashes {
     /// `model` names and its `cache_salt` (set in either mode, for a caller that hashes the
     /// prompt's tokens itself, as with a tokenizer).
     pub token_root: u64,
-    /// Whether the request named a known adapter, and whether it had a salt.
-    pub lora: bool,
-    pub salted: bool,
     /// The adapter names requests are checked against (none: every model is a base model).
     adapters: Option<Arc<AdapterNames>>,
     /// The block being filled, when pieces do not end on a block boundary.
@@ -185,8 +182,6 @@ impl PrefixHashes {
             est_prompt_tokens: 0,
             extent: Extent::Whole,
             token_root: TOKEN_CHAIN_ROOT,
-            lora: false,
-            salted: false,
             adapters: None,
             block: Box::new([0u8; BLOCK_BUFFER]),
             scratch: PromptScratch::new(RECORDED_PIECES),
@@ -207,8 +202,6 @@ impl PrefixHashes {
         self.est_prompt_tokens = 0;
         self.extent = Extent::Whole;
         self.token_root = TOKEN_CHAIN_ROOT;
-        self.lora = false;
-        self.salted = false;
     }
 }
 
@@ -328,8 +321,6 @@ pub fn hash_request_within(
             }
             out.total_units = units;
             out.token_root = token_root(lora, salt);
-            out.lora = lora.is_some();
-            out.salted = salt.is_some();
             if form == PromptForm::Tokens {
                 // The sink kept each block's digest: chain them from the root the adapter and
                 // the salt give, known only once the body was read.
