@@ -12,7 +12,9 @@ use serde_json::{json, Value};
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 use support::engines::{Engine, EnginePublisher};
-use support::fleet::{completion_body, post, replicas_json, token_prompt, ReplicaFleet};
+use support::fleet::{
+    completion_body, post, replicas_json, token_prompt, wait_subscribed, ReplicaFleet,
+};
 use support::proxy::metric_sum;
 use support::{client, wait_until, Kvlb};
 
@@ -101,15 +103,7 @@ fn one_url_two_ranks_routed_by_prefix() {
         "http://{http},kv_events={events},kv_replay={replay},dp_size=2"
     )]);
     let name = |r: u32| format!("http://{http}#{r}");
-    assert!(
-        wait_until(T, || replicas_json(&kvlb)
-            .iter()
-            .all(|r| r["telemetry"]["events_connected"] == true)),
-        "kvlb did not subscribe to both ranks: {:?}\n{}",
-        replicas_json(&kvlb),
-        kvlb.stderr()
-    );
-    std::thread::sleep(Duration::from_millis(300));
+    wait_subscribed(&kvlb);
     let list = replicas_json(&kvlb);
     assert_eq!(list.len(), 2, "{list:?}");
     for r in 0..2u32 {

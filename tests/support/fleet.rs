@@ -184,17 +184,23 @@ pub fn serve_subscribed(reps: &ReplicaFleet, replica_opts: &str, extra: &[&str])
         })
         .collect();
     let kvlb = serve_explained(extra, &replicas);
+    wait_subscribed(&kvlb);
+    kvlb
+}
+
+/// Waits until `kvlb` is connected to every replica's KV event stream (each rank's, for a
+/// data-parallel replica), and a little more: the subscription lands on the publisher a
+/// little after the connection.
+pub fn wait_subscribed(kvlb: &Kvlb) {
     assert!(
-        wait_until(READY_WITHIN, || replicas_json(&kvlb)
+        wait_until(READY_WITHIN, || replicas_json(kvlb)
             .iter()
             .all(|r| r["telemetry"]["events_connected"] == true)),
         "kvlb did not subscribe to every replica: {:?}\n{}",
-        replicas_json(&kvlb),
+        replicas_json(kvlb),
         kvlb.stderr()
     );
-    // The subscription lands on the publisher a little after the connection.
     std::thread::sleep(Duration::from_millis(300));
-    kvlb
 }
 
 /// `kvlb serve --explain --workers 1` plus `extra` in front of `reps`, replica i subscribed to
