@@ -11,6 +11,7 @@
 //! - `select`: the policies (`cache_aware` and the baselines) and their names.
 //! - `http`: HTTP/1.1 request and response heads, chunked bodies.
 //! - `kv_events`: vLLM's and SGLang's KV cache events (msgpack), decoded and encoded.
+//! - `models`: which replica serves which model (and LoRA adapter), read per request.
 //! - `lru`, `rng`: an intrusive LRU list and the policies' xorshift generator.
 //!
 //! `unsafe` is denied here except in the modules whose SIMD scans and prefetches need it
@@ -22,6 +23,7 @@ pub mod estimate;
 pub mod http;
 pub mod kv_events;
 pub mod lru;
+pub mod models;
 pub mod prefix;
 pub mod prompt;
 pub mod residency;

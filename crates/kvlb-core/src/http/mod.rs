@@ -344,6 +344,35 @@ pub fn write_error(
     let _ = write!(out, "\",\"type\":\"{kind}\",\"code\":{status}}}}}");
 }
 
+/// Append the 404 of a request naming a model no replica serves, in OpenAI's own shape for it
+/// (`code` "model_not_found", `param` "model"). Keeps the connection.
+pub fn write_model_not_found(out: &mut Vec<u8>, model: &str) {
+    use std::io::Write;
+    const BEFORE: &str = r#"{"error":{"message":"The model `"#;
+    const AFTER: &str = r#"` does not exist.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#;
+    let body_len = BEFORE.len() + json_escaped_len(model) + AFTER.len();
+    let _ = write!(
+        out,
+        "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n{BEFORE}"
+    );
+    json_escape_into(out, model);
+    out.extend_from_slice(AFTER.as_bytes());
+}
+
+/// Append a 200 answer of kvlb's own with a JSON `body` (`GET /v1/models`); `head_only` for
+/// a HEAD request. Keeps the connection.
+pub fn write_json_ok(out: &mut Vec<u8>, body: &[u8], head_only: bool) {
+    use std::io::Write;
+    let _ = write!(
+        out,
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    if !head_only {
+        out.extend_from_slice(body);
+    }
+}
+
 /// The header fields kvlb acts on, named once per field by `field` so the framing rules and
 /// the rewrite of the head do not compare every name against every known one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -584,6 +613,24 @@ mod tests {
             assert_eq!(v["error"]["message"], e.parts().3);
             assert_eq!(v["error"]["type"], e.parts().2);
         }
+    }
+
+    #[test]
+    fn model_not_found_is_openais_404() {
+        let mut out = Vec::new();
+        write_model_not_found(&mut out, "gpt\"x");
+        let text = String::from_utf8(out).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 404 Not Found\r\n"), "{head}");
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["message"], "The model `gpt\"x` does not exist.");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "model");
+        assert_eq!(v["error"]["code"], "model_not_found");
     }
 
     #[test]

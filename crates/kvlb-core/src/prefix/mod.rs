@@ -63,6 +63,7 @@ mod tests;
 
 pub use identity::{name_hash, token_root, AdapterNames, Learned};
 
+use crate::models::ModelName;
 use crate::prompt::{
     extract_prompt_within, Endpoint, Extent, Field, Piece, PromptError, PromptForm, PromptLimits,
     PromptScratch, PromptSink,
@@ -159,6 +160,8 @@ pub struct PrefixHashes {
     /// `model` names and its `cache_salt` (set in either mode, for a caller that hashes the
     /// prompt's tokens itself, as with a tokenizer).
     pub token_root: u64,
+    /// The request's decoded `model` (routing by model reads it; empty when none).
+    pub model: ModelName,
     /// The adapter names requests are checked against (none: every model is a base model).
     adapters: Option<Arc<AdapterNames>>,
     /// The block being filled, when pieces do not end on a block boundary.
@@ -182,6 +185,7 @@ impl PrefixHashes {
             est_prompt_tokens: 0,
             extent: Extent::Whole,
             token_root: TOKEN_CHAIN_ROOT,
+            model: ModelName::default(),
             adapters: None,
             block: Box::new([0u8; BLOCK_BUFFER]),
             scratch: PromptScratch::new(RECORDED_PIECES),
@@ -202,6 +206,7 @@ impl PrefixHashes {
         self.est_prompt_tokens = 0;
         self.extent = Extent::Whole;
         self.token_root = TOKEN_CHAIN_ROOT;
+        self.model.clear();
     }
 }
 
@@ -292,17 +297,14 @@ pub fn hash_request_within(
             .max_blocks
             .min(limits.max_tokens.saturating_mul(4) / BLOCK_BYTES),
         units: 0,
-        model: [0; MODEL_BYTES],
-        model_len: 0,
+        model: &mut out.model,
         salt: None,
         lora_path: None,
     };
     let result = extract_prompt_within(endpoint, body, &mut out.scratch, limits, &mut chain);
     // The adapter `model` names, else SGLang's explicit `lora_path`.
-    let lora = match (&out.adapters, chain.model_len <= MODEL_BYTES) {
-        (Some(names), true) => names
-            .adapter_of(&chain.model[..chain.model_len])
-            .map(name_hash),
+    let lora = match (&out.adapters, chain.model.get()) {
+        (Some(names), Some(model)) => names.adapter_of(model).map(name_hash),
         _ => None,
     }
     .or_else(|| chain.lora_path.as_ref().map(|h| h.digest()));
@@ -410,17 +412,13 @@ struct BlockChain<'a> {
     max_text_blocks: usize,
     /// Bytes or tokens seen, whether hashed or not.
     units: usize,
-    /// The decoded `model`, and its length (past [`MODEL_BYTES`]: longer than any adapter
+    /// The decoded `model` (past [`crate::models::MODEL_BYTES`]: longer than any adapter
     /// name kept, so none).
-    model: [u8; MODEL_BYTES],
-    model_len: usize,
+    model: &'a mut ModelName,
     /// The decoded `cache_salt` and `lora_path`, hashed as they come.
     salt: Option<Xxh3>,
     lora_path: Option<Xxh3>,
 }
-
-/// Longest `model` checked against the adapter names.
-const MODEL_BYTES: usize = 256;
 
 impl BlockChain<'_> {
     #[inline]
@@ -509,13 +507,7 @@ impl PromptSink for BlockChain<'_> {
     #[inline]
     fn field(&mut self, field: Field, piece: &[u8]) {
         match field {
-            Field::Model => {
-                let end = self.model_len + piece.len();
-                if end <= MODEL_BYTES {
-                    self.model[self.model_len..end].copy_from_slice(piece);
-                }
-                self.model_len = end;
-            }
+            Field::Model => self.model.push(piece),
             // An empty salt is none, to vLLM and SGLang alike.
             Field::CacheSalt if piece.is_empty() => {}
             Field::CacheSalt => self.salt.get_or_insert_with(Xxh3::new).update(piece),

@@ -362,6 +362,27 @@ const TOOL_CALL_ID: &[u8] = b"\x00tool_call_id\x00";
 const NAME: &[u8] = b"\x00name\x00";
 const PROMPT: &[u8] = b"\x00prompt\x00";
 
+/// Calls `emit` with the decoded pieces of the string member `key` of the JSON object `body`
+/// (the last one, as the engines' JSON parsers keep the last of duplicate keys), skimming the
+/// other members' values without decoding them (~0.1 ns a byte). Emits nothing when the body
+/// is no object, the member is absent or no string, or the object breaks off before it.
+pub fn top_level_string(body: &[u8], key: &[u8], emit: &mut impl FnMut(&[u8])) {
+    let mut c = Cursor::new(body, 0);
+    if !matches!(c.peek_token(), Ok(b'{')) {
+        return;
+    }
+    let mut last = None;
+    let whole = c.object(0, |c, k| {
+        if k == key && c.peek_token()? == b'"' {
+            last = Some(c.pos);
+        }
+        c.skim_fast()
+    });
+    if let (Ok(()), Some(at)) = (whole, last) {
+        let _ = Cursor::new(body, at).string(emit);
+    }
+}
+
 /// Streams the canonical prefix of `body` into `sink` and says which form it took.
 ///
 /// On `Err`, some pieces may already have been emitted: the sink must discard them.
