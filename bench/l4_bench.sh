@@ -122,7 +122,7 @@ EOF
 start "$LOAD_CORE" "$TMP/nginx.log" nginx -p "$TMP" -c "$TMP/nginx.conf"
 NGINX_PID=${PIDS[-1]}
 start "$LOAD_CORE" "$TMP/replica.log" "$KVLB" replica --listen "127.0.0.1:$REPLICA_PORT" \
-    --time-scale 16 --max-num-seqs 1024
+    --time-scale 16 --max-num-seqs 1024 --served-model-name Qwen/Qwen3-8B m
 REPLICA_PID=${PIDS[-1]}
 wait_http "http://127.0.0.1:$NGINX_PORT/1m.bin"
 for _ in $(seq 100); do grep -q 'kvlb replica: ready' "$TMP/replica.log" && break; sleep 0.1; done

@@ -15,7 +15,7 @@ command -v wrk >/dev/null || { echo "wrk not found: apt-get install -y wrk" >&2;
 
 tmp=$(mktemp -d)
 log="$tmp/replica.log"
-"$BIN" replica --listen 127.0.0.1:0 --time-scale 100 2>"$log" &
+"$BIN" replica --listen 127.0.0.1:0 --time-scale 100 --served-model-name m 2>"$log" &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$tmp"' EXIT
 for _ in $(seq 100); do grep -q "kvlb replica: ready" "$log" && break; sleep 0.05; done

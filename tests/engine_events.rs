@@ -37,7 +37,19 @@ struct Setup {
 
 impl Setup {
     fn new(publisher: &EnginePublisher) -> Setup {
-        let reps = ReplicaFleet::start(2, &["--time-scale", "50"]);
+        // Serving the adapters the tests' events and requests name, as an engine started with
+        // them lists them in its /v1/models.
+        let reps = ReplicaFleet::start(
+            2,
+            &[
+                "--time-scale",
+                "50",
+                "--enable-lora",
+                "--lora-modules",
+                "sql-lora=/adapters/sql",
+                "chat-lora=/adapters/chat",
+            ],
+        );
         let r0 = format!("http://{}", reps.http[0]);
         let r1 = publisher.replica_spec(reps.http[1]);
         let kvlb = Kvlb::serve(&[
@@ -198,11 +210,16 @@ fn vllm_lora_and_salt_blocks_match_only_their_requests() {
     assert_eq!(t["adapter_blocks"], 32, "{t}");
     assert_eq!(t["salted_blocks"], 16, "{t}");
     assert!(
-        wait_until(T, || s.kvlb.stderr().contains("LoRA adapter \"sql-lora\"")),
+        wait_until(T, || {
+            let said = s.kvlb.stderr();
+            // Learned from the replicas' model lists, or else from the events.
+            said.contains("sql-lora (adapter of") || said.contains("LoRA adapter \"sql-lora\"")
+        }),
         "the adapter learned is not logged:\n{}",
         s.kvlb.stderr()
     );
-    assert_eq!(s.kvlb.metric("kvlb_lora_adapters_known", &[]), Some(1.0));
+    // Both adapters the replicas list (one of them also from the events).
+    assert_eq!(s.kvlb.metric("kvlb_lora_adapters_known", &[]), Some(2.0));
     let base = "Qwen/Qwen3-8B";
     for (tokens, model, salt, want, what) in [
         (&a, "sql-lora", None, true, "the adapter's own request"),

@@ -21,8 +21,16 @@ impl Drop for ReplicaProcess {
 }
 
 fn start(args: &[&str]) -> ReplicaProcess {
+    start_env(args, &[])
+}
+
+/// `start` with these environment variables (and no VLLM_ALLOW_RUNTIME_LORA_UPDATING unless
+/// given).
+fn start_env(args: &[&str], env: &[(&str, &str)]) -> ReplicaProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
         .arg("replica")
+        .env_remove("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        .envs(env.iter().copied())
         .args(["--listen", "127.0.0.1:0"])
         .args(args)
         .stdout(Stdio::null())
@@ -261,7 +269,7 @@ fn endpoints_answer_like_vllm() {
     .json();
     assert_eq!(j["choices"].as_array().unwrap().len(), 4);
 
-    let chat = r#"{"model": "anything", "messages": [
+    let chat = r#"{"model": "test/model", "messages": [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "x"}}]},
         {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
@@ -699,4 +707,132 @@ fn small_kv_cache_evicts_and_the_prefix_stops_hitting() {
         "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"}",
     );
     assert!((0.0..=1.0).contains(&usage));
+}
+
+/// vLLM's model names: aliases, adapters listed with their parent, the 404 of a model not
+/// served, runtime loading only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, and an adapter's KV
+/// cache apart from the base model's.
+#[test]
+fn served_names_adapters_and_runtime_loading() {
+    let p = start(&[
+        "--time-scale",
+        "100",
+        "--enable-lora",
+        "--lora-modules",
+        "sql=/adapters/sql",
+        "--served-model-name",
+        "big",
+        "big-latest",
+    ]);
+    let a = p.addrs[0];
+    let list = request(a, "GET", "/v1/models", "").json();
+    let cards: Vec<(String, serde_json::Value)> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["id"].as_str().unwrap().to_string(), c["parent"].clone()))
+        .collect();
+    assert_eq!(
+        cards,
+        [
+            ("big".to_string(), serde_json::Value::Null),
+            ("big-latest".to_string(), serde_json::Value::Null),
+            ("sql".to_string(), serde_json::json!("big")),
+        ]
+    );
+    let r = request(
+        a,
+        "POST",
+        "/v1/completions",
+        r#"{"model": "gpt-4o", "prompt": "x"}"#,
+    );
+    assert_eq!(r.status, 404, "{}", r.text());
+    let e = r.json();
+    assert_eq!(e["error"]["message"], "The model `gpt-4o` does not exist.");
+    assert_eq!(e["error"]["type"], "NotFoundError");
+    assert_eq!(e["error"]["param"], "model");
+    assert_eq!(e["error"]["code"], 404);
+    // Responses carry the first served name, or the adapter's.
+    let r = request(
+        a,
+        "POST",
+        "/v1/completions",
+        r#"{"model": "big-latest", "prompt": "x", "max_tokens": 1}"#,
+    );
+    assert_eq!(r.json()["model"], "big");
+    // The same tokens under the adapter share no KV with the base model's.
+    let prompt: Vec<String> = (0..256).map(|i| (1000 + i).to_string()).collect();
+    let body = |model: &str| {
+        format!(
+            "{{\"model\": \"{model}\", \"prompt\": [{}], \"max_tokens\": 1}}",
+            prompt.join(",")
+        )
+    };
+    let cached = |model: &str| {
+        let j = request(a, "POST", "/v1/completions", &body(model)).json();
+        assert_eq!(j["model"], model);
+        j["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(cached("big"), 0);
+    assert!(cached("big") >= 240);
+    assert_eq!(cached("sql"), 0);
+    assert!(cached("sql") >= 240);
+    // Without VLLM_ALLOW_RUNTIME_LORA_UPDATING the load route does not exist.
+    let r = request(
+        a,
+        "POST",
+        "/v1/load_lora_adapter",
+        r#"{"lora_name": "far", "lora_path": "/f"}"#,
+    );
+    assert_eq!(r.status, 404, "{}", r.text());
+}
+
+#[test]
+fn runtime_lora_loading_answers_like_vllm() {
+    let p = start_env(
+        &[
+            "--time-scale",
+            "100",
+            "--enable-lora",
+            "--served-model-name",
+            "big",
+        ],
+        &[("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")],
+    );
+    let a = p.addrs[0];
+    let load = |body: &str| request(a, "POST", "/v1/load_lora_adapter", body);
+    let r = load(r#"{"lora_name": "far"}"#);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(
+        r.json()["error"]["message"],
+        "Both 'lora_name' and 'lora_path' must be provided."
+    );
+    let r = load(r#"{"lora_name": "big", "lora_path": "/b"}"#);
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = load(r#"{"lora_name": "far", "lora_path": "/f"}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.text(), "Success: LoRA adapter 'far' added successfully.");
+    let r = load(r#"{"lora_name": "far", "lora_path": "/f"}"#);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("has already been loaded"), "{}", r.text());
+    assert_eq!(metric(a, "kvlb_replica_lora_loads_total"), 1.0);
+    let r = request(
+        a,
+        "POST",
+        "/v1/completions",
+        r#"{"model": "far", "prompt": "x", "max_tokens": 1}"#,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let unload = |body: &str| request(a, "POST", "/v1/unload_lora_adapter", body);
+    assert_eq!(unload(r#"{"lora_name": "far"}"#).status, 200);
+    assert_eq!(unload(r#"{"lora_name": "far"}"#).status, 404);
+    let r = request(
+        a,
+        "POST",
+        "/v1/completions",
+        r#"{"model": "far", "prompt": "x"}"#,
+    );
+    assert_eq!(r.status, 404, "{}", r.text());
 }

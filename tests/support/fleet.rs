@@ -45,6 +45,10 @@ impl ReplicaFleet {
             "--count",
             &count,
         ];
+        if !extra.contains(&"--served-model-name") {
+            // The names the tests' requests use.
+            args.extend_from_slice(&["--served-model-name", "Qwen/Qwen3-8B", "m"]);
+        }
         args.extend_from_slice(extra);
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvlb"))
             .args(&args)

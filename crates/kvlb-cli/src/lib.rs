@@ -38,10 +38,12 @@ pub fn exit_status(e: &clap::Error) -> i32 {
 
 /// `#[command(mut_args = cli::hyphen_values)]`: every option takes the next word as its value
 /// even when it starts with `-`, as the hand-written parsers did, so `--count -1` is a bad
-/// value of `--count` (named in the error), not an unknown flag `-1`.
+/// value of `--count` (named in the error), not an unknown flag `-1`. An option taking several
+/// values (`--served-model-name A B`) is left alone: its list ends at the next flag.
 pub fn hyphen_values(a: Arg) -> Arg {
+    let several = a.get_num_args().is_some_and(|n| n.max_values() > 1);
     match a.get_action() {
-        ArgAction::Set | ArgAction::Append => a.allow_hyphen_values(true),
+        ArgAction::Set | ArgAction::Append if !several => a.allow_hyphen_values(true),
         _ => a,
     }
 }

@@ -65,9 +65,22 @@ pub struct ReplicaFlags {
     /// Engine seconds per wall second (100 = 100x faster)
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = cli::positive)]
     pub time_scale: f64,
-    /// Served model name
+    /// The model (its path: the `root` of /v1/models; also its name unless
+    /// --served-model-name gives others)
     #[arg(long, value_name = "NAME", default_value = "Qwen/Qwen3-8B", value_parser = model_name)]
     pub model: String,
+    /// The names it serves the model under, as vLLM: responses carry the first, requests may
+    /// name any (default: --model)
+    #[arg(long, value_name = "NAME", num_args = 1.., value_parser = model_name)]
+    pub served_model_name: Vec<String>,
+    /// Serve LoRA adapters (--lora-modules, and /v1/load_lora_adapter when
+    /// VLLM_ALLOW_RUNTIME_LORA_UPDATING is true): a request naming one is computed under it,
+    /// its KV cache apart from the base model's
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// LoRA adapters loaded at start, NAME=PATH (needs --enable-lora)
+    #[arg(long, value_name = "NAME=PATH", num_args = 1.., value_parser = lora_module)]
+    pub lora_modules: Vec<(String, String)>,
     /// Seed of response ids and of the engine's block hash ids
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = cli::int::<u64, 0, { u64::MAX }>)]
     pub seed: u64,
@@ -189,8 +202,28 @@ pub fn parse(args: &[String]) -> Result<ReplicaFlags, clap::Error> {
 }
 
 impl ReplicaFlags {
+    /// The names the model is served under (--served-model-name, else --model).
+    pub fn served_names(&self) -> Vec<String> {
+        match self.served_model_name.is_empty() {
+            true => vec![self.model.clone()],
+            false => self.served_model_name.clone(),
+        }
+    }
+
     /// The checks across flags; the error names the flags.
     pub fn validate(&self) -> Result<(), String> {
+        if !self.lora_modules.is_empty() && !self.enable_lora {
+            return Err("--lora-modules needs --enable-lora".to_string());
+        }
+        if let Some((name, _)) = self
+            .lora_modules
+            .iter()
+            .find(|(n, _)| self.served_names().iter().any(|s| s == n))
+        {
+            return Err(format!(
+                "--lora-modules {name}: the name of a served base model"
+            ));
+        }
         if self.chat_template.is_some() && self.tokenizer.is_none() {
             return Err("--chat-template needs --tokenizer".to_string());
         }
@@ -299,6 +332,15 @@ fn event_format() -> impl TypedValueParser<Value = EventFormat> {
         "map-nil" => EventFormat::MapNil,
         _ => EventFormat::Map,
     })
+}
+
+fn lora_module(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), path.to_string()))
+        }
+        _ => Err("expected NAME=PATH".to_string()),
+    }
 }
 
 fn model_name(value: &str) -> Result<String, String> {

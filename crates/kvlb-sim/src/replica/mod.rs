@@ -9,6 +9,7 @@ pub mod driver;
 pub mod flags;
 pub mod http;
 pub mod metrics;
+pub mod models;
 pub mod openai;
 pub mod server;
 
@@ -146,7 +147,14 @@ pub fn main(args: Vec<String>) -> i32 {
                 break;
             }
         }
-        let ranks = server::Ranks::new(engines);
+        let served = models::Served::new(
+            &flags.model,
+            flags.served_names(),
+            flags.enable_lora,
+            &flags.lora_modules,
+            flags.time_scale,
+        );
+        let ranks = server::Ranks::new(engines, served);
         let spawned = spawned.and_then(|_| {
             let index = replica.index;
             std::thread::Builder::new()

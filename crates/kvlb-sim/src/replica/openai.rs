@@ -42,6 +42,8 @@ pub struct ApiError {
     pub status: u16,
     pub kind: &'static str,
     pub message: String,
+    /// The request field at fault (vLLM's `param`), if any.
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -50,6 +52,7 @@ impl ApiError {
             status: 400,
             kind: "BadRequestError",
             message: message.into(),
+            param: None,
         }
     }
 
@@ -58,6 +61,7 @@ impl ApiError {
             status: 404,
             kind: "NotFoundError",
             message: message.into(),
+            param: None,
         }
     }
 
@@ -66,11 +70,12 @@ impl ApiError {
             status: 405,
             kind: "MethodNotAllowedError",
             message: "Method Not Allowed".into(),
+            param: None,
         }
     }
 
     pub fn body(&self) -> String {
-        json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status}})
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}})
             .to_string()
     }
 }
@@ -92,6 +97,8 @@ pub struct GenerationRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub cache_salt: Option<u64>,
+    /// The `model` named (None: the base model).
+    pub model: Option<String>,
 }
 
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -179,14 +186,16 @@ fn common(
             )))
         }
     };
-    if let Some(v) = m.get("model") {
-        if !v.is_string() && !v.is_null() {
+    let model = match m.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => {
             return Err(ApiError::bad_request(format!(
                 "model: expected a string, got {}",
                 type_name(v)
-            )));
+            )))
         }
-    }
+    };
     Ok(GenerationRequest {
         endpoint,
         prompts,
@@ -195,6 +204,7 @@ fn common(
         stream,
         include_usage,
         cache_salt,
+        model,
     })
 }
 

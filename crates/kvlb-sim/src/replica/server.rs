@@ -29,15 +29,18 @@ const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// (`--dp-size`), each with its own KV cache and event stream.
 pub struct Ranks {
     pub engines: Vec<Arc<Replica>>,
+    /// The names served behind the port (base model, aliases, LoRA adapters).
+    pub served: super::models::Served,
     /// Round-robin over the ranks for requests that name none (vLLM's internal load balancer
     /// balances by load; round-robin is its idle-fleet behaviour).
     next: AtomicUsize,
 }
 
 impl Ranks {
-    pub fn new(engines: Vec<Arc<Replica>>) -> Arc<Ranks> {
+    pub fn new(engines: Vec<Arc<Replica>>, served: super::models::Served) -> Arc<Ranks> {
         Arc::new(Ranks {
             engines,
+            served,
             next: AtomicUsize::new(0),
         })
     }
@@ -60,6 +63,20 @@ impl Ranks {
 
     /// /metrics of every rank in one exposition: each family's HELP and TYPE once, then the
     /// samples of every rank (told apart by their `engine` label).
+    /// `metrics_text`, with the adapters loaded at run time when LoRA is on.
+    fn metrics_text_with_lora(&self) -> String {
+        let mut text = self.metrics_text();
+        if self.served.lora() {
+            text.push_str(&format!(
+                "# HELP kvlb_replica_lora_loads_total LoRA adapters loaded through /v1/load_lora_adapter.\n\
+                 # TYPE kvlb_replica_lora_loads_total counter\n\
+                 kvlb_replica_lora_loads_total {}\n",
+                self.served.runtime_loads.load(Relaxed)
+            ));
+        }
+        text
+    }
+
     fn metrics_text(&self) -> String {
         if self.engines.len() == 1 {
             return self.engines[0].metrics_text();
@@ -144,6 +161,7 @@ fn handle_connection(stream: TcpStream, ranks: &Ranks) {
                     status,
                     kind,
                     message,
+                    param: None,
                 };
                 let _ = conn.write_all(&http::response(
                     status,
@@ -205,20 +223,40 @@ fn dispatch(
             Method::Post
         }
         "/v1/models" | "/health" | "/metrics" | "/version" | "/ping" => Method::Get,
+        "/v1/load_lora_adapter" | "/v1/unload_lora_adapter" if ranks.served.runtime_updates() => {
+            Method::Post
+        }
         _ => return send_error(conn, &ApiError::not_found("Not Found"), keep_alive),
     };
     if method != allowed {
         return send_error(conn, &ApiError::method_not_allowed(), keep_alive);
     }
     match path {
-        "/v1/completions" => match openai::parse_completion(body) {
-            Ok(req) => generate(conn, replica, req, keep_alive),
-            Err(e) => send_error(conn, &e, keep_alive),
-        },
-        "/v1/chat/completions" => match openai::parse_chat(body) {
-            Ok(req) => generate(conn, replica, req, keep_alive),
-            Err(e) => send_error(conn, &e, keep_alive),
-        },
+        "/v1/completions" | "/v1/chat/completions" => {
+            let parsed = match path {
+                "/v1/completions" => openai::parse_completion(body),
+                _ => openai::parse_chat(body),
+            };
+            match parsed.and_then(|req| Ok((ranks.served.check(req.model.as_deref())?, req))) {
+                Ok((named, req)) => generate(conn, replica, &ranks.served, named, req, keep_alive),
+                Err(e) => send_error(conn, &e, keep_alive),
+            }
+        }
+        "/v1/load_lora_adapter" | "/v1/unload_lora_adapter" => {
+            let done = match path {
+                "/v1/load_lora_adapter" => ranks.served.load(body),
+                _ => ranks.served.unload(body),
+            };
+            match done {
+                Ok(text) => conn.write_all(&http::response(
+                    200,
+                    Some("text/plain; charset=utf-8"),
+                    text.as_bytes(),
+                    keep_alive,
+                )),
+                Err(e) => send_error(conn, &e, keep_alive),
+            }
+        }
         "/tokenize" => match openai::parse_tokenize(body) {
             Ok(tokens) => send_json(
                 conn,
@@ -236,7 +274,9 @@ fn dispatch(
         }
         "/v1/models" => send_json(
             conn,
-            &openai::models_response(&replica.model, replica.created, replica.max_model_len),
+            &ranks
+                .served
+                .list_json(replica.created, replica.max_model_len),
             keep_alive,
         ),
         "/health" | "/ping" => conn.write_all(&http::response(200, None, b"", keep_alive)),
@@ -244,7 +284,7 @@ fn dispatch(
         "/metrics" => conn.write_all(&http::response(
             200,
             Some("text/plain; version=0.0.4; charset=utf-8"),
-            ranks.metrics_text().as_bytes(),
+            ranks.metrics_text_with_lora().as_bytes(),
             keep_alive,
         )),
         _ => send_error(conn, &ApiError::not_found("Not Found"), keep_alive),
@@ -272,9 +312,18 @@ struct Choice {
 fn generate(
     conn: &mut Connection,
     replica: &Replica,
+    served: &super::models::Served,
+    named: super::models::Named,
     req: GenerationRequest,
     keep_alive: bool,
 ) -> io::Result<()> {
+    // An adapter's KV cache is kept apart from the base model's and other adapters'.
+    let cache_salt = match &named {
+        super::models::Named::Base => req.cache_salt,
+        super::models::Named::Adapter(_, salt) => {
+            Some(req.cache_salt.map_or(*salt, |s| s ^ salt.rotate_left(17)))
+        }
+    };
     let (tx, rx) = channel::unbounded::<Vec<EngineOutput>>();
     let mut choices: Vec<Choice> = Vec::with_capacity(req.prompts.len() * req.n as usize);
     let mut engine_requests = Vec::with_capacity(choices.capacity());
@@ -293,7 +342,7 @@ fn generate(
                 id,
                 prompt_tokens: prompt.clone(),
                 max_tokens: req.max_tokens,
-                cache_salt: req.cache_salt,
+                cache_salt,
             });
         }
     }
@@ -305,7 +354,7 @@ fn generate(
         req.endpoint,
         replica.response_random(),
         unix_secs(),
-        &replica.model,
+        &served.response_name(&named),
     );
     let mut usage = Usage::default();
     let mut counted_prompt = vec![false; req.prompts.len()];
