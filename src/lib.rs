@@ -22,6 +22,7 @@ pub mod l4;
 pub mod limits;
 pub mod log_limit;
 pub mod metrics;
+pub mod model_watch;
 pub mod proxy;
 pub mod rt;
 pub mod serve;
@@ -29,7 +30,7 @@ pub mod telemetry;
 pub mod worker;
 
 pub use kvlb_cli as cli;
-pub use kvlb_core::{estimate, http, lru, prefix, prompt, residency, rng, select};
+pub use kvlb_core::{estimate, http, lru, models, prefix, prompt, residency, rng, select};
 pub use kvlb_sim::{demo, engine, replay, replica, sim};
 pub use kvlb_tokenize as tokenize;
 pub use kvlb_zmtp as zmtp;

@@ -144,6 +144,8 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     control
         .spawn_health_thread(writer_stop.clone())
         .map_err(|e| format!("cannot start the health thread: {e}"))?;
+    crate::model_watch::spawn(shared.clone(), writer_stop.clone())
+        .map_err(|e| format!("cannot start the model discovery thread: {e}"))?;
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),

@@ -89,6 +89,10 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_kv_offload_resident_blocks", "gauge"),
     ("kvlb_replica_kv_event_skipped_total", "counter"),
     ("kvlb_lora_adapters_known", "gauge"),
+    ("kvlb_model_replicas", "gauge"),
+    ("kvlb_model_not_found_total", "counter"),
+    ("kvlb_model_list_failures_total", "counter"),
+    ("kvlb_lora_loads_total", "counter"),
 ];
 
 fn type_name(kind: Kind) -> &'static str {

@@ -30,6 +30,7 @@ pub(super) fn registry(shared: &Arc<Shared>, admin: &Arc<AdminCounters>) -> Regi
     registry.register_collector(Box::new(metrics::ProcessMetrics));
     registry.register_collector(Box::new(AdminMetrics(admin.clone())));
     registry.register_collector(Box::new(crate::telemetry::TelemetryMetrics(shared.clone())));
+    registry.register_collector(Box::new(crate::model_watch::ModelMetrics(shared.clone())));
     registry
 }
 

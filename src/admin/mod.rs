@@ -440,11 +440,17 @@ fn replica_from_body(body: &[u8], with_options: bool) -> Result<String, Reply> {
                     "off".into()
                 }
             }
+            // A list (`models`) is the flag's NAME|NAME.
+            serde_json::Value::Array(items) if items.iter().all(|i| i.is_string()) => items
+                .iter()
+                .filter_map(|i| i.as_str())
+                .collect::<Vec<_>>()
+                .join("|"),
             _ => {
                 return Err(error(
                     400,
                     "invalid_request_error",
-                    &format!("{k}: expected a string, number or boolean"),
+                    &format!("{k}: expected a string, number, boolean or list of strings"),
                 ))
             }
         };
@@ -558,6 +564,7 @@ fn get(path: &str, admin: &Admin) -> Reply {
         }
         "/replicas" => {
             let now = shared.now_ms();
+            let models = shared.models.load();
             let list: Vec<serde_json::Value> = shared
                 .fleet
                 .slots()
@@ -588,6 +595,11 @@ fn get(path: &str, admin: &Admin) -> Reply {
                         "responses": responses,
                         "resident_blocks": shared.residency.replica_blocks(i),
                         "reported_blocks": shared.residency.reported_blocks(i),
+                        // The names it serves (null: not known; it takes any model).
+                        "models": models
+                            .covers(i, slot.epoch.load(Relaxed))
+                            .then(|| models.names_of(i))
+                            .flatten(),
                         "telemetry": shared.telemetry[i].to_json(now),
                     })
                 })

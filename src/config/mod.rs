@@ -98,6 +98,21 @@ pub struct ReplicaConfig {
     /// requests carry `X-Data-Parallel-Rank: r`, events come from the ports + r, and the
     /// name (`url`) is the URL with `#r`.
     pub dp_rank: Option<u32>,
+    /// The model names it serves, as configured (None: asked of the replica, `GET /v1/models`;
+    /// see `crate::models`).
+    pub models: Option<Vec<String>>,
+}
+
+/// A LoRA adapter kvlb loads on a replica when a request names it and no replica has it
+/// (`lora_adapter`; see `crate::model_watch`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraAdapter {
+    pub name: String,
+    /// What the replica loads it from (`lora_path` of vLLM's `/v1/load_lora_adapter`).
+    pub path: String,
+    /// The base model it applies to: replicas serving it may load it (None: any replica
+    /// whose models are known).
+    pub base: Option<String>,
 }
 
 /// Most data-parallel ranks of one replica (`dp_size`).
@@ -172,6 +187,8 @@ fn parse_switch(key: &str, v: &str) -> Result<bool, ConfigError> {
 pub struct TelemetryConfig {
     /// How often each replica's GET /metrics is polled.
     pub metrics_interval: Duration,
+    /// How often each replica's GET /v1/models is asked (zero: never; see `crate::models`).
+    pub models_refresh: Duration,
     /// No events and no metrics for this long: the replica's residency is dropped and it is
     /// shown as stale.
     pub stale_after: Duration,
@@ -191,6 +208,7 @@ impl Default for TelemetryConfig {
     fn default() -> TelemetryConfig {
         TelemetryConfig {
             metrics_interval: Duration::from_secs(1),
+            models_refresh: Duration::from_secs(10),
             stale_after: Duration::from_secs(30),
             routed_guess_ttl: crate::residency::DEFAULT_ROUTED_GUESS_TTL,
             routed_pending_ttl: Duration::ZERO,
@@ -392,6 +410,8 @@ pub struct ServeConfig {
     /// DNS sources of replicas (`dns://NAME:PORT`, `dns+srv://NAME`; see `crate::discovery`),
     /// re-resolved on their interval beside the static list.
     pub replica_dns: Vec<String>,
+    /// LoRA adapters loaded on demand (fixed at start).
+    pub lora_adapters: Vec<LoraAdapter>,
     /// Resolvers for them (`IP[:PORT]`); empty: those of /etc/resolv.conf.
     pub dns_servers: Vec<String>,
     /// Clients must send `Authorization: Bearer <one of these>` (empty: no check).
@@ -566,6 +586,7 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         max_in_flight: None,
         dp_size: 1,
         dp_rank: None,
+        models: None,
     })
 }
 
@@ -740,6 +761,7 @@ impl Default for ServeConfig {
             max_replicas: 64,
             admin_token: None,
             replica_dns: Vec::new(),
+            lora_adapters: Vec::new(),
             dns_servers: Vec::new(),
             api_keys: ApiKeys::default(),
             probes: ProbePaths::default(),

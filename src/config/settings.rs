@@ -8,7 +8,8 @@
 
 use super::values::{
     one_or_many, Addr, Cores, DnsServer, DnsSource, Dur, DurOrOff, Fraction, ListenerTable,
-    OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch, UrlPath, Whole,
+    LoraAdapterSpec, OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch,
+    UrlPath, Whole,
 };
 use super::{
     bad, check_admin_token, load_token_mode, ApiKeys, ConfigError, L4Forwarding, ListenerMode,
@@ -137,6 +138,13 @@ pub struct ServeSettings {
     #[arg(long, value_name = "DUR")]
     pub metrics_interval: Option<Dur>,
 
+    /// How often kvlb asks each replica which models it serves (GET /v1/models: base models,
+    /// aliases, loaded LoRA adapters), besides when it is added or healthy again; requests
+    /// naming a model go only to replicas serving it. 0 or off: never asked, every replica
+    /// takes any model unless its `models` option says otherwise (default: 10s).
+    #[arg(long, value_name = "DUR")]
+    pub models_refresh: Option<DurOrOff>,
+
     /// No events and no metrics from a replica this long: its residency is dropped and it is
     /// shown as stale (default: 30s).
     #[arg(long, value_name = "DUR")]
@@ -212,6 +220,15 @@ pub struct ServeSettings {
     #[arg(long, value_name = "SOURCE")]
     #[serde(deserialize_with = "one_or_many")]
     pub replica_dns: Vec<DnsSource>,
+
+    /// A LoRA adapter kvlb loads on demand, repeatable: NAME=PATH[,base=MODEL]. A request
+    /// naming it while no replica has it loaded waits while kvlb loads it once (POST
+    /// /v1/load_lora_adapter, vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) on the least
+    /// loaded replica serving MODEL (without base: any replica whose models are known), then
+    /// goes there; fixed at start.
+    #[arg(long, value_name = "NAME=PATH[,base=MODEL]")]
+    #[serde(deserialize_with = "one_or_many")]
+    pub lora_adapter: Vec<LoraAdapterSpec>,
 
     /// A resolver for replica_dns, IP[:PORT], repeatable (default: those of /etc/resolv.conf).
     #[arg(long = "dns-server", value_name = "ADDR")]
@@ -414,6 +431,7 @@ impl ServeSettings {
             upstream_timeout,
             drain_timeout,
             metrics_interval,
+            models_refresh,
             telemetry_stale_after,
             routed_guess_ttl,
             routed_pending_ttl,
@@ -430,6 +448,7 @@ impl ServeSettings {
             admin_token,
             admin_token_file,
             replica_dns,
+            lora_adapter,
             dns_servers,
             api_keys_file,
             liveness_path,
@@ -490,6 +509,7 @@ impl ServeSettings {
         set(&mut t.drain, drain_timeout.map(|v| v.0));
         let t = &mut cfg.telemetry;
         set(&mut t.metrics_interval, metrics_interval.map(|v| v.0));
+        set(&mut t.models_refresh, models_refresh.map(|v| v.0));
         set(&mut t.stale_after, telemetry_stale_after.map(|v| v.0));
         set(&mut t.routed_guess_ttl, routed_guess_ttl.map(|v| v.0));
         set(&mut t.routed_pending_ttl, routed_pending_ttl.map(|v| v.0));
@@ -515,6 +535,19 @@ impl ServeSettings {
             if layer == Layer::Flags {
                 eprintln!("kvlb: warning: --admin-token on the command line is visible to every local user (ps, /proc); use --admin-token-file FILE or {ENV_ADMIN_TOKEN} instead");
             }
+        }
+        if !lora_adapter.is_empty() {
+            let list: Vec<_> = lora_adapter.into_iter().map(|v| v.0).collect();
+            for (i, a) in list.iter().enumerate() {
+                if list[..i].iter().any(|b| b.name == a.name) {
+                    return Err(bad(
+                        &layer.name("lora_adapter"),
+                        &a.name,
+                        "listed twice (one path each)",
+                    ));
+                }
+            }
+            cfg.lora_adapters = list;
         }
         if !replica_dns.is_empty() {
             cfg.replica_dns = replica_dns.into_iter().map(|v| v.0).collect();

@@ -509,6 +509,7 @@ fn replica_options_flag_file_help_and_reference_agree() {
         ("metrics", "on"),
         ("max_in_flight", "7"),
         ("dp_size", "2"),
+        ("models", "big|small"),
     ];
     let help = replica_flag_help();
     let reference = reference_markdown();
@@ -637,4 +638,34 @@ fn dp_size_expands_into_ranks() {
         .unwrap();
         assert!(e.0.contains("listed twice"), "{again}: {e}");
     }
+}
+
+/// `models`: a list in the file, NAME|NAME in the flag, the same replica either way; empty or
+/// padded names are refused, naming the option.
+#[test]
+fn replica_models_list_or_flag() {
+    let mut c = ServeConfig::default();
+    apply_toml(
+        &mut c,
+        "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nmodels = [\"Qwen/Qwen3-8B\", \"sql:v1\"]\n",
+    )
+    .unwrap();
+    let flag = parse_replica_flag("", "http://127.0.0.1:9000,models=Qwen/Qwen3-8B|sql:v1").unwrap();
+    assert_eq!(c.replicas, vec![flag.clone()]);
+    assert_eq!(
+        flag.models.as_deref(),
+        Some(&["Qwen/Qwen3-8B".to_string(), "sql:v1".to_string()][..])
+    );
+    for bad in ["models=", "models=a||b", "models= a"] {
+        let e =
+            parse_replica_flag("--replica", &format!("http://127.0.0.1:9000,{bad}")).unwrap_err();
+        assert!(e.0.contains("models"), "{bad}: {e}");
+    }
+    let mut c = ServeConfig::default();
+    let e = apply_toml(
+        &mut c,
+        "[[replica]]\nurl = \"http://127.0.0.1:9000\"\nmodels = []\n",
+    )
+    .unwrap_err();
+    assert!(e.0.contains("models"), "{e}");
 }

@@ -45,6 +45,7 @@ deserialize_from_text!(
     ListenerMode,
     L4Forwarding,
     ZmqEndpoint,
+    LoraAdapterSpec,
     ReplicaUrl,
     UrlPath,
     ProbePath,
@@ -212,6 +213,83 @@ impl FromStr for ZmqEndpoint {
     }
 }
 
+/// The model names a replica serves: a list of strings in the file, `NAME|NAME...` in the
+/// --replica flag (whose options are separated by commas).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelNames(pub Vec<String>);
+
+impl ModelNames {
+    fn checked(names: Vec<String>) -> Result<ModelNames, String> {
+        let max = crate::models::MODEL_BYTES;
+        if names.is_empty() {
+            return Err("expected at least one model name".into());
+        }
+        for n in &names {
+            if n.trim().is_empty() || n.len() > max || n.trim() != n {
+                return Err(format!(
+                    "{n:?}: a model name is 1 to {max} bytes, without surrounding spaces"
+                ));
+            }
+        }
+        Ok(ModelNames(names))
+    }
+}
+
+impl FromStr for ModelNames {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ModelNames, String> {
+        ModelNames::checked(s.split('|').map(str::to_string).collect())
+    }
+}
+
+impl<'de> Deserialize<'de> for ModelNames {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let names: Vec<String> = one_or_many(d)?;
+        match names.as_slice() {
+            // One string is the flag's form.
+            [one] => one.parse(),
+            _ => ModelNames::checked(names),
+        }
+        .map_err(de::Error::custom)
+    }
+}
+
+/// A LoRA adapter kvlb may load: `NAME=PATH[,base=MODEL]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraAdapterSpec(pub crate::config::LoraAdapter);
+
+impl FromStr for LoraAdapterSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<LoraAdapterSpec, String> {
+        let err = || {
+            format!(
+                "{s:?}: expected NAME=PATH[,base=MODEL], e.g. sql=/adapters/sql,base=Qwen/Qwen3-8B"
+            )
+        };
+        let mut parts = s.split(',');
+        let (name, path) = parts
+            .next()
+            .and_then(|p| p.split_once('='))
+            .ok_or_else(err)?;
+        let mut base = None;
+        for opt in parts {
+            match opt.split_once('=') {
+                Some(("base", b)) if !b.is_empty() && base.is_none() => base = Some(b.to_string()),
+                _ => return Err(err()),
+            }
+        }
+        let max = crate::models::MODEL_BYTES;
+        if name.is_empty() || name.len() > max || name.trim() != name || path.is_empty() {
+            return Err(err());
+        }
+        Ok(LoraAdapterSpec(crate::config::LoraAdapter {
+            name: name.to_string(),
+            path: path.to_string(),
+            base,
+        }))
+    }
+}
+
 /// A replica's `http://HOST:PORT` alone (a `[[replica]]` table's `url`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaUrl(pub ReplicaConfig);
@@ -286,6 +364,10 @@ replica_options! {
     /// sent requests with X-Data-Parallel-Rank: r, its events on the kv_events and kv_replay
     /// ports + r (default 1)
     dp_size: Whole<1, MAX_DP_SIZE> = "N";
+    /// the model names it serves, aliases and LoRA adapters included (NAME|NAME on the
+    /// command line, a list in the file); requests naming a model go only to replicas serving
+    /// it. Default: what the replica lists in its GET /v1/models, asked every models_refresh
+    models: ModelNames = "NAME|NAME";
 }
 
 /// A key that is there holds a value (the flag's options are plain text, which has no
@@ -308,6 +390,7 @@ impl ReplicaTable {
             metrics,
             max_in_flight,
             dp_size,
+            models,
         } = self;
         let mut r = url.0;
         if let Some(n) = kv_capacity_tokens {
@@ -319,6 +402,7 @@ impl ReplicaTable {
         r.metrics = metrics.map(|m| m.0);
         r.max_in_flight = max_in_flight.map(|n| n.0 as u32);
         r.dp_size = dp_size.map_or(1, |n| n.0 as u32);
+        r.models = models.map(|m| m.0);
         super::check_replay(key, &r)?;
         super::check_dp_size(key, &r)?;
         Ok(r)

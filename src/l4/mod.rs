@@ -19,6 +19,7 @@ use crate::config::L4Forwarding;
 use crate::http::request::{self, BodyFraming, Method};
 use crate::http::{write_error, HttpError};
 use crate::metrics::{families, Collector, DescriptorEncoder};
+use crate::models::ModelKey;
 use crate::prompt::PromptError;
 use crate::rt::op;
 use crate::worker::{InFlight, Worker, SMALL_BODY};
@@ -259,13 +260,24 @@ async fn first_request(
     }
 
     w.refresh();
-    if w.fill_candidates(&[]).0 == 0 {
-        local_error(w, fd, HttpError::NoReplica).await;
-        return None;
-    }
     let path_bytes = &buf[path.0..path.1];
     let body = &buf[head.head_len..body_end];
     let parsed = prompt_path && body_end > head.head_len && w.hash_prompt(path_bytes, body);
+    // The connection goes where its first request's model is served (an adapter kvlb loads
+    // on demand, once loaded); a model no replica serves goes anywhere, and that replica
+    // answers its own 404.
+    let model = match w.request_model(body, parsed) {
+        crate::worker::RequestModel::Route(model) => model,
+        crate::worker::RequestModel::Load(i) => match w.adapter_replica(i).await {
+            Ok(slot) => ModelKey::Replica(slot),
+            Err(_) => ModelKey::Any,
+        },
+        crate::worker::RequestModel::NotServed => ModelKey::Any,
+    };
+    if w.fill_candidates(&[], model).0 == 0 {
+        local_error(w, fd, HttpError::NoReplica).await;
+        return None;
+    }
     let body_len = match head.body {
         BodyFraming::Length(n) => n.min(u32::MAX as u64) as usize,
         _ => body.len(),

@@ -376,7 +376,27 @@ pub static REPLICA_KV_EVENT_SKIPPED: Family = Family::counter(
 pub static LORA_ADAPTERS: Family = Family::gauge(
     "kvlb_lora_adapters_known",
     &[],
-    "LoRA adapter names learned from the replicas' KV events: a token-mode request whose model names one matches only blocks stored under it.",
+    "LoRA adapter names learned from the replicas' KV events and model lists: a token-mode request whose model names one matches only blocks stored under it.",
+);
+pub static MODEL_REPLICAS: Family = Family::gauge(
+    "kvlb_model_replicas",
+    &["model"],
+    "Replicas serving each model name (base models, aliases, LoRA adapters), as their GET /v1/models or their models option say; requests naming a model go only to them. The first 256 names have their own label, the rest are summed under model=\"other\".",
+);
+pub static LORA_LOADS: Family = Family::counter(
+    "kvlb_lora_loads_total",
+    &["adapter", "result"],
+    "LoRA adapters kvlb loaded on demand (lora_adapter) on a replica, once for all the requests that waited for it: result ok, or failed (those requests were answered 503).",
+);
+pub static MODEL_NOT_FOUND: Family = Family::counter(
+    "kvlb_model_not_found_total",
+    &[],
+    "Requests answered 404 (model_not_found) by kvlb: no replica serves the model they name.",
+);
+pub static MODEL_LIST_FAILURES: Family = Family::counter(
+    "kvlb_model_list_failures_total",
+    &[],
+    "Replica model lists (GET /v1/models) that could not be read: no answer (the last list is kept) or no list (the replica takes any model).",
 );
 
 /// Every family, in the order /metrics shows them.
@@ -455,4 +475,8 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS,
     &REPLICA_KV_EVENT_SKIPPED,
     &LORA_ADAPTERS,
+    &MODEL_REPLICAS,
+    &MODEL_NOT_FOUND,
+    &MODEL_LIST_FAILURES,
+    &LORA_LOADS,
 ];

@@ -23,15 +23,16 @@
 use crate::http::request::{self, Method};
 use crate::http::HttpError;
 use crate::metrics;
+use crate::models::ModelKey;
 use crate::rt::op;
-use crate::worker::{InFlight, Worker};
+use crate::worker::{InFlight, RequestModel, Worker};
 use forward::{fail, forward, rebuild_upstream_head, Forwarded};
 use log::{log_request, LogState};
 use read::{
     body_in_hand, consume_request, read_body, recv_client, refuse_request, refuse_unread,
     release_body, send_local_error,
 };
-use route::{probe_state, route, wait_for_capacity, Route};
+use route::{models_answer, probe_state, route, wait_for_capacity, Route};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
@@ -223,13 +224,70 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         metrics::add(&w.stats().requests, 1);
 
         w.refresh();
+        // The fleet's models, answered by kvlb itself once the replicas' lists are known.
+        if let Some(status) = models_answer(w, conn, &head) {
+            if status != 200 {
+                w.stats().local_error(status);
+            }
+            conn.log.status = status;
+            log_request(w, conn, Some((&head, body_end)), &[], received_at);
+            match send_obuf(conn).await && head.keep_alive && !w.draining.get() {
+                true => {
+                    consume_request(conn, req_end);
+                    continue;
+                }
+                false => return End::Close,
+            }
+        }
         // Hash the prompt's prefix blocks once (no allocation: the worker's buffers are reused).
         let parsed = head.method == Method::Post
             && w.hash_prompt(
                 &conn.cbuf[head.target.0..head.target.1],
                 &conn.cbuf[head.head_len..body_end],
             );
-
+        // Only replicas serving the request's model may take it; a model none serves is
+        // OpenAI's 404.
+        let model = match w.request_model(&conn.cbuf[head.head_len..body_end], parsed) {
+            RequestModel::Route(model) => Ok(model),
+            RequestModel::Load(i) => match w.adapter_replica(i).await {
+                Ok(slot) => Ok(ModelKey::Replica(slot)),
+                Err(why) => Err((503, why)),
+            },
+            RequestModel::NotServed => {
+                crate::model_watch::NOT_FOUND.fetch_add(1, Relaxed);
+                Err((404, String::new()))
+            }
+        };
+        let model = match model {
+            Ok(model) => model,
+            Err((status, why)) => {
+                w.stats().local_error(status);
+                conn.log.status = status;
+                log_request(w, conn, Some((&head, body_end)), &[], received_at);
+                conn.obuf.clear();
+                if status == 404 {
+                    let name = w.prefix.borrow().model.shown().into_owned();
+                    crate::http::write_model_not_found(&mut conn.obuf, &name);
+                } else {
+                    crate::http::write_error(
+                        &mut conn.obuf,
+                        503,
+                        "Service Unavailable",
+                        "service_unavailable",
+                        &why,
+                        None,
+                        false,
+                    );
+                }
+                match send_obuf(conn).await && head.keep_alive && !w.draining.get() {
+                    true => {
+                        consume_request(conn, req_end);
+                        continue;
+                    }
+                    false => return End::Close,
+                }
+            }
+        };
         // Select and forward; a failure at connect time or an immediate 503 is retried on
         // another replica while nothing has reached the client.
         let mut tried = [usize::MAX; MAX_ATTEMPTS];
@@ -241,9 +299,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 rebuild_upstream_head(conn, head_end);
             }
             let (routed, explain_len) =
-                match route(w, conn, &head, body_end, parsed, &tried[..attempts]) {
+                match route(w, conn, &head, body_end, parsed, &tried[..attempts], model) {
                     Route::To(r, e) => (r, e),
-                    Route::AllBusy => match wait_for_capacity(w, &tried[..attempts]).await {
+                    Route::AllBusy => match wait_for_capacity(w, &tried[..attempts], model).await {
                         Ok(()) => continue,
                         Err(e) => {
                             // Logged first: the refusal drops the request's bytes from cbuf.
@@ -325,6 +383,14 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             _ => return End::Close,
         }
     }
+}
+
+/// Send kvlb's own answer written in `conn.obuf`; false when the client is gone.
+async fn send_obuf(conn: &mut Conn) -> bool {
+    let n = conn.obuf.len();
+    let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.obuf), 0, n).await;
+    conn.obuf = b;
+    r.is_ok()
 }
 
 /// Most replicas one request is tried on (the first and its retries).

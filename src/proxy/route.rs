@@ -10,6 +10,7 @@ use crate::config::ReplicaConfig;
 use crate::http::request::{BodyFraming, Method, RequestHead};
 use crate::http::HttpError;
 use crate::metrics;
+use crate::models::ModelKey;
 use crate::rt::op;
 use crate::select::Decision;
 use crate::worker::Worker;
@@ -125,9 +126,80 @@ impl ProbeState {
     }
 }
 
+/// kvlb's own answer to `GET /v1/models` (the fleet's models, every name once) or
+/// `GET /v1/models/{id}` (one of them, or OpenAI's 404), written into `conn.obuf`: Some(status)
+/// when kvlb answers, None to forward the request (not that path, or no replica's models are
+/// known). The list is built when the replicas' lists change, never per request.
+pub(super) fn models_answer(w: &Worker, conn: &mut Conn, head: &RequestHead) -> Option<u16> {
+    if !matches!(head.method, Method::Get | Method::Head) {
+        return None;
+    }
+    let target = &conn.cbuf[head.target.0..head.target.1];
+    let path = match memchr::memchr(b'?', target) {
+        Some(q) => &target[..q],
+        None => target,
+    };
+    let rest = path.strip_prefix(b"/v1/models")?;
+    let models = w.shared.models.load();
+    if !models.knows_any() {
+        return None;
+    }
+    let head_only = head.method == Method::Head;
+    conn.obuf.clear();
+    match rest {
+        b"" | b"/" => {
+            crate::http::write_json_ok(&mut conn.obuf, models.list_json(), head_only);
+            Some(200)
+        }
+        _ => {
+            let id = percent_decoded(rest.strip_prefix(b"/")?);
+            match models.card(&id) {
+                Some(card) => {
+                    let body = serde_json::to_vec(&card.raw).unwrap_or_default();
+                    crate::http::write_json_ok(&mut conn.obuf, &body, head_only);
+                    Some(200)
+                }
+                None => {
+                    let name = String::from_utf8_lossy(&id);
+                    crate::http::write_model_not_found(&mut conn.obuf, &name);
+                    Some(404)
+                }
+            }
+        }
+    }
+}
+
+/// `%XX` escapes of a path segment decoded (model ids hold `/`, sent as `%2F` or as is).
+fn percent_decoded(s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut i = 0;
+    while i < s.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            s[i],
+            s.get(i + 1).copied().and_then(hex),
+            s.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(a), Some(b)) => {
+                out.push((a * 16 + b) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 /// Wait, in the bounded queue, until some replica not in `tried` is below its concurrency
 /// limit. Err: the 429 to answer (queue full, or waited `queue_timeout`).
-pub(super) async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(), HttpError> {
+pub(super) async fn wait_for_capacity(
+    w: &Worker,
+    tried: &[usize],
+    model: ModelKey,
+) -> Result<(), HttpError> {
     let cfg = w.cfg();
     let queued = &w.shared.queued;
     if queued.fetch_add(1, Relaxed) >= cfg.queue_size as u64 {
@@ -140,7 +212,7 @@ pub(super) async fn wait_for_capacity(w: &Worker, tried: &[usize]) -> Result<(),
     let result = loop {
         op::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(8));
-        if w.fill_candidates(tried).0 > 0 {
+        if w.fill_candidates(tried, model).0 > 0 {
             break Ok(());
         }
         if crate::rt::now() >= deadline || w.draining.get() {
@@ -169,9 +241,10 @@ pub(super) fn route(
     body_end: usize,
     parsed: bool,
     tried: &[usize],
+    model: ModelKey,
 ) -> Route {
     let cfg = w.cfg();
-    match w.fill_candidates(tried) {
+    match w.fill_candidates(tried, model) {
         (0, 0) => return Route::NoneLeft,
         (0, _) => return Route::AllBusy,
         _ => {}

@@ -201,22 +201,74 @@ pub fn parse_metrics(text: &str) -> MetricsSample {
 
 /// GET http://`addr`/metrics (Host: `authority`) within `timeout` overall; the body on 200.
 pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io::Result<String> {
+    let (status, line, body) = http_get(
+        addr,
+        authority,
+        "/metrics",
+        "text/plain",
+        timeout,
+        MAX_METRICS_BYTES,
+    )
+    .map_err(|e| io::Error::new(e.kind(), format!("metrics: {e}")))?;
+    if status != 200 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("metrics: {line}"),
+        ));
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// GET http://`addr``path` (HTTP/1.0, Host: `authority`) within `timeout` overall: the status,
+/// the status line and the body (at most `max` bytes).
+pub fn http_get(
+    addr: SocketAddr,
+    authority: &str,
+    path: &str,
+    accept: &str,
+    timeout: Duration,
+    max: usize,
+) -> io::Result<(u16, String, Vec<u8>)> {
+    http_request(addr, authority, "GET", path, accept, None, timeout, max)
+}
+
+/// `method` http://`addr``path` with a JSON `body` if any, as [`http_get`].
+#[allow(clippy::too_many_arguments)]
+pub fn http_request(
+    addr: SocketAddr,
+    authority: &str,
+    method: &str,
+    path: &str,
+    accept: &str,
+    body: Option<&[u8]>,
+    timeout: Duration,
+    max: usize,
+) -> io::Result<(u16, String, Vec<u8>)> {
     let deadline = Instant::now() + timeout;
     let mut s = TcpStream::connect_timeout(&addr, timeout)?;
     s.set_write_timeout(Some(timeout))?;
-    s.write_all(
-        format!("GET /metrics HTTP/1.0\r\nHost: {authority}\r\nAccept: text/plain\r\nUser-Agent: kvlb\r\n\r\n")
+    let mut req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {authority}\r\nAccept: {accept}\r\nUser-Agent: kvlb\r\n"
+    )
+    .into_bytes();
+    if let Some(body) = body {
+        req.extend_from_slice(
+            format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            )
             .as_bytes(),
-    )?;
+        );
+    }
+    req.extend_from_slice(b"\r\n");
+    req.extend_from_slice(body.unwrap_or_default());
+    s.write_all(&req)?;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16 * 1024];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "metrics: timed out",
-            ));
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
         }
         s.set_read_timeout(Some(left))?;
         let n = s.read(&mut chunk)?;
@@ -224,27 +276,26 @@ pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io
             break;
         }
         buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > MAX_METRICS_BYTES {
+        if buf.len() > max {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("metrics: reply over {MAX_METRICS_BYTES} bytes"),
+                format!("reply over {max} bytes"),
             ));
         }
     }
     let head_end = buf
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "metrics: no HTTP head"))?;
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no HTTP head"))?;
     let head = String::from_utf8_lossy(&buf[..head_end]);
-    let status = head.split_whitespace().nth(1).unwrap_or("");
-    if status != "200" {
-        let line = head.lines().next().unwrap_or("").to_string();
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("metrics: {line}"),
-        ));
-    }
-    Ok(String::from_utf8_lossy(&buf[head_end + 4..]).into_owned())
+    let line = head.lines().next().unwrap_or("").to_string();
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no HTTP status"))?;
+    buf.drain(..head_end + 4);
+    Ok((status, line, buf))
 }
 
 /// Publish one scrape's figures for slot `r`; `own`: this instance's in flight and decoding

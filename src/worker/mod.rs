@@ -4,6 +4,7 @@
 
 use crate::config::ServeConfig;
 use crate::metrics::{ReplicaGauges, WorkerStats};
+use crate::models::{ModelKey, Resolved};
 use crate::rt::op;
 use crate::select::{self, Candidate, Policy, Rng};
 use std::cell::{Cell, RefCell};
@@ -46,6 +47,10 @@ pub struct Shared {
     /// The LoRA adapter names learned from the replicas' KV events: a request whose `model`
     /// names one is hashed under it (see `crate::prefix::token_root`).
     pub adapters: Arc<crate::prefix::AdapterNames>,
+    /// Which replica serves which model (`crate::model_watch` keeps it up to date).
+    pub models: arc_swap::ArcSwap<crate::models::ModelMap>,
+    /// The LoRA adapters kvlb loads on demand (`lora_adapter`) and their loads.
+    pub on_demand: crate::models::OnDemand,
     /// How much of a prompt a worker reads (`max_prompt_tokens`, fixed at start).
     pub prompt_limits: crate::prompt::PromptLimits,
     pub loads: Vec<ReplicaGauges>,
@@ -89,6 +94,13 @@ impl Shared {
             routing_logs,
             prefix,
             adapters: Arc::new(crate::prefix::AdapterNames::new()),
+            models: arc_swap::ArcSwap::from_pointee(crate::models::ModelMap::empty(n)),
+            on_demand: crate::models::OnDemand::new(
+                &cfg.lora_adapters
+                    .iter()
+                    .map(|a| (a.name.clone(), a.path.clone(), a.base.clone()))
+                    .collect::<Vec<_>>(),
+            ),
             prompt_limits: crate::prompt::PromptLimits::for_tokens(cfg.max_prompt_tokens),
             loads: (0..n).map(|_| ReplicaGauges::default()).collect(),
             workers,
@@ -379,10 +391,15 @@ impl Worker {
     /// every active replica not tried is a candidate (better a likely failure than a certain
     /// one).
     /// Replicas at their concurrency limit are left out and counted: returns (candidates,
-    /// replicas left out for being at their limit).
-    pub fn fill_candidates(&self, tried: &[usize]) -> (usize, usize) {
+    /// replicas left out for being at their limit). Only replicas serving `model` are
+    /// considered, in every case (see `crate::models`).
+    pub fn fill_candidates(&self, tried: &[usize], model: ModelKey) -> (usize, usize) {
         let now = self.shared.now_ms();
         let cfg = self.cfg();
+        let models = self.shared.models.load();
+        let serves = |i: usize, slot: &crate::fleet::ReplicaSlot| {
+            models.allows(model, i, slot.epoch.load(Relaxed))
+        };
         let slow_start_ms = cfg.health.slow_start.as_millis() as u64;
         let mut capped = 0;
         let at_cap = |i: usize, slot: &crate::fleet::ReplicaSlot| {
@@ -405,7 +422,7 @@ impl Worker {
             }
         };
         for (i, slot) in self.shared.fleet.slots() {
-            if !slot.available(now) || tried.contains(&i) {
+            if !slot.available(now) || tried.contains(&i) || !serves(i, slot) {
                 continue;
             }
             if at_cap(i, slot) {
@@ -423,7 +440,7 @@ impl Worker {
         }
         if c.is_empty() && capped == 0 {
             for (i, slot) in self.shared.fleet.slots() {
-                if slot.state() == crate::fleet::ACTIVE && !tried.contains(&i) {
+                if slot.state() == crate::fleet::ACTIVE && !tried.contains(&i) && serves(i, slot) {
                     if at_cap(i, slot) {
                         capped += 1;
                     } else {
@@ -434,6 +451,129 @@ impl Worker {
         }
         (c.len(), capped)
     }
+}
+
+impl Worker {
+    /// The model the request is routed by: its `model` (read with its prompt when `parsed`,
+    /// else skimmed from `body`) as the replicas serve it, or an adapter kvlb is to load.
+    pub fn request_model(&self, body: &[u8], parsed: bool) -> RequestModel {
+        let models = self.shared.models.load();
+        if !models.knows_any() {
+            return RequestModel::Route(ModelKey::Any);
+        }
+        let mut prefix = self.prefix.borrow_mut();
+        if !parsed {
+            crate::models::top_level_model(body, &mut prefix.model);
+        }
+        match models.resolve(&prefix.model) {
+            Resolved::Route(key) => RequestModel::Route(key),
+            Resolved::NotServed(key) => {
+                if let Some(i) = self.shared.on_demand.find(&prefix.model) {
+                    return RequestModel::Load(i);
+                }
+                // A replica whose names are not known yet (just added, or listing none) may.
+                let open = self.shared.fleet.slots().any(|(i, s)| {
+                    s.state() == crate::fleet::ACTIVE && !models.covers(i, s.epoch.load(Relaxed))
+                });
+                match open {
+                    true => RequestModel::Route(key),
+                    false => RequestModel::NotServed,
+                }
+            }
+        }
+    }
+
+    /// The replica adapter `i` (`lora_adapter`) is loaded on, loading it first if no replica
+    /// has it: the first request to need it claims the least loaded replica serving its base
+    /// and has the model thread load it there; the others wait for that load (within
+    /// `upstream_timeout`). Err: the message of the 503 to answer.
+    pub async fn adapter_replica(&self, i: usize) -> Result<usize, String> {
+        use crate::models::{FAILED, LOADED};
+        let a = &self.shared.on_demand.adapters[i];
+        let deadline = crate::rt::now() + self.cfg().timeouts.upstream;
+        let mut pause = std::time::Duration::from_millis(1);
+        loop {
+            let now = self.shared.now_ms();
+            let Some((slot, epoch)) = a.claimed() else {
+                let Some((slot, epoch)) = self.least_loaded_base(a.base, now) else {
+                    return Err(format!(
+                        "no replica serving {} is available to load LoRA adapter {}",
+                        a.base_name.as_deref().unwrap_or("its base model"),
+                        a.name
+                    ));
+                };
+                if a.claim(slot, epoch) {
+                    let _ = self
+                        .shared
+                        .on_demand
+                        .jobs
+                        .send(crate::models::LoadJob::Load(i));
+                }
+                continue;
+            };
+            let s = self.shared.fleet.slot(slot);
+            if s.state() != crate::fleet::ACTIVE || s.epoch.load(Relaxed) != epoch {
+                a.release(slot, epoch);
+                continue;
+            }
+            match a.state.load(Relaxed) {
+                LOADED => return Ok(slot),
+                FAILED => {
+                    // Tried again once a pause has passed since the failure.
+                    if now.saturating_sub(a.failed_at_ms.load(Relaxed)) >= LOAD_RETRY_MS {
+                        a.release(slot, epoch);
+                        continue;
+                    }
+                    let why = a
+                        .error
+                        .load_full()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default();
+                    return Err(format!("loading LoRA adapter {} failed: {why}", a.name));
+                }
+                _ => {}
+            }
+            if crate::rt::now() >= deadline {
+                return Err(format!("LoRA adapter {} is still loading", a.name));
+            }
+            op::sleep(pause).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// The available replica serving `base` (any whose models are known, for None) with the
+    /// least work queued, and its epoch.
+    fn least_loaded_base(&self, base: Option<u64>, now: u64) -> Option<(usize, u64)> {
+        let models = self.shared.models.load();
+        let key = base.map_or(ModelKey::Any, ModelKey::Named);
+        self.shared
+            .fleet
+            .slots()
+            .filter(|(i, s)| {
+                let epoch = s.epoch.load(Relaxed);
+                s.available(now) && models.covers(*i, epoch) && models.allows(key, *i, epoch)
+            })
+            .min_by_key(|(i, _)| {
+                let l = &self.shared.loads[*i];
+                (
+                    l.queued_prefill_tokens.load(Relaxed),
+                    l.in_flight.load(Relaxed),
+                )
+            })
+            .map(|(i, s)| (i, s.epoch.load(Relaxed)))
+    }
+}
+
+/// A failed on-demand adapter load is tried again by requests this long after it failed.
+const LOAD_RETRY_MS: u64 = 2_000;
+
+/// What a request's `model` asks of routing.
+pub enum RequestModel {
+    Route(ModelKey),
+    /// The `lora_adapter` of this index, which no replica has: load it first.
+    Load(usize),
+    /// No replica serves it, nor may: OpenAI's 404.
+    NotServed,
 }
 
 /// A routing decision: the replica chosen for a request and why.

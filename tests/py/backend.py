@@ -40,6 +40,7 @@ handle:
   /stats                JSON counters: connections_opened, connections_closed, requests,
                         aborted (slow/hang requests whose peer closed first)
   /health               200 (503 after /set_health?ok=0); not counted in requests
+  GET /v1/models        404 (this backend lists no models); not counted in requests
   /set_health?ok=0|1    make /health fail or pass
   /set_mode?status=C    answer every other request with status C (0: back to normal)
 Any other path is a 404 with x-got-path and x-got-headers-json.
@@ -234,6 +235,11 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health" and self.command == "GET":
             # The load balancer's health checks: not counted with the requests tests make.
             self.send_simple(200 if CONTROL["healthy"] else 503, b"")
+            return
+        if path == "/v1/models" and self.command == "GET":
+            # The load balancer asking which models this backend serves: none listed (a plain
+            # HTTP backend), and not counted with the requests tests make.
+            self.send_simple(404, b"no model list\n")
             return
         if path == "/set_health":
             CONTROL["healthy"] = q.get("ok", "1") == "1"

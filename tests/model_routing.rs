@@ -1,0 +1,427 @@
+//! Routing by model: kvlb in front of `kvlb replica` processes serving different models (each
+//! lists its names in GET /v1/models, as vLLM does) sends every request only to replicas
+//! serving the model it names, answers GET /v1/models with the fleet's union, and answers a
+//! model no replica serves with OpenAI's 404. Replicas whose models are not known (a plain
+//! HTTP backend) take any model; names can be pinned per replica (`models=`); a replica
+//! restarted with other models is followed.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+use support::client::HttpConn;
+use support::fleet::{replicas_json, ReplicaFleet};
+use support::{wait_until, Backend, Kvlb};
+
+const T: Duration = Duration::from_secs(20);
+
+/// `kvlb replica --count n --served-model-name NAMES...` (simulated time 50x).
+fn fleet(n: usize, names: &[&str]) -> ReplicaFleet {
+    fleet_with(n, names, &[])
+}
+
+fn fleet_with(n: usize, names: &[&str], extra: &[&str]) -> ReplicaFleet {
+    let mut args = vec!["--time-scale", "50"];
+    args.extend_from_slice(extra);
+    args.push("--served-model-name");
+    args.extend_from_slice(names);
+    ReplicaFleet::start(n, &args)
+}
+
+fn url(a: &SocketAddr) -> String {
+    format!("http://{a}")
+}
+
+/// `kvlb serve` in front of `replicas` (flag values), with `extra`.
+fn serve(replicas: &[String], extra: &[&str]) -> Kvlb {
+    let mut args: Vec<&str> = vec!["--workers", "2", "--health-interval", "200ms"];
+    for r in replicas {
+        args.push("--replica");
+        args.push(r);
+    }
+    args.extend_from_slice(extra);
+    Kvlb::serve(&args)
+}
+
+/// Waits until /replicas shows the names of every replica (`None`: not known).
+fn wait_models(kvlb: &Kvlb, want: &[Option<&[&str]>]) {
+    let shown = || -> Vec<Value> {
+        replicas_json(kvlb)
+            .iter()
+            .map(|r| r["models"].clone())
+            .collect()
+    };
+    let expected: Vec<Value> = want
+        .iter()
+        .map(|w| w.map_or(Value::Null, |names| json!(names)))
+        .collect();
+    assert!(
+        wait_until(T, || shown() == expected),
+        "models shown {:?}, want {expected:?}; kvlb said:\n{}",
+        shown(),
+        kvlb.stderr()
+    );
+}
+
+fn chat(model: &str, text: &str) -> Vec<u8> {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn post(conn: &mut HttpConn, path: &str, body: &[u8]) -> support::Response {
+    conn.request("POST", path, &[("Content-Type", "application/json")], body)
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
+
+#[test]
+fn two_models_on_disjoint_replicas_never_cross() {
+    let big = fleet(2, &["big"]);
+    let small = fleet(2, &["small"]);
+    let urls: Vec<String> = big.http.iter().chain(&small.http).map(url).collect();
+    let kvlb = serve(&urls, &["--explain"]);
+    wait_models(
+        &kvlb,
+        &[
+            Some(&["big"]),
+            Some(&["big"]),
+            Some(&["small"]),
+            Some(&["small"]),
+        ],
+    );
+    let serving = |model: &str| -> BTreeSet<String> {
+        let fleet = if model == "big" { &big } else { &small };
+        fleet.http.iter().map(url).collect()
+    };
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    // A shared preamble: cache_aware would follow its holder if models did not bound it.
+    let preamble = "You are a careful assistant. ".repeat(40);
+    for i in 0..24 {
+        let model = if i % 3 == 0 { "small" } else { "big" };
+        let r = post(
+            &mut conn,
+            "/v1/chat/completions",
+            &chat(model, &format!("{preamble} question {i}")),
+        );
+        assert_eq!(r.status, 200, "{}", r.describe());
+        let replica = r.header("x-kvlb-replica").unwrap().to_string();
+        assert!(
+            serving(model).contains(&replica),
+            "a {model} request went to {replica}"
+        );
+        assert_eq!(r.json().unwrap()["model"], model);
+        seen.insert(replica);
+    }
+    // Each model's requests stayed within its replicas, which served them all.
+    assert!(
+        seen.iter().any(|r| serving("big").contains(r))
+            && seen.iter().any(|r| serving("small").contains(r)),
+        "{seen:?}"
+    );
+    // No model named: any replica (and each answers with its own).
+    let r = post(
+        &mut conn,
+        "/v1/completions",
+        br#"{"prompt":"no model here","max_tokens":1}"#,
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+
+    // The union, each name once, without asking the replicas per request.
+    let list = kvlb.get("/v1/models");
+    assert_eq!(list.status, 200, "{}", list.describe());
+    let v = list.json().unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["big", "small"]);
+    assert_eq!(v["object"], "list");
+    let one = kvlb.get("/v1/models/small");
+    assert_eq!(one.status, 200, "{}", one.describe());
+    assert_eq!(one.json().unwrap()["id"], "small");
+    let metrics = kvlb.admin_get("/metrics").body_text();
+    assert!(
+        metrics.contains("kvlb_model_replicas{model=\"big\"} 2"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_model_no_replica_serves_is_openais_404_and_the_connection_lives() {
+    let big = fleet(1, &["big"]);
+    let kvlb = serve(&[url(&big.http[0])], &[]);
+    wait_models(&kvlb, &[Some(&["big"])]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    for (path, body) in [
+        ("/v1/chat/completions", chat("gpt-4o", "hi")),
+        (
+            "/v1/completions",
+            br#"{"model":"gpt-4o","prompt":"hi"}"#.to_vec(),
+        ),
+        (
+            "/v1/embeddings",
+            br#"{"input":"hi","model":"gpt-4o"}"#.to_vec(),
+        ),
+    ] {
+        let r = post(&mut conn, path, &body);
+        assert_eq!(r.status, 404, "{path}: {}", r.describe());
+        assert!(r.header("x-kvlb-replica").is_none(), "{}", r.describe());
+        let v = r.json().unwrap();
+        assert_eq!(
+            v["error"]["message"], "The model `gpt-4o` does not exist.",
+            "{v}"
+        );
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "model_not_found");
+        assert_eq!(v["error"]["param"], "model");
+    }
+    // The same connection carries on.
+    let r = post(&mut conn, "/v1/chat/completions", &chat("big", "hi"));
+    assert_eq!(r.status, 200, "{}", r.describe());
+    let nope = kvlb.get("/v1/models/nope");
+    assert_eq!(nope.status, 404, "{}", nope.describe());
+    assert_eq!(nope.json().unwrap()["error"]["code"], "model_not_found");
+    assert_eq!(kvlb.metric("kvlb_model_not_found_total", &[]), Some(3.0));
+}
+
+#[test]
+fn aliases_and_pinned_names_overlap_replicas() {
+    // Replica 0 serves big; replica 1 serves big under a second name too (vLLM's
+    // --served-model-name list); replica 2 answers no list and is pinned to "small".
+    let one = fleet(1, &["big"]);
+    let two = fleet(1, &["big", "big-latest"]);
+    let backend = Backend::start();
+    let urls = [
+        url(&one.http[0]),
+        url(&two.http[0]),
+        format!("{},models=small", backend.url().trim_end_matches('/')),
+    ];
+    let kvlb = serve(&urls, &["--policy", "round_robin"]);
+    wait_models(
+        &kvlb,
+        &[
+            Some(&["big"]),
+            Some(&["big", "big-latest"]),
+            Some(&["small"]),
+        ],
+    );
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let mut went = |model: &str| -> BTreeSet<String> {
+        (0..6)
+            .map(|i| {
+                let r = post(
+                    &mut conn,
+                    "/v1/completions",
+                    format!(r#"{{"model":"{model}","prompt":"p{i}","max_tokens":1}}"#).as_bytes(),
+                );
+                r.header("x-kvlb-replica").unwrap().to_string()
+            })
+            .collect()
+    };
+    assert_eq!(
+        went("big"),
+        BTreeSet::from([urls[0].clone(), urls[1].clone()])
+    );
+    assert_eq!(went("big-latest"), BTreeSet::from([urls[1].clone()]));
+    assert_eq!(
+        went("small"),
+        BTreeSet::from([backend.url().trim_end_matches('/').to_string()])
+    );
+}
+
+#[test]
+fn a_replica_listing_no_models_takes_any_model() {
+    let big = fleet(1, &["big"]);
+    let backend = Backend::start();
+    let plain = backend.url().trim_end_matches('/').to_string();
+    let kvlb = serve(&[url(&big.http[0]), plain.clone()], &[]);
+    wait_models(&kvlb, &[Some(&["big"]), None]);
+    assert!(
+        kvlb.stderr().contains("it takes requests for any model"),
+        "{}",
+        kvlb.stderr()
+    );
+    let mut conn = HttpConn::connect(kvlb.listen);
+    for _ in 0..4 {
+        // Not big: only the replica whose models are not known may serve it.
+        let r = post(&mut conn, "/echo", br#"{"model":"other","input":"x"}"#);
+        assert_eq!(
+            r.header("x-kvlb-replica"),
+            Some(plain.as_str()),
+            "{}",
+            r.describe()
+        );
+    }
+    assert!(kvlb.metric("kvlb_model_list_failures_total", &[]).unwrap() >= 1.0);
+}
+
+#[test]
+fn a_replica_restarted_with_other_models_is_followed() {
+    let first = fleet(1, &["big"]);
+    let addr = first.http[0];
+    let kvlb = serve(&[url(&addr)], &["--models-refresh", "300ms"]);
+    wait_models(&kvlb, &[Some(&["big"])]);
+    drop(first);
+    let listen = addr.to_string();
+    let _second = ReplicaFleet::start(
+        1,
+        &[
+            "--listen",
+            &listen,
+            "--time-scale",
+            "50",
+            "--served-model-name",
+            "small",
+        ],
+    );
+    wait_models(&kvlb, &[Some(&["small"])]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let r = post(&mut conn, "/v1/chat/completions", &chat("small", "hi"));
+    assert_eq!(r.status, 200, "{}", r.describe());
+    let r = post(&mut conn, "/v1/chat/completions", &chat("big", "hi"));
+    assert_eq!(r.status, 404, "{}", r.describe());
+    assert!(kvlb.stderr().contains("serves small"), "{}", kvlb.stderr());
+}
+
+#[test]
+fn models_refresh_off_takes_any_model_everywhere() {
+    let big = fleet(1, &["big"]);
+    let kvlb = serve(&[url(&big.http[0])], &["--models-refresh", "off"]);
+    std::thread::sleep(Duration::from_millis(300));
+    wait_models(&kvlb, &[None]);
+    // kvlb does not answer for the replica: the replica's own 404.
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let r = post(&mut conn, "/v1/chat/completions", &chat("gpt-4o", "hi"));
+    assert_eq!(r.status, 404, "{}", r.describe());
+    assert!(r.header("x-kvlb-replica").is_some(), "{}", r.describe());
+    assert!(kvlb.metric("kvlb_model_not_found_total", &[]) == Some(0.0));
+}
+
+/// The official `openai` client lists the fleet's models through kvlb, uses each, and sees
+/// an unknown model as its NotFoundError.
+#[test]
+fn the_openai_client_lists_and_uses_models_through_kvlb() {
+    let big = fleet(1, &["big"]);
+    let small = fleet(1, &["small"]);
+    let kvlb = serve(&[url(&big.http[0]), url(&small.http[0])], &[]);
+    wait_models(&kvlb, &[Some(&["big"]), Some(&["small"])]);
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=30)
+ids = [m.id for m in c.models.list().data]
+assert ids == ["big", "small"], ids
+for m in ids:
+    r = c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.model == m, (r.model, m)
+try:
+    c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    raise SystemExit("no error for an unknown model")
+except openai.NotFoundError as e:
+    assert e.code == "model_not_found", e.body
+print("ok")
+"#;
+    let out = std::process::Command::new(support::backend::python())
+        .args(["-c", script, &kvlb.url("/v1")])
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `lora_adapter`: 32 concurrent first requests for an adapter no replica has loaded wait for
+/// one load, on one replica of its base model, and all go there.
+#[test]
+fn an_adapter_is_loaded_on_demand_once_for_32_concurrent_first_requests() {
+    // vLLM serves /v1/load_lora_adapter only with this set; the replicas inherit it.
+    std::env::set_var("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true");
+    let base = fleet_with(2, &["big"], &["--enable-lora"]);
+    let small = fleet(1, &["small"]);
+    let mut urls: Vec<String> = base.http.iter().map(url).collect();
+    urls.push(url(&small.http[0]));
+    let kvlb = serve(
+        &urls,
+        &[
+            "--lora-adapter",
+            "sql=/adapters/sql,base=big",
+            "--lora-adapter",
+            "far=/adapters/far,base=medium",
+        ],
+    );
+    wait_models(&kvlb, &[Some(&["big"]), Some(&["big"]), Some(&["small"])]);
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(32));
+    let listen = kvlb.listen;
+    let threads: Vec<_> = (0..32)
+        .map(|i| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let mut conn = HttpConn::connect(listen);
+                barrier.wait();
+                let r = post(
+                    &mut conn,
+                    "/v1/chat/completions",
+                    &chat("sql", &format!("query {i}")),
+                );
+                (
+                    r.status,
+                    r.header("x-kvlb-replica").map(str::to_string),
+                    r.describe(),
+                )
+            })
+        })
+        .collect();
+    let mut went = BTreeSet::new();
+    for t in threads {
+        let (status, replica, describe) = t.join().unwrap();
+        assert_eq!(status, 200, "{describe}\nkvlb said:\n{}", kvlb.stderr());
+        went.insert(replica.unwrap());
+    }
+    assert_eq!(went.len(), 1, "{went:?}");
+    let loaded_on = went.into_iter().next().unwrap();
+    assert!(urls[..2].contains(&loaded_on), "{loaded_on}");
+    assert_eq!(
+        kvlb.metric(
+            "kvlb_lora_loads_total",
+            &["adapter=\"sql\"", "result=\"ok\""]
+        ),
+        Some(1.0),
+        "{}",
+        kvlb.stderr()
+    );
+    // The replica lists it now, and kvlb's map follows: later requests go there by name.
+    let i = urls.iter().position(|u| *u == loaded_on).unwrap();
+    let mut want: Vec<Option<&[&str]>> = vec![Some(&["big"]), Some(&["big"]), Some(&["small"])];
+    want[i] = Some(&["big", "sql"]);
+    wait_models(&kvlb, &want);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let r = post(&mut conn, "/v1/chat/completions", &chat("sql", "again"));
+    assert_eq!(r.header("x-kvlb-replica"), Some(loaded_on.as_str()));
+    // An adapter of a base no replica serves: 503, saying why.
+    let r = post(&mut conn, "/v1/chat/completions", &chat("far", "x"));
+    assert_eq!(r.status, 503, "{}", r.describe());
+    assert!(
+        r.body_text().contains("no replica serving medium"),
+        "{}",
+        r.describe()
+    );
+    assert_eq!(
+        kvlb.metric(
+            "kvlb_lora_loads_total",
+            &["adapter=\"sql\"", "result=\"ok\""]
+        ),
+        Some(1.0)
+    );
+}
