@@ -231,11 +231,8 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             }
             conn.log.status = status;
             log_request(w, conn, Some((&head, body_end)), &[], received_at);
-            match send_obuf(conn).await && head.keep_alive && !w.draining.get() {
-                true => {
-                    consume_request(conn, req_end);
-                    continue;
-                }
+            match send_answer(w, conn, &head, req_end).await {
+                true => continue,
                 false => return End::Close,
             }
         }
@@ -279,11 +276,8 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                         false,
                     );
                 }
-                match send_obuf(conn).await && head.keep_alive && !w.draining.get() {
-                    true => {
-                        consume_request(conn, req_end);
-                        continue;
-                    }
+                match send_answer(w, conn, &head, req_end).await {
+                    true => continue,
                     false => return End::Close,
                 }
             }
@@ -385,12 +379,19 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
     }
 }
 
-/// Send kvlb's own answer written in `conn.obuf`; false when the client is gone.
-async fn send_obuf(conn: &mut Conn) -> bool {
+/// Send kvlb's own answer to the request ending at `req_end`, written in `conn.obuf` (the
+/// request logged already), and drop the request; returns whether the connection carries on.
+async fn send_answer(
+    w: &Worker,
+    conn: &mut Conn,
+    head: &request::RequestHead,
+    req_end: usize,
+) -> bool {
     let n = conn.obuf.len();
     let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.obuf), 0, n).await;
     conn.obuf = b;
-    r.is_ok()
+    consume_request(conn, req_end);
+    r.is_ok() && head.keep_alive && !w.draining.get()
 }
 
 /// Most replicas one request is tried on (the first and its retries).

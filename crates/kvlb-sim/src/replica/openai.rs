@@ -441,18 +441,6 @@ pub fn tokenize_response(tokens: &[u32], max_model_len: u32) -> String {
         .to_string()
 }
 
-pub fn models_response(model: &str, created: u64, max_model_len: u32) -> String {
-    json!({"object": "list", "data": [{
-        "id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
-        "parent": null, "max_model_len": max_model_len,
-        "permission": [{"id": format!("modelperm-{created:x}"), "object": "model_permission",
-            "created": created, "allow_create_engine": false, "allow_sampling": true,
-            "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
-            "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false}]
-    }]})
-    .to_string()
-}
-
 pub fn finish_reason_str(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Length => "length",
