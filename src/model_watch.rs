@@ -87,7 +87,9 @@ fn names(cards: &[ModelCard]) -> String {
 
 /// Runs until `stop`: keeps `shared.models` up to date, and loads the adapters requests ask
 /// it to (`lora_adapter`).
-pub fn spawn(shared: Arc<Shared>, stop: Arc<AtomicBool>) -> std::io::Result<()> {
+pub fn spawn(shared: Arc<Shared>, stop: Arc<AtomicBool>) -> std::io::Result<FirstLook> {
+    let first = FirstLook(Arc::new(AtomicBool::new(false)));
+    let done = first.0.clone();
     std::thread::Builder::new()
         .name("kvlb-models".into())
         .spawn(move || {
@@ -115,9 +117,28 @@ pub fn spawn(shared: Arc<Shared>, stop: Arc<AtomicBool>) -> std::io::Result<()> 
                     generation = g;
                     publish(&shared, &states);
                 }
+                done.store(true, Relaxed);
             }
         })?;
-    Ok(())
+    Ok(first)
+}
+
+/// Set once the thread has asked every replica for its models the first time.
+pub struct FirstLook(Arc<AtomicBool>);
+
+impl FirstLook {
+    /// Waits for the first look, at most `limit` (replicas that do not answer are asked
+    /// again later); true when it came.
+    pub fn wait(&self, limit: Duration) -> bool {
+        let until = Instant::now() + limit;
+        while !self.0.load(Relaxed) {
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
 }
 
 /// Adapter `i`'s replica slot and epoch, if it is loaded.

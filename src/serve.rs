@@ -144,8 +144,17 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     control
         .spawn_health_thread(writer_stop.clone())
         .map_err(|e| format!("cannot start the health thread: {e}"))?;
-    crate::model_watch::spawn(shared.clone(), writer_stop.clone())
+    let models = crate::model_watch::spawn(shared.clone(), writer_stop.clone())
         .map_err(|e| format!("cannot start the model discovery thread: {e}"))?;
+    // Requests are routed by model from the first one on: the replicas are asked before
+    // kvlb listens (one that does not answer in time takes any model until it does).
+    let asked_within = shared.cfg().health.timeout + Duration::from_millis(500);
+    if !models.wait(asked_within) {
+        eprintln!(
+            "kvlb: not every replica said which models it serves within {asked_within:?}; \
+             those take any model until they do"
+        );
+    }
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),
