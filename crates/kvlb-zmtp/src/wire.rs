@@ -210,6 +210,11 @@ impl Connection {
         conn.rpos += 64;
         let ready = encode_command("READY", &ready_properties(socket_type));
         conn.stream.write_all(&ready)?;
+        // The peer's first frame must be its READY command: a message frame (even one whose
+        // MORE flag promises further frames) is refused at once, not read to its end.
+        if conn.fill_to(1, Some(deadline))? && conn.rbuf[conn.rpos] & FLAG_COMMAND == 0 {
+            return Err(protocol_error("peer sent a message before READY"));
+        }
         let (name, data) = match conn.read_incoming(Some(deadline))? {
             Some(Incoming::Command { name, data }) => (name, data),
             Some(Incoming::Message(_)) => {
