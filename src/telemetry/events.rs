@@ -1112,7 +1112,6 @@ impl EventState {
                 self.clear(ops);
             }
             SeqCheck::Gap { from, to } => {
-                tel.gaps.fetch_add(1, Relaxed);
                 let missing_text = if to - from == 1 {
                     format!("batch {from} missing")
                 } else {
@@ -1159,6 +1158,9 @@ impl EventState {
                     self.clear(ops);
                     tel.stale_gap.store(true, Relaxed);
                 }
+                // Counted once the replica's state says what the gap did: a reader that sees
+                // the count sees the stale mark (or the replay) too.
+                tel.gaps.fetch_add(1, Relaxed);
             }
         }
         applied += self.apply_noting(seq, &batch, tel, ops);
