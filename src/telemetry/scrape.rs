@@ -282,6 +282,11 @@ pub fn http_request(
                 format!("reply over {max} bytes"),
             ));
         }
+        // A reply framed by its Content-Length is whole without waiting for the close (a
+        // server may keep an HTTP/1.0 connection open).
+        if content_length_reached(&buf) {
+            break;
+        }
     }
     let head_end = buf
         .windows(4)
@@ -296,6 +301,24 @@ pub fn http_request(
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no HTTP status"))?;
     buf.drain(..head_end + 4);
     Ok((status, line, buf))
+}
+
+/// Whether `buf` holds a response head with a Content-Length and that many body bytes.
+fn content_length_reached(buf: &[u8]) -> bool {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&buf[..end]);
+    head.lines()
+        .skip(1)
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.trim()
+                .eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse::<usize>().ok())
+                .flatten()
+        })
+        .is_some_and(|n| buf.len() >= end + 4 + n)
 }
 
 /// Publish one scrape's figures for slot `r`; `own`: this instance's in flight and decoding
