@@ -1,5 +1,6 @@
 //! The hot path allocates nothing per request once warm: drive keep-alive traffic through a
 //! real `kvlb serve` and read the worker's allocation counter from /metrics before and after.
+//! The backend lists its model in /v1/models, so every request is also routed by its model.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -27,7 +28,7 @@ fn backend() -> u16 {
                 let mut tmp = [0u8; 65536];
                 loop {
                     // One request: head + Content-Length body.
-                    let (head_end, cl) = loop {
+                    let (head_end, cl, models) = loop {
                         if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                             let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
                             let cl = head
@@ -35,7 +36,7 @@ fn backend() -> u16 {
                                 .find_map(|l| l.strip_prefix("content-length:"))
                                 .map(|v| v.trim().parse::<usize>().unwrap())
                                 .unwrap_or(0);
-                            break (p + 4, cl);
+                            break (p + 4, cl, head.starts_with("get /v1/models "));
                         }
                         match s.read(&mut tmp) {
                             Ok(0) | Err(_) => return,
@@ -49,7 +50,10 @@ fn backend() -> u16 {
                         }
                     }
                     buf.drain(..head_end + cl);
-                    let body = br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#;
+                    let body: &[u8] = match models {
+                        true => br#"{"object":"list","data":[{"id":"m","object":"model","parent":null}]}"#,
+                        false => br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
+                    };
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
                         body.len()
@@ -116,10 +120,11 @@ fn metric(admin: u16, name: &str) -> u64 {
 }
 
 /// The chat path in origin-form, and in absolute-form (rewritten to origin-form upstream, its
-/// authority the Host sent).
-const TARGETS: [&str; 2] = [
+/// authority the Host sent), and a path whose prompt kvlb does not read (its model is skimmed).
+const TARGETS: [&str; 3] = [
     "/v1/chat/completions",
     "http://kvlb.example:8000/v1/chat/completions",
+    "/v1/embeddings",
 ];
 
 /// Send one POST to `target` on a keep-alive connection and read the whole response.
@@ -190,14 +195,15 @@ fn warm_requests_allocate_nothing(extra: &[&str]) {
     let mut buf = Vec::new();
     for _ in 0..100 {
         for (i, c) in conns.iter_mut().enumerate() {
-            request(c, TARGETS[i % 2], body.as_bytes(), &mut buf);
+            request(c, TARGETS[i % 3], body.as_bytes(), &mut buf);
         }
     }
+    assert_eq!(metric(admin, "kvlb_model_replicas{model=\"m\"}"), 1);
     let before = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
     let served_before = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}");
     for _ in 0..500 {
         for (i, c) in conns.iter_mut().enumerate() {
-            request(c, TARGETS[i % 2], body.as_bytes(), &mut buf);
+            request(c, TARGETS[i % 3], body.as_bytes(), &mut buf);
         }
     }
     let after = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
