@@ -48,6 +48,14 @@ fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usiz
     }
 }
 
+/// A request target's path, without its query.
+fn target_path(target: &[u8]) -> &[u8] {
+    match memchr::memchr(b'?', target) {
+        Some(q) => &target[..q],
+        None => target,
+    }
+}
+
 /// What kvlb answers to a probe of its own (`liveness_path`, `readiness_path`), if the
 /// request is one: GET or HEAD without a body.
 pub(super) fn probe_state(
@@ -59,11 +67,7 @@ pub(super) fn probe_state(
     if !matches!(head.method, Method::Get | Method::Head) || head.body != BodyFraming::None {
         return None;
     }
-    let target = &conn.cbuf[head.target.0..head.target.1];
-    let path = match memchr::memchr(b'?', target) {
-        Some(q) => &target[..q],
-        None => target,
-    };
+    let path = target_path(&conn.cbuf[head.target.0..head.target.1]);
     let is = |p: &Option<String>| p.as_deref().is_some_and(|p| p.as_bytes() == path);
     let state = if is(&cfg.probes.liveness) {
         ProbeState::Live
@@ -134,11 +138,7 @@ pub(super) fn models_answer(w: &Worker, conn: &mut Conn, head: &RequestHead) -> 
     if !matches!(head.method, Method::Get | Method::Head) {
         return None;
     }
-    let target = &conn.cbuf[head.target.0..head.target.1];
-    let path = match memchr::memchr(b'?', target) {
-        Some(q) => &target[..q],
-        None => target,
-    };
+    let path = target_path(&conn.cbuf[head.target.0..head.target.1]);
     let rest = path.strip_prefix(b"/v1/models")?;
     let models = w.shared.models.load();
     if !models.knows_any() {
