@@ -148,10 +148,14 @@ impl Control {
             fleet.drain(i, true);
         }
         let policy = new.policy.as_str();
+        let tables = new.models.len();
         self.shared.set_cfg(new);
         let mut msg = format!(
             "reloaded: {n_add} replicas added, {n_update} updated, {n_remove} draining out; policy {policy}"
         );
+        if tables > 0 {
+            msg.push_str(&format!("; {tables} [[model]] tables"));
+        }
         if !restart_only.is_empty() {
             msg.push_str(&format!(
                 "; {} changed but take effect only after a restart",

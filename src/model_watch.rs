@@ -97,6 +97,8 @@ pub fn spawn(shared: Arc<Shared>, stop: Arc<AtomicBool>) -> std::io::Result<Firs
                 .map(|_| SlotState::default())
                 .collect();
             let mut loaded_at: Vec<Option<Instant>> = vec![None; shared.on_demand.adapters.len()];
+            // The fleet and configuration the map was built for (a reload bumps it too: the
+            // classes follow the `[[model]]` tables).
             let mut generation = 0;
             while !stop.load(Relaxed) {
                 match shared.on_demand.inbox.recv_timeout(TICK) {
@@ -363,7 +365,7 @@ fn look(shared: &Shared, states: &mut [SlotState]) -> bool {
     changed
 }
 
-/// Builds the map of what the slots serve and puts it in force.
+/// Builds the map of what the slots serve, with every name's class, and puts it in force.
 fn publish(shared: &Shared, states: &[SlotState]) {
     let slots: Vec<SlotModels> = states
         .iter()
@@ -376,9 +378,20 @@ fn publish(shared: &Shared, states: &[SlotState]) {
             })
         })
         .collect();
-    shared
-        .models
-        .store(Arc::new(ModelMap::build(shared.fleet.capacity(), &slots)));
+    let cfg = shared.cfg();
+    let tables: Vec<&[String]> = cfg.models.iter().map(|m| m.names.as_slice()).collect();
+    let extra: Vec<(&str, Option<&str>)> = shared
+        .on_demand
+        .adapters
+        .iter()
+        .map(|a| (a.name.as_str(), a.base_name.as_deref()))
+        .collect();
+    let map = ModelMap::build(shared.fleet.capacity(), &slots).with_classes(
+        &tables,
+        &extra,
+        &mut |name| shared.model_labels.label(name),
+    );
+    shared.models.store(Arc::new(map));
 }
 
 /// Most model names with a label of their own in `kvlb_model_replicas`.
@@ -408,6 +421,39 @@ impl crate::metrics::Collector for ModelMetrics {
         }
         if let Some(v) = other {
             samples.gauge(&["other"], v)?;
+        }
+        let workers = &self.0.workers;
+        let labels: Vec<(usize, &str)> = self.0.model_labels.names().collect();
+        let mut samples = families::MODEL_REQUESTS.describe(&mut enc)?;
+        for &(l, name) in &labels {
+            for (c, class) in ["1xx", "2xx", "3xx", "4xx", "5xx"].iter().enumerate() {
+                let n = workers
+                    .iter()
+                    .map(|w| w.models[l].responses[c].load(Relaxed))
+                    .sum();
+                samples.counter(&[name, class], n)?;
+            }
+        }
+        let mut samples = families::MODEL_TIME_TO_FIRST_TOKEN.describe(&mut enc)?;
+        for &(l, name) in &labels {
+            let hs: Vec<&crate::metrics::Histogram> =
+                workers.iter().map(|w| &w.models[l].first_token).collect();
+            samples.latency_of(&[name], &hs)?;
+        }
+        type Pick = fn(&crate::metrics::ModelStats) -> &AtomicU64;
+        let tokens: [(&'static crate::metrics::Family, Pick); 2] = [
+            (&families::MODEL_PROMPT_TOKENS, |m| &m.prompt_tokens),
+            (&families::MODEL_MATCHED_TOKENS, |m| &m.matched_tokens),
+        ];
+        for (family, pick) in tokens {
+            let mut samples = family.describe(&mut enc)?;
+            for &(l, name) in &labels {
+                let n = workers
+                    .iter()
+                    .map(|w| pick(&w.models[l]).load(Relaxed))
+                    .sum();
+                samples.counter(&[name], n)?;
+            }
         }
         families::MODEL_NOT_FOUND
             .describe(&mut enc)?

@@ -90,6 +90,10 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_kv_event_skipped_total", "counter"),
     ("kvlb_lora_adapters_known", "gauge"),
     ("kvlb_model_replicas", "gauge"),
+    ("kvlb_model_requests_total", "counter"),
+    ("kvlb_model_time_to_first_token_seconds", "histogram"),
+    ("kvlb_model_prompt_tokens_total", "counter"),
+    ("kvlb_model_matched_tokens_total", "counter"),
     ("kvlb_model_not_found_total", "counter"),
     ("kvlb_model_list_failures_total", "counter"),
     ("kvlb_lora_loads_total", "counter"),
@@ -374,7 +378,34 @@ fn live_metrics_parse_strictly_as_declared() {
             "{name}"
         );
         match f.kind() {
-            Kind::Histogram => check_histogram(name, &p.samples),
+            Kind::Histogram => {
+                // One histogram per set of the family's own labels (`le` aside).
+                let own = |labels: &[(String, String)]| -> Vec<(String, String)> {
+                    labels.iter().filter(|(n, _)| n != "le").cloned().collect()
+                };
+                let mut sets: Vec<Vec<(String, String)>> = Vec::new();
+                for (_, labels, _) in &p.samples {
+                    let set = own(labels);
+                    let names: Vec<&str> = set.iter().map(|(n, _)| n.as_str()).collect();
+                    assert_eq!(names, f.labels(), "{name}: label names");
+                    if !sets.contains(&set) {
+                        sets.push(set);
+                    }
+                }
+                for set in sets {
+                    let one: Vec<Sample> = p
+                        .samples
+                        .iter()
+                        .filter(|(_, l, _)| own(l) == set)
+                        .map(|(n, l, v)| {
+                            let le: Vec<(String, String)> =
+                                l.iter().filter(|(k, _)| k == "le").cloned().collect();
+                            (n.clone(), le, *v)
+                        })
+                        .collect();
+                    check_histogram(&format!("{name}{set:?}"), &one);
+                }
+            }
             _ => {
                 for (_, labels, _) in &p.samples {
                     let names: Vec<&str> = labels.iter().map(|(n, _)| n.as_str()).collect();

@@ -425,3 +425,187 @@ fn an_adapter_is_loaded_on_demand_once_for_32_concurrent_first_requests() {
         Some(1.0)
     );
 }
+
+/// `[[model]]` tables: a model's own policy, concurrency limit and response timeout, which
+/// its aliases without a table do not take; and the per-model metrics, unknown names under
+/// `other`.
+#[test]
+fn model_tables_set_policy_limits_and_timeouts_and_metrics_are_by_model() {
+    let big = fleet(2, &["big"]);
+    let mid = fleet(2, &["mid"]);
+    // Real time: a 150-token answer takes over a second.
+    let slow = ReplicaFleet::start(
+        1,
+        &[
+            "--time-scale",
+            "1",
+            "--served-model-name",
+            "small",
+            "small-alias",
+        ],
+    );
+    let dir = support::TempDir::new("model-tables");
+    let file = dir.file("kvlb.toml");
+    std::fs::write(
+        &file,
+        r#"
+queue_size = 0
+
+[[model]]
+name = "big"
+policy = "round_robin"
+
+[[model]]
+name = ["small"]
+max_in_flight = 1
+upstream_timeout = "300ms"
+cost_model = { prefill_s_per_token = 0.0001 }
+"#,
+    )
+    .unwrap();
+    let mut urls: Vec<String> = big.http.iter().chain(&mid.http).map(url).collect();
+    urls.push(url(&slow.http[0]));
+    let kvlb = serve(&urls, &["--config", file.to_str().unwrap()]);
+    wait_models(
+        &kvlb,
+        &[
+            Some(&["big"]),
+            Some(&["big"]),
+            Some(&["mid"]),
+            Some(&["mid"]),
+            Some(&["small", "small-alias"]),
+        ],
+    );
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let preamble = "You are a careful assistant. ".repeat(40);
+    let went = |conn: &mut HttpConn, model: &str| -> BTreeSet<String> {
+        (0..6)
+            .map(|_| {
+                let r = post(conn, "/v1/chat/completions", &chat(model, &preamble));
+                assert_eq!(r.status, 200, "{}", r.describe());
+                r.header("x-kvlb-replica").unwrap().to_string()
+            })
+            .collect()
+    };
+    // The same prompt: round_robin for big spreads it, cache_aware for mid follows its holder
+    // (once the routing of its first request is in the residency index).
+    assert_eq!(went(&mut conn, "big").len(), 2);
+    let r = post(&mut conn, "/v1/chat/completions", &chat("mid", &preamble));
+    let holder = r.header("x-kvlb-replica").unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(went(&mut conn, "mid"), BTreeSet::from([holder]));
+
+    let long = |model: &str, stream: bool| -> Vec<u8> {
+        json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "count slowly"}],
+            "max_tokens": 150,
+            "ignore_eos": true,
+            "stream": stream,
+        })
+        .to_string()
+        .into_bytes()
+    };
+    // small's 300 ms timeout: its answer takes longer (504); small-alias has no table.
+    let r = post(&mut conn, "/v1/chat/completions", &long("small", false));
+    assert_eq!(r.status, 504, "{}", r.describe());
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let r = post(
+        &mut conn,
+        "/v1/chat/completions",
+        &long("small-alias", false),
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+
+    // small's limit of one request in flight per replica, with no queue: 429 while one runs.
+    let listen = kvlb.listen;
+    let busy = std::thread::spawn(move || {
+        let mut conn = HttpConn::connect(listen);
+        post(
+            &mut conn,
+            "/v1/chat/completions",
+            &long("small-alias", true),
+        )
+        .status
+    });
+    assert!(
+        wait_until(T, || kvlb.metric(
+            "kvlb_replica_in_flight",
+            &[&format!("replica=\"{}\"", urls[4])]
+        ) == Some(1.0)),
+        "the streaming request never got in flight"
+    );
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let r = post(&mut conn, "/v1/chat/completions", &chat("small", "x"));
+    assert_eq!(r.status, 429, "{}", r.describe());
+    // The alias has no limit of its own.
+    let r = post(&mut conn, "/v1/chat/completions", &chat("small-alias", "x"));
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(busy.join().unwrap(), 200);
+    let r = post(&mut conn, "/v1/chat/completions", &chat("nope", "x"));
+    assert_eq!(r.status, 404, "{}", r.describe());
+
+    let text = kvlb.admin_get("/metrics").body_text();
+    let m = |name: &str, labels: &[&str]| support::proxy::metric_sum(&text, name, labels);
+    let requests = "kvlb_model_requests_total";
+    assert_eq!(
+        m(requests, &["model=\"big\"", "status=\"2xx\""]),
+        Some(6.0),
+        "{text}"
+    );
+    assert_eq!(m(requests, &["model=\"mid\"", "status=\"2xx\""]), Some(7.0));
+    assert_eq!(
+        m(requests, &["model=\"small\"", "status=\"5xx\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        m(requests, &["model=\"small\"", "status=\"4xx\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        m(requests, &["model=\"small-alias\"", "status=\"2xx\""]),
+        Some(3.0)
+    );
+    assert_eq!(
+        m(requests, &["model=\"other\"", "status=\"4xx\""]),
+        Some(1.0)
+    );
+    let ttft = "kvlb_model_time_to_first_token_seconds_count";
+    assert_eq!(m(ttft, &["model=\"big\""]), Some(6.0), "{text}");
+    // mid's repeated prompt was found resident after its first request.
+    let prompt = m("kvlb_model_prompt_tokens_total", &["model=\"mid\""]).unwrap();
+    let matched = m("kvlb_model_matched_tokens_total", &["model=\"mid\""]).unwrap();
+    assert!(
+        prompt > 0.0 && matched >= prompt / 2.0,
+        "{matched} of {prompt}"
+    );
+    assert_eq!(
+        m("kvlb_model_matched_tokens_total", &["model=\"big\""]),
+        Some(0.0)
+    );
+
+    // A reload rereads the tables: big follows its prefix now, under the global cache_aware.
+    std::fs::write(&file, "[[model]]\nname = \"small\"\nmax_in_flight = 1\n").unwrap();
+    // Safety: signalling the child we started.
+    assert_eq!(
+        unsafe { libc::kill(kvlb.pid() as libc::pid_t, libc::SIGHUP) },
+        0
+    );
+    assert!(
+        wait_until(T, || kvlb.stderr().contains("1 [[model]] tables")),
+        "{}",
+        kvlb.stderr()
+    );
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let text = format!("{preamble} after the reload");
+    let r = post(&mut conn, "/v1/chat/completions", &chat("big", &text));
+    let holder = r.header("x-kvlb-replica").unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(300));
+    let again: BTreeSet<String> = (0..4)
+        .map(|_| {
+            let r = post(&mut conn, "/v1/chat/completions", &chat("big", &text));
+            r.header("x-kvlb-replica").unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(again, BTreeSet::from([holder]));
+}

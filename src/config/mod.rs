@@ -437,6 +437,52 @@ pub struct ServeConfig {
     pub access_log: Option<String>,
     /// The longest prompt read for routing, in tokens (see `crate::prompt::PromptLimits`).
     pub max_prompt_tokens: usize,
+    /// `[[model]]` tables: settings of one model's requests, table `t` of a `ModelClass` at
+    /// `models[t - 1]` (see `crate::models`).
+    pub models: Vec<ModelConfig>,
+    /// The tables as the file gave them (resolved into `models` over the global settings).
+    pub(crate) model_tables: Vec<settings::ModelTable>,
+}
+
+/// Most `[[model]]` tables.
+pub const MAX_MODEL_TABLES: usize = 64;
+
+/// One `[[model]]` table, its unset keys filled from the global settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// The names requests give the model (its adapters take the table too).
+    pub names: Vec<String>,
+    pub policy: PolicyName,
+    pub cost_model: CostModel,
+    /// Most requests in flight per replica, as `max_in_flight` (0: no limit; a replica's own
+    /// `max_in_flight` wins).
+    pub max_in_flight: u32,
+    pub upstream_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// The settings of table `table` (a `ModelClass`'s; 0 or a table gone since: none).
+    #[inline]
+    pub fn model(&self, table: u16) -> Option<&ModelConfig> {
+        (table as usize)
+            .checked_sub(1)
+            .and_then(|t| self.models.get(t))
+    }
+
+    /// Most requests in flight per replica for a request of `table`, unless the replica
+    /// sets its own.
+    #[inline]
+    pub fn max_in_flight_of(&self, table: u16) -> u32 {
+        self.model(table)
+            .map_or(self.max_in_flight, |m| m.max_in_flight)
+    }
+
+    /// The response timeout of a request of `table`.
+    #[inline]
+    pub fn upstream_timeout_of(&self, table: u16) -> Duration {
+        self.model(table)
+            .map_or(self.timeouts.upstream, |m| m.upstream_timeout)
+    }
 }
 
 /// Client API keys, compared without early exit.
@@ -773,6 +819,8 @@ impl Default for ServeConfig {
             chat_template: None,
             token_mode: None,
             max_prompt_tokens: crate::prompt::DEFAULT_MAX_TOKENS,
+            models: Vec::new(),
+            model_tables: Vec::new(),
         }
     }
 }

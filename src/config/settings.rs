@@ -293,6 +293,10 @@ pub struct ServeSettings {
     #[arg(skip)]
     pub api_keys: Vec<Secret>,
 
+    /// File only: `[[model]]` tables, the settings of one model's requests.
+    #[arg(skip)]
+    pub model: Vec<ModelTable>,
+
     /// The cost model of cache_aware: `[cost_model]` in the file.
     #[command(
         flatten,
@@ -332,12 +336,51 @@ pub struct CostSettings {
     pub offload_load_cost: Option<Fraction>,
 }
 
+/// `[[model]]`: the settings of the requests naming one model (file only; `docs/models.md`).
+/// A key left out takes the global setting's value.
+#[derive(clap::Args, Deserialize, Default, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelTable {
+    /// The model's name as requests give it, or a list of its names (vLLM's
+    /// --served-model-name aliases); its LoRA adapters take the table too, unless another
+    /// table names them.
+    #[arg(long, value_name = "NAME")]
+    #[serde(deserialize_with = "one_or_many")]
+    pub name: Vec<String>,
+
+    /// Routing policy of this model's requests (default: policy).
+    #[arg(long, value_name = "NAME")]
+    #[serde(default)]
+    pub policy: Option<PolicyName>,
+
+    /// Most requests in flight per replica when routing this model's requests; a replica's
+    /// own max_in_flight option wins (default: max_in_flight).
+    #[arg(long, value_name = "N")]
+    #[serde(default)]
+    pub max_in_flight: Option<Whole<0, 1_000_000>>,
+
+    /// How long this model's replicas may take to answer (default: upstream_timeout).
+    #[arg(long, value_name = "DURATION")]
+    #[serde(default)]
+    pub upstream_timeout: Option<Dur>,
+
+    /// This model's replicas' speed: an inline table of [cost_model] keys, e.g.
+    /// `cost_model = { prefill_s_per_token = 0.0001 }`; a key left out takes [cost_model]'s.
+    #[command(flatten)]
+    #[serde(default)]
+    pub cost_model: CostSettings,
+}
+
 /// Settings whose key exists only in the file (`#[arg(skip)]` above): their doc, for the
 /// reference. A test checks this list against the fields serde reads.
 pub(super) const FILE_ONLY: &[(&str, &str)] = &[
     (
         "listener",
         "`[[listener]]` tables, `address = \"HOST:PORT\"` and `mode = \"l7\" | \"l4\"` (default l7): listeners with their own mode, beside `listen`.",
+    ),
+    (
+        "model",
+        "`[[model]]` tables: the settings of one model's requests (their keys below).",
     ),
     (
         "api_keys",
@@ -462,6 +505,7 @@ impl ServeSettings {
             max_prompt_tokens,
             listener,
             api_keys,
+            model,
             cost_model,
         } = self;
         if !listen.is_empty() || !listener.is_empty() {
@@ -590,13 +634,23 @@ impl ServeSettings {
             &mut cfg.max_prompt_tokens,
             max_prompt_tokens.map(|v| v.0 as usize),
         );
+        if !model.is_empty() {
+            cfg.model_tables = model;
+        }
+        cost_model.apply(&mut cfg.cost_model);
+        Ok(())
+    }
+}
+
+impl CostSettings {
+    /// Writes the figures given into `m`.
+    fn apply(self, m: &mut super::CostModel) {
         let CostSettings {
             prefill_s_per_token,
             decode_step_s,
             foreign_request_tokens,
             offload_load_cost,
-        } = cost_model;
-        let m = &mut cfg.cost_model;
+        } = self;
         set(&mut m.prefill_s_per_token, prefill_s_per_token.map(|v| v.0));
         set(&mut m.decode_step_s, decode_step_s.map(|v| v.0));
         set(
@@ -604,8 +658,59 @@ impl ServeSettings {
             foreign_request_tokens.map(|v| v.0 as u32),
         );
         set(&mut m.offload_load_cost, offload_load_cost.map(|v| v.0));
-        Ok(())
     }
+}
+
+/// The `[[model]]` tables over the global settings, checked: every table names a model, no
+/// name is in two tables.
+fn resolve_models(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
+    if cfg.model_tables.len() > super::MAX_MODEL_TABLES {
+        return Err(ConfigError(format!(
+            "model: {} [[model]] tables; at most {} are taken",
+            cfg.model_tables.len(),
+            super::MAX_MODEL_TABLES
+        )));
+    }
+    let mut models: Vec<super::ModelConfig> = Vec::with_capacity(cfg.model_tables.len());
+    for (i, t) in cfg.model_tables.iter().enumerate() {
+        let at = format!("model[{i}].name");
+        if t.name.is_empty() {
+            return Err(bad(
+                &at,
+                "[]",
+                "a [[model]] table names its model: name = \"NAME\"",
+            ));
+        }
+        for n in &t.name {
+            if n.is_empty() || n.len() > crate::models::MODEL_BYTES {
+                return Err(bad(
+                    &at,
+                    n,
+                    &format!("a name of 1 to {} bytes", crate::models::MODEL_BYTES),
+                ));
+            }
+            let again = models.iter().any(|m| m.names.contains(n))
+                || t.name.iter().filter(|o| *o == n).count() > 1;
+            if again {
+                return Err(bad(
+                    &at,
+                    n,
+                    "named by two [[model]] tables (one table per model)",
+                ));
+            }
+        }
+        let mut cost_model = cfg.cost_model.clone();
+        t.cost_model.clone().apply(&mut cost_model);
+        models.push(super::ModelConfig {
+            names: t.name.clone(),
+            policy: t.policy.unwrap_or(cfg.policy),
+            cost_model,
+            max_in_flight: t.max_in_flight.map_or(cfg.max_in_flight, |v| v.0 as u32),
+            upstream_timeout: t.upstream_timeout.map_or(cfg.timeouts.upstream, |v| v.0),
+        });
+    }
+    cfg.models = models;
+    Ok(())
 }
 
 fn set<T>(slot: &mut T, v: Option<T>) {
@@ -683,6 +788,7 @@ fn validate(cfg: &mut ServeConfig) -> Result<(), ConfigError> {
             cfg.replicas.len()
         )));
     }
+    resolve_models(cfg)?;
     load_token_mode(cfg)?;
     if let Some(path) = &cfg.access_log {
         crate::access_log::open(path).map_err(|e| {
@@ -769,6 +875,25 @@ pub fn reference_markdown() -> String {
     }
     for (key, doc) in FILE_ONLY {
         out.push_str(&format!("| (file only) | `{key}` | {doc} |\n"));
+    }
+    for a in ModelTable::augment_args(clap::Command::new("model")).get_arguments() {
+        let id = a.get_id().as_str();
+        let (key, help) = match cost.iter().any(|c| c == id) {
+            true => (
+                format!("`[[model]]` `cost_model.{id}`"),
+                format!(
+                    "`[cost_model]` `{id}` for this model's replicas (default: `[cost_model]`'s)"
+                ),
+            ),
+            false => (
+                format!("`[[model]]` `{id}`"),
+                a.get_long_help()
+                    .or(a.get_help())
+                    .map(|h| h.to_string())
+                    .unwrap_or_default(),
+            ),
+        };
+        out.push_str(&format!("| (file only) | {key} | {} |\n", one_line(&help)));
     }
     out.push_str(&format!(
         "| (environment) | `{ENV_ADMIN_TOKEN}` | the admin token, over the file and under the flags |\n| (environment) | `{ENV_API_KEYS}` | client API keys separated by commas, over the file and under the flags |\n"

@@ -419,6 +419,19 @@ fn flags_and_file_keys_are_one_declaration() {
             "FILE_ONLY names {k}, which the file does not read"
         );
     }
+    // A [[model]] table's keys are its declaration's (cost_model: an inline [cost_model]).
+    let table: Vec<String> = settings::ModelTable::augment_args(clap::Command::new("model"))
+        .get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect();
+    let table_keys = settings::serde_fields::<settings::ModelTable>();
+    assert!(table_keys.len() >= 5, "{table_keys:?}");
+    for k in table_keys {
+        assert!(
+            *k == "cost_model" || table.iter().any(|f| f == k),
+            "[[model]] key {k} has no declaration"
+        );
+    }
 }
 
 /// A "(default: X)" in a flag's help is the default: giving X changes nothing.
@@ -668,4 +681,64 @@ fn replica_models_list_or_flag() {
     )
     .unwrap_err();
     assert!(e.0.contains("models"), "{e}");
+}
+
+/// `[[model]]` tables: keys left out take the global settings (the flags' included); a name
+/// in two tables, a table without a name, an unknown key are refused.
+#[test]
+fn model_tables_inherit_the_global_settings_and_are_checked() {
+    let dir = std::env::temp_dir().join(format!("kvlb-config-models-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("kvlb.toml");
+    let load = |text: &str, flags: &str| {
+        std::fs::write(&file, format!("listen = [\"127.0.0.1:0\"]\n{text}")).unwrap();
+        from_args(&args(&format!("--config {} {flags}", file.display())))
+    };
+    let c = load(
+        "max_in_flight = 8\n[cost_model]\ndecode_step_s = 0.02\n\
+         [[model]]\nname = [\"big\", \"big-alias\"]\npolicy = \"least_loaded\"\n\
+         upstream_timeout = \"10m\"\ncost_model = { prefill_s_per_token = 0.0001 }\n\
+         [[model]]\nname = \"small\"\nmax_in_flight = 0\n",
+        "--policy round_robin",
+    )
+    .unwrap();
+    assert_eq!(c.models.len(), 2);
+    let big = &c.models[0];
+    assert_eq!(big.names, ["big", "big-alias"]);
+    assert_eq!(big.policy, PolicyName::LeastLoaded);
+    assert_eq!(big.upstream_timeout, Duration::from_secs(600));
+    assert_eq!(big.max_in_flight, 8);
+    assert_eq!(big.cost_model.prefill_s_per_token, 0.0001);
+    assert_eq!(big.cost_model.decode_step_s, 0.02);
+    let small = &c.models[1];
+    assert_eq!(small.policy, PolicyName::RoundRobin, "the flag's policy");
+    assert_eq!(small.max_in_flight, 0);
+    assert_eq!(small.cost_model, c.cost_model);
+    assert_eq!(small.upstream_timeout, c.timeouts.upstream);
+    // By table number, as a ModelClass gives it (0: none).
+    assert_eq!(c.max_in_flight_of(0), 8);
+    assert_eq!(c.max_in_flight_of(2), 0);
+    assert_eq!(c.max_in_flight_of(9), 8);
+    assert_eq!(c.upstream_timeout_of(1), Duration::from_secs(600));
+    for (text, want) in [
+        (
+            "[[model]]\nname = \"a\"\n[[model]]\nname = [\"b\", \"a\"]\n",
+            "named by two [[model]] tables",
+        ),
+        ("[[model]]\nname = []\n", "names its model"),
+        ("[[model]]\npolicy = \"random\"\n", "name"),
+        (
+            "[[model]]\nname = \"a\"\nmax_inflight = 3\n",
+            "max_inflight",
+        ),
+        (
+            "[[model]]\nname = \"a\"\ncost_model = { prefil_s_per_token = 1 }\n",
+            "prefil_s_per_token",
+        ),
+        ("[[model]]\nname = \"a\"\npolicy = \"fastest\"\n", "policy"),
+    ] {
+        let e = load(text, "").unwrap_err().unwrap();
+        assert!(e.0.contains(want), "{text}: {e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

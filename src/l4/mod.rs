@@ -98,6 +98,8 @@ struct Routed {
     replica: usize,
     prefill_tokens: u64,
     estimate_s: f64,
+    /// The first request's model label.
+    model_label: u16,
 }
 
 /// Serve one client connection accepted on an L4 listener.
@@ -266,7 +268,8 @@ async fn first_request(
     // The connection goes where its first request's model is served (an adapter kvlb loads
     // on demand, once loaded); a model no replica serves goes anywhere, and that replica
     // answers its own 404.
-    let model = match w.request_model(body, parsed) {
+    let (model, class) = w.request_model(body, parsed);
+    let key = match model {
         crate::worker::RequestModel::Route(model) => model,
         crate::worker::RequestModel::Load(i) => match w.adapter_replica(i).await {
             Ok(slot) => ModelKey::Replica(slot),
@@ -274,6 +277,7 @@ async fn first_request(
         },
         crate::worker::RequestModel::NotServed => ModelKey::Any,
     };
+    let model = crate::worker::ModelRoute { key, class };
     if w.fill_candidates(&[], model).0 == 0 {
         local_error(w, fd, HttpError::NoReplica).await;
         return None;
@@ -282,12 +286,19 @@ async fn first_request(
         BodyFraming::Length(n) => n.min(u32::MAX as u64) as usize,
         _ => body.len(),
     };
-    let choice = w.choose(head.method, path_bytes, body, body_len, parsed);
+    let choice = w.choose(head.method, path_bytes, body, body_len, parsed, class);
+    let m = w.stats().model(class.label);
+    crate::metrics::add(&m.prompt_tokens, choice.prompt_tokens as u64);
+    crate::metrics::add(
+        &m.matched_tokens,
+        choice.decision.map_or(0, |d| d.matched_tokens) as u64,
+    );
     Some((
         Routed {
             replica: choice.replica,
             prefill_tokens: choice.prefill_tokens(),
             estimate_s: choice.estimate_s(),
+            model_label: class.label,
         },
         received_at,
     ))
@@ -303,6 +314,7 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         routed.estimate_s,
         received_at,
         false,
+        routed.model_label,
     );
     let rc = &w.stats().replicas[replica];
     let slot = w.shared.fleet.slot(replica);

@@ -74,10 +74,19 @@ impl Family {
 
     /// A histogram without labels of its own (`le` is the encoder's).
     pub(super) const fn histogram(name: &'static str, help: &'static str) -> Family {
+        Family::histogram_by(name, &[], help)
+    }
+
+    /// A histogram with labels of its own (beside the encoder's `le`).
+    pub(super) const fn histogram_by(
+        name: &'static str,
+        labels: &'static [&'static str],
+        help: &'static str,
+    ) -> Family {
         Family {
             name,
             kind: Kind::Histogram,
-            labels: &[],
+            labels,
             help,
         }
     }
@@ -181,7 +190,18 @@ impl Samples<'_> {
     /// A histogram: `counts` per bucket of `bounds` (not cumulative), then one more for the
     /// values above the last bound.
     pub fn histogram(&mut self, bounds: &[f64], counts: &[u64], sum: f64) -> fmt::Result {
-        self.check(Kind::Histogram, &[])?;
+        self.histogram_of(&[], bounds, counts, sum)
+    }
+
+    /// `histogram` with the family's label `values`.
+    fn histogram_of(
+        &mut self,
+        values: &[&str],
+        bounds: &[f64],
+        counts: &[u64],
+        sum: f64,
+    ) -> fmt::Result {
+        self.check(Kind::Histogram, values)?;
         if counts.len() != bounds.len() + 1 {
             return Err(fmt::Error);
         }
@@ -192,12 +212,18 @@ impl Samples<'_> {
             .zip(counts.iter().copied())
             .collect();
         let count = counts.iter().sum();
-        self.enc
-            .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+        self.labelled(values, |e| {
+            e.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+        })
     }
 
     /// The sum over workers of a latency histogram (`BUCKETS`, in seconds).
     pub fn latency(&mut self, hs: &[&Histogram]) -> fmt::Result {
+        self.latency_of(&[], hs)
+    }
+
+    /// `latency` with the family's label `values`.
+    pub fn latency_of(&mut self, values: &[&str], hs: &[&Histogram]) -> fmt::Result {
         let mut counts = [0u64; BUCKETS.len() + 1];
         for h in hs {
             for (c, a) in counts.iter_mut().zip(&h.counts) {
@@ -205,7 +231,7 @@ impl Samples<'_> {
             }
         }
         let sum_us: u64 = hs.iter().map(|h| h.sum_us.load(Relaxed)).sum();
-        self.histogram(&BUCKETS, &counts, sum_us as f64 / 1e6)
+        self.histogram_of(values, &BUCKETS, &counts, sum_us as f64 / 1e6)
     }
 
     /// The sum over workers of a histogram of values (all over the same bounds).

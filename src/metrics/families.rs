@@ -378,6 +378,26 @@ pub static LORA_ADAPTERS: Family = Family::gauge(
     &[],
     "LoRA adapter names learned from the replicas' KV events and model lists: a token-mode request whose model names one matches only blocks stored under it.",
 );
+pub static MODEL_REQUESTS: Family = Family::counter(
+    "kvlb_model_requests_total",
+    &["model", "status"],
+    "Requests naming each model, by the status class sent to the client (kvlb's own answers included); names without a label of their own (unknown, or past the first 63) count as other.",
+);
+pub static MODEL_TIME_TO_FIRST_TOKEN: Family = Family::histogram_by(
+    "kvlb_model_time_to_first_token_seconds",
+    &["model"],
+    "From the request fully received to the replica's first response body byte, by model.",
+);
+pub static MODEL_PROMPT_TOKENS: Family = Family::counter(
+    "kvlb_model_prompt_tokens_total",
+    &["model"],
+    "Estimated prompt tokens of the requests routed, by model.",
+);
+pub static MODEL_MATCHED_TOKENS: Family = Family::counter(
+    "kvlb_model_matched_tokens_total",
+    &["model"],
+    "Prompt tokens counted as resident on the replica chosen, by model (over kvlb_model_prompt_tokens_total: the model's expected hit rate).",
+);
 pub static MODEL_REPLICAS: Family = Family::gauge(
     "kvlb_model_replicas",
     &["model"],
@@ -476,6 +496,10 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_EVENT_SKIPPED,
     &LORA_ADAPTERS,
     &MODEL_REPLICAS,
+    &MODEL_REQUESTS,
+    &MODEL_TIME_TO_FIRST_TOKEN,
+    &MODEL_PROMPT_TOKENS,
+    &MODEL_MATCHED_TOKENS,
     &MODEL_NOT_FOUND,
     &MODEL_LIST_FAILURES,
     &LORA_LOADS,

@@ -151,6 +151,29 @@ pub struct ReplicaStats {
     pub reuses: AtomicU64,
 }
 
+/// One model label's counters in one worker's `WorkerStats` (labels: `crate::models`).
+#[derive(Default)]
+pub struct ModelStats {
+    /// Requests naming the model, by the class 1xx..5xx of the status sent to the client,
+    /// kvlb's own answers included (index 0..4).
+    pub responses: [AtomicU64; 5],
+    /// From the request received to the first response body byte.
+    pub first_token: Histogram,
+    /// Estimated prompt tokens, and those resident on the replica chosen.
+    pub prompt_tokens: AtomicU64,
+    pub matched_tokens: AtomicU64,
+}
+
+impl ModelStats {
+    /// Counts a request's end with `status` (0: none sent; not counted).
+    #[inline]
+    pub fn answered(&self, status: u16) {
+        if status >= 100 {
+            add(&self.responses[(status / 100).clamp(1, 5) as usize - 1], 1);
+        }
+    }
+}
+
 #[repr(align(128))]
 pub struct WorkerStats {
     pub accepted: AtomicU64,
@@ -184,6 +207,8 @@ pub struct WorkerStats {
     /// Prompts a bound stopped, by `prompt::Bound` (`Bound::ALL` order).
     pub prompt_truncated: [AtomicU64; 4],
     pub replicas: Vec<ReplicaStats>,
+    /// Per model label (`crate::models::MAX_MODEL_LABELS` of them).
+    pub models: Vec<ModelStats>,
 }
 
 pub const LOCAL_ERROR_CODES: [u16; 9] = [400, 401, 408, 413, 429, 431, 501, 503, 0];
@@ -213,7 +238,16 @@ impl WorkerStats {
             prompt_errors: Default::default(),
             prompt_truncated: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaStats::default()).collect(),
+            models: (0..crate::models::MAX_MODEL_LABELS)
+                .map(|_| ModelStats::default())
+                .collect(),
         }
+    }
+
+    /// The counters of a request's model label (`ModelClass::label`).
+    #[inline]
+    pub fn model(&self, label: u16) -> &ModelStats {
+        self.models.get(label as usize).unwrap_or(&self.models[0])
     }
 
     pub fn local_error(&self, status: u16) {

@@ -62,6 +62,7 @@ pub(super) async fn forward(
         routed.estimate_s,
         received_at,
         true,
+        routed.class.label,
     );
     let stats = w.stats();
     let rc = &stats.replicas[replica];
@@ -74,7 +75,7 @@ pub(super) async fn forward(
             .extend_from_slice(&conn.cbuf[head.head_len..body_end]);
     }
     let cfg = w.cfg();
-    let upstream_deadline = crate::rt::now() + cfg.timeouts.upstream;
+    let upstream_deadline = crate::rt::now() + cfg.upstream_timeout_of(routed.class.table);
     let slot = w.shared.fleet.slot(replica);
     let failed = |f: UpstreamFailure, retryable: bool| {
         if f.counts_against_replica()

@@ -20,11 +20,13 @@ pub(super) struct LogState {
     pub(super) prompt_tokens: u32,
     /// The response was cut short after its head was sent (`Cut::label`).
     pub(super) cut: Option<&'static str>,
+    /// The request's model label, once its model was looked up (counted by model then).
+    pub(super) model: Option<u16>,
 }
 
-/// Write the current request's access log line, when the access log is on. `head` is None
-/// when the request could not be parsed; `tried` are the replicas it was sent to, last one
-/// last.
+/// Write the current request's access log line, when the access log is on, and count its
+/// end by model (every request's end passes here). `head` is None when the request could
+/// not be parsed; `tried` are the replicas it was sent to, last one last.
 pub(super) fn log_request(
     w: &Worker,
     conn: &Conn,
@@ -32,6 +34,9 @@ pub(super) fn log_request(
     tried: &[usize],
     received_at: Instant,
 ) {
+    if let Some(label) = conn.log.model {
+        w.stats().model(label).answered(conn.log.status);
+    }
     let log = w.access_log.borrow();
     let Some(log) = log.as_ref() else { return };
     let spec = tried.last().and_then(|&r| w.shared.fleet.slot(r).spec());

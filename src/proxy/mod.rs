@@ -25,7 +25,7 @@ use crate::http::HttpError;
 use crate::metrics;
 use crate::models::ModelKey;
 use crate::rt::op;
-use crate::worker::{InFlight, RequestModel, Worker};
+use crate::worker::{InFlight, ModelRoute, RequestModel, Worker};
 use forward::{fail, forward, rebuild_upstream_head, Forwarded};
 use log::{log_request, LogState};
 use read::{
@@ -244,7 +244,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             );
         // Only replicas serving the request's model may take it; a model none serves is
         // OpenAI's 404.
-        let model = match w.request_model(&conn.cbuf[head.head_len..body_end], parsed) {
+        let (model, class) = w.request_model(&conn.cbuf[head.head_len..body_end], parsed);
+        conn.log.model = Some(class.label);
+        let model = match model {
             RequestModel::Route(model) => Ok(model),
             RequestModel::Load(i) => match w.adapter_replica(i).await {
                 Ok(slot) => Ok(ModelKey::Replica(slot)),
@@ -256,7 +258,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             }
         };
         let model = match model {
-            Ok(model) => model,
+            Ok(key) => ModelRoute { key, class },
             Err((status, why)) => {
                 w.stats().local_error(status);
                 conn.log.status = status;

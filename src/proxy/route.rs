@@ -10,10 +10,10 @@ use crate::config::ReplicaConfig;
 use crate::http::request::{BodyFraming, Method, RequestHead};
 use crate::http::HttpError;
 use crate::metrics;
-use crate::models::ModelKey;
+use crate::models::ModelClass;
 use crate::rt::op;
 use crate::select::Decision;
-use crate::worker::Worker;
+use crate::worker::{ModelRoute, Worker};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -198,7 +198,7 @@ fn percent_decoded(s: &[u8]) -> Vec<u8> {
 pub(super) async fn wait_for_capacity(
     w: &Worker,
     tried: &[usize],
-    model: ModelKey,
+    model: ModelRoute,
 ) -> Result<(), HttpError> {
     let cfg = w.cfg();
     let queued = &w.shared.queued;
@@ -241,7 +241,7 @@ pub(super) fn route(
     body_end: usize,
     parsed: bool,
     tried: &[usize],
-    model: ModelKey,
+    model: ModelRoute,
 ) -> Route {
     let cfg = w.cfg();
     match w.fill_candidates(tried, model) {
@@ -255,6 +255,7 @@ pub(super) fn route(
         &conn.cbuf[head.head_len..body_end],
         body_end - head.head_len,
         parsed,
+        model.class,
     );
     let replica = choice.replica;
     let slot = w.shared.fleet.slot(replica);
@@ -266,7 +267,7 @@ pub(super) fn route(
     // Take a concurrency slot there; another worker may have taken the last one since the
     // candidates were read.
     let cap = match slot.max_in_flight.load(Relaxed) {
-        0 => cfg.max_in_flight,
+        0 => cfg.max_in_flight_of(model.class.table),
         c => c,
     };
     let in_flight = &w.shared.loads[replica].in_flight;
@@ -281,6 +282,11 @@ pub(super) fn route(
     conn.log.reason = choice.decision.map(|d| d.reason.as_str());
     conn.log.matched_tokens = choice.decision.map_or(0, |d| d.matched_tokens);
     conn.log.prompt_tokens = choice.prompt_tokens;
+    if tried.is_empty() {
+        let m = w.stats().model(model.class.label);
+        metrics::add(&m.prompt_tokens, choice.prompt_tokens as u64);
+        metrics::add(&m.matched_tokens, conn.log.matched_tokens as u64);
+    }
     Route::To(
         Routed {
             replica,
@@ -288,6 +294,7 @@ pub(super) fn route(
             spec,
             prefill_tokens: choice.prefill_tokens(),
             estimate_s: choice.estimate_s(),
+            class: model.class,
         },
         explain_len,
     )
@@ -303,4 +310,6 @@ pub(super) struct Routed {
     pub(super) prefill_tokens: u64,
     /// cache_aware's time-to-first-token estimate, 0 when the policy makes none.
     pub(super) estimate_s: f64,
+    /// The request's model label and settings.
+    pub(super) class: ModelClass,
 }

@@ -17,6 +17,8 @@ pub(crate) struct InFlight<'a> {
     decoding: bool,
     received_at: Instant,
     estimate_s: f64,
+    /// The request's model label (`ModelClass::label`).
+    model_label: u16,
 }
 
 impl<'a> InFlight<'a> {
@@ -29,6 +31,7 @@ impl<'a> InFlight<'a> {
         estimate_s: f64,
         received_at: Instant,
         slot_taken: bool,
+        model_label: u16,
     ) -> InFlight<'a> {
         let load = &w.shared.loads[replica];
         if !slot_taken {
@@ -44,6 +47,7 @@ impl<'a> InFlight<'a> {
             decoding: false,
             received_at,
             estimate_s,
+            model_label,
         }
     }
 
@@ -58,6 +62,10 @@ impl<'a> InFlight<'a> {
             let stats = self.w.stats();
             let observed = crate::rt::now().saturating_duration_since(self.received_at);
             stats.first_token.observe_us(observed.as_micros() as u64);
+            stats
+                .model(self.model_label)
+                .first_token
+                .observe_us(observed.as_micros() as u64);
             if self.estimate_s > 0.0 {
                 stats
                     .ttft_ratio

@@ -4,7 +4,7 @@
 
 use crate::config::ServeConfig;
 use crate::metrics::{ReplicaGauges, WorkerStats};
-use crate::models::{ModelKey, Resolved};
+use crate::models::{ModelClass, ModelKey, Resolved};
 use crate::rt::op;
 use crate::select::{self, Candidate, Policy, Rng};
 use std::cell::{Cell, RefCell};
@@ -49,6 +49,8 @@ pub struct Shared {
     pub adapters: Arc<crate::prefix::AdapterNames>,
     /// Which replica serves which model (`crate::model_watch` keeps it up to date).
     pub models: arc_swap::ArcSwap<crate::models::ModelMap>,
+    /// The names of the per-model metric labels (given by the model thread).
+    pub model_labels: crate::models::ModelLabels,
     /// The LoRA adapters kvlb loads on demand (`lora_adapter`) and their loads.
     pub on_demand: crate::models::OnDemand,
     /// How much of a prompt a worker reads (`max_prompt_tokens`, fixed at start).
@@ -95,6 +97,7 @@ impl Shared {
             prefix,
             adapters: Arc::new(crate::prefix::AdapterNames::new()),
             models: arc_swap::ArcSwap::from_pointee(crate::models::ModelMap::empty(n)),
+            model_labels: crate::models::ModelLabels::default(),
             on_demand: crate::models::OnDemand::new(
                 &cfg.lora_adapters
                     .iter()
@@ -186,7 +189,9 @@ impl Drop for Upstream {
 pub struct Worker {
     pub id: usize,
     pub shared: Arc<Shared>,
-    pub policy: RefCell<Box<dyn Policy>>,
+    /// The policy of requests without a `[[model]]` table, then one per table (a
+    /// `ModelClass`'s `table` indexes it).
+    pub policies: RefCell<Vec<Box<dyn Policy>>>,
     pub rng: RefCell<Rng>,
     /// Idle keep-alive connections per replica slot, with the slot's epoch when they were
     /// opened (a slot given to another replica since then makes them stale).
@@ -346,9 +351,12 @@ impl Worker {
                 (None, fd) => *log = fd.map(crate::access_log::AccessLog::new),
             }
         }
-        match build_policy(&self.shared, self.id, &cfg) {
-            Ok(p) => *self.policy.borrow_mut() = p,
-            Err(e) => eprintln!("kvlb: worker {}: keeping the previous policy: {e}", self.id),
+        match build_policies(&self.shared, self.id, &cfg) {
+            Ok(p) => *self.policies.borrow_mut() = p,
+            Err(e) => eprintln!(
+                "kvlb: worker {}: keeping the previous policies: {e}",
+                self.id
+            ),
         }
         // Close idle connections to replicas that left.
         let mut pool = self.idle_upstream.borrow_mut();
@@ -393,18 +401,19 @@ impl Worker {
     /// Replicas at their concurrency limit are left out and counted: returns (candidates,
     /// replicas left out for being at their limit). Only replicas serving `model` are
     /// considered, in every case (see `crate::models`).
-    pub fn fill_candidates(&self, tried: &[usize], model: ModelKey) -> (usize, usize) {
+    pub fn fill_candidates(&self, tried: &[usize], model: ModelRoute) -> (usize, usize) {
         let now = self.shared.now_ms();
         let cfg = self.cfg();
         let models = self.shared.models.load();
         let serves = |i: usize, slot: &crate::fleet::ReplicaSlot| {
-            models.allows(model, i, slot.epoch.load(Relaxed))
+            models.allows(model.key, i, slot.epoch.load(Relaxed))
         };
         let slow_start_ms = cfg.health.slow_start.as_millis() as u64;
         let mut capped = 0;
+        let max_in_flight = cfg.max_in_flight_of(model.class.table);
         let at_cap = |i: usize, slot: &crate::fleet::ReplicaSlot| {
             let cap = match slot.max_in_flight.load(Relaxed) {
-                0 => cfg.max_in_flight,
+                0 => max_in_flight,
                 c => c,
             };
             cap > 0 && self.shared.loads[i].in_flight.load(Relaxed) >= cap
@@ -455,21 +464,35 @@ impl Worker {
 
 impl Worker {
     /// The model the request is routed by: its `model` (read with its prompt when `parsed`,
-    /// else skimmed from `body`) as the replicas serve it, or an adapter kvlb is to load.
-    pub fn request_model(&self, body: &[u8], parsed: bool) -> RequestModel {
+    /// else skimmed from `body`) as the replicas serve it, or an adapter kvlb is to load; and
+    /// its class (metric label, `[[model]]` table).
+    pub fn request_model(&self, body: &[u8], parsed: bool) -> (RequestModel, ModelClass) {
         let models = self.shared.models.load();
-        if !models.knows_any() {
-            return RequestModel::Route(ModelKey::Any);
-        }
         let mut prefix = self.prefix.borrow_mut();
+        if !models.knows_any() {
+            if !self.cfg().models.is_empty() {
+                if !parsed {
+                    crate::models::top_level_model(body, &mut prefix.model);
+                }
+                let any = Resolved::Route(ModelKey::Any);
+                return (
+                    RequestModel::Route(ModelKey::Any),
+                    models.class(&prefix.model, any),
+                );
+            }
+            return (RequestModel::Route(ModelKey::Any), ModelClass::default());
+        }
         if !parsed {
             crate::models::top_level_model(body, &mut prefix.model);
         }
-        match models.resolve(&prefix.model) {
+        let resolved = models.resolve(&prefix.model);
+        let class = models.class(&prefix.model, resolved);
+        let model = match resolved {
             Resolved::Route(key) => RequestModel::Route(key),
             Resolved::NotServed(key) => {
                 if let Some(i) = self.shared.on_demand.find(&prefix.model) {
-                    return RequestModel::Load(i);
+                    let class = models.class_of(&self.shared.on_demand.adapters[i].name);
+                    return (RequestModel::Load(i), class);
                 }
                 // A replica whose names are not known yet (just added, or listing none) may.
                 let open = self.shared.fleet.slots().any(|(i, s)| {
@@ -480,7 +503,8 @@ impl Worker {
                     false => RequestModel::NotServed,
                 }
             }
-        }
+        };
+        (model, class)
     }
 
     /// The replica adapter `i` (`lora_adapter`) is loaded on, loading it first if no replica
@@ -566,6 +590,13 @@ impl Worker {
 
 /// A failed on-demand adapter load is tried again by requests this long after it failed.
 const LOAD_RETRY_MS: u64 = 2_000;
+
+/// Where a request's model lets it go, and how it is counted and set.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ModelRoute {
+    pub key: ModelKey,
+    pub class: ModelClass,
+}
 
 /// What a request's `model` asks of routing.
 pub enum RequestModel {
@@ -718,6 +749,7 @@ impl Worker {
         body: &[u8],
         body_len: usize,
         hashed: bool,
+        class: ModelClass,
     ) -> Choice {
         let prefix = self.prefix.borrow();
         let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if hashed {
@@ -743,7 +775,13 @@ impl Worker {
         let random = self.rng.borrow_mut().next_u64();
         let (replica, decision) = {
             let cands = self.candidates.borrow();
-            let mut policy = self.policy.borrow_mut();
+            let mut policies = self.policies.borrow_mut();
+            // A table gone since the map was built (a reload): the global policy.
+            let t = match class.table as usize {
+                t if t < policies.len() => t,
+                _ => 0,
+            };
+            let policy = &mut policies[t];
             let i = policy.select(&view, &cands, random);
             (cands[i.min(cands.len() - 1)].replica, policy.decision())
         };
@@ -769,15 +807,24 @@ impl Worker {
     }
 }
 
-/// The policy a worker runs under `cfg`.
-fn build_policy(shared: &Shared, id: usize, cfg: &ServeConfig) -> Result<Box<dyn Policy>, String> {
-    let parts = select::CacheAwareParts {
-        index: shared.residency.clone(),
-        offload: shared.offload_residency.clone(),
-        log: shared.routing_logs[id].clone(),
-        config: cfg.cost_model.policy_config(),
+/// The policies a worker runs under `cfg`: the global one, then each `[[model]]` table's.
+fn build_policies(
+    shared: &Shared,
+    id: usize,
+    cfg: &ServeConfig,
+) -> Result<Vec<Box<dyn Policy>>, String> {
+    let build = |policy, cost: &crate::config::CostModel| {
+        let parts = select::CacheAwareParts {
+            index: shared.residency.clone(),
+            offload: shared.offload_residency.clone(),
+            log: shared.routing_logs[id].clone(),
+            config: cost.policy_config(),
+        };
+        select::build(policy, id, Some(parts))
     };
-    select::build(cfg.policy, id, Some(parts))
+    std::iter::once(build(cfg.policy, &cfg.cost_model))
+        .chain(cfg.models.iter().map(|m| build(m.policy, &m.cost_model)))
+        .collect()
 }
 
 /// Create a listening socket bound to `addr` with SO_REUSEPORT.
@@ -819,10 +866,10 @@ impl Worker {
     pub fn new(id: usize, shared: Arc<Shared>) -> Result<Rc<Worker>, String> {
         let n_replicas = shared.fleet.capacity();
         let generation = shared.fleet.generation.load(Relaxed);
-        let policy = build_policy(&shared, id, &shared.cfg())?;
+        let policies = build_policies(&shared, id, &shared.cfg())?;
         Ok(Rc::new(Worker {
             id,
-            policy: RefCell::new(policy),
+            policies: RefCell::new(policies),
             rng: RefCell::new(Rng::new(
                 0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
             )),

@@ -92,9 +92,10 @@ impl ModelName {
 }
 
 /// The model a request is routed by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ModelKey {
     /// No model to route by: every replica may take it.
+    #[default]
     Any,
     /// The hash of a served name: the replicas serving it, and those whose models are
     /// unknown.
@@ -220,6 +221,68 @@ pub struct ModelMap {
     per_slot: Vec<(usize, Vec<String>)>,
     /// The body of kvlb's own `GET /v1/models`.
     list_json: Vec<u8>,
+    /// Name hash -> its label and settings (`with_classes`).
+    classes: KeyMap<ModelClass>,
+}
+
+/// Most model labels of the per-model metric families, `other` included: the names after
+/// the first ones given a label (served names, `[[model]]` names, adapters to load), and
+/// every name no replica serves, are counted under `other`.
+pub const MAX_MODEL_LABELS: usize = 64;
+
+/// The label of every name without one of its own.
+pub const OTHER_LABEL: &str = "other";
+
+/// The names of the model labels, `other` first: given by one thread (the one building the
+/// map) and read by any, without a lock. A name keeps its label while kvlb runs.
+pub struct ModelLabels {
+    names: Vec<std::sync::OnceLock<String>>,
+    len: std::sync::atomic::AtomicUsize,
+}
+
+impl Default for ModelLabels {
+    fn default() -> Self {
+        let names: Vec<std::sync::OnceLock<String>> = (0..MAX_MODEL_LABELS)
+            .map(|_| std::sync::OnceLock::new())
+            .collect();
+        let _ = names[0].set(OTHER_LABEL.to_string());
+        ModelLabels {
+            names,
+            len: std::sync::atomic::AtomicUsize::new(1),
+        }
+    }
+}
+
+impl ModelLabels {
+    /// The label of `name`, given one while any is left (0: `other`). One thread calls it.
+    pub fn label(&self, name: &str) -> u16 {
+        use std::sync::atomic::Ordering::{Acquire, Release};
+        let n = self.len.load(Acquire);
+        if let Some(i) = (1..n).find(|&i| self.names[i].get().is_some_and(|s| s == name)) {
+            return i as u16;
+        }
+        if n == MAX_MODEL_LABELS || name == OTHER_LABEL {
+            return 0;
+        }
+        let _ = self.names[n].set(name.to_string());
+        self.len.store(n + 1, Release);
+        n as u16
+    }
+
+    /// Every label given, `other` first, with its index.
+    pub fn names(&self) -> impl Iterator<Item = (usize, &str)> + '_ {
+        let n = self.len.load(std::sync::atomic::Ordering::Acquire);
+        (0..n).filter_map(move |i| self.names[i].get().map(|s| (i, s.as_str())))
+    }
+}
+
+/// A request's model as the per-model metrics and settings see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ModelClass {
+    /// Its label in the per-model metric families (0: `other`, every name without one).
+    pub label: u16,
+    /// Its `[[model]]` table, counted from 1 (0: none, the global settings apply).
+    pub table: u16,
 }
 
 impl ModelMap {
@@ -240,6 +303,7 @@ impl ModelMap {
             cards: Vec::new(),
             per_slot: Vec::new(),
             list_json: Vec::new(),
+            classes: KeyMap::default(),
         };
         for s in slots.iter().filter(|s| s.slot < capacity) {
             map.covered[s.slot / 64] |= 1 << (s.slot % 64);
@@ -260,6 +324,75 @@ impl ModelMap {
         map.list_json = serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
             .unwrap_or_default();
         map
+    }
+
+    /// Gives each name its class: the `[[model]]` table naming it (`tables[t]` holds table
+    /// `t + 1`'s names), or an adapter's parent's table; and its metric label, from `label`
+    /// (0 when it has none). Classed: every served name, every table's names, and `extra`
+    /// (adapters kvlb may load, served by no replica yet, with their base).
+    pub fn with_classes(
+        mut self,
+        tables: &[&[String]],
+        extra: &[(&str, Option<&str>)],
+        label: &mut dyn FnMut(&str) -> u16,
+    ) -> ModelMap {
+        let table_of = |name: &str| {
+            tables
+                .iter()
+                .position(|names| names.iter().any(|n| n == name))
+                .map_or(0, |t| t as u16 + 1)
+        };
+        let served = self
+            .cards
+            .iter()
+            .map(|c| (c.id.as_str(), c.parent.as_deref()));
+        let named = tables
+            .iter()
+            .flat_map(|names| names.iter().map(|n| (n.as_str(), None)));
+        let all: Vec<(&str, Option<&str>)> =
+            served.chain(named).chain(extra.iter().copied()).collect();
+        let mut classes = KeyMap::default();
+        for (name, parent) in all {
+            let h = name_hash(name.as_bytes());
+            if classes.contains_key(&h) {
+                continue;
+            }
+            let table = match table_of(name) {
+                0 => parent.map_or(0, table_of),
+                t => t,
+            };
+            classes.insert(
+                h,
+                ModelClass {
+                    label: label(name),
+                    table,
+                },
+            );
+        }
+        self.classes = classes;
+        self
+    }
+
+    /// The class of a request's `model`, as `resolve` found it (the default class: a name
+    /// without a label or table).
+    #[inline]
+    pub fn class(&self, model: &ModelName, resolved: Resolved) -> ModelClass {
+        let h = match resolved {
+            Resolved::Route(ModelKey::Named(h)) | Resolved::NotServed(ModelKey::Named(h)) => h,
+            _ => match model.get() {
+                Some(name) => name_hash(name),
+                None => return ModelClass::default(),
+            },
+        };
+        self.classes.get(&h).copied().unwrap_or_default()
+    }
+
+    /// The class of a name (an adapter kvlb loads on demand).
+    pub fn class_of(&self, name: &str) -> ModelClass {
+        self.classes
+            .get(&name_hash(name.as_bytes()))
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Whether any replica's list is known (kvlb answers `/v1/models` itself only then).
@@ -516,6 +649,70 @@ mod tests {
             Resolved::Route(k) => k,
             Resolved::NotServed(_) => panic!("{s} not served"),
         }
+    }
+
+    #[test]
+    fn names_take_their_table_and_label_adapters_their_parents_table() {
+        let tables: Vec<Vec<String>> = vec![
+            vec!["small".into()],
+            vec!["big".into(), "big-alias".into()],
+            vec!["unserved".into()],
+        ];
+        let refs: Vec<&[String]> = tables.iter().map(Vec::as_slice).collect();
+        let mut given: Vec<String> = Vec::new();
+        let mut label = |n: &str| {
+            given.push(n.to_string());
+            match given.len() < 4 {
+                true => given.len() as u16,
+                false => 0, // out of labels
+            }
+        };
+        let map = two_models().with_classes(&refs, &[("lazy", Some("small"))], &mut label);
+        let class = |s: &str| {
+            let m = name(s);
+            map.class(&m, map.resolve(&m))
+        };
+        assert_eq!(class("big"), ModelClass { label: 1, table: 2 });
+        assert_eq!(class("big-alias"), ModelClass { label: 2, table: 2 });
+        // The adapter follows its parent's table, with a label of its own.
+        assert_eq!(class("sql"), ModelClass { label: 3, table: 2 });
+        // SGLang's base:adapter form is the adapter's class.
+        assert_eq!(class("big:sql"), class("sql"));
+        // Labels ran out: the table still applies.
+        assert_eq!(class("small"), ModelClass { label: 0, table: 1 });
+        // A table's name no replica serves (a plain backend) and an adapter to load.
+        assert_eq!(class("unserved").table, 3);
+        assert_eq!(map.class_of("lazy").table, 1);
+        // A name no one knows, and no name at all.
+        assert_eq!(class("nope"), ModelClass::default());
+        assert_eq!(
+            map.class(&ModelName::default(), Resolved::Route(ModelKey::Any)),
+            ModelClass::default()
+        );
+        // Each name was labelled once.
+        let mut sorted = given.clone();
+        sorted.dedup();
+        assert_eq!(sorted.len(), given.len(), "{given:?}");
+        // Without any replica's list, a table still applies by the request's name.
+        let plain = ModelMap::empty(4).with_classes(&refs, &[], &mut |_| 0);
+        let m = name("big");
+        assert_eq!(plain.class(&m, plain.resolve(&m)).table, 2);
+    }
+
+    #[test]
+    fn labels_are_given_once_until_they_run_out() {
+        let labels = ModelLabels::default();
+        assert_eq!(labels.label("a"), 1);
+        assert_eq!(labels.label("b"), 2);
+        assert_eq!(labels.label("a"), 1);
+        assert_eq!(labels.label(OTHER_LABEL), 0);
+        for i in 0..MAX_MODEL_LABELS {
+            labels.label(&format!("m{i}"));
+        }
+        assert_eq!(labels.label("late"), 0);
+        let names: Vec<(usize, &str)> = labels.names().collect();
+        assert_eq!(names.len(), MAX_MODEL_LABELS);
+        assert_eq!(&names[..3], &[(0, OTHER_LABEL), (1, "a"), (2, "b")]);
     }
 
     #[test]
