@@ -271,6 +271,7 @@ fn main() {
                     queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
                     decoding: load.decoding.load(Relaxed),
                     reported: shared.telemetry[r].reported.load(),
+                    setup_us: 0,
                 });
             }
             let view = RequestView {

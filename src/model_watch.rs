@@ -15,7 +15,7 @@
 
 use crate::config::ReplicaConfig;
 use crate::fleet::EMPTY;
-use crate::models::{parse_model_list, LoadJob, ModelCard, ModelMap, SlotModels, FAILED, LOADED};
+use crate::models::{parse_model_list, LoadJob, ModelCard, ModelMap, SlotModels, FAILED};
 use crate::worker::Shared;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -96,24 +96,27 @@ pub fn spawn(shared: Arc<Shared>, stop: Arc<AtomicBool>) -> std::io::Result<Firs
             let mut states: Vec<SlotState> = (0..shared.fleet.capacity())
                 .map(|_| SlotState::default())
                 .collect();
-            let mut loaded_at: Vec<Option<Instant>> = vec![None; shared.on_demand.adapters.len()];
+            // When kvlb loaded each adapter on each slot: (adapter, slot) -> time.
+            let mut loaded_at: std::collections::HashMap<(usize, usize), Instant> =
+                std::collections::HashMap::new();
             // The fleet and configuration the map was built for (a reload bumps it too: the
             // classes follow the `[[model]]` tables).
             let mut generation = 0;
             while !stop.load(Relaxed) {
                 match shared.on_demand.inbox.recv_timeout(TICK) {
                     Ok(LoadJob::Load(i)) => start_load(&shared, i),
-                    Ok(LoadJob::Done(i)) => {
-                        if let Some((slot, _)) = loaded(&shared, i) {
+                    Ok(LoadJob::Done { adapter, slot }) => {
+                        let epoch = shared.fleet.slot(slot).epoch.load(Relaxed);
+                        if shared.on_demand.adapters[adapter].holds(slot, epoch) {
                             // Asked again now: its list shows the adapter from here on.
                             states[slot].asked_at = None;
-                            loaded_at[i] = Some(Instant::now());
+                            loaded_at.insert((adapter, slot), Instant::now());
                         }
                     }
                     Err(_) => {}
                 }
                 let mut changed = look(&shared, &mut states);
-                changed |= forget_unloaded(&shared, &states, &loaded_at);
+                changed |= forget_unloaded(&shared, &states, &mut loaded_at);
                 let g = shared.fleet.generation.load(Relaxed);
                 if changed || g != generation {
                     generation = g;
@@ -143,40 +146,36 @@ impl FirstLook {
     }
 }
 
-/// Adapter `i`'s replica slot and epoch, if it is loaded.
-fn loaded(shared: &Shared, i: usize) -> Option<(usize, u64)> {
-    let a = &shared.on_demand.adapters[i];
-    (a.state.load(Relaxed) == LOADED)
-        .then(|| a.claimed())
-        .flatten()
-}
-
 /// An adapter kvlb loaded that its replica's list no longer shows (unloaded, the engine
-/// restarted) is loaded again by the next request that names it. Returns false: the map does
-/// not change.
-fn forget_unloaded(shared: &Shared, states: &[SlotState], loaded_at: &[Option<Instant>]) -> bool {
-    for (i, at) in loaded_at.iter().enumerate() {
-        let (Some(at), Some((slot, epoch))) = (at, loaded(shared, i)) else {
-            continue;
-        };
-        let st = &states[slot];
+/// restarted) is no longer taken as held there: a request sent there loads it again. Returns
+/// false: the map does not change.
+fn forget_unloaded(
+    shared: &Shared,
+    states: &[SlotState],
+    loaded_at: &mut std::collections::HashMap<(usize, usize), Instant>,
+) -> bool {
+    loaded_at.retain(|&(i, slot), at| {
         let a = &shared.on_demand.adapters[i];
+        let st = &states[slot];
+        if !a.holds(slot, st.epoch) {
+            return false;
+        }
         let asked_since = st.asked_at.is_some_and(|t| t > *at);
-        if st.epoch == epoch
-            && asked_since
+        let gone = asked_since
             && st
                 .cards
                 .as_ref()
-                .is_some_and(|c| !c.iter().any(|c| c.id == a.name))
-        {
+                .is_some_and(|c| !c.iter().any(|c| c.id == a.name));
+        if gone {
             eprintln!(
-                "kvlb: LoRA adapter {} is no longer listed by the replica it was loaded on; \
-                 the next request for it loads it again",
+                "kvlb: LoRA adapter {} is no longer listed by replica slot {slot}, where it was \
+                 loaded; a request sent there loads it again",
                 a.name
             );
-            a.release(slot, epoch);
+            a.forget(slot);
         }
-    }
+        !gone
+    });
     false
 }
 
@@ -229,7 +228,8 @@ fn start_load(shared: &Arc<Shared>, i: usize) {
             match result {
                 Ok(()) => {
                     a.loads.fetch_add(1, Relaxed);
-                    a.state.store(LOADED, Relaxed);
+                    shared.on_demand.timed(started.elapsed().as_micros() as u64);
+                    a.loaded_on(slot, epoch);
                     eprintln!(
                         "kvlb: LoRA adapter {} loaded on replica {} in {} ms",
                         a.name,
@@ -245,7 +245,10 @@ fn start_load(shared: &Arc<Shared>, i: usize) {
                     a.state.store(FAILED, Relaxed);
                 }
             }
-            let _ = shared.on_demand.jobs.send(LoadJob::Done(i));
+            let _ = shared
+                .on_demand
+                .jobs
+                .send(LoadJob::Done { adapter: i, slot });
         });
     if let Err(e) = spawned {
         let a = &shared.on_demand.adapters[i];

@@ -426,6 +426,75 @@ fn an_adapter_is_loaded_on_demand_once_for_32_concurrent_first_requests() {
     );
 }
 
+/// A loaded adapter keeps its requests while its replica is idle (a replica without it pays
+/// the load), and spreads to a second replica of its base once the first one's queue costs
+/// more than a load.
+#[test]
+fn a_busy_adapter_spreads_to_a_second_replica_of_its_base() {
+    std::env::set_var("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true");
+    // Real time: a prompt of thousands of tokens takes a tenth of a second to prefill.
+    let base = fleet_with(2, &["big"], &["--enable-lora", "--time-scale", "1"]);
+    let urls: Vec<String> = base.http.iter().map(url).collect();
+    let kvlb = serve(
+        &urls,
+        &[
+            "--lora-adapter",
+            "sql=/adapters/sql,base=big",
+            "--lora-load-s",
+            "0.005",
+        ],
+    );
+    wait_models(&kvlb, &[Some(&["big"]), Some(&["big"])]);
+    let loads = || {
+        kvlb.metric(
+            "kvlb_lora_loads_total",
+            &["adapter=\"sql\"", "result=\"ok\""],
+        )
+        .unwrap_or(0.0)
+    };
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let first = post(&mut conn, "/v1/chat/completions", &chat("sql", "one"));
+    assert_eq!(first.status, 200, "{}", first.describe());
+    let holder = first.header("x-kvlb-replica").unwrap().to_string();
+    // One at a time: the holder is never busy, so no request pays a second load.
+    for i in 0..5 {
+        let r = post(
+            &mut conn,
+            "/v1/chat/completions",
+            &chat("sql", &format!("q{i}")),
+        );
+        assert_eq!(r.header("x-kvlb-replica"), Some(holder.as_str()));
+    }
+    assert_eq!(loads(), 1.0);
+    // Sixteen long prompts at once: the holder's prefill queue soon costs more than a load.
+    let listen = kvlb.listen;
+    let threads: Vec<_> = (0..16)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut conn = HttpConn::connect(listen);
+                let text = format!("document {i}: ") + &format!("line {i} of many. ").repeat(800);
+                let body = json!({
+                    "model": "sql",
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": 4,
+                })
+                .to_string();
+                let r = post(&mut conn, "/v1/chat/completions", body.as_bytes());
+                (r.status, r.header("x-kvlb-replica").map(str::to_string))
+            })
+        })
+        .collect();
+    let mut went = BTreeSet::new();
+    for t in threads {
+        let (status, replica) = t.join().unwrap();
+        assert_eq!(status, 200, "kvlb said:\n{}", kvlb.stderr());
+        went.insert(replica.unwrap());
+    }
+    assert_eq!(went.len(), 2, "{went:?}");
+    // Loaded once more, on the other replica, however many requests went there.
+    assert_eq!(loads(), 2.0, "{}", kvlb.stderr());
+}
+
 /// `[[model]]` tables: a model's own policy, concurrency limit and response timeout, which
 /// its aliases without a table do not take; and the per-model metrics, unknown names under
 /// `other`.

@@ -269,6 +269,9 @@ pub struct CostModel {
     /// Loading a prefix back from an offloaded tier (CPU, disk) costs this fraction of
     /// recomputing it (0..=1).
     pub offload_load_cost: f64,
+    /// Seconds a request for an adapter kvlb loads on demand loses on a replica without it
+    /// (at least; the loads kvlb timed, when longer).
+    pub lora_load_s: f64,
 }
 
 impl Default for CostModel {
@@ -279,6 +282,7 @@ impl Default for CostModel {
             decode_step_s: p.model.decode.base,
             foreign_request_tokens: p.foreign_request_tokens,
             offload_load_cost: p.offload_load_cost,
+            lora_load_s: 0.5,
         }
     }
 }

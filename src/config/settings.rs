@@ -334,6 +334,13 @@ pub struct CostSettings {
     /// the tier's load time over the prefill time of the same tokens (default: 0.25).
     #[arg(long, value_name = "F")]
     pub offload_load_cost: Option<Fraction>,
+
+    /// Seconds a request for a LoRA adapter of lora_adapter is taken to lose when sent to a
+    /// replica without it, which loads it first: the price of spreading an adapter to one
+    /// more replica; the average of the loads kvlb timed is the price when larger
+    /// (default: 0.5).
+    #[arg(long, value_name = "SECONDS")]
+    pub lora_load_s: Option<Seconds>,
 }
 
 /// `[[model]]`: the settings of the requests naming one model (file only; `docs/models.md`).
@@ -650,6 +657,7 @@ impl CostSettings {
             decode_step_s,
             foreign_request_tokens,
             offload_load_cost,
+            lora_load_s,
         } = self;
         set(&mut m.prefill_s_per_token, prefill_s_per_token.map(|v| v.0));
         set(&mut m.decode_step_s, decode_step_s.map(|v| v.0));
@@ -658,6 +666,7 @@ impl CostSettings {
             foreign_request_tokens.map(|v| v.0 as u32),
         );
         set(&mut m.offload_load_cost, offload_load_cost.map(|v| v.0));
+        set(&mut m.lora_load_s, lora_load_s.map(|v| v.0));
     }
 }
 

@@ -269,24 +269,50 @@ async fn first_request(
     // on demand, once loaded); a model no replica serves goes anywhere, and that replica
     // answers its own 404.
     let (model, class) = w.request_model(body, parsed);
-    let key = match model {
-        crate::worker::RequestModel::Route(model) => model,
-        crate::worker::RequestModel::Load(i) => match w.adapter_replica(i).await {
-            Ok(slot) => ModelKey::Replica(slot),
-            Err(_) => ModelKey::Any,
-        },
-        crate::worker::RequestModel::NotServed => ModelKey::Any,
+    let (key, adapter) = match model {
+        crate::worker::RequestModel::Route(model) => (model, None),
+        crate::worker::RequestModel::Adapter(i) => (
+            ModelKey::Named(w.shared.on_demand.adapters[i].key),
+            Some(i as u16),
+        ),
+        crate::worker::RequestModel::NotServed => (ModelKey::Any, None),
     };
-    let model = crate::worker::ModelRoute { key, class };
-    if w.fill_candidates(&[], model).0 == 0 {
-        local_error(w, fd, HttpError::NoReplica).await;
-        return None;
-    }
+    let model = crate::worker::ModelRoute {
+        key,
+        class,
+        adapter,
+    };
     let body_len = match head.body {
         BodyFraming::Length(n) => n.min(u32::MAX as u64) as usize,
         _ => body.len(),
     };
-    let choice = w.choose(head.method, path_bytes, body, body_len, parsed, class);
+    // An adapter the chosen replica does not hold is loaded there first (routed again when
+    // another request's load of it began elsewhere meanwhile).
+    let mut choice = None;
+    for _ in 0..4 {
+        if w.fill_candidates(&[], model).0 == 0 {
+            break;
+        }
+        let c = w.choose(head.method, path_bytes, body, body_len, parsed, class);
+        let epoch = w.shared.fleet.slot(c.replica).epoch.load(Relaxed);
+        match adapter.map(|i| i as usize) {
+            Some(i) if !w.adapter_held(i, c.replica, epoch) => {
+                if !w.claim_adapter_load(i, c.replica, epoch) {
+                    continue;
+                }
+                if w.adapter_loaded(i, c.replica, epoch).await.is_err() {
+                    continue;
+                }
+                choice = Some(c);
+            }
+            _ => choice = Some(c),
+        }
+        break;
+    }
+    let Some(choice) = choice else {
+        local_error(w, fd, HttpError::NoReplica).await;
+        return None;
+    };
     let m = w.stats().model(class.label);
     crate::metrics::add(&m.prompt_tokens, choice.prompt_tokens as u64);
     crate::metrics::add(

@@ -64,6 +64,11 @@ pub(super) async fn forward(
         true,
         routed.class.label,
     );
+    if let Some(i) = routed.load {
+        if let Err(why) = w.adapter_loaded(i, replica, routed.epoch).await {
+            return Forwarded::Failed(replica, UpstreamFailure::AdapterLoad(why), true);
+        }
+    }
     let stats = w.stats();
     let rc = &stats.replicas[replica];
     let url: &str = &routed.spec.url;
@@ -362,6 +367,9 @@ pub(super) async fn fail(
             "upstream_unavailable",
             format!("replica {url} answered 503 and no other replica was available"),
         ),
+        UpstreamFailure::AdapterLoad(why) => {
+            (503, "Service Unavailable", "service_unavailable", why)
+        }
     };
     match status {
         504 => metrics::add(&rc.gateway_timeout, 1),

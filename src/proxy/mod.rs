@@ -247,18 +247,30 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         let (model, class) = w.request_model(&conn.cbuf[head.head_len..body_end], parsed);
         conn.log.model = Some(class.label);
         let model = match model {
-            RequestModel::Route(model) => Ok(model),
-            RequestModel::Load(i) => match w.adapter_replica(i).await {
-                Ok(slot) => Ok(ModelKey::Replica(slot)),
-                Err(why) => Err((503, why)),
-            },
+            RequestModel::Route(key) => Ok(ModelRoute {
+                key,
+                class,
+                adapter: None,
+            }),
+            RequestModel::Adapter(i) => {
+                let route = ModelRoute {
+                    key: ModelKey::Named(w.shared.on_demand.adapters[i].key),
+                    class,
+                    adapter: Some(i as u16),
+                };
+                // No replica holds it or may load it now: say why.
+                match w.fill_candidates(&[], route) {
+                    (0, 0) => Err((503, w.adapter_unavailable(i))),
+                    _ => Ok(route),
+                }
+            }
             RequestModel::NotServed => {
                 crate::model_watch::NOT_FOUND.fetch_add(1, Relaxed);
                 Err((404, String::new()))
             }
         };
         let model = match model {
-            Ok(key) => ModelRoute { key, class },
+            Ok(model) => model,
             Err((status, why)) => {
                 w.stats().local_error(status);
                 conn.log.status = status;
@@ -410,11 +422,16 @@ pub(super) enum UpstreamFailure {
     /// The replica answered 503 at once (overloaded or shutting down); its answer was dropped
     /// to try another replica, and none was left.
     Unavailable,
+    /// A LoRA adapter kvlb was loading there for the request could not be loaded.
+    AdapterLoad(String),
 }
 
 impl UpstreamFailure {
     /// A failure of the replica (not of the client): counts towards its ejection.
     pub(super) fn counts_against_replica(&self) -> bool {
-        !matches!(self, UpstreamFailure::ClientGone)
+        !matches!(
+            self,
+            UpstreamFailure::ClientGone | UpstreamFailure::AdapterLoad(_)
+        )
     }
 }

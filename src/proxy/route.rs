@@ -264,6 +264,18 @@ pub(super) fn route(
     let Some(spec) = slot.spec() else {
         return Route::NoneLeft;
     };
+    // An adapter it does not hold: loaded there first, one load at a time (another request
+    // may have started one elsewhere since the candidates were read: routed again, it waits
+    // for that one).
+    let load = match model.adapter {
+        Some(i) if !w.adapter_held(i as usize, replica, epoch) => {
+            if !w.claim_adapter_load(i as usize, replica, epoch) {
+                return Route::AllBusy;
+            }
+            Some(i as usize)
+        }
+        _ => None,
+    };
     // Take a concurrency slot there; another worker may have taken the last one since the
     // candidates were read.
     let cap = match slot.max_in_flight.load(Relaxed) {
@@ -295,6 +307,7 @@ pub(super) fn route(
             prefill_tokens: choice.prefill_tokens(),
             estimate_s: choice.estimate_s(),
             class: model.class,
+            load,
         },
         explain_len,
     )
@@ -312,4 +325,6 @@ pub(super) struct Routed {
     pub(super) estimate_s: f64,
     /// The request's model label and settings.
     pub(super) class: ModelClass,
+    /// A LoRA adapter (`lora_adapter` index) to wait for: being loaded there.
+    pub(super) load: Option<usize>,
 }

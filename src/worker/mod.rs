@@ -4,7 +4,7 @@
 
 use crate::config::ServeConfig;
 use crate::metrics::{ReplicaGauges, WorkerStats};
-use crate::models::{ModelClass, ModelKey, Resolved};
+use crate::models::{ModelClass, ModelKey, ModelMap, Resolved};
 use crate::rt::op;
 use crate::select::{self, Candidate, Policy, Rng};
 use std::cell::{Cell, RefCell};
@@ -103,6 +103,7 @@ impl Shared {
                     .iter()
                     .map(|a| (a.name.clone(), a.path.clone(), a.base.clone()))
                     .collect::<Vec<_>>(),
+                n,
             ),
             prompt_limits: crate::prompt::PromptLimits::for_tokens(cfg.max_prompt_tokens),
             loads: (0..n).map(|_| ReplicaGauges::default()).collect(),
@@ -405,8 +406,17 @@ impl Worker {
         let now = self.shared.now_ms();
         let cfg = self.cfg();
         let models = self.shared.models.load();
-        let serves = |i: usize, slot: &crate::fleet::ReplicaSlot| {
-            models.allows(model.key, i, slot.epoch.load(Relaxed))
+        let gate = model
+            .adapter
+            .map(|i| self.adapter_gate(&cfg, &models, i as usize, model.class, now));
+        // Whether the replica may take the request, and what it must do first (µs): load an
+        // adapter it does not hold.
+        let serves = |i: usize, slot: &crate::fleet::ReplicaSlot| -> Option<u32> {
+            let epoch = slot.epoch.load(Relaxed);
+            match &gate {
+                None => models.allows(model.key, i, epoch).then_some(0),
+                Some(g) => g.setup_us(&models, i, epoch),
+            }
         };
         let slow_start_ms = cfg.health.slow_start.as_millis() as u64;
         let mut capped = 0;
@@ -420,7 +430,7 @@ impl Worker {
         };
         let mut c = self.candidates.borrow_mut();
         c.clear();
-        let candidate = |i: usize| {
+        let candidate = |i: usize, setup_us: u32| {
             let load = &self.shared.loads[i];
             Candidate {
                 replica: i,
@@ -428,12 +438,16 @@ impl Worker {
                 queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
                 decoding: load.decoding.load(Relaxed),
                 reported: self.shared.telemetry[i].reported.load(),
+                setup_us,
             }
         };
         for (i, slot) in self.shared.fleet.slots() {
-            if !slot.available(now) || tried.contains(&i) || !serves(i, slot) {
+            if !slot.available(now) || tried.contains(&i) {
                 continue;
             }
+            let Some(setup_us) = serves(i, slot) else {
+                continue;
+            };
             if at_cap(i, slot) {
                 capped += 1;
                 continue;
@@ -445,20 +459,187 @@ impl Worker {
                     continue;
                 }
             }
-            c.push(candidate(i));
+            c.push(candidate(i, setup_us));
         }
         if c.is_empty() && capped == 0 {
             for (i, slot) in self.shared.fleet.slots() {
-                if slot.state() == crate::fleet::ACTIVE && !tried.contains(&i) && serves(i, slot) {
+                if slot.state() != crate::fleet::ACTIVE || tried.contains(&i) {
+                    continue;
+                }
+                if let Some(setup_us) = serves(i, slot) {
                     if at_cap(i, slot) {
                         capped += 1;
                     } else {
-                        c.push(candidate(i));
+                        c.push(candidate(i, setup_us));
                     }
                 }
             }
         }
         (c.len(), capped)
+    }
+
+    /// Which replicas a request for adapter `i` (`lora_adapter`) may go to now.
+    fn adapter_gate<'a>(
+        &'a self,
+        cfg: &ServeConfig,
+        models: &ModelMap,
+        i: usize,
+        class: ModelClass,
+        now: u64,
+    ) -> AdapterGate<'a> {
+        use crate::models::{FAILED, LOADING};
+        let a = &self.shared.on_demand.adapters[i];
+        let claim = a.claimed();
+        let state = a.state.load(Relaxed);
+        let mut failed = false;
+        if let (FAILED, Some((slot, epoch))) = (state, claim) {
+            // Tried again once a pause has passed since the failure.
+            match now.saturating_sub(a.failed_at_ms.load(Relaxed)) >= LOAD_RETRY_MS {
+                true => a.release(slot, epoch),
+                false => failed = true,
+            }
+        }
+        let (policy, cost) = match cfg.model(class.table) {
+            Some(m) => (m.policy, &m.cost_model),
+            None => (cfg.policy, &cfg.cost_model),
+        };
+        // The larger of the operator's figure and the loads kvlb timed: a load also leaves
+        // the adapter's prefixes cold there and takes one of the replica's LoRA slots.
+        let setup_us = ((cost.lora_load_s * 1e6) as u64)
+            .max(self.shared.on_demand.load_us.load(Relaxed))
+            .min(u32::MAX as u64) as u32;
+        let priced = policy == select::PolicyName::CacheAware;
+        let mut gate = AdapterGate {
+            a,
+            loading: if state == LOADING { claim } else { None },
+            failed,
+            setup_us,
+            others: true,
+        };
+        // Without a cost model, replicas without it only while none holding it is available.
+        if !priced {
+            let held = self.shared.fleet.slots().any(|(s, slot)| {
+                slot.available(now) && gate.holds(models, s, slot.epoch.load(Relaxed))
+            });
+            gate.others = !held;
+        }
+        gate
+    }
+
+    /// Why no replica can take a request for adapter `i`: the 503's message.
+    pub fn adapter_unavailable(&self, i: usize) -> String {
+        let a = &self.shared.on_demand.adapters[i];
+        if a.state.load(Relaxed) == crate::models::FAILED {
+            let why = a
+                .error
+                .load_full()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            return format!("loading LoRA adapter {} failed: {why}", a.name);
+        }
+        format!(
+            "no replica serving {} is available to load LoRA adapter {}",
+            a.base_name.as_deref().unwrap_or("its base model"),
+            a.name
+        )
+    }
+
+    /// Before a request for adapter `i` goes to `slot` (at `epoch`), which `route` found
+    /// without it: claims its load there, unless another is in progress. False: the request
+    /// must be routed again (the load in progress elsewhere is where it may go).
+    pub fn claim_adapter_load(&self, i: usize, slot: usize, epoch: u64) -> bool {
+        let a = &self.shared.on_demand.adapters[i];
+        if a.claim(slot, epoch) {
+            let _ = self
+                .shared
+                .on_demand
+                .jobs
+                .send(crate::models::LoadJob::Load(i));
+            return true;
+        }
+        a.claimed() == Some((slot, epoch)) && a.state.load(Relaxed) == crate::models::LOADING
+    }
+
+    /// Waits until adapter `i` is loaded on `slot` (at `epoch`), within `upstream_timeout`.
+    /// Err: the 503's message.
+    pub async fn adapter_loaded(&self, i: usize, slot: usize, epoch: u64) -> Result<(), String> {
+        use crate::models::FAILED;
+        let a = &self.shared.on_demand.adapters[i];
+        let deadline = crate::rt::now() + self.cfg().timeouts.upstream;
+        let mut pause = std::time::Duration::from_millis(1);
+        loop {
+            if a.holds(slot, epoch) {
+                return Ok(());
+            }
+            if a.claimed() != Some((slot, epoch)) {
+                return Err(format!(
+                    "LoRA adapter {} was not loaded: its replica left the fleet",
+                    a.name
+                ));
+            }
+            if a.state.load(Relaxed) == FAILED {
+                return Err(self.adapter_unavailable(i));
+            }
+            if crate::rt::now() >= deadline {
+                return Err(format!("LoRA adapter {} is still loading", a.name));
+            }
+            op::sleep(pause).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the replica `slot` (at `epoch`) holds adapter `i` (listed or loaded by kvlb).
+    pub fn adapter_held(&self, i: usize, slot: usize, epoch: u64) -> bool {
+        let gate = AdapterGate {
+            a: &self.shared.on_demand.adapters[i],
+            loading: None,
+            failed: false,
+            setup_us: 0,
+            others: false,
+        };
+        gate.holds(&self.shared.models.load(), slot, epoch)
+    }
+}
+
+/// Where a request for an adapter kvlb loads on demand may go: the replicas holding it, and,
+/// priced with a load, those serving its base, one load at a time.
+struct AdapterGate<'a> {
+    a: &'a crate::models::OnDemandAdapter,
+    /// The load in progress (slot, epoch).
+    loading: Option<(usize, u64)>,
+    /// The last load failed a moment ago: only replicas holding it.
+    failed: bool,
+    /// What a load costs a replica without it, µs.
+    setup_us: u32,
+    /// Whether replicas without it may take it (no load in progress, or that one).
+    others: bool,
+}
+
+impl AdapterGate<'_> {
+    fn holds(&self, models: &ModelMap, slot: usize, epoch: u64) -> bool {
+        self.a.holds(slot, epoch)
+            || (models.covers(slot, epoch)
+                && models.allows(ModelKey::Named(self.a.key), slot, epoch))
+    }
+
+    /// None: not a candidate; else the µs it must spend first.
+    fn setup_us(&self, models: &ModelMap, slot: usize, epoch: u64) -> Option<u32> {
+        if self.holds(models, slot, epoch) {
+            return Some(0);
+        }
+        let base = models.covers(slot, epoch)
+            && self
+                .a
+                .base
+                .is_none_or(|b| models.allows(ModelKey::Named(b), slot, epoch));
+        if !base || self.failed || !self.others {
+            return None;
+        }
+        match self.loading {
+            None => Some(self.setup_us),
+            Some(at) if at == (slot, epoch) => Some(self.setup_us),
+            Some(_) => None,
+        }
     }
 }
 
@@ -485,15 +666,15 @@ impl Worker {
         if !parsed {
             crate::models::top_level_model(body, &mut prefix.model);
         }
+        if let Some(i) = self.shared.on_demand.find(&prefix.model) {
+            let class = models.class_of(&self.shared.on_demand.adapters[i].name);
+            return (RequestModel::Adapter(i), class);
+        }
         let resolved = models.resolve(&prefix.model);
         let class = models.class(&prefix.model, resolved);
         let model = match resolved {
             Resolved::Route(key) => RequestModel::Route(key),
             Resolved::NotServed(key) => {
-                if let Some(i) = self.shared.on_demand.find(&prefix.model) {
-                    let class = models.class_of(&self.shared.on_demand.adapters[i].name);
-                    return (RequestModel::Load(i), class);
-                }
                 // A replica whose names are not known yet (just added, or listing none) may.
                 let open = self.shared.fleet.slots().any(|(i, s)| {
                     s.state() == crate::fleet::ACTIVE && !models.covers(i, s.epoch.load(Relaxed))
@@ -506,86 +687,6 @@ impl Worker {
         };
         (model, class)
     }
-
-    /// The replica adapter `i` (`lora_adapter`) is loaded on, loading it first if no replica
-    /// has it: the first request to need it claims the least loaded replica serving its base
-    /// and has the model thread load it there; the others wait for that load (within
-    /// `upstream_timeout`). Err: the message of the 503 to answer.
-    pub async fn adapter_replica(&self, i: usize) -> Result<usize, String> {
-        use crate::models::{FAILED, LOADED};
-        let a = &self.shared.on_demand.adapters[i];
-        let deadline = crate::rt::now() + self.cfg().timeouts.upstream;
-        let mut pause = std::time::Duration::from_millis(1);
-        loop {
-            let now = self.shared.now_ms();
-            let Some((slot, epoch)) = a.claimed() else {
-                let Some((slot, epoch)) = self.least_loaded_base(a.base, now) else {
-                    return Err(format!(
-                        "no replica serving {} is available to load LoRA adapter {}",
-                        a.base_name.as_deref().unwrap_or("its base model"),
-                        a.name
-                    ));
-                };
-                if a.claim(slot, epoch) {
-                    let _ = self
-                        .shared
-                        .on_demand
-                        .jobs
-                        .send(crate::models::LoadJob::Load(i));
-                }
-                continue;
-            };
-            let s = self.shared.fleet.slot(slot);
-            if s.state() != crate::fleet::ACTIVE || s.epoch.load(Relaxed) != epoch {
-                a.release(slot, epoch);
-                continue;
-            }
-            match a.state.load(Relaxed) {
-                LOADED => return Ok(slot),
-                FAILED => {
-                    // Tried again once a pause has passed since the failure.
-                    if now.saturating_sub(a.failed_at_ms.load(Relaxed)) >= LOAD_RETRY_MS {
-                        a.release(slot, epoch);
-                        continue;
-                    }
-                    let why = a
-                        .error
-                        .load_full()
-                        .map(|e| e.to_string())
-                        .unwrap_or_default();
-                    return Err(format!("loading LoRA adapter {} failed: {why}", a.name));
-                }
-                _ => {}
-            }
-            if crate::rt::now() >= deadline {
-                return Err(format!("LoRA adapter {} is still loading", a.name));
-            }
-            op::sleep(pause).await;
-            pause = (pause * 2).min(std::time::Duration::from_millis(20));
-        }
-    }
-
-    /// The available replica serving `base` (any whose models are known, for None) with the
-    /// least work queued, and its epoch.
-    fn least_loaded_base(&self, base: Option<u64>, now: u64) -> Option<(usize, u64)> {
-        let models = self.shared.models.load();
-        let key = base.map_or(ModelKey::Any, ModelKey::Named);
-        self.shared
-            .fleet
-            .slots()
-            .filter(|(i, s)| {
-                let epoch = s.epoch.load(Relaxed);
-                s.available(now) && models.covers(*i, epoch) && models.allows(key, *i, epoch)
-            })
-            .min_by_key(|(i, _)| {
-                let l = &self.shared.loads[*i];
-                (
-                    l.queued_prefill_tokens.load(Relaxed),
-                    l.in_flight.load(Relaxed),
-                )
-            })
-            .map(|(i, s)| (i, s.epoch.load(Relaxed)))
-    }
 }
 
 /// A failed on-demand adapter load is tried again by requests this long after it failed.
@@ -596,13 +697,16 @@ const LOAD_RETRY_MS: u64 = 2_000;
 pub struct ModelRoute {
     pub key: ModelKey,
     pub class: ModelClass,
+    /// An adapter kvlb loads on demand (`lora_adapter` index): routed by `AdapterGate`.
+    pub adapter: Option<u16>,
 }
 
 /// What a request's `model` asks of routing.
 pub enum RequestModel {
     Route(ModelKey),
-    /// The `lora_adapter` of this index, which no replica has: load it first.
-    Load(usize),
+    /// The `lora_adapter` of this index: to a replica holding it, or one of its base that
+    /// loads it first.
+    Adapter(usize),
     /// No replica serves it, nor may: OpenAI's 404.
     NotServed,
 }

@@ -100,9 +100,6 @@ pub enum ModelKey {
     /// The hash of a served name: the replicas serving it, and those whose models are
     /// unknown.
     Named(u64),
-    /// That replica slot alone (an adapter kvlb loaded there on demand, before its list shows
-    /// it).
-    Replica(usize),
 }
 
 /// What a lookup of a request's `model` found.
@@ -447,7 +444,6 @@ impl ModelMap {
     pub fn allows(&self, key: ModelKey, slot: usize, epoch: u64) -> bool {
         let h = match key {
             ModelKey::Any => return true,
-            ModelKey::Replica(r) => return r == slot,
             ModelKey::Named(h) => h,
         };
         if !self.covers(slot, epoch) {
@@ -492,24 +488,29 @@ impl ModelMap {
     }
 }
 
-/// An adapter loaded on demand: not loading, being loaded, loaded, the last load failed.
+/// The load of an adapter on demand: none, in progress, the last one failed.
 pub const IDLE: u8 = 0;
 pub const LOADING: u8 = 1;
-pub const LOADED: u8 = 2;
 pub const FAILED: u8 = 3;
 
-/// One LoRA adapter kvlb may load on a replica (`lora_adapter`), and where it is being or was
-/// loaded: claimed by the first request that needs it, so that concurrent requests wait for
-/// one load instead of each starting their own.
+/// One LoRA adapter kvlb may load on a replica (`lora_adapter`): where kvlb loaded it, and
+/// the one load in progress (claimed by the request that chose a replica without it, so that
+/// concurrent requests wait for that load instead of each starting their own).
 pub struct OnDemandAdapter {
     pub name: String,
+    /// Its name's key (as `ModelKey::Named` holds it).
+    pub key: u64,
     pub path: String,
     /// The hash of the base model's name (None: any replica whose models are known).
     pub base: Option<u64>,
     pub base_name: Option<String>,
-    /// 0: unclaimed; else `(epoch << 16) | (slot + 1)` of the replica it is loaded on.
+    /// The load in progress, or the last one that failed: `(epoch << 16) | (slot + 1)` of
+    /// its replica; 0: none.
     claim: AtomicU64,
+    /// Of the claim: `LOADING` or `FAILED` (`IDLE` without one).
     pub state: AtomicU8,
+    /// Per replica slot, that slot's epoch + 1 once kvlb loaded the adapter there (0: not).
+    loaded: Vec<AtomicU64>,
     /// Ms since start when the last load failed, and why.
     pub failed_at_ms: AtomicU64,
     pub error: arc_swap::ArcSwapOption<String>,
@@ -517,8 +518,12 @@ pub struct OnDemandAdapter {
     pub failures: AtomicU64,
 }
 
+fn claim_word(slot: usize, epoch: u64) -> u64 {
+    (epoch << 16) | (slot as u64 + 1)
+}
+
 impl OnDemandAdapter {
-    /// The replica slot and epoch it is claimed on.
+    /// The replica slot and epoch of the load in progress (or the last failed one).
     pub fn claimed(&self) -> Option<(usize, u64)> {
         match self.claim.load(Relaxed) {
             0 => None,
@@ -526,10 +531,12 @@ impl OnDemandAdapter {
         }
     }
 
-    /// Claims it for loading on `slot` at `epoch`; false when another request claimed it first.
+    /// Claims the load on `slot` at `epoch`; false when another load holds the claim.
     pub fn claim(&self, slot: usize, epoch: u64) -> bool {
-        let c = (epoch << 16) | (slot as u64 + 1);
-        let won = self.claim.compare_exchange(0, c, Relaxed, Relaxed).is_ok();
+        let won = self
+            .claim
+            .compare_exchange(0, claim_word(slot, epoch), Relaxed, Relaxed)
+            .is_ok();
         if won {
             self.state.store(LOADING, Relaxed);
         }
@@ -538,10 +545,44 @@ impl OnDemandAdapter {
 
     /// Forgets the claim (its replica left, or a failed load is to be tried again).
     pub fn release(&self, slot: usize, epoch: u64) {
-        let c = (epoch << 16) | (slot as u64 + 1);
+        let c = claim_word(slot, epoch);
         if self.claim.compare_exchange(c, 0, Relaxed, Relaxed).is_ok() {
             self.state.store(IDLE, Relaxed);
         }
+    }
+
+    /// The claimed load succeeded: the adapter is on `slot` (at `epoch`) from now on.
+    pub fn loaded_on(&self, slot: usize, epoch: u64) {
+        if let Some(l) = self.loaded.get(slot) {
+            l.store(epoch.wrapping_add(1), Relaxed);
+        }
+        self.release(slot, epoch);
+    }
+
+    /// Whether kvlb loaded it on `slot` as it is now (`epoch`).
+    #[inline]
+    pub fn holds(&self, slot: usize, epoch: u64) -> bool {
+        self.loaded
+            .get(slot)
+            .is_some_and(|l| l.load(Relaxed) == epoch.wrapping_add(1))
+    }
+
+    /// It is no longer on `slot` (unloaded, the engine restarted).
+    pub fn forget(&self, slot: usize) {
+        if let Some(l) = self.loaded.get(slot) {
+            l.store(0, Relaxed);
+        }
+    }
+
+    /// Every slot kvlb loaded it on, with the epoch it was loaded at.
+    pub fn loaded_slots(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        self.loaded
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match l.load(Relaxed) {
+                0 => None,
+                e => Some((i, e.wrapping_sub(1))),
+            })
     }
 }
 
@@ -550,8 +591,8 @@ impl OnDemandAdapter {
 pub enum LoadJob {
     /// Load adapter `i` on the replica it is claimed on.
     Load(usize),
-    /// Loading adapter `i` ended (its state says how).
-    Done(usize),
+    /// Loading adapter `adapter` on `slot` ended (its state says how).
+    Done { adapter: usize, slot: usize },
 }
 
 /// The adapters kvlb loads on demand, and the queue of loads for the model thread.
@@ -560,21 +601,26 @@ pub struct OnDemand {
     /// Requests and loader threads send here; the model thread reads `inbox`.
     pub jobs: crossbeam::channel::Sender<LoadJob>,
     pub inbox: crossbeam::channel::Receiver<LoadJob>,
+    /// How long the loads took, in µs (a moving average; 0 until one was timed).
+    pub load_us: AtomicU64,
 }
 
 impl OnDemand {
-    pub fn new(list: &[(String, String, Option<String>)]) -> OnDemand {
+    /// The adapters of `list` (name, path, base) for a fleet of `capacity` slots.
+    pub fn new(list: &[(String, String, Option<String>)], capacity: usize) -> OnDemand {
         let (jobs, inbox) = crossbeam::channel::unbounded();
         OnDemand {
             adapters: list
                 .iter()
                 .map(|(name, path, base)| OnDemandAdapter {
                     name: name.clone(),
+                    key: name_hash(name.as_bytes()),
                     path: path.clone(),
                     base: base.as_deref().map(|b| name_hash(b.as_bytes())),
                     base_name: base.clone(),
                     claim: AtomicU64::new(0),
                     state: AtomicU8::new(IDLE),
+                    loaded: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
                     failed_at_ms: AtomicU64::new(0),
                     error: arc_swap::ArcSwapOption::empty(),
                     loads: AtomicU64::new(0),
@@ -583,6 +629,7 @@ impl OnDemand {
                 .collect(),
             jobs,
             inbox,
+            load_us: AtomicU64::new(0),
         }
     }
 
@@ -590,6 +637,17 @@ impl OnDemand {
     pub fn find(&self, model: &ModelName) -> Option<usize> {
         let name = model.get()?;
         self.adapters.iter().position(|a| a.name.as_bytes() == name)
+    }
+
+    /// Takes the time of one successful load into the average (two loads ending at once may
+    /// lose one of their times: a skew, not an error).
+    pub fn timed(&self, us: u64) {
+        let old = self.load_us.load(Relaxed);
+        let new = match old {
+            0 => us.max(1),
+            o => (o * 3 + us) / 4,
+        };
+        self.load_us.store(new.max(1), Relaxed);
     }
 }
 

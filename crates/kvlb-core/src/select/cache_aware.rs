@@ -512,7 +512,7 @@ impl Policy for CacheAware {
                 );
                 ((held as f64 * keep) as u32, (gpu as f64 * keep) as u32)
             };
-            let wait = cfg.model.queue_wait(&load);
+            let wait = cfg.model.queue_wait(&load) + c.setup_us as f64 * 1e-6;
             min_wait = min_wait.min(wait);
             waiting += load.in_flight.saturating_sub(load.decoding) as u64;
             self.estimates.push(Estimate {

@@ -57,6 +57,9 @@ pub struct Candidate {
     /// What the replica last reported of its queue (less this instance's requests) and KV
     /// usage; `cache_aware` adds it to the counts above while fresh (`estimate::reported`).
     pub reported: crate::estimate::ReportedLoad,
+    /// Microseconds the replica must spend before it can start this request (a LoRA
+    /// adapter to load); `cache_aware` adds them to its wait.
+    pub setup_us: u32,
 }
 
 pub trait Policy {

@@ -590,6 +590,7 @@ pub fn simulate(
                     queued_prefill_tokens: l.queued_prefill_tokens,
                     decoding: l.decoding,
                     reported: reported[r],
+                    setup_us: 0,
                 }));
                 let pick = policy.select(&view, &candidates, rng.next_u64());
                 let r = candidates[pick.min(replicas - 1)].replica;

@@ -886,3 +886,22 @@ fn every_parameter_is_settable_by_name() {
         .unwrap_err()
         .contains("unknown parameter"));
 }
+
+#[test]
+fn a_setup_is_paid_before_the_queue_and_the_prefill() {
+    let (idx, _w) = fleet(2);
+    let prompt = blocks(8);
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    // Both idle: the replica that must load an adapter first loses.
+    let mut c = queued(&[0, 0]);
+    c[0].setup_us = 500_000;
+    for random in 0..4 {
+        assert_eq!(p.select(&req(&prompt, 512, 0), &c, random), 1);
+    }
+    let idle = p.last_decision().ttft_s;
+    // A queue longer than the load: the load is worth it, and its estimate includes it.
+    let mut c = queued(&[0, 40_000]);
+    c[0].setup_us = 500_000;
+    assert_eq!(p.select(&req(&prompt, 512, 0), &c, 0), 0);
+    assert!(close(p.last_decision().ttft_s, idle + 0.5), "{idle}");
+}
