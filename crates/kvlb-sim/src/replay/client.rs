@@ -4,7 +4,8 @@
 //! * `stream` sends a request whose answer is a server-sent event stream and times it: time
 //!   to the first `data:` event of the body (TTFT) and to the end of the answer. It keeps the
 //!   response head, and the body only when asked (the replayer keeps a few bytes, so a few
-//!   hundred streams at once cost little memory);
+//!   hundred streams at once cost little memory), and the `usage` of its last event (asked
+//!   for with `stream_options.include_usage`);
 //! * `http` is a small exchange for admin endpoints (`/metrics`, `/reset_prefix_cache`);
 //! * `base_addr` turns `http://HOST:PORT[/]` into a socket address.
 
@@ -29,6 +30,37 @@ pub struct Streamed {
     pub e2e_s: f64,
     /// The stream ended with `data: [DONE]`.
     pub done: bool,
+    /// The `usage` object of the stream's last events, when one carried it.
+    pub usage: Option<StreamUsage>,
+}
+
+/// What a streamed answer's `usage` says of its prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StreamUsage {
+    pub prompt_tokens: u64,
+    /// `prompt_tokens_details.cached_tokens` (vLLM fills it with
+    /// --enable-prompt-tokens-details; absent or null otherwise).
+    pub cached_tokens: Option<u64>,
+}
+
+/// Bytes of the stream's end kept to find its usage event (a usage chunk is a few hundred).
+const LAST_BYTES: usize = 4096;
+
+/// The `usage` of the last `data:` event in `tail` that has one.
+fn usage_of(tail: &[u8]) -> Option<StreamUsage> {
+    let text = String::from_utf8_lossy(tail);
+    text.rsplit("data:").find_map(|event| {
+        let json = event.split("\n\n").next()?.trim();
+        let v: serde_json::Value = serde_json::from_str(json).ok()?;
+        let u = v.get("usage")?;
+        Some(StreamUsage {
+            prompt_tokens: u.get("prompt_tokens")?.as_u64()?,
+            cached_tokens: u
+                .get("prompt_tokens_details")
+                .and_then(|d| d.get("cached_tokens"))
+                .and_then(serde_json::Value::as_u64),
+        })
+    })
 }
 
 impl Streamed {
@@ -81,6 +113,7 @@ pub fn stream(
     // The last payload bytes seen, to find events split across reads without keeping the body.
     let mut tail: Vec<u8> = Vec::with_capacity(64);
     let mut done = false;
+    let mut last: Vec<u8> = Vec::with_capacity(LAST_BYTES);
     'read: loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -152,6 +185,12 @@ pub fn stream(
         if tail.len() > 32 {
             tail.drain(..tail.len() - 32);
         }
+        if status == 200 {
+            let keep = payload.len().min(LAST_BYTES);
+            let drop = (last.len() + keep).saturating_sub(LAST_BYTES);
+            last.drain(..drop);
+            last.extend_from_slice(&payload[payload.len() - keep..]);
+        }
         if ended {
             break 'read;
         }
@@ -165,6 +204,7 @@ pub fn stream(
         ttft_s: ttft,
         e2e_s,
         done,
+        usage: usage_of(&last),
     })
 }
 
@@ -254,6 +294,11 @@ mod tests {
             }
             c.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Kvlb-Replica: r1\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
             std::thread::sleep(Duration::from_millis(30));
+            let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n";
+            c.write_all(format!("{:x}\r\n", usage.len()).as_bytes())
+                .unwrap();
+            c.write_all(usage).unwrap();
+            c.write_all(b"\r\n").unwrap();
             c.write_all(b"6\r\ndata: \r\n").unwrap();
             c.write_all(b"8\r\n{}\n\ndata\r\n").unwrap();
             c.write_all(b"a\r\n: [DONE]\n\n\r\n0\r\n\r\n").unwrap();
@@ -272,6 +317,17 @@ mod tests {
         assert!(r.ttft_s.unwrap() >= 0.02, "{:?}", r.ttft_s);
         assert!(r.e2e_s >= r.ttft_s.unwrap());
         assert!(r.done, "[DONE] split across chunks is found");
+        assert_eq!(
+            r.usage,
+            Some(StreamUsage {
+                prompt_tokens: 9,
+                cached_tokens: Some(4)
+            })
+        );
+        assert_eq!(
+            usage_of(b"data: {\"usage\":null}\n\ndata: [DONE]\n\n"),
+            None
+        );
         assert!(r.body.is_empty());
     }
 }

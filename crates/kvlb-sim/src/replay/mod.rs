@@ -100,9 +100,16 @@ pub struct Options {
     /// Cap each request's output tokens (default: the trace's)
     #[arg(long, value_name = "N", value_parser = crate::cli::int::<u32, 1, { u32::MAX as u64 }>)]
     pub max_output: Option<u32>,
-    /// The model field
+    /// The model field of requests whose trace row names none (a Mooncake line's own
+    /// "model" key is sent as it is)
     #[arg(long, value_name = "NAME", default_value = "sim")]
     pub model: String,
+    /// Instead of --model, give rows naming no model one of these by weight, per session (e.g.
+    /// Qwen/Qwen3-8B=0.6,Qwen/Qwen3-0.6B=0.3,sql-lora=0.1): a hash of the row's first block id
+    /// past the prefix all rows share picks it, so a conversation keeps one model, the same in
+    /// every run and slice
+    #[arg(long, value_name = "NAME=W,...", conflicts_with = "model")]
+    pub models: Option<trace::ModelMix>,
     /// A replica behind the balancer (repeatable): its /metrics is read before and after,
     /// giving requests, prompt tokens computed and hit rate per replica
     #[arg(long = "replica", value_name = "URL", value_parser = http_url)]
@@ -154,9 +161,16 @@ pub fn parse_args(args: &[String]) -> Result<Options, clap::Error> {
 }
 
 /// The requests of the trace slice `o` asks for, arrivals rebased to the slice's start (trace
-/// seconds, not yet divided by the speedup).
+/// seconds, not yet divided by the speedup), each with the model it is sent for (its row's,
+/// else `--models`' pick over the whole trace, else `--model`).
 pub fn select_requests(o: &Options) -> Result<Vec<TraceRequest>, String> {
-    let t = trace::load(&o.trace, None, o.seed)?;
+    let mut t = trace::load(&o.trace, None, o.seed)?;
+    if let Some(mix) = &o.models {
+        mix.assign(&mut t.requests);
+    }
+    for r in &mut t.requests {
+        r.model.get_or_insert_with(|| o.model.clone());
+    }
     let end = o.duration_s.map(|d| o.start_s + d).unwrap_or(f64::INFINITY);
     let mut out: Vec<TraceRequest> = t
         .requests
@@ -182,7 +196,8 @@ fn json_str(s: &str) -> String {
     serde_json::to_string(s).expect("a string serialises")
 }
 
-/// The request path and JSON body for one trace request.
+/// The request path and JSON body for one trace request (streamed, with the usage event that
+/// tells the prompt tokens found cached).
 pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) {
     let mut text = String::new();
     trace::prompt_text(req, &mut text);
@@ -190,12 +205,12 @@ pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) 
         .output_tokens
         .max(1)
         .min(o.max_output.unwrap_or(u32::MAX));
-    let model = json_str(&o.model);
+    let model = json_str(req.model.as_deref().unwrap_or(&o.model));
     match o.api {
         Api::Chat => (
             "/v1/chat/completions",
             format!(
-                r#"{{"model":{model},"messages":[{{"role":"user","content":{}}}],"max_tokens":{max_tokens},"stream":true,"ignore_eos":true}}"#,
+                r#"{{"model":{model},"messages":[{{"role":"user","content":{}}}],"max_tokens":{max_tokens},"stream":true,"stream_options":{{"include_usage":true}},"ignore_eos":true}}"#,
                 json_str(&text)
             )
             .into_bytes(),
@@ -212,7 +227,7 @@ pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) 
             (
                 "/v1/completions",
                 format!(
-                    r#"{{"model":{model},"prompt":{prompt},"max_tokens":{max_tokens},"stream":true,"ignore_eos":true}}"#
+                    r#"{{"model":{model},"prompt":{prompt},"max_tokens":{max_tokens},"stream":true,"stream_options":{{"include_usage":true}},"ignore_eos":true}}"#
                 )
                 .into_bytes(),
             )

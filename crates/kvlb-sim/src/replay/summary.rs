@@ -5,11 +5,13 @@
 //!
 //! Times are the simulated engine's seconds: wall seconds times the replicas' time scale.
 //! `hit_rate`, `prefill_tokens` and `max_mean_load` come from the replicas' own counters
-//! (`counters`); without `--replica` they are absent.
+//! (`counters`); without `--replica` they are absent. `models` breaks the run down by the
+//! model each request named; its hit rates come from the answers' own usage (prompt tokens
+//! the engine found cached), as a replica's counters do not tell one model from another.
 
 #![forbid(unsafe_code)]
 
-use super::client::Streamed;
+use super::client::{StreamUsage, Streamed};
 use super::counters::EngineCounters;
 use crate::sim::report::percentile;
 use crate::sim::trace::TraceRequest;
@@ -25,6 +27,8 @@ pub struct RequestRecord {
     pub ttft_s: Option<f64>,
     pub e2e_s: f64,
     pub error: Option<String>,
+    /// The answer's usage event, when it had one.
+    pub usage: Option<StreamUsage>,
 }
 
 impl RequestRecord {
@@ -35,6 +39,7 @@ impl RequestRecord {
             ttft_s: None,
             e2e_s: 0.0,
             error: Some(error),
+            usage: None,
         }
     }
 
@@ -64,6 +69,7 @@ impl RequestRecord {
             ttft_s: a.ttft_s,
             e2e_s: a.e2e_s,
             error,
+            usage: a.usage,
         }
     }
 }
@@ -91,6 +97,26 @@ pub struct ReplicaShare {
     pub prefix_hits_tokens: f64,
     /// Prompt tokens computed (looked up, not found cached).
     pub computed_tokens: f64,
+}
+
+/// The requests that named one model.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelShare {
+    pub model: String,
+    pub requests: usize,
+    pub ok: usize,
+    /// Failed, a replica's 404 for a model it does not serve included.
+    pub errors: usize,
+    pub ttft_p50_s: Option<f64>,
+    pub ttft_p90_s: Option<f64>,
+    pub ttft_p99_s: Option<f64>,
+    pub e2e_p99_s: Option<f64>,
+    /// Prompt tokens the answers' usage counted.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens found cached (`prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: u64,
+    /// cached / prompt tokens over the answers whose usage tells cached tokens.
+    pub hit_rate: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -132,6 +158,9 @@ pub struct ReplaySummary {
     /// Busiest replica's request count over the mean.
     pub max_mean_requests: Option<f64>,
     pub replicas: Vec<ReplicaShare>,
+    /// Per model named, by name (summaries written before it read back as none).
+    #[serde(default)]
+    pub models: Vec<ModelShare>,
     /// TTFT of every answered request, sorted (engine seconds).
     pub ttfts_s: Vec<f64>,
 }
@@ -144,6 +173,53 @@ fn max_over_mean(v: &[f64]) -> Option<f64> {
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
     let max = v.iter().copied().fold(0.0, f64::max);
     (mean > 0.0).then(|| max / mean)
+}
+
+/// The figures of `records` (one model's or all), times scaled by `scale`.
+fn model_share(model: &str, scale: f64, records: &[&RequestRecord]) -> ModelShare {
+    let ok: Vec<&&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
+    let mut ttfts: Vec<f64> = ok
+        .iter()
+        .filter_map(|r| r.ttft_s)
+        .map(|t| t * scale)
+        .collect();
+    ttfts.sort_by(f64::total_cmp);
+    let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e_s * scale).collect();
+    e2e.sort_by(f64::total_cmp);
+    let (mut prompt, mut cached, mut told) = (0u64, 0u64, 0u64);
+    for u in ok.iter().filter_map(|r| r.usage) {
+        prompt += u.prompt_tokens;
+        if let Some(c) = u.cached_tokens {
+            cached += c;
+            told += u.prompt_tokens;
+        }
+    }
+    ModelShare {
+        model: model.to_string(),
+        requests: records.len(),
+        ok: ok.len(),
+        errors: records.len() - ok.len(),
+        ttft_p50_s: finite(percentile(&ttfts, 50.0)),
+        ttft_p90_s: finite(percentile(&ttfts, 90.0)),
+        ttft_p99_s: finite(percentile(&ttfts, 99.0)),
+        e2e_p99_s: finite(percentile(&e2e, 99.0)),
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        hit_rate: (told > 0).then(|| cached as f64 / told as f64),
+    }
+}
+
+/// One `ModelShare` per model the requests named, by name.
+fn per_model(requests: &[TraceRequest], records: &[RequestRecord], scale: f64) -> Vec<ModelShare> {
+    let mut by: std::collections::BTreeMap<&str, Vec<&RequestRecord>> = Default::default();
+    for r in records {
+        let model = requests
+            .get(r.index)
+            .and_then(|q| q.model.as_deref())
+            .unwrap_or("-");
+        by.entry(model).or_default().push(r);
+    }
+    by.iter().map(|(m, rs)| model_share(m, scale, rs)).collect()
 }
 
 pub fn summarize(
@@ -216,6 +292,7 @@ pub fn summarize(
         max_mean_load: if have { max_over_mean(&computed) } else { None },
         max_mean_requests: if have { max_over_mean(&reqs) } else { None },
         replicas: shares,
+        models: per_model(requests, records, scale),
         ttfts_s: ttfts,
     }
 }
@@ -281,6 +358,53 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
                 per.join(" ")
             }
         );
+    }
+    if summaries.iter().any(|x| x.models.len() > 1) {
+        s.push_str(&model_table(summaries));
+    }
+    s
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map(|h| format!("{:.1}%", h * 100.0))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// An aligned table, one row per balancer and model (hit rate from the answers' usage).
+pub fn model_table(summaries: &[ReplaySummary]) -> String {
+    let mut s = String::new();
+    let w = summaries
+        .iter()
+        .map(|x| x.label.len())
+        .max()
+        .unwrap_or(8)
+        .max(8);
+    let wm = summaries
+        .iter()
+        .flat_map(|x| x.models.iter().map(|m| m.model.len()))
+        .max()
+        .unwrap_or(5)
+        .max(5);
+    let _ = writeln!(
+        s,
+        "{:<w$}  {:<wm$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}",
+        "balancer", "model", "requests", "errors", "ttft_p50", "ttft_p90", "ttft_p99", "hit_rate"
+    );
+    for x in summaries {
+        for m in &x.models {
+            let _ = writeln!(
+                s,
+                "{:<w$}  {:<wm$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}",
+                x.label,
+                m.model,
+                m.requests,
+                m.errors,
+                secs(m.ttft_p50_s),
+                secs(m.ttft_p90_s),
+                secs(m.ttft_p99_s),
+                pct(m.hit_rate)
+            );
+        }
     }
     s
 }
@@ -552,6 +676,10 @@ mod tests {
             ttft_s: Some(ttft),
             e2e_s: ttft * 3.0,
             error: None,
+            usage: Some(StreamUsage {
+                prompt_tokens: 10,
+                cached_tokens: Some(index as u64),
+            }),
         }
     }
 
@@ -562,6 +690,7 @@ mod tests {
                 prompt_tokens: 10,
                 output_tokens: 1,
                 block_ids: vec![1],
+                model: None,
             };
             3
         ];
@@ -640,5 +769,65 @@ mod tests {
         assert!(text.contains("(no nope run: no ratios to it)"), "{text}");
         let svg = plot("t", &all);
         assert!(svg.starts_with("<svg") && svg.contains("kvlb-round_robin"));
+    }
+
+    #[test]
+    fn models_get_their_own_rows_and_hit_rates() {
+        let req = |m: &str| TraceRequest {
+            arrival_s: 0.0,
+            prompt_tokens: 10,
+            output_tokens: 1,
+            block_ids: vec![1],
+            model: Some(m.into()),
+        };
+        let reqs = vec![req("base"), req("lora"), req("base"), req("lora")];
+        // Out of order, as answers arrive; the lora's second request got a 404.
+        let records = vec![
+            record(2, 0.3),
+            record(0, 0.1),
+            record(1, 0.2),
+            RequestRecord::failed(3, 0.0, "HTTP 404: The model `lora` does not exist.".into()),
+        ];
+        let s = summarize(
+            RunInfo {
+                label: "x".into(),
+                target: "t".into(),
+                trace: "t".into(),
+                api: "chat".into(),
+                speedup: 1.0,
+                time_scale: 10.0,
+                wall_s: 1.0,
+                cpu_s: 0.0,
+            },
+            &reqs,
+            &records,
+            &[],
+        );
+        let names: Vec<&str> = s.models.iter().map(|m| m.model.as_str()).collect();
+        assert_eq!(names, ["base", "lora"]);
+        let (base, lora) = (&s.models[0], &s.models[1]);
+        assert_eq!((base.requests, base.ok, base.errors), (2, 2, 0));
+        assert_eq!((lora.requests, lora.ok, lora.errors), (2, 1, 1));
+        assert_eq!(base.ttft_p50_s, Some(1.0));
+        assert_eq!(base.ttft_p99_s, Some(3.0));
+        assert_eq!(lora.ttft_p99_s, Some(2.0));
+        // Usage: 10 prompt tokens each, cached = the record's index.
+        assert_eq!((base.prompt_tokens, base.cached_tokens), (20, 2));
+        assert_eq!(base.hit_rate, Some(0.1));
+        assert_eq!(lora.hit_rate, Some(0.1));
+        let text = table(std::slice::from_ref(&s));
+        assert!(text.contains("balancer  model"), "{text}");
+        let row = text.lines().find(|l| l.contains(" lora ")).unwrap();
+        assert_eq!(
+            row.split_whitespace().collect::<Vec<_>>(),
+            ["x", "lora", "2", "1", "2.000", "2.000", "2.000", "10.0%"],
+            "{text}"
+        );
+        // Older summaries (no models) still read back.
+        let mut v = serde_json::to_value(&s).unwrap();
+        v.as_object_mut().unwrap().remove("models");
+        let back: ReplaySummary = serde_json::from_value(v).unwrap();
+        assert!(back.models.is_empty());
+        assert!(!table(&[back]).contains("balancer  model"));
     }
 }

@@ -751,6 +751,7 @@ mod tests {
             prompt_tokens: prompt,
             output_tokens: output,
             block_ids: ids.to_vec(),
+            model: None,
         }
     }
 

@@ -16,6 +16,9 @@
 //! * `gen:agent-sessions`: multi-turn sessions behind one shared preamble, each turn's prompt
 //!   the previous prompt plus its answer plus a new message.
 //!
+//! A Mooncake line may also name its `model` (an extension: the published traces do not);
+//! `ModelMix` gives the rows that name none a model by weight, per session.
+//!
 //! Generators are deterministic for a seed. Malformed files give an error naming the line.
 
 #![forbid(unsafe_code)]
@@ -38,6 +41,9 @@ pub struct TraceRequest {
     pub output_tokens: u32,
     /// One id per `TRACE_BLOCK_TOKENS` prompt tokens, `ceil(prompt_tokens / 512)` of them.
     pub block_ids: Vec<u64>,
+    /// The model it asks for: a Mooncake line's own `model` key, or one `ModelMix::assign`
+    /// gave it (None: whatever the caller's default is).
+    pub model: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -155,6 +161,8 @@ struct MooncakeLine {
     input_length: u64,
     output_length: u64,
     hash_ids: Vec<u64>,
+    #[serde(default)]
+    model: Option<String>,
 }
 
 fn tokens_u32(v: u64, what: &str, line: usize) -> Result<u32, String> {
@@ -181,6 +189,9 @@ fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, String> {
                 m.hash_ids.len()
             ));
         }
+        if m.model.as_deref().is_some_and(|s| s.trim().is_empty()) {
+            return Err(format!("line {n}: model is empty"));
+        }
         let mut ids = m.hash_ids;
         ids.truncate(blocks);
         out.push(TraceRequest {
@@ -188,6 +199,7 @@ fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, String> {
             prompt_tokens: prompt,
             output_tokens: tokens_u32(m.output_length, "output_length", n)?,
             block_ids: ids,
+            model: m.model,
         });
     }
     Ok(out)
@@ -272,6 +284,7 @@ fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, String> {
             prompt_tokens: prompt,
             output_tokens: num(cg, "GeneratedTokens")?,
             block_ids: unique_ids(index, prompt),
+            model: None,
         });
     }
     Ok(out)
@@ -283,6 +296,99 @@ fn unique_ids(index: u64, prompt: u32) -> Vec<u64> {
     (0..prompt.div_ceil(TRACE_BLOCK_TOKENS) as u64)
         .map(|j| base + j)
         .collect()
+}
+
+/// `--models NAME=WEIGHT,...`: the models to give the trace rows that name none, each with a
+/// share of the sessions in proportion to its weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelMix {
+    /// Names and weights, in the order given.
+    pub models: Vec<(String, f64)>,
+}
+
+impl std::str::FromStr for ModelMix {
+    type Err = String;
+
+    fn from_str(v: &str) -> Result<ModelMix, String> {
+        let mut models: Vec<(String, f64)> = Vec::new();
+        for item in v.split(',') {
+            let (name, w) = item
+                .trim()
+                .rsplit_once('=')
+                .ok_or(format!("{item:?}: expected NAME=WEIGHT"))?;
+            let name = name.trim();
+            if name.is_empty() {
+                return Err(format!("{item:?}: empty model name"));
+            }
+            let w: f64 = w
+                .trim()
+                .parse()
+                .ok()
+                .filter(|w: &f64| w.is_finite() && *w > 0.0)
+                .ok_or(format!("{item:?}: the weight is not a positive number"))?;
+            if models.iter().any(|(n, _)| n == name) {
+                return Err(format!("{name:?} given twice"));
+            }
+            models.push((name.to_string(), w));
+        }
+        Ok(ModelMix { models })
+    }
+}
+
+impl ModelMix {
+    /// The model for session key `key`: a hash of the key picks by weight, so a key always
+    /// gets the same model, whatever else is in the trace.
+    pub fn pick(&self, key: u64) -> &str {
+        let total: f64 = self.models.iter().map(|m| m.1).sum();
+        let mut u = (mix(key ^ 0x6d6f_6465_6c73) >> 11) as f64 / (1u64 << 53) as f64 * total;
+        for (name, w) in &self.models {
+            if u < *w {
+                return name;
+            }
+            u -= w;
+        }
+        &self.models.last().expect("a mix has a model").0
+    }
+
+    /// Give every request of `requests` (a whole trace) that names no model one from the mix,
+    /// per session: its key is the first block id past the prefix EVERY request of the trace
+    /// shares (a common system prompt says nothing about the conversation), so requests of
+    /// one conversation, which share that block, get one model and keep their prefix reuse.
+    /// A request with no block past the common prefix is keyed by its last block.
+    pub fn assign(&self, requests: &mut [TraceRequest]) {
+        let common = common_prefix_blocks(requests);
+        for r in requests.iter_mut().filter(|r| r.model.is_none()) {
+            let key = r
+                .block_ids
+                .get(common)
+                .or(r.block_ids.last())
+                .copied()
+                .unwrap_or(0);
+            r.model = Some(self.pick(key).to_string());
+        }
+    }
+}
+
+/// How many leading block ids all requests (with any) have in common.
+fn common_prefix_blocks(requests: &[TraceRequest]) -> usize {
+    let mut with_ids = requests.iter().filter(|r| !r.block_ids.is_empty());
+    let Some(first) = with_ids.next() else {
+        return 0;
+    };
+    let mut n = first.block_ids.len();
+    for r in with_ids {
+        n = n.min(
+            first.block_ids[..n]
+                .iter()
+                .zip(&r.block_ids)
+                .take_while(|(a, b)| a == b)
+                .count(),
+        );
+        if n == 0 {
+            break;
+        }
+    }
+    n
 }
 
 fn uniform(rng: &mut Rng) -> f64 {
@@ -339,6 +445,7 @@ pub fn shared_prefix(seed: u64) -> Vec<TraceRequest> {
             prompt_tokens: prompt,
             output_tokens: between(&mut rng, 50, 400),
             block_ids: ids_of(&stem, own_base, prompt),
+            model: None,
         });
     }
     out
@@ -373,6 +480,7 @@ pub fn agent_sessions(seed: u64) -> Vec<TraceRequest> {
                 prompt_tokens: prompt,
                 output_tokens: output,
                 block_ids: ids_of(&preamble, own_base, prompt),
+                model: None,
             });
             prompt += output + between(&mut rng, 200, 3000);
             if prompt > MAX_PROMPT {
@@ -414,6 +522,7 @@ mod tests {
             prompt_tokens: 1000,
             output_tokens: 1,
             block_ids: vec![0, 5],
+            model: None,
         };
         let b = TraceRequest {
             prompt_tokens: 700,
@@ -500,5 +609,72 @@ mod tests {
         prompt_tokens(later, &mut b);
         assert!(b.len() > a.len());
         assert_eq!(a[..], b[..a.len()]);
+    }
+
+    #[test]
+    fn model_mixes_parse_and_give_a_session_one_model() {
+        let m: ModelMix = "Qwen/Qwen3-8B=0.5, Qwen/Qwen3-0.6B=0.3,sql-lora=0.2"
+            .parse()
+            .unwrap();
+        assert_eq!(m.models.len(), 3);
+        assert_eq!(m.models[2], ("sql-lora".to_string(), 0.2));
+        for (bad, says) in [
+            ("a", "expected NAME=WEIGHT"),
+            ("=1", "empty model name"),
+            ("a=0", "not a positive number"),
+            ("a=x", "not a positive number"),
+            ("a=1,a=2", "given twice"),
+            ("a=1,", "expected NAME=WEIGHT"),
+        ] {
+            let e = bad.parse::<ModelMix>().unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // Shares follow the weights.
+        let mut n = [0usize; 3];
+        for key in 0..30_000u64 {
+            let pick = m.pick(key);
+            n[m.models.iter().position(|(x, _)| x == pick).unwrap()] += 1;
+        }
+        for (i, want) in [0.5, 0.3, 0.2].iter().enumerate() {
+            let got = n[i] as f64 / 30_000.0;
+            assert!((got - want).abs() < 0.02, "{i}: {got} vs {want}");
+        }
+        // Every row starts with block 0 (a shared system prompt): the session is keyed by the
+        // block after it, so a conversation's turns agree and the trace still spreads.
+        let text = "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [0, 7]}\n\
+                    {\"timestamp\": 1, \"input_length\": 1536, \"output_length\": 1, \"hash_ids\": [0, 7, 8], \"model\": \"own\"}\n\
+                    {\"timestamp\": 2, \"input_length\": 1536, \"output_length\": 1, \"hash_ids\": [0, 7, 9]}\n";
+        let mut rows = parse(text).unwrap();
+        assert_eq!(rows[1].model.as_deref(), Some("own"));
+        for k in 0..200u64 {
+            rows.push(TraceRequest {
+                arrival_s: 3.0,
+                prompt_tokens: 1024,
+                output_tokens: 1,
+                block_ids: vec![0, 100 + k],
+                model: None,
+            });
+        }
+        let again = rows.clone();
+        m.assign(&mut rows);
+        assert_eq!(
+            rows[1].model.as_deref(),
+            Some("own"),
+            "a row's own model stays"
+        );
+        assert_eq!(rows[0].model, rows[2].model, "one session, one model");
+        assert_eq!(rows[0].model.as_deref(), Some(m.pick(7)));
+        let names: std::collections::HashSet<_> = rows.iter().map(|r| r.model.clone()).collect();
+        assert_eq!(
+            names.len(),
+            4,
+            "all three of the mix and the row's own: {names:?}"
+        );
+        let mut second = again;
+        m.assign(&mut second);
+        assert_eq!(rows, second, "reproducible");
+        assert!(parse("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1], \"model\": \" \"}")
+            .unwrap_err()
+            .contains("line 1: model is empty"));
     }
 }
