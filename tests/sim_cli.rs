@@ -319,3 +319,67 @@ fn simulate_set_and_scrape_change_cache_aware_only() {
     check_summary(&scraped[0], 600, 4);
     assert_eq!(scraped[1], plain[1]);
 }
+
+#[test]
+fn simulate_a_fleet_serving_different_models() {
+    // 300 requests of the conversation trace, models by conversation: the 8B and its adapter
+    // on two replicas, the 0.6B on one, and a model nobody serves.
+    let t = trace("mooncake_conversation_trace.jsonl");
+    let args = [
+        t.as_str(),
+        "--limit",
+        "300",
+        "--policies",
+        "round_robin,cache_aware",
+        "--fleet-models",
+        "Qwen/Qwen3-8B+sql-lora=2,Qwen/Qwen3-0.6B=1",
+        "--models",
+        "Qwen/Qwen3-8B=0.5,sql-lora=0.2,Qwen/Qwen3-0.6B=0.2,nobody=0.1",
+    ];
+    let mut with_trace = vec!["--trace"];
+    with_trace.extend_from_slice(&args);
+    let (v, first) = json(&with_trace);
+    assert_eq!(policies(&v), ["round_robin", "cache_aware"]);
+    for o in &v {
+        let models: Vec<&Value> = o["models"]
+            .as_array()
+            .expect("per-model rows")
+            .iter()
+            .collect();
+        let names: Vec<&str> = models
+            .iter()
+            .map(|m| m["model"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-8B", "nobody", "sql-lora"],
+            "{o}"
+        );
+        let count = |m: &Value, k: &str| m[k].as_u64().unwrap() as usize;
+        assert_eq!(
+            models.iter().map(|m| count(m, "requests")).sum::<usize>(),
+            300
+        );
+        let nobody = models[2];
+        assert!(count(nobody, "requests") > 0);
+        assert_eq!(count(nobody, "rejected"), count(nobody, "requests"));
+        assert!(nobody["ttft_p50_s"].is_null());
+        for m in [models[0], models[1], models[3]] {
+            assert!(num(m, "ttft_p50_s") > 0.0 && num(m, "ttft_p99_s") >= num(m, "ttft_p50_s"));
+        }
+        // Every request for a served model finished; only those for nobody were rejected.
+        check_summary(o, 300, 3);
+        assert_eq!(num(o, "rejected") as usize, count(nobody, "requests"));
+    }
+    // Deterministic, and the table has the per-model rows.
+    let (_, again) = json(&with_trace);
+    assert_eq!(first, again);
+    let out = kvlb(&with_trace);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("(300 requests, 3 replicas"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("cache_aware") && l.contains(" sql-lora ")),
+        "{text}"
+    );
+}

@@ -398,7 +398,8 @@ pub struct RequestRecord {
     /// What the data plane estimated it would find (from routed blocks).
     pub estimated_cached_tokens: u32,
     pub finished: bool,
-    /// The engine refused it (prompt over the context limit, empty prompt).
+    /// The engine refused it (prompt over the context limit, empty prompt), or no replica
+    /// serves its model (`replica` is then 0).
     pub rejected: bool,
 }
 
@@ -428,8 +429,8 @@ struct Load {
     decoding: u32,
 }
 
-/// Simulate `trace` on `replicas` engines of `engine` behind `policy`; `seed` drives the
-/// policy's random numbers.
+/// Simulate `trace` on `replicas` engines of `engine` behind `policy`, every replica serving
+/// every model; `seed` drives the policy's random numbers.
 pub fn simulate(
     trace: &Trace,
     replicas: usize,
@@ -437,8 +438,31 @@ pub fn simulate(
     policy: &mut RoutingPolicy,
     seed: u64,
 ) -> Result<Run, String> {
+    simulate_serving(trace, replicas, None, engine, policy, seed)
+}
+
+/// As `simulate`, replica `r` serving only the names `serving[r]` when `serving` is given: the
+/// policy is offered only the replicas serving the model a request names (as `kvlb serve`
+/// filters its candidates), a request naming a model no replica serves is rejected (kvlb's
+/// 404), and one naming none may go to any replica. The engines do not tell models apart: a
+/// replica's prefix cache is shared by the names it serves.
+pub fn simulate_serving(
+    trace: &Trace,
+    replicas: usize,
+    serving: Option<&[Vec<String>]>,
+    engine: &EngineConfig,
+    policy: &mut RoutingPolicy,
+    seed: u64,
+) -> Result<Run, String> {
     if replicas == 0 {
         return Err("a fleet needs at least one replica".into());
+    }
+    if let Some(s) = serving.filter(|s| s.len() != replicas) {
+        return Err(format!(
+            "{} replicas but the names of {} given",
+            replicas,
+            s.len()
+        ));
     }
     let events = policy.learns_from_events();
     let mut engines: Vec<Engine> = (0..replicas)
@@ -584,16 +608,30 @@ pub fn simulate(
                     now_us: (t * 1e6) as u64,
                 };
                 candidates.clear();
-                candidates.extend(loads.iter().enumerate().map(|(r, l)| Candidate {
-                    replica: r,
-                    in_flight: l.in_flight,
-                    queued_prefill_tokens: l.queued_prefill_tokens,
-                    decoding: l.decoding,
-                    reported: reported[r],
-                    setup_us: 0,
-                }));
+                let wanted = serving.zip(req.model.as_deref());
+                candidates.extend(
+                    loads
+                        .iter()
+                        .enumerate()
+                        .filter(|(r, _)| {
+                            wanted.is_none_or(|(names, m)| names[*r].iter().any(|n| n == m))
+                        })
+                        .map(|(r, l)| Candidate {
+                            replica: r,
+                            in_flight: l.in_flight,
+                            queued_prefill_tokens: l.queued_prefill_tokens,
+                            decoding: l.decoding,
+                            reported: reported[r],
+                            setup_us: 0,
+                        }),
+                );
+                if candidates.is_empty() {
+                    // No replica serves its model.
+                    records[k].rejected = true;
+                    continue;
+                }
                 let pick = policy.select(&view, &candidates, rng.next_u64());
-                let r = candidates[pick.min(replicas - 1)].replica;
+                let r = candidates[pick.min(candidates.len() - 1)].replica;
                 let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
                 trace::prompt_tokens(req, &mut prompt);
                 policy.learn_prompt(&prompt, &req.block_ids, engine);
@@ -987,5 +1025,73 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.contains("unknown policy \"fastest\""), "{e}");
+    }
+
+    #[test]
+    fn a_request_is_offered_only_the_replicas_serving_its_model() {
+        let named = |t: f64, id: u64, m: Option<&str>| TraceRequest {
+            model: m.map(String::from),
+            ..request(t, &[id], 300, 2)
+        };
+        let trace = Trace {
+            name: "t".into(),
+            requests: vec![
+                named(0.0, 1, Some("a")),
+                named(1.0, 2, Some("b")),
+                named(2.0, 3, Some("nobody")),
+                named(3.0, 4, None),
+                named(4.0, 5, Some("b")),
+            ],
+        };
+        let serving = vec![
+            vec!["a".to_string()],
+            vec!["b".to_string(), "a".to_string()],
+        ];
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
+        let run = simulate_serving(
+            &trace,
+            2,
+            Some(&serving),
+            &EngineConfig::default(),
+            &mut policy,
+            1,
+        )
+        .unwrap();
+        let offered: Vec<Vec<usize>> = seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.2.iter().map(|c| c.replica).collect())
+            .collect();
+        assert_eq!(offered, [vec![0, 1], vec![1], vec![0, 1], vec![1]]);
+        let r = &run.records;
+        assert_eq!(
+            r.iter().map(|r| r.replica).collect::<Vec<_>>(),
+            [0, 1, 0, 0, 1]
+        );
+        assert!(r[2].rejected && !r[2].finished, "nobody serves it");
+        assert!(r.iter().enumerate().all(|(k, r)| k == 2 || r.finished));
+        let rows = super::super::report::per_model(&run, &trace);
+        let names: Vec<(&str, usize, usize)> = rows
+            .iter()
+            .map(|m| (m.model.as_str(), m.requests, m.rejected))
+            .collect();
+        assert_eq!(
+            names,
+            [("-", 1, 0), ("a", 1, 0), ("b", 2, 0), ("nobody", 1, 1)]
+        );
+        assert!(rows[2].ttft_p50_s > 0.0 && rows[3].ttft_p50_s.is_nan());
+        let e = simulate_serving(
+            &trace,
+            3,
+            Some(&serving),
+            &EngineConfig::default(),
+            &mut policy,
+            1,
+        )
+        .err()
+        .expect("a size mismatch is an error");
+        assert!(e.contains("3 replicas but the names of 2"), "{e}");
     }
 }

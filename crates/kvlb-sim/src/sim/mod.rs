@@ -47,6 +47,10 @@ one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Pe
   max_mean_load        the busiest replica's prefill_tokens over the mean (1 = even)
 Requests the engine refuses (prompt over the context limit) count as rejected.";
 
+/// `--fleet-models`: the names each replica serves, one entry per replica (a type of its own
+/// so that clap parses the flag as one value).
+pub type FleetModels = Vec<Vec<String>>;
+
 /// `--policies`' default: every policy, in report order.
 static ALL_POLICIES: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| fleet::POLICY_NAMES.join(","));
@@ -71,6 +75,17 @@ pub struct Options {
     #[arg(long, value_name = "N", default_value_t = 4,
           value_parser = crate::cli::int::<usize, 1, MAX_REPLICAS>)]
     pub replicas: usize,
+    /// Instead of --replicas, replicas by the models they serve, NAME[+NAME...]=N (e.g.
+    /// Qwen/Qwen3-8B+sql-lora=2,Qwen/Qwen3-0.6B=2): a request naming a model is routed among
+    /// the replicas serving it, one naming a model none serves is rejected, one naming none
+    /// goes anywhere
+    #[arg(long, value_name = "NAMES=N,...", value_parser = fleet_models,
+          conflicts_with = "replicas")]
+    pub fleet_models: Option<FleetModels>,
+    /// Models for trace rows naming none (a Mooncake line's own "model" key is kept), by
+    /// weight, per conversation, as kvlb replay --models (e.g. A=0.7,B=0.3)
+    #[arg(long, value_name = "NAME=W,...")]
+    pub models: Option<trace::ModelMix>,
     /// Divide inter-arrival times by X
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = crate::cli::positive)]
     pub speedup: f64,
@@ -132,6 +147,31 @@ fn parameter(v: &str) -> Result<(String, f64), String> {
     Ok((name.to_string(), x))
 }
 
+fn fleet_models(v: &str) -> Result<FleetModels, String> {
+    let mut out: FleetModels = Vec::new();
+    for group in v.split(',') {
+        let (names, n) = group
+            .trim()
+            .rsplit_once('=')
+            .ok_or(format!("{group:?}: expected NAME[+NAME...]=N"))?;
+        let n: usize = n
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or(format!("{group:?}: N is not a whole number of replicas"))?;
+        let names: Vec<String> = names.split('+').map(|m| m.trim().to_string()).collect();
+        if names.iter().any(String::is_empty) {
+            return Err(format!("{group:?}: empty model name"));
+        }
+        if out.len() + n > MAX_REPLICAS as usize {
+            return Err(format!("more than {MAX_REPLICAS} replicas"));
+        }
+        out.extend(std::iter::repeat_n(names, n));
+    }
+    Ok(out)
+}
+
 fn policy_list(v: &str) -> Result<PolicyList, String> {
     let list: Vec<String> = v
         .split(',')
@@ -190,11 +230,28 @@ pub struct Runs {
     pub ttfts: Vec<Vec<f64>>,
     /// With a host tier, the host tier's share of each policy's hits (else empty).
     pub host_hit_rates: Vec<f64>,
+    /// Per policy, its figures per model (empty when no request names one).
+    pub models: Vec<Vec<report::ModelSummary>>,
+}
+
+impl Options {
+    /// The fleet's size: --fleet-models' replicas, else --replicas.
+    pub fn fleet_size(&self) -> usize {
+        self.fleet_models.as_ref().map_or(self.replicas, Vec::len)
+    }
 }
 
 /// Run every policy of `o`.
 pub fn run(o: &Options) -> Result<Runs, String> {
-    let mut t = trace::load(&o.trace, o.limit, o.seed)?;
+    // Models are given over the whole trace, so a slice gets the models it has in it.
+    let mut t = trace::load(&o.trace, None, o.seed)?;
+    if let Some(mix) = &o.models {
+        mix.assign(&mut t.requests);
+    }
+    if let Some(n) = o.limit {
+        t.requests.truncate(n);
+    }
+    let named = t.requests.iter().any(|r| r.model.is_some());
     if t.requests.is_empty() {
         return Err(format!("--trace {:?}: no requests", o.trace));
     }
@@ -210,12 +267,21 @@ pub fn run(o: &Options) -> Result<Runs, String> {
     let mut summaries = Vec::new();
     let mut ttfts = Vec::new();
     let mut host_hit_rates = Vec::new();
+    let mut models = Vec::new();
+    let replicas = o.fleet_size();
     for name in &o.policies {
         let started = Instant::now();
-        let mut policy = fleet::RoutingPolicy::build_with(name, o.replicas, &engine, &o.set)?
+        let mut policy = fleet::RoutingPolicy::build_with(name, replicas, &engine, &o.set)?
             .learn_from(o.residency)
             .scrape_every(o.scrape_interval);
-        let run = fleet::simulate(&t, o.replicas, &engine, &mut policy, o.seed)?;
+        let run = fleet::simulate_serving(
+            &t,
+            replicas,
+            o.fleet_models.as_deref(),
+            &engine,
+            &mut policy,
+            o.seed,
+        )?;
         eprintln!(
             "kvlb simulate: {name}: {} requests in {:.2} s wall",
             run.records.len(),
@@ -224,6 +290,9 @@ pub fn run(o: &Options) -> Result<Runs, String> {
         if o.host_kv_tokens > 0 {
             host_hit_rates.push(report::host_hit_rate(&run));
         }
+        if named {
+            models.push(report::per_model(&run, &t));
+        }
         summaries.push(report::summarize(&run));
         ttfts.push(report::sorted_ttfts(&run));
     }
@@ -231,6 +300,7 @@ pub fn run(o: &Options) -> Result<Runs, String> {
         summaries,
         ttfts,
         host_hit_rates,
+        models,
     })
 }
 
@@ -244,6 +314,7 @@ pub fn main(args: Vec<String>) -> i32 {
         summaries,
         ttfts,
         host_hit_rates,
+        models,
     } = match run(&o) {
         Ok(r) => r,
         Err(e) => {
@@ -251,12 +322,10 @@ pub fn main(args: Vec<String>) -> i32 {
             return 1;
         }
     };
+    let replicas = o.fleet_size();
     if o.json {
-        if o.host_kv_tokens > 0 {
-            println!("{}", report::to_json_with_host(&summaries, &host_hit_rates));
-        } else {
-            println!("{}", report::to_json(&summaries));
-        }
+        let host = (o.host_kv_tokens > 0).then_some(host_hit_rates.as_slice());
+        println!("{}", report::to_json_with(&summaries, host, &models));
     } else {
         let host = if o.host_kv_tokens > 0 {
             format!(", host KV tier {} tokens per replica", o.host_kv_tokens)
@@ -265,17 +334,20 @@ pub fn main(args: Vec<String>) -> i32 {
         };
         println!(
             "{} ({} requests, {} replicas, speedup {}{host})",
-            o.trace, summaries[0].requests, o.replicas, o.speedup
+            o.trace, summaries[0].requests, replicas, o.speedup
         );
         let host = (o.host_kv_tokens > 0).then_some(host_hit_rates.as_slice());
         print!("{}", report::to_table_with_host(&summaries, host));
+        if !models.is_empty() {
+            print!("{}", report::model_table(&models));
+        }
     }
     if let Some(path) = &o.plot {
         let title = format!(
             "kvlb simulate: {} — {} requests, {} replicas, speedup {}",
             o.trace.rsplit('/').next().unwrap_or(&o.trace),
             summaries[0].requests,
-            o.replicas,
+            replicas,
             o.speedup
         );
         let svg = plot::render(&title, &summaries, &ttfts);
@@ -395,5 +467,53 @@ mod tests {
         assert!(e.contains("--trace"), "{e}");
         let e = parse_args(&args(&["--help"])).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+
+    #[test]
+    fn fleet_models_give_each_replica_its_names() {
+        let o = parse_args(&args(&[
+            "--trace",
+            "x",
+            "--fleet-models",
+            "big+sql=2, small=1",
+            "--models",
+            "big=2,sql=1,small=1",
+        ]))
+        .unwrap();
+        let f = o.fleet_models.clone().unwrap();
+        assert_eq!(f.len(), 3);
+        assert_eq!(o.fleet_size(), 3);
+        assert_eq!(f[1], ["big", "sql"]);
+        assert_eq!(f[2], ["small"]);
+        assert_eq!(o.models.unwrap().models.len(), 3);
+        assert_eq!(
+            parse_args(&args(&["--trace", "x"])).unwrap().fleet_size(),
+            4
+        );
+        for (bad, says) in [
+            ("big", "expected NAME[+NAME...]=N"),
+            ("big=0", "not a whole number"),
+            ("big+=1", "empty model name"),
+            ("big=300", "more than 256 replicas"),
+        ] {
+            let e = parse_args(&args(&["--trace", "x", "--fleet-models", bad]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let e = parse_args(&args(&[
+            "--trace",
+            "x",
+            "--replicas",
+            "2",
+            "--fleet-models",
+            "a=1",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--fleet-models") && e.contains("--replicas"),
+            "{e}"
+        );
     }
 }

@@ -14,11 +14,101 @@
 //!   for it, so it is an estimate of the same thing).
 //! * `max_mean_load`: the busiest replica's computed prefill tokens over the fleet mean (1 =
 //!   perfectly even).
+//! * per model (`models`, when requests name models): requests, rejected (no replica serves
+//!   the model, or the engine refused), TTFT p50/p99, and the hit rate of its requests (cached
+//!   tokens at admission over prompt tokens).
 
 #![forbid(unsafe_code)]
 
 use super::fleet::Run;
+use super::trace::Trace;
 use serde::Serialize;
+
+/// One policy's requests naming one model.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelSummary {
+    pub policy: String,
+    pub model: String,
+    pub requests: usize,
+    pub rejected: usize,
+    pub ttft_p50_s: f64,
+    pub ttft_p99_s: f64,
+    /// Cached prompt tokens at admission / prompt tokens, over its finished requests.
+    pub hit_rate: f64,
+}
+
+/// `run` by model (`trace` is the trace it ran, for the models), by name; requests naming none
+/// under "-".
+pub fn per_model(run: &Run, trace: &Trace) -> Vec<ModelSummary> {
+    let mut by: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (k, r) in trace.requests.iter().enumerate().take(run.records.len()) {
+        by.entry(r.model.as_deref().unwrap_or("-"))
+            .or_default()
+            .push(k);
+    }
+    by.into_iter()
+        .map(|(model, ks)| {
+            let recs: Vec<_> = ks.iter().map(|&k| &run.records[k]).collect();
+            let mut ttft: Vec<f64> = recs
+                .iter()
+                .map(|r| r.ttft_s)
+                .filter(|t| t.is_finite())
+                .collect();
+            ttft.sort_by(f64::total_cmp);
+            let done = recs.iter().filter(|r| r.finished);
+            let (cached, prompt) = done.fold((0u64, 0u64), |(c, p), r| {
+                (c + r.cached_tokens as u64, p + r.prompt_tokens as u64)
+            });
+            ModelSummary {
+                policy: run.policy.clone(),
+                model: model.to_string(),
+                requests: recs.len(),
+                rejected: recs.iter().filter(|r| r.rejected).count(),
+                ttft_p50_s: percentile(&ttft, 50.0),
+                ttft_p99_s: percentile(&ttft, 99.0),
+                hit_rate: if prompt == 0 {
+                    0.0
+                } else {
+                    cached as f64 / prompt as f64
+                },
+            }
+        })
+        .collect()
+}
+
+/// An aligned table, one row per policy and model.
+pub fn model_table(models: &[Vec<ModelSummary>]) -> String {
+    let rows = models.iter().flatten();
+    let wp = rows
+        .clone()
+        .map(|m| m.policy.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    let wm = rows
+        .clone()
+        .map(|m| m.model.len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
+    let mut out = format!(
+        "{:<wp$}  {:<wm$}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}\n",
+        "policy", "model", "requests", "rejected", "ttft_p50", "ttft_p99", "hit_rate"
+    );
+    for m in rows {
+        out.push_str(&format!(
+            "{:<wp$}  {:<wm$}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8.3}\n",
+            m.policy,
+            m.model,
+            m.requests,
+            m.rejected,
+            secs(m.ttft_p50_s),
+            secs(m.ttft_p99_s),
+            m.hit_rate
+        ));
+    }
+    out
+}
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Summary {
@@ -114,6 +204,28 @@ pub fn summarize(run: &Run) -> Summary {
     }
 }
 
+/// The summaries as a JSON array, each object with a `host_hit_rate` when `host_hit_rates`
+/// are given and its `models` when `models` are (both in the order of `summaries`).
+pub fn to_json_with(
+    summaries: &[Summary],
+    host_hit_rates: Option<&[f64]>,
+    models: &[Vec<ModelSummary>],
+) -> String {
+    let mut v = serde_json::to_value(summaries).unwrap_or_default();
+    if let Some(list) = v.as_array_mut() {
+        for (k, o) in list.iter_mut().enumerate() {
+            let Some(o) = o.as_object_mut() else { continue };
+            if let Some(rate) = host_hit_rates.and_then(|h| h.get(k)) {
+                o.insert("host_hit_rate".into(), serde_json::json!(rate));
+            }
+            if let Some(m) = models.get(k) {
+                o.insert("models".into(), serde_json::json!(m));
+            }
+        }
+    }
+    serde_json::to_string_pretty(&v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
 /// The summaries as a JSON array (non-finite numbers become null).
 pub fn to_json(summaries: &[Summary]) -> String {
     serde_json::to_string_pretty(summaries).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
@@ -130,15 +242,7 @@ pub fn host_hit_rate(run: &Run) -> f64 {
 
 /// As `to_json`, each object with a `host_hit_rate` from `host_hit_rates` (same order).
 pub fn to_json_with_host(summaries: &[Summary], host_hit_rates: &[f64]) -> String {
-    let mut v = serde_json::to_value(summaries).unwrap_or_default();
-    if let Some(list) = v.as_array_mut() {
-        for (o, &rate) in list.iter_mut().zip(host_hit_rates) {
-            if let Some(o) = o.as_object_mut() {
-                o.insert("host_hit_rate".into(), serde_json::json!(rate));
-            }
-        }
-    }
-    serde_json::to_string_pretty(&v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    to_json_with(summaries, Some(host_hit_rates), &[])
 }
 
 fn secs(v: f64) -> String {
