@@ -47,10 +47,18 @@ pub struct Opts {
     #[arg(long, value_name = "LIST", default_value = "cache_aware,round_robin,least_loaded",
           value_parser = policy_list)]
     pub policies: PolicyList,
+    /// Models on the fleet: 1, or 2 (sim-8b on the first half of the replicas, sim-70b,
+    /// prefilling 4x slower, on the rest; sessions alternate between them, and kvlb is given
+    /// sim-70b's timing in a [[model]] table)
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::cli::int::<usize, 1, 2>)]
+    pub models: usize,
     /// Print every request: session, turn, replica, TTFT and kvlb's decision
     #[arg(long)]
     pub verbose: bool,
 }
+
+/// The demo's models: name, prefill and decode slowdown over the 8B timing.
+const MODELS: [(&str, f64, f64); 2] = [("sim-8b", 1.0, 1.0), ("sim-70b", 4.0, 2.5)];
 
 /// A list of policy names (a type of its own so that clap parses `--policies` as one value,
 /// not as a repeatable flag).
@@ -80,7 +88,13 @@ fn policy_list(v: &str) -> Result<PolicyList, String> {
 /// Parse `kvlb demo` flags (without the `demo` word). `--help` comes back as an error of kind
 /// `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
 pub fn parse(args: &[String]) -> Result<Opts, clap::Error> {
-    crate::cli::parse("kvlb demo", args, |_: &Opts| Ok(()))
+    crate::cli::parse("kvlb demo", args, |o: &Opts| match o.models > o.replicas {
+        true => Err(format!(
+            "--models {}: more models than --replicas {}",
+            o.models, o.replicas
+        )),
+        false => Ok(()),
+    })
 }
 
 struct Proc(Child);
@@ -154,23 +168,65 @@ fn addr_after(line: &str, marker: &str) -> Option<SocketAddr> {
 
 fn run(o: &Opts) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    eprintln!(
-        "kvlb demo: {} simulated replicas (8B model on H100 timing, {}x real time), {} agent sessions x {} turns",
-        o.replicas, o.time_scale, o.sessions, o.turns
-    );
-    let mut cmd = Command::new(&exe);
-    cmd.args(["replica", "--listen", "127.0.0.1:0", "--model", "sim-8b"])
-        .args(["--count", &o.replicas.to_string()])
-        .args(["--time-scale", &o.time_scale.to_string()]);
-    let (_fleet, lines) = spawn_until_ready(cmd, "kvlb replica: ready")?;
-    let replicas: Vec<SocketAddr> = lines.iter().filter_map(|l| addr_after(l, " on ")).collect();
-    if replicas.len() != o.replicas {
-        return Err(format!(
-            "expected {} replicas, saw:\n{}",
-            o.replicas,
-            lines.join("\n")
-        ));
+    let models = &MODELS[..o.models];
+    match o.models {
+        1 => eprintln!(
+            "kvlb demo: {} simulated replicas (8B model on H100 timing, {}x real time), {} agent sessions x {} turns",
+            o.replicas, o.time_scale, o.sessions, o.turns
+        ),
+        _ => eprintln!(
+            "kvlb demo: {} simulated replicas serving two models ({} sim-8b, {} sim-70b prefilling 4x slower; {}x real time), {} agent sessions x {} turns, alternating models",
+            o.replicas, o.replicas - o.replicas / 2, o.replicas / 2, o.time_scale, o.sessions, o.turns
+        ),
     }
+    // One replica process per model: the first serves the first half of the replicas.
+    let mut fleets = Vec::new();
+    let mut replicas: Vec<SocketAddr> = Vec::new();
+    let mut model_of: Vec<usize> = Vec::new();
+    for (m, (name, prefill, decode)) in models.iter().enumerate() {
+        let count = match (o.models, m) {
+            (1, _) => o.replicas,
+            (_, 0) => o.replicas - o.replicas / 2,
+            _ => o.replicas / 2,
+        };
+        let timing = crate::engine::EngineConfig::default();
+        let mut cmd = Command::new(&exe);
+        cmd.args(["replica", "--listen", "127.0.0.1:0", "--model", name])
+            .args(["--count", &count.to_string()])
+            .args(["--time-scale", &o.time_scale.to_string()]);
+        if m > 0 {
+            cmd.args(["--prefill-b-s", &(timing.prefill_b_s * prefill).to_string()])
+                .args(["--prefill-c-s", &(timing.prefill_c_s * prefill).to_string()])
+                .args([
+                    "--decode-base-s",
+                    &(timing.decode_base_s * decode).to_string(),
+                ]);
+        }
+        let (fleet, lines) = spawn_until_ready(cmd, "kvlb replica: ready")?;
+        let got: Vec<SocketAddr> = lines.iter().filter_map(|l| addr_after(l, " on ")).collect();
+        if got.len() != count {
+            return Err(format!(
+                "expected {count} replicas, saw:\n{}",
+                lines.join("\n")
+            ));
+        }
+        model_of.extend(std::iter::repeat_n(m, count));
+        replicas.extend(got);
+        fleets.push(fleet);
+    }
+    // The slower model's timing, for cache_aware: one [[model]] table.
+    let config = std::env::temp_dir().join(format!("kvlb-demo-{}.toml", std::process::id()));
+    if o.models > 1 {
+        let cost = crate::select::CacheAwareConfig::default().model;
+        let (name, prefill, decode) = MODELS[1];
+        let table = format!(
+            "[[model]]\nname = {name:?}\ncost_model = {{ prefill_s_per_token = {}, decode_step_s = {} }}\n",
+            cost.prefill.b * prefill,
+            cost.decode.base * decode
+        );
+        std::fs::write(&config, table).map_err(|e| format!("{}: {e}", config.display()))?;
+    }
+    let _remove = RemoveOnDrop(config.clone());
 
     let mut results = Vec::new();
     for policy in &o.policies {
@@ -188,6 +244,9 @@ fn run(o: &Opts) -> Result<(), String> {
             "--explain",
         ])
         .args(["--policy", policy]);
+        if o.models > 1 {
+            cmd.arg("--config").arg(&config);
+        }
         for r in &replicas {
             cmd.args(["--replica", &format!("http://{r}")]);
         }
@@ -197,7 +256,7 @@ fn run(o: &Opts) -> Result<(), String> {
             .find_map(|l| addr_after(l, "listening on "))
             .ok_or("kvlb did not say where it listens")?;
         let urls: Vec<String> = replicas.iter().map(|r| format!("http://{r}")).collect();
-        let r = replay(listen, o, policy, &urls)?;
+        let r = replay(listen, o, policy, &urls, &model_of)?;
         drop(kvlb);
         let after = fleet_counters(&replicas)?;
         let queries = after.0 - before.0;
@@ -221,6 +280,31 @@ fn run(o: &Opts) -> Result<(), String> {
             hit * 100.0,
             prefill,
             r.per_replica
+        );
+        if o.models > 1 {
+            for (m, (name, _, _)) in models.iter().enumerate() {
+                let ttft: Vec<f64> = r
+                    .ttft
+                    .iter()
+                    .zip(&r.model)
+                    .filter(|(_, &mm)| mm == m)
+                    .map(|(t, _)| *t)
+                    .collect();
+                println!(
+                    "  {:<12} {:>8} {:>9.3}s {:>9.3}s {:>9.3}s",
+                    name,
+                    ttft.len(),
+                    pct(&ttft, 0.5),
+                    pct(&ttft, 0.9),
+                    pct(&ttft, 0.99)
+                );
+            }
+        }
+    }
+    if o.models > 1 {
+        let crossed: usize = results.iter().map(|r| r.1.crossed).sum();
+        println!(
+            "requests answered by a replica of another model: {crossed} (kvlb reads each request's model and routes within its replicas)"
         );
     }
     if let Some((_, base, _, base_prefill)) = results.iter().find(|r| r.0 == "round_robin") {
@@ -248,7 +332,20 @@ fn pct(v: &[f64], p: f64) -> f64 {
 
 struct Replay {
     ttft: Vec<f64>,
+    /// The model of each TTFT sample (index into `MODELS`).
+    model: Vec<usize>,
     per_replica: Vec<usize>,
+    /// Requests answered by a replica serving another model.
+    crossed: usize,
+}
+
+/// Removes a file when dropped (the demo's configuration).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// The replicas' prefix-cache query and hit token counters, summed.
@@ -284,16 +381,30 @@ fn json_str(s: &str) -> String {
 }
 
 /// Replay the sessions through kvlb at `listen`.
-fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result<Replay, String> {
+/// Replay the sessions through kvlb at `listen`; session `s` asks for model `s % models`
+/// (`model_of`: each replica's).
+fn replay(
+    listen: SocketAddr,
+    o: &Opts,
+    policy: &str,
+    urls: &[String],
+    model_of: &[usize],
+) -> Result<Replay, String> {
     let system = SYSTEM.repeat(12);
     let total = o.sessions * o.turns;
     let next = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
-    let out = Arc::new(Mutex::new((Vec::new(), Vec::new(), None::<String>)));
+    let out = Arc::new(Mutex::new((
+        Vec::new(),
+        Vec::new(),
+        None::<String>,
+        Vec::new(),
+    )));
     let mut threads = Vec::new();
     for _ in 0..o.concurrency.min(o.sessions) {
         let (next, done, out, system) = (next.clone(), done.clone(), out.clone(), system.clone());
         let (sessions, turns, scale, verbose) = (o.sessions, o.turns, o.time_scale, o.verbose);
+        let n_models = o.models;
         let policy = policy.to_string();
         let start = Instant::now();
         threads.push(std::thread::spawn(move || loop {
@@ -306,6 +417,7 @@ fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result
             if let Some(wait) = arrival.checked_sub(start.elapsed()) {
                 std::thread::sleep(wait);
             }
+            let model = s % n_models;
             let mut messages = format!(
                 r#"{{"role":"system","content":{}}},{{"role":"user","content":{}}}"#,
                 json_str(&system),
@@ -313,7 +425,8 @@ fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result
             );
             for t in 0..turns {
                 let body = format!(
-                    r#"{{"model":"sim-8b","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{messages}]}}"#
+                    r#"{{"model":"{}","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{messages}]}}"#,
+                    MODELS[model].0
                 );
                 match stream_chat(listen, body.as_bytes()) {
                     Ok((ttft, replica, text, decision)) => {
@@ -326,6 +439,7 @@ fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result
                         let mut g = out.lock().unwrap();
                         g.0.push(ttft * scale);
                         g.1.push(replica);
+                        g.3.push(model);
                         drop(g);
                         messages.push_str(&format!(
                             r#",{{"role":"assistant","content":{}}},{{"role":"user","content":{}}}"#,
@@ -357,9 +471,20 @@ fn replay(listen: SocketAddr, o: &Opts, policy: &str, urls: &[String]) -> Result
         .iter()
         .map(|u| g.1.iter().filter(|x| *x == u).count())
         .collect();
+    let crossed =
+        g.1.iter()
+            .zip(&g.3)
+            .filter(|(replica, &m)| {
+                urls.iter()
+                    .position(|u| u == *replica)
+                    .is_none_or(|i| model_of[i] != m)
+            })
+            .count();
     Ok(Replay {
         ttft: g.0.clone(),
+        model: g.3.clone(),
         per_replica,
+        crossed,
     })
 }
 
