@@ -148,6 +148,54 @@ fn replica_events_steer_token_prompts_and_clears_undo_them() {
     assert_eq!(t1["stale"], false, "{t1}");
 }
 
+/// A replica's blocks computed under a LoRA adapter are announced under its name (lora_name,
+/// as vLLM's events do): kvlb matches them for requests of that adapter only, never for the
+/// base model's same tokens.
+#[test]
+fn replica_events_of_an_adapter_match_only_its_requests() {
+    let reps = ReplicaFleet::start(
+        2,
+        &[
+            "--time-scale",
+            "50",
+            "--enable-lora",
+            "--lora-modules",
+            "sql-lora=/adapters/sql",
+        ],
+    );
+    let kvlb = serve_subscribed(&reps, "", &[]);
+    let prompt = token_prompt(4096, 3);
+    let body = |model: &str| {
+        serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1})
+            .to_string()
+            .into_bytes()
+    };
+    // Replica 1 computes it under the adapter (kvlb not involved).
+    let direct = post(reps.http[1], "/v1/completions", &body("sql-lora"));
+    assert_eq!(direct.status, 200, "{}", direct.describe());
+    assert!(
+        replica_count_reaches(&kvlb, 1, "resident_blocks", 256, T),
+        "kvlb did not learn replica 1's blocks: {:?}",
+        replicas_json(&kvlb)
+    );
+    let via = post(kvlb.listen, "/v1/completions", &body("sql-lora"));
+    assert_eq!(via.status, 200, "{}", via.describe());
+    assert_eq!(
+        via.header("x-kvlb-replica"),
+        Some(format!("http://{}", reps.http[1]).as_str()),
+        "{}",
+        via.describe()
+    );
+    let (reason, matched) = decision(&via);
+    assert_eq!(reason, "cache", "{}", via.describe());
+    assert!(matched >= 4000, "{}", via.describe());
+    // The base model's same tokens: nothing of it is resident anywhere.
+    let base = post(kvlb.listen, "/v1/completions", &body("Qwen/Qwen3-8B"));
+    assert_eq!(base.status, 200, "{}", base.describe());
+    let (_, matched) = decision(&base);
+    assert_eq!(matched, 0, "{}", base.describe());
+}
+
 /// Chat prompts are hashed as text (no tokenizer here), so the replicas' KV events (token
 /// blocks) never confirm them: routing guesses are all kvlb knows of where a conversation went.
 /// A replica whose events fill kvlb's view of its cache must not push those guesses out.

@@ -27,7 +27,7 @@
 
 use super::block_map::BlockMap;
 use super::host_tier::HostTier;
-use crate::kv_events::{KvEvent, Medium};
+use crate::kv_events::{BlockKey, KvEvent, Medium};
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// No block.
@@ -221,6 +221,7 @@ impl KvCache {
         hashes: &[u64],
         parent: Option<u64>,
         tokens: &[u32],
+        lora: Option<&super::LoraRef>,
     ) {
         debug_assert_eq!(blocks.len(), hashes.len());
         debug_assert_eq!(tokens.len(), blocks.len() * self.block_size as usize);
@@ -242,12 +243,12 @@ impl KvCache {
                 parent_block_hash: parent,
                 token_ids: tokens.to_vec(),
                 block_size: self.block_size,
-                lora_id: None,
-                key: Default::default(),
+                lora_id: lora.map(|l| l.id),
+                key: lora_key(lora),
                 medium: Some(Medium::Gpu),
             });
         }
-        self.write_through(hashes, parent, tokens);
+        self.write_through(hashes, parent, tokens, lora);
     }
 
     /// Copy newly registered blocks to the host tier: blocks it lacks are announced (one
@@ -255,7 +256,13 @@ impl KvCache {
     /// refreshed, last to first so that the head of a prompt is the most recent part (as a
     /// request frees its tail first on the GPU); then least recently used host blocks beyond
     /// its capacity are dropped (one BlockRemoved with medium CPU).
-    fn write_through(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
+    fn write_through(
+        &mut self,
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        lora: Option<&super::LoraRef>,
+    ) {
         if !self.host.is_enabled() {
             return;
         }
@@ -277,8 +284,8 @@ impl KvCache {
                             },
                             token_ids: tokens[start * bs..i * bs].to_vec(),
                             block_size: self.block_size,
-                            lora_id: None,
-                            key: Default::default(),
+                            lora_id: lora.map(|l| l.id),
+                            key: lora_key(lora),
                             medium: Some(Medium::Cpu),
                         });
                     }
@@ -376,6 +383,14 @@ impl KvCache {
     }
 }
 
+/// The block key of blocks stored under `lora`: vLLM names the adapter (`lora_name`).
+fn lora_key(lora: Option<&super::LoraRef>) -> BlockKey {
+    BlockKey {
+        lora_name: lora.map(|l| l.name.to_string()),
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,7 +416,7 @@ mod tests {
         let mut kv = KvCache::new(3, 2, 0);
         let a = kv.allocate().unwrap();
         let b = kv.allocate().unwrap();
-        kv.store(&[a, b], &[10, 11], None, &[1, 2, 3, 4]);
+        kv.store(&[a, b], &[10, 11], None, &[1, 2, 3, 4], None);
         assert_eq!(kv.num_free(), 1);
         kv.release(b);
         kv.release(a); // queue: (unused), b, a
@@ -434,8 +449,8 @@ mod tests {
         let mut kv = KvCache::new(2, 1, 0);
         let a = kv.allocate().unwrap();
         let b = kv.allocate().unwrap();
-        kv.store(&[a], &[5], None, &[1]);
-        kv.store(&[b], &[5], None, &[1]);
+        kv.store(&[a], &[5], None, &[1], None);
+        kv.store(&[b], &[5], None, &[1], None);
         kv.release(a);
         kv.release(b);
         kv.allocate().unwrap();

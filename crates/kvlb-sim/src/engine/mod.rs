@@ -114,6 +114,15 @@ pub struct EngineRequest {
     /// Mixed into the first block's hash, like vLLM's cache_salt: equal prompts with different
     /// salts share nothing.
     pub cache_salt: Option<u64>,
+    /// The LoRA adapter it runs under: its KV events name it.
+    pub lora: Option<LoraRef>,
+}
+
+/// A LoRA adapter as vLLM's KV events name it (`lora_id`, `lora_name`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraRef {
+    pub id: i64,
+    pub name: std::sync::Arc<str>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -211,6 +220,8 @@ struct Request {
     max_tokens: u32,
     /// Hash of the empty prefix (engine seed and cache salt).
     root: u64,
+    /// The adapter it runs under.
+    lora: Option<LoraRef>,
     /// Hashes of the full blocks of `tokens` computed so far (a prefix of them).
     block_hashes: Vec<u64>,
     /// Physical blocks held, in sequence order (empty while waiting).
@@ -262,6 +273,7 @@ impl Request {
             &self.block_hashes[from..full],
             parent,
             &self.tokens[from * bs..full * bs],
+            self.lora.as_ref(),
         );
         self.num_stored = full as u32;
     }
@@ -416,6 +428,7 @@ impl Engine {
             tokens: req.prompt_tokens,
             max_tokens: req.max_tokens.max(1),
             root: kv_cache::root_hash(self.cfg.hash_seed, req.cache_salt),
+            lora: req.lora,
             block_hashes: Vec::with_capacity(prompt_tokens as usize / bs + 1),
             blocks: Vec::new(),
             num_stored: 0,
@@ -901,6 +914,7 @@ mod tests {
             prompt_tokens: prompt.to_vec(),
             max_tokens,
             cache_salt: None,
+            lora: None,
         }
     }
 
@@ -1083,6 +1097,7 @@ mod tests {
         let prompt = tokens(0, 20);
         let salted = |id, salt| EngineRequest {
             cache_salt: salt,
+            lora: None,
             ..request(id, &prompt, 1)
         };
         e.submit(0.0, salted(1, Some(7))).unwrap();
@@ -1094,6 +1109,40 @@ mod tests {
         assert_eq!(first_token(&run(&mut e), 2).1, 0);
         e.submit(2.0, salted(3, Some(7))).unwrap();
         assert_eq!(first_token(&run(&mut e), 3).1, 16);
+    }
+
+    #[test]
+    fn blocks_stored_under_an_adapter_name_it() {
+        let mut e = Engine::new(small(1000));
+        let lora = LoraRef {
+            id: 3,
+            name: "sql-lora".into(),
+        };
+        e.submit(
+            0.0,
+            EngineRequest {
+                cache_salt: Some(11),
+                lora: Some(lora.clone()),
+                ..request(1, &tokens(0, 20), 1)
+            },
+        )
+        .unwrap();
+        e.submit(1.0, request(2, &tokens(500, 20), 1)).unwrap();
+        run(&mut e);
+        let named: Vec<(Option<i64>, Option<String>)> = events(&mut e)
+            .iter()
+            .filter_map(|ev| match ev {
+                KvEvent::BlockStored { lora_id, key, .. } => {
+                    Some((*lora_id, key.lora_name.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            named,
+            [(Some(3), Some("sql-lora".to_string())), (None, None)],
+            "the adapter's blocks name it, the base model's do not"
+        );
     }
 
     #[test]

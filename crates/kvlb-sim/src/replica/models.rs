@@ -40,8 +40,8 @@ pub struct Served {
 /// What a request's `model` names.
 pub enum Named {
     Base,
-    /// An adapter: its name and the salt its KV cache is kept apart by.
-    Adapter(String, u64),
+    /// An adapter: its name, the salt its KV cache is kept apart by, and vLLM's integer id.
+    Adapter(String, u64, u64),
 }
 
 fn bad(kind: &'static str, status: u16, message: String) -> ApiError {
@@ -89,7 +89,7 @@ impl Served {
     pub fn response_name(&self, named: &Named) -> String {
         match named {
             Named::Base => self.names[0].clone(),
-            Named::Adapter(name, _) => name.clone(),
+            Named::Adapter(name, _, _) => name.clone(),
         }
     }
 
@@ -120,7 +120,7 @@ impl Served {
             .find(|(n, _, _)| n == model || Some(n.as_str()) == sglang)
         {
             let salt = xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), *id);
-            return Ok(Named::Adapter(name.clone(), salt));
+            return Ok(Named::Adapter(name.clone(), salt, *id));
         }
         Err(ApiError {
             status: 404,

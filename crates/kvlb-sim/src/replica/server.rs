@@ -318,11 +318,16 @@ fn generate(
     keep_alive: bool,
 ) -> io::Result<()> {
     // An adapter's KV cache is kept apart from the base model's and other adapters'.
-    let cache_salt = match &named {
-        super::models::Named::Base => req.cache_salt,
-        super::models::Named::Adapter(_, salt) => {
-            Some(req.cache_salt.map_or(*salt, |s| s ^ salt.rotate_left(17)))
-        }
+    // Its KV events name the adapter, as vLLM's do (`lora_id`, `lora_name`).
+    let (cache_salt, lora) = match &named {
+        super::models::Named::Base => (req.cache_salt, None),
+        super::models::Named::Adapter(name, salt, id) => (
+            Some(req.cache_salt.map_or(*salt, |s| s ^ salt.rotate_left(17))),
+            Some(crate::engine::LoraRef {
+                id: *id as i64,
+                name: name.as_str().into(),
+            }),
+        ),
     };
     let (tx, rx) = channel::unbounded::<Vec<EngineOutput>>();
     let mut choices: Vec<Choice> = Vec::with_capacity(req.prompts.len() * req.n as usize);
@@ -343,6 +348,7 @@ fn generate(
                 prompt_tokens: prompt.clone(),
                 max_tokens: req.max_tokens,
                 cache_salt,
+                lora: lora.clone(),
             });
         }
     }

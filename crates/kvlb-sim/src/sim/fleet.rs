@@ -642,6 +642,7 @@ pub fn simulate_serving(
                         prompt_tokens: prompt,
                         max_tokens: req.output_tokens,
                         cache_salt: None,
+                        lora: None,
                     },
                 );
                 let rec = &mut records[k];
@@ -917,6 +918,7 @@ mod tests {
                 prompt_tokens: prompt.clone(),
                 max_tokens: 1,
                 cache_salt: None,
+                lora: None,
             },
         )
         .unwrap();
