@@ -61,6 +61,8 @@ ROOT=$PWD
 
 # shellcheck source=bench/lib/packages.sh
 source bench/lib/packages.sh
+# shellcheck source=bench/lib/peers.sh
+source bench/lib/peers.sh
 
 TRACE=${TRACE:-traces/mooncake_conversation_trace.jsonl}
 START=${START:-0}
@@ -108,31 +110,8 @@ fi
 
 # --- peers, installed idempotently (as bench/e2e_peers.sh) --------------------------------
 kvlb_ensure_packages curl python3-venv
-if ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
-    rm -rf "$VENV"
-    python3 -m venv "$VENV"
-fi
-[ -f "$VENV/.gitignore" ] || echo '*' >"$VENV/.gitignore"
-requirements=$ROOT/bench/requirements-e2e.txt
-stamp=$VENV/.kvlb-e2e-requirements.sha256
-want=$({
-    cat "$requirements"
-    "$VENV/bin/python" -VV
-} | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-    echo "installing $requirements into $VENV" >&2
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
-    echo "$want" >"$stamp"
-fi
-if [ -n "${KVLB_BIN:-}" ]; then
-    KVLB=$KVLB_BIN
-else
-    if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
-        export PATH="$HOME/.cargo/bin:$PATH"
-    fi
-    cargo build --release --bin kvlb >&2
-    KVLB=$ROOT/target/release/kvlb
-fi
+kvlb_peers_venv
+kvlb_bench_binary
 SGLANG_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
 VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))')
 
@@ -140,26 +119,6 @@ VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; pri
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvlb-multi-model.XXXXXX")
 FLEET_PIDS=()
 BALANCER_PID=""
-
-on_core() {
-    if [ "$PIN" = 1 ]; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi
-}
-
-# Stops a process we started and everything it forked.
-stop_tree() {
-    local root=$1 pid tree
-    kill -0 "$root" 2>/dev/null || return 0
-    tree=$(python3 "$LIB/procstat.py" tree "$root" 2>/dev/null || echo "$root")
-    kill -TERM "$root" 2>/dev/null || true
-    for _ in $(seq 50); do
-        kill -0 "$root" 2>/dev/null || break
-        sleep 0.1
-    done
-    for pid in $tree; do
-        kill -KILL "$pid" 2>/dev/null || true
-    done
-    wait "$root" 2>/dev/null || true
-}
 
 FINISHED=""
 # shellcheck disable=SC2317 # called by the EXIT trap
@@ -179,19 +138,6 @@ RESULTS_TXT=$ROOT/bench/results/$RESULTS_NAME.txt
 RESULTS_JSON=${RESULTS_JSON:-}
 : >"$RESULTS_TXT"
 say() { echo "$@" | tee -a "$RESULTS_TXT"; }
-
-# Waits until `curl URL` answers 200 while PID lives; fails after $3 seconds.
-wait_http() {
-    local url=$1 pid=$2 limit=$3
-    for _ in $(seq $((limit * 10))); do
-        kill -0 "$pid" 2>/dev/null || return 1
-        if curl -fsS -o /dev/null --max-time 2 "$url" 2>/dev/null; then
-            return 0
-        fi
-        sleep 0.1
-    done
-    return 1
-}
 
 # --- the fleet: two processes, two models ---------------------------------------------------
 REPLICA_URLS=()

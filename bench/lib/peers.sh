@@ -1,0 +1,74 @@
+# shellcheck shell=bash
+# Sourced by bench/e2e_peers.sh and bench/multi_model.sh, which run kvlb and its peers
+# (sglang-router, vllm-router) in front of simulated fleets: the peers' venv, the kvlb binary,
+# and the process bookkeeping both scripts share. Expects ROOT, VENV, LIB and PIN.
+
+# The peers' venv (bench/requirements-e2e.txt), installed idempotently: a stamp of the
+# requirements and the interpreter skips pip when nothing changed.
+kvlb_peers_venv() {
+    if ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
+        rm -rf "$VENV"
+        python3 -m venv "$VENV"
+    fi
+    # A venv has no business in git.
+    [ -f "$VENV/.gitignore" ] || echo '*' >"$VENV/.gitignore"
+    local requirements=$ROOT/bench/requirements-e2e.txt
+    local stamp=$VENV/.kvlb-e2e-requirements.sha256 want
+    want=$({
+        cat "$requirements"
+        "$VENV/bin/python" -VV
+    } | sha256sum | cut -d' ' -f1)
+    if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+        echo "installing $requirements into $VENV" >&2
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
+        echo "$want" >"$stamp"
+    fi
+}
+
+# Sets KVLB: KVLB_BIN when given, else target/release/kvlb, built.
+kvlb_bench_binary() {
+    if [ -n "${KVLB_BIN:-}" ]; then
+        KVLB=$KVLB_BIN
+        return
+    fi
+    if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+        export PATH="$HOME/.cargo/bin:$PATH"
+    fi
+    cargo build --release --bin kvlb >&2
+    KVLB=$ROOT/target/release/kvlb
+}
+
+# Runs a command on core $1 when PIN=1.
+on_core() {
+    if [ "$PIN" = 1 ]; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi
+}
+
+# Stops a process we started and everything it forked (nginx master + workers, a Python
+# launcher + its router threads).
+stop_tree() {
+    local root=$1 pid tree
+    kill -0 "$root" 2>/dev/null || return 0
+    tree=$(python3 "$LIB/procstat.py" tree "$root" 2>/dev/null || echo "$root")
+    kill -TERM "$root" 2>/dev/null || true
+    for _ in $(seq 50); do
+        kill -0 "$root" 2>/dev/null || break
+        sleep 0.1
+    done
+    for pid in $tree; do
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+    wait "$root" 2>/dev/null || true
+}
+
+# Waits until `curl URL` answers 200 while PID lives; fails after $3 seconds.
+wait_http() {
+    local url=$1 pid=$2 limit=$3
+    for _ in $(seq $((limit * 10))); do
+        kill -0 "$pid" 2>/dev/null || return 1
+        if curl -fsS -o /dev/null --max-time 2 "$url" 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    return 1
+}
