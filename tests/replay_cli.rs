@@ -13,7 +13,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::proxy::{kvlb_bin, wait_timeout, Kvlb};
+use support::proxy::{kvlb_bin, run_kvlb_output as run, Kvlb};
 
 /// A running `kvlb replica --count N`; killed on drop, also when a test panics.
 struct Fleet {
@@ -73,39 +73,6 @@ impl Drop for Fleet {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// Run `kvlb ARGS...` to completion within `limit`: (exit success, stdout, stderr).
-fn run(args: &[String], limit: Duration) -> (bool, String, String) {
-    let mut child = Command::new(kvlb_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvlb");
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut out, &mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut err, &mut s);
-        s
-    });
-    let status = wait_timeout(&mut child, limit);
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let (stdout, stderr) = (out_reader.join().unwrap(), err_reader.join().unwrap());
-    assert!(
-        status.is_some(),
-        "{args:?} did not finish in {limit:?}:\n{stderr}"
-    );
-    (status.unwrap().success(), stdout, stderr)
 }
 
 fn num(o: &Value, key: &str) -> f64 {

@@ -13,45 +13,11 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use support::fleet::{replicas_json, ReplicaFleet};
-use support::proxy::{kvlb_bin, wait_timeout};
+use support::proxy::run_kvlb_output as run;
 use support::{wait_until, Kvlb, TempDir};
-
-/// Run `kvlb ARGS...` to completion within `limit`: (exit success, stdout, stderr).
-fn run(args: &[String], limit: Duration) -> (bool, String, String) {
-    let mut child = Command::new(kvlb_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvlb");
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let status = wait_timeout(&mut child, limit);
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let (stdout, stderr) = (out_reader.join().unwrap(), err_reader.join().unwrap());
-    assert!(
-        status.is_some(),
-        "{args:?} did not finish in {limit:?}:\n{stderr}"
-    );
-    (status.unwrap().success(), stdout, stderr)
-}
 
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()

@@ -267,6 +267,40 @@ pub struct Exited {
     pub stderr: String,
 }
 
+/// Runs `kvlb ARGS...` to completion within `limit` (a failed test if it does not finish):
+/// (exit success, stdout, stderr).
+pub fn run_kvlb_output(args: &[String], limit: Duration) -> (bool, String, String) {
+    let mut child = Command::new(kvlb_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvlb");
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut out, &mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut s);
+        s
+    });
+    let status = wait_timeout(&mut child, limit);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (out_reader.join().unwrap(), err_reader.join().unwrap());
+    assert!(
+        status.is_some(),
+        "{args:?} did not finish in {limit:?}:\n{stderr}"
+    );
+    (status.unwrap().success(), stdout, stderr)
+}
+
 /// Runs `kvlb ARGS...` (e.g. a `serve` with a bad config), killing it after `limit`.
 pub fn run_kvlb(args: &[&str], limit: Duration) -> Exited {
     let mut child = Command::new(kvlb_bin())
