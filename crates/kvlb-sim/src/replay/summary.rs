@@ -347,9 +347,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
             secs(x.ttft_p90_s),
             secs(x.ttft_p99_s),
             secs(x.e2e_p99_s),
-            x.hit_rate
-                .map(|h| format!("{:.1}%", h * 100.0))
-                .unwrap_or_else(|| "-".into()),
+            pct(x.hit_rate),
             ratio(x.max_mean_load),
             x.send_late_p99_wall_s * 1000.0,
             if per.is_empty() {
@@ -365,6 +363,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
     s
 }
 
+/// A rate as a percentage, `-` when there is none.
 fn pct(v: Option<f64>) -> String {
     v.map(|h| format!("{:.1}%", h * 100.0))
         .unwrap_or_else(|| "-".into())
@@ -446,10 +445,6 @@ fn describe(c: &Comparison, what: &str) -> String {
         Some(v) if v >= 1.0 => format!("{v:.2}x lower"),
         Some(v) if v > 0.0 => format!("{:.2}x HIGHER", 1.0 / v),
         _ => "-".into(),
-    };
-    let pct = |v: Option<f64>| {
-        v.map(|h| format!("{:.1}%", h * 100.0))
-            .unwrap_or_else(|| "-".into())
     };
     format!(
         "{} vs {what} {}: p99 TTFT {}, p50 TTFT {}, p99 e2e {}; hit rate {} vs {}",

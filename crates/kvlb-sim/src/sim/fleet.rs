@@ -1031,24 +1031,7 @@ mod tests {
 
     #[test]
     fn a_request_is_offered_only_the_replicas_serving_its_model() {
-        let named = |t: f64, id: u64, m: Option<&str>| TraceRequest {
-            model: m.map(String::from),
-            ..request(t, &[id], 300, 2)
-        };
-        let trace = Trace {
-            name: "t".into(),
-            requests: vec![
-                named(0.0, 1, Some("a")),
-                named(1.0, 2, Some("b")),
-                named(2.0, 3, Some("nobody")),
-                named(3.0, 4, None),
-                named(4.0, 5, Some("b")),
-            ],
-        };
-        let serving = vec![
-            vec!["a".to_string()],
-            vec!["b".to_string(), "a".to_string()],
-        ];
+        let (trace, serving) = super::super::trace::two_model_fixture();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
         let run = simulate_serving(

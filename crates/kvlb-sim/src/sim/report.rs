@@ -346,28 +346,7 @@ mod tests {
     #[test]
     fn per_model_rows_count_each_models_requests_and_rejections() {
         use super::super::fleet::{simulate_serving, RoutingPolicy};
-        use super::super::trace::TraceRequest;
-        let named = |t: f64, id: u64, m: Option<&str>| TraceRequest {
-            arrival_s: t,
-            prompt_tokens: 300,
-            output_tokens: 2,
-            block_ids: vec![id],
-            model: m.map(String::from),
-        };
-        let trace = Trace {
-            name: "t".into(),
-            requests: vec![
-                named(0.0, 1, Some("a")),
-                named(1.0, 2, Some("b")),
-                named(2.0, 3, Some("nobody")),
-                named(3.0, 4, None),
-                named(4.0, 5, Some("b")),
-            ],
-        };
-        let serving = vec![
-            vec!["a".to_string()],
-            vec!["b".to_string(), "a".to_string()],
-        ];
+        let (trace, serving) = super::super::trace::two_model_fixture();
         let cfg = crate::engine::EngineConfig::default();
         let mut policy = RoutingPolicy::build("round_robin", 2, &cfg).unwrap();
         let run = simulate_serving(&trace, 2, Some(&serving), &cfg, &mut policy, 1).unwrap();

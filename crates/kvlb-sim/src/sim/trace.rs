@@ -492,6 +492,34 @@ pub fn agent_sessions(seed: u64) -> Vec<TraceRequest> {
     out
 }
 
+/// Five requests naming models "a", "b", "nobody" and none, for two replicas (the first
+/// serving "a", the second "b" and "a"): the multi-model tests' fleet.
+#[cfg(test)]
+pub(crate) fn two_model_fixture() -> (Trace, Vec<Vec<String>>) {
+    let named = |t: f64, id: u64, m: Option<&str>| TraceRequest {
+        arrival_s: t,
+        prompt_tokens: 300,
+        output_tokens: 2,
+        block_ids: vec![id],
+        model: m.map(String::from),
+    };
+    let trace = Trace {
+        name: "t".into(),
+        requests: vec![
+            named(0.0, 1, Some("a")),
+            named(1.0, 2, Some("b")),
+            named(2.0, 3, Some("nobody")),
+            named(3.0, 4, None),
+            named(4.0, 5, Some("b")),
+        ],
+    };
+    let serving = vec![
+        vec!["a".to_string()],
+        vec!["b".to_string(), "a".to_string()],
+    ];
+    (trace, serving)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
