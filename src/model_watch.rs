@@ -429,7 +429,7 @@ impl crate::metrics::Collector for ModelMetrics {
         let labels: Vec<(usize, &str)> = self.0.model_labels.names().collect();
         let mut samples = families::MODEL_REQUESTS.describe(&mut enc)?;
         for &(l, name) in &labels {
-            for (c, class) in ["1xx", "2xx", "3xx", "4xx", "5xx"].iter().enumerate() {
+            for (c, class) in crate::metrics::STATUS_CLASSES.iter().enumerate() {
                 let n = workers
                     .iter()
                     .map(|w| w.models[l].responses[c].load(Relaxed))

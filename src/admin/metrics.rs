@@ -115,7 +115,7 @@ impl Collector for DataPlaneMetrics {
 
         let mut s = families::REQUESTS.describe(&mut enc)?;
         for (r, url) in &urls {
-            for (c, class) in ["1xx", "2xx", "3xx", "4xx", "5xx"].iter().enumerate() {
+            for (c, class) in metrics::STATUS_CLASSES.iter().enumerate() {
                 s.counter(
                     &[url, class],
                     sum(&|w| w.replicas[*r].responses[c].load(Relaxed)),

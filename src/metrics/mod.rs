@@ -112,6 +112,16 @@ pub const PROMPT_ERRORS: [&str; 8] = [
     "empty_prompt",
 ];
 
+/// Status classes, the `status` label of `ReplicaStats::responses` and
+/// `ModelStats::responses` (index: `status_class`).
+pub const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// The index in `STATUS_CLASSES` of an HTTP status (below 100 counts as 1xx, above 599 as 5xx).
+#[inline]
+pub fn status_class(status: u16) -> usize {
+    (status / 100).clamp(1, 5) as usize - 1
+}
+
 /// Why a response was cut short after its head reached the client (`proxy::relay::Cut` order).
 pub const CUT_CAUSES: [&str; 3] = ["closed", "reset", "malformed"];
 
@@ -169,7 +179,7 @@ impl ModelStats {
     #[inline]
     pub fn answered(&self, status: u16) {
         if status >= 100 {
-            add(&self.responses[(status / 100).clamp(1, 5) as usize - 1], 1);
+            add(&self.responses[status_class(status)], 1);
         }
     }
 }

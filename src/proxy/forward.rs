@@ -167,7 +167,7 @@ pub(super) async fn forward(
     stats.ttfb.observe_us(ttfb_us);
     conn.log.status = rhead.status;
     conn.log.ttfb_us = Some(ttfb_us);
-    let class = (rhead.status / 100).clamp(1, 5) as usize - 1;
+    let class = metrics::status_class(rhead.status);
 
     let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight).await;
     if let Relayed::Unsent(f) = result {
