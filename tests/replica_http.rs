@@ -836,3 +836,139 @@ fn runtime_lora_loading_answers_like_vllm() {
     );
     assert_eq!(r.status, 404, "{}", r.text());
 }
+
+/// The `vllm:lora_requests_info` samples of /metrics: (adapters label, value), checking that
+/// every one has vLLM's three labels, the two adapter labels equal.
+fn lora_info_samples(addr: SocketAddr, max_lora: &str) -> Vec<(String, f64)> {
+    let text = request(addr, "GET", "/metrics", "").text();
+    assert!(
+        text.contains("# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"),
+        "{text}"
+    );
+    assert_eq!(text.matches("# TYPE vllm:lora_requests_info ").count(), 1);
+    text.lines()
+        .filter_map(|l| l.strip_prefix("vllm:lora_requests_info{"))
+        .map(|l| {
+            let (labels, value) = l.rsplit_once("} ").unwrap();
+            let rest = labels
+                .strip_prefix(&format!("max_lora=\"{max_lora}\",waiting_lora_adapters=\""))
+                .unwrap_or_else(|| panic!("labels {labels}"));
+            let (waiting, running) = rest.split_once("\",running_lora_adapters=\"").unwrap();
+            assert_eq!(Some(waiting), running.strip_suffix('"'), "{labels}");
+            (waiting.to_string(), value.parse().unwrap())
+        })
+        .collect()
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Start a long streamed completion of `model` (on data-parallel rank `rank`, if given) and
+/// wait for its first token; dropping the connection cancels it.
+fn stream_first_token(addr: SocketAddr, model: &str, rank: Option<u32>) -> BufReader<TcpStream> {
+    let mut c = connect(addr);
+    let body = format!(
+        r#"{{"model": "{model}", "prompt": "a long story", "stream": true, "max_tokens": 5000}}"#
+    );
+    let rank = rank.map_or(String::new(), |r| format!("X-Data-Parallel-Rank: {r}\r\n"));
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\n{rank}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.get_mut().write_all(req.as_bytes()).unwrap();
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(c.read_line(&mut line).unwrap() > 0, "stream ended");
+    }
+    c
+}
+
+/// --max-loras as vLLM's scheduler applies it, and vllm:lora_requests_info as vLLM 0.33
+/// exports it: both adapter labels list every adapter with a request past its first token,
+/// every label set ever set stays with the time it was last set, the newest being the state.
+#[test]
+fn max_loras_and_lora_requests_info() {
+    let p = start(&[
+        "--enable-lora",
+        "--lora-modules",
+        "sql=/adapters/sql",
+        "chat=/adapters/chat",
+    ]);
+    let a = p.addrs[0];
+    // Before any engine step: the family and no sample.
+    assert_eq!(lora_info_samples(a, "1"), []);
+    let before = unix_now();
+    let sql = stream_first_token(a, "sql", None);
+    let samples = lora_info_samples(a, "1");
+    let sql_at = samples
+        .iter()
+        .find(|(adapters, _)| adapters == "sql")
+        .unwrap_or_else(|| panic!("no sql sample: {samples:?}"))
+        .1;
+    assert!(
+        sql_at >= before - 0.5 && sql_at <= unix_now() + 0.5,
+        "{sql_at}"
+    );
+    // One adapter slot (vLLM's default --max-loras 1): chat waits while sql runs, and a
+    // request only waiting is not listed.
+    let chat = std::thread::spawn(move || {
+        request(
+            a,
+            "POST",
+            "/v1/completions",
+            r#"{"model": "chat", "prompt": "x", "max_tokens": 1}"#,
+        )
+    });
+    let waiting = "vllm:num_requests_waiting{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"}";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(a, waiting) != 1.0 {
+        assert!(Instant::now() < deadline, "chat never queued");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(metric(a, waiting), 1.0, "chat ran beside sql");
+    let samples = lora_info_samples(a, "1");
+    assert!(samples.iter().all(|(s, _)| s == "sql"), "{samples:?}");
+    // sql's client leaves: chat runs.
+    drop(sql);
+    let r = chat.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let chat_stream = stream_first_token(a, "chat", None);
+    let samples = lora_info_samples(a, "1");
+    let at = |name: &str| {
+        samples
+            .iter()
+            .find(|(adapters, _)| adapters == name)
+            .unwrap_or_else(|| panic!("no {name:?} sample: {samples:?}"))
+            .1
+    };
+    // The old label sets stay with older times; the newest is the current state.
+    assert!(at("sql") >= sql_at && at("sql") < at(""), "{samples:?}");
+    assert!(at("") < at("chat"), "{samples:?}");
+    let newest = samples.iter().max_by(|x, y| x.1.total_cmp(&y.1)).unwrap();
+    assert_eq!(newest.0, "chat");
+    drop(chat_stream);
+
+    // Data-parallel ranks: one family, listing the adapters of every rank.
+    let p = start(&[
+        "--dp-size",
+        "2",
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--lora-modules",
+        "sql=/adapters/sql",
+        "chat=/adapters/chat",
+    ]);
+    let a = p.addrs[0];
+    let _sql = stream_first_token(a, "sql", Some(1));
+    let _chat = stream_first_token(a, "chat", Some(0));
+    let samples = lora_info_samples(a, "3");
+    let newest = samples.iter().max_by(|x, y| x.1.total_cmp(&y.1)).unwrap();
+    assert_eq!(newest.0, "sql,chat", "{samples:?}");
+}

@@ -36,6 +36,15 @@
 //!   requests run; charging the admitting step is the simpler, slightly pessimistic model).
 //!   A request's prefix refreshes the host copies it uses, from either tier, last block first
 //!   so that the head of a prefix is evicted last.
+//! * **LoRA adapters** (off unless `max_loras` > 0). As vLLM's scheduler, admission keeps the
+//!   adapters of the running requests (scheduled this step or not) to at most `max_loras`
+//!   (`--max-loras`, vLLM's default 1): a waiting request of an adapter not among them while
+//!   there are `max_loras` of them is skipped, keeps its place in the queue and the requests
+//!   behind it are still considered (no head-of-line blocking); base-model requests are never
+//!   held back. The GPU holds `max_loras` adapters (vLLM's LRU adapter manager, touched by
+//!   every step that runs them); the step that first runs an adapter not in a GPU slot takes
+//!   `lora_switch_s` longer per such adapter (its weights copied from host memory), evicting
+//!   the least recently run one.
 //! * **KV events.** Blocks are registered and announced (BlockStored) when the step that
 //!   fills them is scheduled, as vLLM does; one event covers the consecutive blocks one
 //!   request fills in one step. Reused blocks announce nothing; every eviction is one
@@ -103,6 +112,12 @@ pub struct EngineConfig {
     /// Seconds per token to copy KV back from the host tier to the GPU, added to the step that
     /// admits a request with a host hit.
     pub host_load_s_per_token: f64,
+    /// Most LoRA adapters among the running requests, and adapters held on the GPU (vLLM
+    /// `max_loras`); 0 = no limit and no adapter switch cost.
+    pub max_loras: u32,
+    /// Seconds added to a step for each adapter it runs that is not in a GPU slot (copying its
+    /// weights from host memory); only with `max_loras` > 0.
+    pub lora_switch_s: f64,
 }
 
 /// A request handed to the engine.
@@ -333,6 +348,12 @@ pub struct Engine {
     pending: Vec<EngineOutput>,
     counters: EngineStats,
     preemptions: u64,
+    /// Steps completed.
+    steps: u64,
+    /// While admitting: the adapter ids of the running requests (vLLM's `scheduled_loras`).
+    step_loras: Vec<i64>,
+    /// Adapters in GPU slots (at most `max_loras`): id and the step that last ran it.
+    gpu_loras: Vec<(i64, u64)>,
 }
 
 /// Deterministic "model output": a text token from the request id and position.
@@ -379,6 +400,9 @@ impl Engine {
             pending: Vec::new(),
             counters: EngineStats::default(),
             preemptions: 0,
+            steps: 0,
+            step_loras: Vec::new(),
+            gpu_loras: Vec::new(),
         }
     }
 
@@ -394,6 +418,11 @@ impl Engine {
     /// Running requests sent back to the waiting queue because the KV cache ran out.
     pub fn preemptions_total(&self) -> u64 {
         self.preemptions
+    }
+
+    /// Engine steps completed so far.
+    pub fn steps_total(&self) -> u64 {
+        self.steps
     }
 
     /// Whether KV events are recorded (default on). A driver that never calls
@@ -632,7 +661,8 @@ impl Engine {
     /// Schedule the step starting at `start`, vLLM v1 style: running requests first (decode
     /// tokens and the next chunks of partial prefills, in admission order, each taking what
     /// is left of the token budget), then waiting requests that arrived by `start`, FCFS,
-    /// while budget and sequence slots last and their blocks fit. No step when nothing fits.
+    /// while budget and sequence slots last and their blocks fit, skipping those of an adapter
+    /// over `max_loras`. No step when nothing fits.
     fn plan_step(&mut self, start: f64) {
         debug_assert!(self.step_end.is_none());
         self.scheduled.clear();
@@ -699,19 +729,58 @@ impl Engine {
             i += 1;
         }
 
+        // The adapters of every running request, scheduled in this step or not (vLLM's
+        // `scheduled_loras`): they bound which adapters' requests may be admitted.
+        let max_loras = self.cfg.max_loras as usize;
+        if max_loras > 0 && !preempted && !self.waiting.is_empty() {
+            let Engine {
+                slots,
+                running,
+                step_loras,
+                ..
+            } = self;
+            step_loras.clear();
+            for &slot in running.iter() {
+                let lora = slots[slot as usize]
+                    .request
+                    .as_ref()
+                    .and_then(|r| r.lora.as_ref());
+                if let Some(lora) = lora {
+                    if !step_loras.contains(&lora.id) {
+                        step_loras.push(lora.id);
+                    }
+                }
+            }
+        }
+
         // Like vLLM, admit nobody in a step that had to preempt.
+        let mut k = 0;
         while !preempted && budget > 0 && (self.running.len() as u32) < self.cfg.max_num_seqs {
-            let Some(&slot) = self.waiting.front() else {
+            let Some(&slot) = self.waiting.get(k) else {
                 break;
             };
-            if self.request(slot).arrival > start {
+            let r = self.request(slot);
+            if r.arrival > start {
                 break;
+            }
+            let lora = r.lora.as_ref().map(|l| l.id);
+            let new_lora = match lora {
+                Some(id) if max_loras > 0 => !self.step_loras.contains(&id),
+                _ => false,
+            };
+            if new_lora && self.step_loras.len() >= max_loras {
+                // Another adapter would exceed max_loras: skip it, keeping its place.
+                k += 1;
+                continue;
             }
             let Some((computed, loaded)) = self.admit(slot) else {
                 break;
             };
             work.add_host_load(loaded);
-            self.waiting.pop_front();
+            if let (true, Some(id)) = (new_lora, lora) {
+                self.step_loras.push(id);
+            }
+            self.waiting.remove(k);
             self.running.push(slot);
             let generation = self.slots[slot as usize].generation;
             let Engine { kv, slots, .. } = self;
@@ -739,9 +808,46 @@ impl Engine {
         if self.scheduled.is_empty() {
             return;
         }
+        if max_loras > 0 {
+            work.add_lora_switches(self.activate_loras());
+        }
         let end = start + self.cfg.step_seconds(&work);
         self.step_end = Some(end);
         self.last_step = StepRecord { start, end, work };
+    }
+
+    /// Put the adapters of the step's requests in GPU slots, as vLLM's LRU adapter manager does
+    /// before every forward pass: an adapter already there is touched; another takes a free
+    /// slot or the least recently run adapter's. Returns how many adapters were not there.
+    /// (Admission keeps a step's adapters to `max_loras`, so a step never evicts its own.)
+    fn activate_loras(&mut self) -> u32 {
+        let Engine {
+            scheduled,
+            slots,
+            gpu_loras,
+            cfg,
+            steps,
+            ..
+        } = self;
+        let mut switches = 0;
+        for s in scheduled.iter() {
+            let lora = slots[s.slot as usize]
+                .request
+                .as_ref()
+                .and_then(|r| r.lora.as_ref());
+            let Some(lora) = lora else { continue };
+            if let Some(held) = gpu_loras.iter_mut().find(|(id, _)| *id == lora.id) {
+                held.1 = *steps;
+                continue;
+            }
+            switches += 1;
+            if gpu_loras.len() < cfg.max_loras as usize {
+                gpu_loras.push((lora.id, *steps));
+            } else if let Some(lru) = gpu_loras.iter_mut().min_by_key(|(_, used)| *used) {
+                *lru = (lora.id, *steps);
+            }
+        }
+        switches
     }
 
     /// Give the waiting request in `slot` its blocks: the cached prefix (a prefix hit, at most
@@ -830,6 +936,7 @@ impl Engine {
     /// Apply the step that ended at `t`: every request whose known tokens are now all in the
     /// KV cache samples its next token.
     fn finish_step(&mut self, t: f64, out: &mut Vec<EngineOutput>) {
+        self.steps += 1;
         let mut any_finished = false;
         for k in 0..self.scheduled.len() {
             let s = self.scheduled[k];
@@ -905,6 +1012,8 @@ mod tests {
             hash_seed: 0,
             host_kv_capacity_tokens: 0,
             host_load_s_per_token: 0.0,
+            max_loras: 0,
+            lora_switch_s: 0.0,
         }
     }
 
@@ -1143,6 +1252,175 @@ mod tests {
             [(Some(3), Some("sql-lora".to_string())), (None, None)],
             "the adapter's blocks name it, the base model's do not"
         );
+    }
+
+    /// A request of `adapter` (its id and name), or of the base model.
+    fn lora_request(
+        id: RequestId,
+        adapter: Option<i64>,
+        prompt: &[u32],
+        max_tokens: u32,
+    ) -> EngineRequest {
+        EngineRequest {
+            lora: adapter.map(|a| LoraRef {
+                id: a,
+                name: format!("adapter-{a}").into(),
+            }),
+            ..request(id, prompt, max_tokens)
+        }
+    }
+
+    fn finish_time(out: &[EngineOutput], id: RequestId) -> f64 {
+        out.iter()
+            .find_map(|o| match *o {
+                EngineOutput::Finished { id: i, t, .. } if i == id => Some(t),
+                _ => None,
+            })
+            .expect("a finish")
+    }
+
+    /// Adapter A runs a long request; then come, in this order, a request of adapter B, one of
+    /// the base model and one of A. Returns the outputs and the engine.
+    fn two_adapters(max_loras: u32) -> (Vec<EngineOutput>, Engine) {
+        let mut e = Engine::new(EngineConfig {
+            max_loras,
+            ..small(10_000)
+        });
+        e.submit(0.0, lora_request(1, Some(1), &tokens(0, 8), 50))
+            .unwrap();
+        e.submit(0.001, lora_request(2, Some(2), &tokens(100, 8), 2))
+            .unwrap();
+        e.submit(0.001, lora_request(3, None, &tokens(200, 8), 2))
+            .unwrap();
+        e.submit(0.001, lora_request(4, Some(1), &tokens(300, 8), 2))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(0.1, &mut out);
+        (out, e)
+    }
+
+    #[test]
+    fn max_loras_holds_another_adapter_back_without_blocking_the_queue() {
+        let (mut out, mut e) = two_adapters(1);
+        // At 0.1 the base request and A's second one are done; B still waits for A.
+        assert!(out
+            .iter()
+            .all(|o| !matches!(o, EngineOutput::FirstToken { id: 2, .. })));
+        let s = e.stats();
+        assert_eq!((s.num_requests_running, s.num_requests_waiting), (1, 1));
+        out.extend(run(&mut e));
+        let a_done = finish_time(&out, 1);
+        // B is admitted by the step that starts when A has finished: its prefill alone.
+        let (b_first, _) = first_token(&out, 2);
+        assert!(
+            (b_first - (a_done + 0.010 + 0.008)).abs() < 1e-12,
+            "{b_first} vs {a_done}"
+        );
+        // Neither the base model's request nor A's second one queued behind B.
+        for id in [3, 4] {
+            assert!(finish_time(&out, id) < a_done, "{id}: {out:?}");
+        }
+        assert!(first_token(&out, 3).0 < 0.05 && first_token(&out, 4).0 < 0.05);
+    }
+
+    #[test]
+    fn enough_lora_slots_or_no_limit_run_adapters_together() {
+        for max_loras in [2, 0] {
+            let (mut out, mut e) = two_adapters(max_loras);
+            assert_eq!(e.stats().num_requests_waiting, 0, "max_loras {max_loras}");
+            out.extend(run(&mut e));
+            let a_done = finish_time(&out, 1);
+            for id in [2, 3, 4] {
+                assert!(finish_time(&out, id) < a_done, "max_loras {max_loras}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_step_pays_for_each_adapter_it_brings_onto_the_gpu() {
+        let cfg = EngineConfig {
+            max_loras: 2,
+            lora_switch_s: 0.5,
+            ..small(10_000)
+        };
+        let mut e = Engine::new(cfg);
+        // On an idle engine a submit starts a step at once: its duration is what it cost.
+        let mut t = 0.0;
+        let mut step = |e: &mut Engine, id: RequestId, adapter: Option<i64>| {
+            t += 10.0;
+            e.submit(
+                t,
+                lora_request(id, adapter, &tokens(id as u32 * 100, 10), 3),
+            )
+            .unwrap();
+            let d = e.next_event_time().unwrap() - t;
+            let out = run(e);
+            (d, out)
+        };
+        let prefill = 0.010 + 0.010;
+        let (d, out) = step(&mut e, 1, Some(1));
+        assert!((d - (prefill + 0.5)).abs() < 1e-12, "{d}");
+        // Its decode steps run the adapter already in its slot.
+        let (first, _) = first_token(&out, 1);
+        assert!((finish_time(&out, 1) - first - 2.0 * 0.005).abs() < 1e-12);
+        // A second request of the same adapter, and the base model, pay nothing.
+        for (id, adapter) in [(2, Some(1)), (3, None)] {
+            let (d, _) = step(&mut e, id, adapter);
+            assert!((d - prefill).abs() < 1e-12, "{id}: {d}");
+        }
+        // Two slots, least recently run evicted: B loads; A stays; C evicts B, not A.
+        let expected = [
+            (4, 2, 0.5),
+            (5, 1, 0.0),
+            (6, 3, 0.5),
+            (7, 1, 0.0),
+            (8, 2, 0.5),
+        ];
+        for (id, adapter, cost) in expected {
+            let (d, _) = step(&mut e, id, Some(adapter));
+            assert!((d - prefill - cost).abs() < 1e-12, "{id}: {d}");
+        }
+        // One slot: every change of adapter pays.
+        let mut e = Engine::new(EngineConfig {
+            max_loras: 1,
+            lora_switch_s: 0.5,
+            ..small(10_000)
+        });
+        for (id, adapter, cost) in [(1, 1, 0.5), (2, 1, 0.0), (3, 2, 0.5), (4, 1, 0.5)] {
+            let (d, _) = step(&mut e, id, Some(adapter));
+            assert!((d - prefill - cost).abs() < 1e-12, "{id}: {d}");
+        }
+        // Without a limit there is no switch cost.
+        let mut e = Engine::new(EngineConfig {
+            lora_switch_s: 0.5,
+            ..small(10_000)
+        });
+        for (id, adapter) in [(1, 1), (2, 2), (3, 3)] {
+            let (d, _) = step(&mut e, id, Some(adapter));
+            assert!((d - prefill).abs() < 1e-12, "{id}: {d}");
+        }
+    }
+
+    #[test]
+    fn a_batch_with_two_new_adapters_pays_twice() {
+        let mut e = Engine::new(EngineConfig {
+            max_loras: 2,
+            lora_switch_s: 0.5,
+            ..small(10_000)
+        });
+        // Queued together while the engine is busy, admitted into its next step.
+        e.submit(0.0, lora_request(1, None, &tokens(0, 10), 1))
+            .unwrap();
+        e.submit(0.0, lora_request(2, Some(1), &tokens(100, 10), 1))
+            .unwrap();
+        e.submit(0.0, lora_request(3, Some(2), &tokens(200, 10), 1))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(0.02, &mut out);
+        assert_eq!(e.stats().num_requests_running, 2);
+        let end = e.next_event_time().unwrap();
+        assert!((end - (0.02 + 0.010 + 0.020 + 1.0)).abs() < 1e-12, "{end}");
+        assert_eq!(e.last_step.work.lora_switches, 2);
     }
 
     #[test]

@@ -6,8 +6,12 @@
 //!
 //! Connections submit and cancel under the same mutex and wake the driver through a one-slot
 //! channel, so a request arriving at an idle engine starts at once.
+//!
+//! With LoRA on, the replicas behind one port share one `LoraRequestsInfo`: each reports its
+//! requests' first outputs and ends to it and sets it after each engine step, as vLLM's front
+//! end does for `vllm:lora_requests_info`.
 
-use super::metrics::{self, RequestCounters};
+use super::metrics::{self, LoraRequestsInfo, RequestCounters};
 use crate::engine::{Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, RequestId};
 use crate::kv_events::publisher::KvEventPublisher;
 use crate::kv_events::{KvEvent, KvEventBatch};
@@ -55,12 +59,18 @@ struct Route {
     submitted_at: f64,
     /// The receiver is gone and the engine was told to cancel.
     cancelled: bool,
+    /// The LoRA adapter it runs under.
+    lora: Option<Arc<str>>,
+    /// It produced an output, so `vllm:lora_requests_info` lists its adapter until it ends.
+    listed: bool,
 }
 
 struct ReplicaState {
     engine: Engine,
     routes: HashMap<RequestId, Route>,
     counters: RequestCounters,
+    /// Engine steps already accounted in `vllm:lora_requests_info`.
+    steps_seen: u64,
 }
 
 /// One simulated replica: engine, clock, routes, counters and event publisher.
@@ -80,6 +90,8 @@ pub struct Replica {
     /// Its rank in a data-parallel engine (`--dp-size`): in every event batch, and the
     /// `engine` label of its metrics (0 without).
     pub dp_rank: Option<u32>,
+    /// `vllm:lora_requests_info` of its port, shared with the other ranks (LoRA on only).
+    lora_info: Option<Arc<Mutex<LoraRequestsInfo>>>,
 }
 
 fn unix_now() -> f64 {
@@ -90,6 +102,7 @@ fn unix_now() -> f64 {
 }
 
 impl Replica {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         index: u32,
         model: String,
@@ -98,6 +111,7 @@ impl Replica {
         id_seed: u64,
         publisher: Option<KvEventPublisher>,
         dp_rank: Option<u32>,
+        lora_info: Option<Arc<Mutex<LoraRequestsInfo>>>,
     ) -> Arc<Replica> {
         let (wake_tx, wake_rx) = channel::bounded(1);
         let max_model_len = cfg.max_model_len;
@@ -114,6 +128,7 @@ impl Replica {
                 engine,
                 routes: HashMap::new(),
                 counters: RequestCounters::default(),
+                steps_seen: 0,
             }),
             wake_tx,
             wake_rx,
@@ -121,11 +136,17 @@ impl Replica {
             id_seed,
             publisher,
             dp_rank,
+            lora_info,
         })
     }
 
     pub fn publisher(&self) -> Option<&KvEventPublisher> {
         self.publisher.as_ref()
+    }
+
+    /// `vllm:lora_requests_info` of its port (LoRA on only).
+    pub fn lora_info(&self) -> Option<&Mutex<LoraRequestsInfo>> {
+        self.lora_info.as_deref()
     }
 
     fn lock(&self) -> MutexGuard<'_, ReplicaState> {
@@ -163,6 +184,7 @@ impl Replica {
         let mut accepted: Vec<RequestId> = Vec::with_capacity(requests.len());
         for req in requests {
             let id = req.id;
+            let lora = req.lora.as_ref().map(|l| l.name.clone());
             if let Err(e) = st.engine.submit(now, req) {
                 for id in accepted {
                     st.engine.cancel(now, id);
@@ -182,6 +204,8 @@ impl Replica {
                     pending: Vec::new(),
                     submitted_at: now,
                     cancelled: false,
+                    lora,
+                    listed: false,
                 },
             );
             accepted.push(id);
@@ -208,7 +232,7 @@ impl Replica {
         if any {
             let (mut outputs, mut touched) = (Vec::new(), Vec::new());
             st.engine.advance(now, &mut outputs);
-            route_outputs(&mut st, now, &mut outputs, &mut touched);
+            route_outputs(&mut st, now, &mut outputs, &mut touched, self.lora_info());
         }
         drop(st);
         self.wake();
@@ -242,7 +266,7 @@ impl Replica {
                 let mut st = self.lock();
                 let now = self.clock.engine_time(Instant::now());
                 st.engine.advance(now, &mut outputs);
-                route_outputs(&mut st, now, &mut outputs, &mut touched);
+                route_outputs(&mut st, now, &mut outputs, &mut touched, self.lora_info());
                 st.engine.take_kv_events(&mut events);
                 st.engine.next_event_time()
             };
@@ -291,19 +315,24 @@ impl Replica {
     }
 }
 
-/// Hand `outputs` to their routes and update the counters.
+/// Hand `outputs` to their routes and update the counters; with `lora_info`, list the
+/// adapters of requests with outputs and, when the engine ran a step, set the gauge.
 fn route_outputs(
     st: &mut ReplicaState,
     now: f64,
     outputs: &mut Vec<EngineOutput>,
     touched: &mut Vec<RequestId>,
+    lora_info: Option<&Mutex<LoraRequestsInfo>>,
 ) {
     touched.clear();
     let ReplicaState {
         engine,
         routes,
         counters,
+        steps_seen,
     } = st;
+    // Taken after the replica's state: nobody holding it takes a replica's.
+    let mut lora_info = lora_info.map(|m| m.lock().unwrap_or_else(|p| p.into_inner()));
     for out in outputs.drain(..) {
         let id = match &out {
             EngineOutput::FirstToken { id, t, .. } => {
@@ -322,6 +351,14 @@ fn route_outputs(
         let Some(route) = routes.get_mut(&id) else {
             continue;
         };
+        if let (Some(info), Some(adapter)) = (lora_info.as_deref_mut(), &route.lora) {
+            if finished && route.listed {
+                info.request_finished(adapter);
+            } else if !finished && !route.listed {
+                route.listed = true;
+                info.request_listed(adapter);
+            }
+        }
         route.pending.push(out);
         if finished {
             if let Some(r) = routes.remove(&id) {
@@ -342,6 +379,13 @@ fn route_outputs(
         if route.tx.send(batch).is_err() && !route.cancelled {
             route.cancelled = true;
             engine.cancel(now, *id);
+        }
+    }
+    // vLLM sets the gauge once per engine step, after taking in its outputs.
+    if engine.steps_total() != *steps_seen {
+        *steps_seen = engine.steps_total();
+        if let Some(info) = lora_info.as_deref_mut() {
+            info.set(unix_now());
         }
     }
 }

@@ -18,6 +18,10 @@ On start it prints one line per replica to stderr, `kvlb replica: replica I on H
 Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
 With a host KV tier every computed block is also kept in host memory (KV events with medium
 CPU) and a prefix the GPU evicted is loaded back instead of recomputed.
+With --enable-lora, /metrics adds vLLM's vllm:lora_requests_info: after every engine step a
+sample {max_lora, waiting_lora_adapters, running_lora_adapters} set to the Unix time, both
+adapter labels naming every adapter with a request between its first token and its end; the
+last 32 label sets stay, the current one has the largest value.
 /metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).";
 
 /// Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV
@@ -81,6 +85,12 @@ pub struct ReplicaFlags {
     /// LoRA adapters loaded at start, NAME=PATH (needs --enable-lora)
     #[arg(long, value_name = "NAME=PATH", num_args = 1.., value_parser = lora_module)]
     pub lora_modules: Vec<(String, String)>,
+    /// Most LoRA adapters in a batch, as vLLM --max-loras (with --enable-lora): a request of
+    /// another adapter waits, without holding back the requests behind it, while this many
+    /// have running requests; the GPU holds this many adapters, and a step running one it
+    /// does not hold takes --lora-switch-s longer
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, { u32::MAX as u64 }>)]
+    pub max_loras: u32,
     /// Seed of response ids and of the engine's block hash ids
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = cli::int::<u64, 0, { u64::MAX }>)]
     pub seed: u64,
@@ -153,6 +163,11 @@ pub struct EngineFlags {
     #[arg(long, value_name = "X", default_value_t = EngineConfig::default().host_load_s_per_token,
           value_parser = cli::non_negative)]
     pub host_load_s_per_token: f64,
+    /// Seconds a step takes longer for each LoRA adapter it runs that is not in one of the
+    /// --max-loras GPU slots (copying its weights from host memory; kvlb's own flag)
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().lora_switch_s,
+          value_parser = cli::non_negative)]
+    pub lora_switch_s: f64,
 }
 
 impl EngineFlags {
@@ -172,13 +187,14 @@ impl EngineFlags {
             decode_per_ctx_token_s: self.decode_per_ctx_token_s,
             host_kv_capacity_tokens: self.host_kv_capacity_tokens,
             host_load_s_per_token: self.host_load_s_per_token,
+            lora_switch_s: self.lora_switch_s,
             ..EngineConfig::default()
         }
     }
 }
 
 /// Engine fields and the flags that set them, to name the flag in validation errors.
-const ENGINE_FLAGS: [(&str, &str); 13] = [
+const ENGINE_FLAGS: [(&str, &str); 14] = [
     ("host_kv_capacity_tokens", "--host-kv-capacity-tokens"),
     ("host_load_s_per_token", "--host-load-s-per-token"),
     ("max_num_batched_tokens", "--max-num-batched-tokens"),
@@ -192,6 +208,7 @@ const ENGINE_FLAGS: [(&str, &str); 13] = [
     ("decode_base_s", "--decode-base-s"),
     ("decode_per_seq_s", "--decode-per-seq-s"),
     ("decode_per_ctx_token_s", "--decode-per-ctx-token-s"),
+    ("lora_switch_s", "--lora-switch-s"),
 ];
 
 /// Parse `args` (without the `replica` word). `--flag value` and `--flag=value` both work; a
@@ -207,6 +224,15 @@ impl ReplicaFlags {
         match self.served_model_name.is_empty() {
             true => vec![self.model.clone()],
             false => self.served_model_name.clone(),
+        }
+    }
+
+    /// The engine of each replica (hash seed 0; each replica sets its own): the engine flags,
+    /// with --max-loras when LoRA is on (vLLM has no adapter limit without it).
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            max_loras: if self.enable_lora { self.max_loras } else { 0 },
+            ..self.engine.config()
         }
     }
 
@@ -246,7 +272,7 @@ impl ReplicaFlags {
                 self.dp_size
             ));
         }
-        let engine = self.engine.config();
+        let engine = self.engine_config();
         if engine.kv_capacity_tokens < engine.block_size as u64 {
             return Err(format!(
                 "bad value for --kv-capacity-tokens: {} (less than one block of {} tokens)",
@@ -428,6 +454,23 @@ mod tests {
         .unwrap();
         assert_eq!(f.engine.host_kv_capacity_tokens, 3_200_000);
         assert_eq!(f.engine.host_load_s_per_token, 2e-6);
+        // vLLM's default of one adapter, engaged with --enable-lora only.
+        let f = run(&["--listen", "127.0.0.1:0"]).unwrap();
+        assert_eq!((f.max_loras, f.engine_config().max_loras), (1, 0));
+        let f = run(&["--listen", "127.0.0.1:0", "--enable-lora"]).unwrap();
+        assert_eq!(f.engine_config().max_loras, 1);
+        assert_eq!(f.engine_config().lora_switch_s, 0.01);
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--enable-lora",
+            "--max-loras",
+            "4",
+            "--lora-switch-s=0.002",
+        ])
+        .unwrap();
+        assert_eq!(f.engine_config().max_loras, 4);
+        assert_eq!(f.engine_config().lora_switch_s, 0.002);
         let f = run(&["--listen", "127.0.0.1:0", "--kv-events-format=map-nil"]).unwrap();
         assert_eq!(f.kv_events_format, EventFormat::MapNil);
         let f = run(&["--listen", "127.0.0.1:0", "--kv-events", "tcp://*:7000"]).unwrap();
@@ -478,6 +521,11 @@ mod tests {
             e.contains("--host-kv-capacity-tokens") && e.contains('8'),
             "{e}"
         );
+        let e = run(&["--listen", "127.0.0.1:0", "--max-loras", "0"]).unwrap_err();
+        assert!(e.contains("--max-loras") && e.contains('0'), "{e}");
+        let e = run(&["--listen", "127.0.0.1:0", "--lora-switch-s", "-1"]).unwrap_err();
+        assert!(e.contains("--lora-switch-s") && e.contains("-1"), "{e}");
+        assert!(help().contains("--max-loras") && help().contains("--lora-switch-s"));
         let e = run(&["--listen", "127.0.0.1:0", "--host-load-s-per-token", "-1"]).unwrap_err();
         assert!(e.contains("--host-load-s-per-token"), "{e}");
         let e = run(&[

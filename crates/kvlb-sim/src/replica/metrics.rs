@@ -7,11 +7,29 @@
 //!
 //! The histogram holds ENGINE seconds (what a real GPU would report): wall seconds times the
 //! replica's time scale.
+//!
+//! With LoRA on, `LoraRequestsInfo` keeps vLLM's `vllm:lora_requests_info` gauge, one per HTTP
+//! port (the ranks of a data-parallel replica share it, as they share vLLM's one output
+//! processor). vLLM fills it as follows, quirks included:
+//!
+//! * Its front end counts, per adapter name, the requests it has seen queued or scheduled and
+//!   not yet finished. It learns of both from the engine's events, which reach it with a
+//!   request's first output; so an adapter is listed from its request's first token to its
+//!   end, and a request that finishes in the step of its first token is never listed.
+//! * After every engine step it sets the gauge with labels `max_lora` (`--max-loras`),
+//!   `waiting_lora_adapters` and `running_lora_adapters`, both the comma-joined names of every
+//!   listed adapter, whether its requests wait or run (so the two are always equal; empty
+//!   when none), to the current Unix time (`set_to_current_time`).
+//! * prometheus_client keeps every label set ever set, each with the time it was last set:
+//!   the current state is the sample with the largest value. Here the last
+//!   [`LORA_INFO_LABEL_SETS`] distinct label sets are kept, in the order first set (the order
+//!   prometheus_client exposes them).
 
 #![forbid(unsafe_code)]
 
 use crate::engine::{EngineStats, FinishReason};
 use std::fmt::Write;
+use std::sync::Arc;
 
 /// vLLM v1's bucket bounds for vllm:time_to_first_token_seconds.
 pub const TTFT_BUCKETS_S: [f64; 22] = [
@@ -85,10 +103,112 @@ fn num(v: f64) -> String {
     format!("{v:?}")
 }
 
+/// A sample value as prometheus_client's `floatToGoString` writes it: Python's repr, but from
+/// seven integer digits on in Go's exponent form (a Unix time: "1.7123456789012e+09").
+fn go_float(v: f64) -> String {
+    let s = num(v);
+    match s.find('.') {
+        Some(dot) if v > 0.0 && v.is_finite() && dot > 6 && !s.contains('e') => {
+            let mantissa = format!("{}.{}{}", &s[..1], &s[1..dot], &s[dot + 1..]);
+            format!("{}e+0{}", mantissa.trim_end_matches(['0', '.']), dot - 1)
+        }
+        _ => s,
+    }
+}
+
 fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+/// Label sets of `vllm:lora_requests_info` kept (the most recently set).
+pub const LORA_INFO_LABEL_SETS: usize = 32;
+
+/// vLLM's `vllm:lora_requests_info` of one HTTP port (see the module header). Pure: the driver
+/// reports requests' first outputs and ends, and sets the gauge after each step with the time.
+#[derive(Debug, Clone)]
+pub struct LoraRequestsInfo {
+    /// The `max_lora` label (`--max-loras`).
+    max_lora: u32,
+    /// Adapters with requests between their first output and their end, in the order they
+    /// were (re)listed, each with that number of requests.
+    adapters: Vec<(Arc<str>, u32)>,
+    /// The label sets set so far (the adapters label), in the order first set, each with the
+    /// Unix time it was last set; at most [`LORA_INFO_LABEL_SETS`].
+    samples: Vec<(String, f64)>,
+    /// The adapters label being built (kept to build the next one in place).
+    joined: String,
+}
+
+impl LoraRequestsInfo {
+    pub fn new(max_lora: u32) -> LoraRequestsInfo {
+        LoraRequestsInfo {
+            max_lora,
+            adapters: Vec::new(),
+            samples: Vec::new(),
+            joined: String::new(),
+        }
+    }
+
+    /// A request of `adapter` produced its first output.
+    pub fn request_listed(&mut self, adapter: &Arc<str>) {
+        match self.adapters.iter_mut().find(|(a, _)| a == adapter) {
+            Some((_, n)) => *n += 1,
+            None => self.adapters.push((adapter.clone(), 1)),
+        }
+    }
+
+    /// A request of `adapter` that produced an output finished (or was aborted).
+    pub fn request_finished(&mut self, adapter: &str) {
+        if let Some(i) = self.adapters.iter().position(|(a, _)| &**a == adapter) {
+            self.adapters[i].1 -= 1;
+            if self.adapters[i].1 == 0 {
+                self.adapters.remove(i);
+            }
+        }
+    }
+
+    /// An engine step ended: set the gauge of the current adapters to `unix_time`.
+    pub fn set(&mut self, unix_time: f64) {
+        self.joined.clear();
+        for (i, (name, _)) in self.adapters.iter().enumerate() {
+            if i > 0 {
+                self.joined.push(',');
+            }
+            self.joined.push_str(name);
+        }
+        if let Some(sample) = self.samples.iter_mut().find(|(l, _)| *l == self.joined) {
+            sample.1 = unix_time;
+            return;
+        }
+        if self.samples.len() == LORA_INFO_LABEL_SETS {
+            let oldest = (0..self.samples.len())
+                .min_by(|&a, &b| self.samples[a].1.total_cmp(&self.samples[b].1))
+                .unwrap_or(0);
+            self.samples.remove(oldest);
+        }
+        self.samples.push((self.joined.clone(), unix_time));
+    }
+
+    /// Append the family: HELP and TYPE, then a sample per label set kept (none before the
+    /// first step, as prometheus_client shows a labelled gauge never set).
+    pub fn render(&self, out: &mut String) {
+        let name = "vllm:lora_requests_info";
+        let _ = write!(
+            out,
+            "# HELP {name} Running stats on lora requests.\n# TYPE {name} gauge\n"
+        );
+        for (adapters, t) in &self.samples {
+            let a = escape_label(adapters);
+            let _ = writeln!(
+                out,
+                "{name}{{max_lora=\"{}\",waiting_lora_adapters=\"{a}\",running_lora_adapters=\"{a}\"}} {}",
+                self.max_lora,
+                go_float(*t)
+            );
+        }
+    }
 }
 
 /// Render the metrics page of one replica.
@@ -220,6 +340,99 @@ pub fn render(model: &str, engine: u32, stats: &EngineStats, counters: &RequestC
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn floats_as_prometheus_client_writes_them() {
+        for (v, text) in [
+            (0.0, "0.0"),
+            (3.0, "3.0"),
+            (0.41, "0.41"),
+            (999_999.0, "999999.0"),
+            (1_234_567.0, "1.234567e+06"),
+            (1_712_345_678.901_234, "1.712345678901234e+09"),
+            (1_712_345_678.5, "1.7123456785e+09"),
+            (1_700_000_000.0, "1.7e+09"),
+            (f64::INFINITY, "+Inf"),
+        ] {
+            assert_eq!(go_float(v), text);
+        }
+    }
+
+    fn lora_lines(info: &LoraRequestsInfo) -> Vec<String> {
+        let mut text = String::new();
+        info.render(&mut text);
+        text.lines().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn lora_requests_info_keeps_every_label_set_with_its_last_time() {
+        let mut info = LoraRequestsInfo::new(2);
+        let (sql, chat): (Arc<str>, Arc<str>) = ("sql".into(), "chat".into());
+        // Never set: the family alone, as prometheus_client shows it.
+        assert_eq!(
+            lora_lines(&info),
+            [
+                "# HELP vllm:lora_requests_info Running stats on lora requests.",
+                "# TYPE vllm:lora_requests_info gauge",
+            ]
+        );
+        info.set(1_700_000_000.0);
+        info.request_listed(&sql);
+        info.request_listed(&sql);
+        info.set(1_700_000_001.0);
+        info.request_listed(&chat);
+        info.set(1_700_000_002.5);
+        info.request_finished("sql");
+        info.set(1_700_000_003.0);
+        info.request_finished("sql");
+        info.set(1_700_000_004.0);
+        // An adapter listed again goes to the end.
+        info.request_listed(&sql);
+        info.set(1_700_000_005.0);
+        info.request_finished("chat");
+        info.request_finished("sql");
+        info.set(1_700_000_006.0);
+        let line = |adapters: &str, t: &str| {
+            format!("vllm:lora_requests_info{{max_lora=\"2\",waiting_lora_adapters=\"{adapters}\",running_lora_adapters=\"{adapters}\"}} {t}")
+        };
+        assert_eq!(
+            lora_lines(&info)[2..],
+            [
+                line("", "1.700000006e+09"),
+                line("sql", "1.700000001e+09"),
+                line("sql,chat", "1.700000003e+09"),
+                line("chat", "1.700000004e+09"),
+                line("chat,sql", "1.700000005e+09"),
+            ]
+        );
+    }
+
+    #[test]
+    fn lora_requests_info_keeps_the_most_recent_label_sets() {
+        let mut info = LoraRequestsInfo::new(1);
+        let names: Vec<Arc<str>> = (0..40).map(|i| format!("a{i}").into()).collect();
+        info.set(1.0);
+        for (i, name) in names.iter().enumerate() {
+            info.request_listed(name);
+            info.set(10.0 + i as f64);
+            info.request_finished(name);
+        }
+        // 41 label sets: the oldest 9 ("" and a0..a7) went. The empty set again evicts a8
+        // and comes back last.
+        info.set(100.0);
+        let lines = lora_lines(&info);
+        assert_eq!(lines.len() - 2, LORA_INFO_LABEL_SETS);
+        assert!(!lines.iter().any(|l| l.contains("\"a8\"")), "{lines:?}");
+        assert!(lines[2].contains("\"a9\"") && lines[2].ends_with(" 19.0"));
+        assert!(lines[lines.len() - 2].contains("\"a39\""));
+        let last = lines.last().unwrap();
+        assert!(last.contains("waiting_lora_adapters=\"\"") && last.ends_with(" 100.0"));
+        // Names are escaped like every label value.
+        let mut info = LoraRequestsInfo::new(1);
+        info.request_listed(&"q\"x".into());
+        info.set(1.0);
+        assert!(lora_lines(&info)[2].contains("waiting_lora_adapters=\"q\\\"x\""));
+    }
 
     #[test]
     fn renders_vllm_text() {

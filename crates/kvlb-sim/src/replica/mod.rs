@@ -16,6 +16,7 @@ pub mod server;
 use crate::kv_events::publisher::KvEventPublisher;
 use driver::Replica;
 use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex};
 
 /// The address of replica `i`: `base` with its port shifted by `i` (0 stays 0, ephemeral).
 fn shifted(base: SocketAddr, i: u32) -> SocketAddr {
@@ -55,6 +56,10 @@ pub fn main(args: Vec<String>) -> i32 {
             }
         };
         let mut engines = Vec::with_capacity(flags.dp_size as usize);
+        // One vllm:lora_requests_info per port: vLLM's ranks share one front end.
+        let lora_info = flags
+            .enable_lora
+            .then(|| Arc::new(Mutex::new(metrics::LoraRequestsInfo::new(flags.max_loras))));
         for rank in 0..flags.dp_size {
             // Replica i's events; rank r of a data-parallel one on the ports + r.
             let shift = i + rank;
@@ -82,7 +87,7 @@ pub fn main(args: Vec<String>) -> i32 {
                     }
                 }
             };
-            let mut engine = flags.engine.config();
+            let mut engine = flags.engine_config();
             engine.hash_seed =
                 xxhash_rust::xxh3::xxh3_64_with_seed(&shift.to_le_bytes(), flags.seed);
             let id_seed =
@@ -96,6 +101,7 @@ pub fn main(args: Vec<String>) -> i32 {
                 id_seed,
                 publisher,
                 dp_rank,
+                lora_info.clone(),
             ));
         }
         started.push((listener, engines));

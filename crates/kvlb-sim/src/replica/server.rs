@@ -61,12 +61,17 @@ impl Ranks {
         }
     }
 
-    /// /metrics of every rank in one exposition: each family's HELP and TYPE once, then the
-    /// samples of every rank (told apart by their `engine` label).
-    /// `metrics_text`, with the adapters loaded at run time when LoRA is on.
+    /// `metrics_text`, and when LoRA is on vllm:lora_requests_info and the adapters loaded at
+    /// run time. The ranks of a data-parallel replica share one vllm:lora_requests_info (no
+    /// `engine` label): vLLM's ranks share one front end, whose adapters it lists.
     fn metrics_text_with_lora(&self) -> String {
         let mut text = self.metrics_text();
         if self.served.lora() {
+            if let Some(info) = self.engines[0].lora_info() {
+                info.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .render(&mut text);
+            }
             text.push_str(&format!(
                 "# HELP kvlb_replica_lora_loads_total LoRA adapters loaded through /v1/load_lora_adapter.\n\
                  # TYPE kvlb_replica_lora_loads_total counter\n\
@@ -77,6 +82,8 @@ impl Ranks {
         text
     }
 
+    /// /metrics of every rank in one exposition: each family's HELP and TYPE once, then the
+    /// samples of every rank (told apart by their `engine` label).
     fn metrics_text(&self) -> String {
         if self.engines.len() == 1 {
             return self.engines[0].metrics_text();
