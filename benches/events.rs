@@ -272,6 +272,7 @@ fn main() {
                     decoding: load.decoding.load(Relaxed),
                     reported: shared.telemetry[r].reported.load(),
                     setup_us: 0,
+                    lora_slot_busy: false,
                 });
             }
             let view = RequestView {

@@ -495,6 +495,141 @@ fn a_busy_adapter_spreads_to_a_second_replica_of_its_base() {
     assert_eq!(loads(), 2.0, "{}", kvlb.stderr());
 }
 
+/// vLLM runs the requests of at most `--max-loras` adapters in one batch: while another
+/// adapter's request holds a replica's only slot, a request for `sql` would wait there for the
+/// whole of it. kvlb reads the slots from the replica's `vllm:lora_requests_info` and sends
+/// the request to the other replica, though the busy one holds its prompt; once the slot is
+/// free the wait is no longer priced.
+#[test]
+fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
+    // Real time: the other adapter's 300 decode steps hold the slot for seconds.
+    let base = fleet_with(
+        2,
+        &["big"],
+        &[
+            "--time-scale",
+            "1",
+            "--enable-lora",
+            "--max-loras",
+            "1",
+            "--lora-modules",
+            "sql=/adapters/sql",
+            "chat=/adapters/chat",
+        ],
+    );
+    let urls: Vec<String> = base.http.iter().map(url).collect();
+    // No KV events here: the scrape is asked for.
+    let specs: Vec<String> = urls.iter().map(|u| format!("{u},metrics=on")).collect();
+    let kvlb = serve(&specs, &["--explain", "--metrics-interval", "100ms"]);
+    let names: &[&str] = &["big", "sql", "chat"];
+    wait_models(&kvlb, &[Some(names), Some(names)]);
+    let prompt = "Schema: ".to_string() + &"CREATE TABLE t (id int, name text); ".repeat(300);
+    let ask = |conn: &mut HttpConn, n: usize| {
+        let r = post(
+            conn,
+            "/v1/chat/completions",
+            &chat("sql", &format!("{prompt} question {n}")),
+        );
+        assert_eq!(r.status, 200, "{}", r.describe());
+        r
+    };
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let holder = ask(&mut conn, 0)
+        .header("x-kvlb-replica")
+        .unwrap()
+        .to_string();
+    let (busy, other) = match holder == urls[0] {
+        true => (base.http[0], &urls[1]),
+        false => (base.http[1], &urls[0]),
+    };
+    // The prompt's holder keeps it while its slot is free.
+    let r = ask(&mut conn, 1);
+    assert_eq!(r.header("x-kvlb-replica"), Some(holder.as_str()));
+    let active = |kvlb: &Kvlb| {
+        kvlb.metric(
+            "kvlb_replica_lora_adapters_active",
+            &[&format!("replica=\"{holder}\"")],
+        )
+    };
+    assert!(
+        wait_until(T, || active(&kvlb) == Some(0.0)),
+        "kvlb read no LoRA slots from {holder}: {:?}\n{}",
+        kvlb.metric("kvlb_replica_lora_slots", &[]),
+        kvlb.stderr()
+    );
+    assert_eq!(
+        kvlb.metric(
+            "kvlb_replica_lora_slots",
+            &[&format!("replica=\"{holder}\"")]
+        ),
+        Some(1.0)
+    );
+    // Another client's `chat` request takes the holder's one slot for 300 tokens.
+    let long = std::thread::spawn(move || {
+        let mut direct = HttpConn::connect(busy);
+        direct.set_read_timeout(Duration::from_secs(60));
+        let body = json!({
+            "model": "chat",
+            "messages": [{"role": "user", "content": "tell a long story"}],
+            "max_tokens": 300,
+        })
+        .to_string();
+        let started = std::time::Instant::now();
+        let r = post(&mut direct, "/v1/chat/completions", body.as_bytes());
+        assert_eq!(r.status, 200, "{}", r.describe());
+        started.elapsed()
+    });
+    assert!(
+        wait_until(T, || active(&kvlb) == Some(1.0)),
+        "the slot held on {holder} never showed: {:?}",
+        active(&kvlb)
+    );
+    let sent = std::time::Instant::now();
+    let r = ask(&mut conn, 2);
+    let took = sent.elapsed();
+    assert_eq!(
+        r.header("x-kvlb-replica"),
+        Some(other.as_str()),
+        "{}",
+        r.header("x-kvlb-decision").unwrap_or_default()
+    );
+    let story = long.join().unwrap();
+    assert!(
+        took < story / 2,
+        "the request took {took:?}, the story {story:?}"
+    );
+    // While the slot was held, the holder's estimate carried the wait for it (seconds); both
+    // replicas hold the prompt now, and once the slot is free neither estimate does.
+    let runner_up_ms = |r: &support::Response| -> f64 {
+        let d = r.header("x-kvlb-decision").unwrap_or_default().to_string();
+        let v = d.split("runner_up_ttft_ms=").nth(1).unwrap_or("");
+        v.split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .parse()
+            .unwrap_or(f64::NAN)
+    };
+    assert!(
+        runner_up_ms(&r) > 1000.0,
+        "{:?}",
+        r.header("x-kvlb-decision")
+    );
+    assert!(wait_until(T, || active(&kvlb) == Some(0.0)));
+    let r = ask(&mut conn, 3);
+    assert!(
+        runner_up_ms(&r) < 1000.0,
+        "{:?}",
+        r.header("x-kvlb-decision")
+    );
+    assert_eq!(
+        r.header("x-kvlb-decision")
+            .map(|d| d.contains("reason=cache")),
+        Some(true)
+    );
+    assert_eq!(kvlb.metric("kvlb_lora_slot_waits_total", &[]), Some(0.0));
+}
+
 /// `[[model]]` tables: a model's own policy, concurrency limit and response timeout, which
 /// its aliases without a table do not take; and the per-model metrics, unknown names under
 /// `other`.
@@ -569,7 +704,6 @@ cost_model = { prefill_s_per_token = 0.0001 }
             "model": model,
             "messages": [{"role": "user", "content": "count slowly"}],
             "max_tokens": 150,
-            "ignore_eos": true,
             "stream": stream,
         })
         .to_string()

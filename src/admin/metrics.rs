@@ -235,6 +235,9 @@ impl Collector for DataPlaneMetrics {
         families::HOT_PREFIX_SPILLS
             .describe(&mut enc)?
             .counter(&[], sum(&|w| w.spills.load(Relaxed)))?;
+        families::LORA_SLOT_WAITS
+            .describe(&mut enc)?
+            .counter(&[], sum(&|w| w.lora_slot_waits.load(Relaxed)))?;
         let mut s = families::UNPARSED_PROMPTS.describe(&mut enc)?;
         for (i, label) in metrics::PROMPT_ERRORS.iter().enumerate() {
             s.counter(&[label], sum(&|w| w.prompt_errors[i].load(Relaxed)))?;

@@ -139,6 +139,11 @@ pub static HOT_PREFIX_SPILLS: Family = Family::counter(
     &[],
     "Requests whose hit on a hot prefix was ignored because its holder was saturated.",
 );
+pub static LORA_SLOT_WAITS: Family = Family::counter(
+    "kvlb_lora_slot_waits_total",
+    &[],
+    "Requests for a LoRA adapter sent to a replica whose LoRA batch slots (vLLM max_loras) its last /metrics showed held by other adapters: they wait there for one. Growing: more slots (--max-loras) or more replicas for the adapters.",
+);
 pub static UNPARSED_PROMPTS: Family = Family::counter(
     "kvlb_unparsed_prompts_total",
     &["reason"],
@@ -298,6 +303,16 @@ pub static REPLICA_KV_USAGE: Family = Family::gauge(
     &["replica"],
     "KV cache usage of the replica (0..1), as its /metrics reports.",
 );
+pub static REPLICA_LORA_SLOTS: Family = Family::gauge(
+    "kvlb_replica_lora_slots",
+    &["replica"],
+    "LoRA adapters one batch of the replica may run (vLLM max_lora in vllm:lora_requests_info); absent when not reported.",
+);
+pub static REPLICA_LORA_ADAPTERS_ACTIVE: Family = Family::gauge(
+    "kvlb_replica_lora_adapters_active",
+    &["replica"],
+    "LoRA adapters with requests on the replica (vLLM running_lora_adapters), as its last /metrics reports; at kvlb_replica_lora_slots or more, a request for another adapter waits for a slot.",
+);
 pub static REPLICA_TELEMETRY_AGE: Family = Family::gauge(
     "kvlb_replica_telemetry_age_seconds",
     &["replica"],
@@ -448,6 +463,7 @@ pub static ALL: &[&Family] = &[
     &MATCHED_PREFIX_TOKENS,
     &DECISIONS,
     &HOT_PREFIX_SPILLS,
+    &LORA_SLOT_WAITS,
     &UNPARSED_PROMPTS,
     &PROMPT_TRUNCATED,
     &REQUEST_DURATION,
@@ -479,6 +495,8 @@ pub static ALL: &[&Family] = &[
     &REPLICA_RUNNING,
     &REPLICA_WAITING,
     &REPLICA_KV_USAGE,
+    &REPLICA_LORA_SLOTS,
+    &REPLICA_LORA_ADAPTERS_ACTIVE,
     &REPLICA_TELEMETRY_AGE,
     &REPLICA_TELEMETRY_STALE,
     &REPLICA_KV_EVENTS,

@@ -213,6 +213,8 @@ pub struct WorkerStats {
     pub ttft_ratio: ValueHistogram,
     pub decisions: [AtomicU64; 3],
     pub spills: AtomicU64,
+    /// Requests sent to a replica whose LoRA batch slots were held by other adapters.
+    pub lora_slot_waits: AtomicU64,
     pub prompt_errors: [AtomicU64; 8],
     /// Prompts a bound stopped, by `prompt::Bound` (`Bound::ALL` order).
     pub prompt_truncated: [AtomicU64; 4],
@@ -245,6 +247,7 @@ impl WorkerStats {
             ttft_ratio: ValueHistogram::new(&RATIO_BUCKETS),
             decisions: Default::default(),
             spills: AtomicU64::new(0),
+            lora_slot_waits: AtomicU64::new(0),
             prompt_errors: Default::default(),
             prompt_truncated: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaStats::default()).collect(),

@@ -223,7 +223,7 @@ impl Collector for TelemetryMetrics {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let shared = &*self.0;
         let now = shared.now_ms();
-        let series: [Series; 17] = [
+        let series: [Series; 19] = [
             (&families::REPLICA_RUNNING, |t, _| {
                 known(t.running.load(Relaxed)).map(Value::Whole)
             }),
@@ -232,6 +232,14 @@ impl Collector for TelemetryMetrics {
             }),
             (&families::REPLICA_KV_USAGE, |t, _| {
                 known(t.kv_usage_milli.load(Relaxed)).map(|v| Value::Real(v as f64 / 1000.0))
+            }),
+            (&families::REPLICA_LORA_SLOTS, |t, _| {
+                let l = t.reported.load().lora;
+                (l.slots > 0).then_some(Value::Whole(l.slots as u64))
+            }),
+            (&families::REPLICA_LORA_ADAPTERS_ACTIVE, |t, _| {
+                let l = t.reported.load().lora;
+                (l.slots > 0).then_some(Value::Whole(l.active as u64))
             }),
             (&families::REPLICA_TELEMETRY_AGE, |t, now| {
                 t.age_s(now).map(Value::Real)

@@ -10,12 +10,17 @@
 //! scrape is split by each series' rank label (`parse_metrics_ranks`: vLLM `engine`, SGLang
 //! `dp_rank`) and each rank's figures go to that rank's slot.
 //!
+//! LoRA batch slots: vLLM's `vllm:lora_requests_info` (when the engine runs with LoRA) is one
+//! sample per label set ever set, its value the time it was set; the newest is the engine's
+//! state now. Read from it: `max_lora` and the adapters in `running_lora_adapters` (see
+//! `estimate::reported`). It has no rank label: every rank of a `dp_size` replica gets it.
+//!
 //! Each scrape also publishes `ReplicaTelemetry::reported` for the cost model: the replica's
 //! queue less this instance's requests there when it asked (`estimate::reported`).
 
 #![forbid(unsafe_code)]
 
-use crate::estimate::ReportedLoad;
+use crate::estimate::{LoraReport, ReportedLoad};
 use crate::fleet::StopSignal;
 use crate::worker::Shared;
 use std::io::{self, Read, Write};
@@ -34,6 +39,40 @@ pub struct MetricsSample {
     pub waiting: Option<f64>,
     /// KV cache usage, 0..1.
     pub kv_usage: Option<f64>,
+    /// LoRA batch slots and the adapters with requests there.
+    pub lora: Option<LoraReport>,
+}
+
+/// The newest `vllm:lora_requests_info` sample of a scrape (module header).
+#[derive(Default)]
+struct LoraInfo {
+    newest: f64,
+    report: Option<LoraReport>,
+}
+
+impl LoraInfo {
+    fn add(&mut self, labels: &str, set_at: f64) {
+        if self.report.is_some() && set_at <= self.newest {
+            return;
+        }
+        let Some(slots) = label_value(labels, "max_lora").and_then(|v| v.parse::<u32>().ok())
+        else {
+            return;
+        };
+        let mut report = LoraReport {
+            slots,
+            ..Default::default()
+        };
+        let adapters = label_value(labels, "running_lora_adapters").unwrap_or_default();
+        for name in adapters.split(',').filter(|n| !n.is_empty()) {
+            report.active += 1;
+            report
+                .names
+                .insert(crate::models::name_hash(name.as_bytes()));
+        }
+        self.newest = set_at;
+        self.report = Some(report);
+    }
 }
 
 #[derive(Default)]
@@ -55,11 +94,6 @@ impl Acc {
     fn mean(&self) -> Option<f64> {
         (self.n > 0).then(|| self.sum / self.n as f64)
     }
-}
-
-/// One sample line -> (metric name, value); None for comments, blanks and malformed lines.
-fn sample(line: &str) -> Option<(&str, f64)> {
-    labeled_sample(line).map(|(name, _, v)| (name, v))
 }
 
 /// One sample line -> (metric name, its labels between the braces, value).
@@ -100,6 +134,13 @@ fn labeled_sample(line: &str) -> Option<(&str, &str, f64)> {
 
 /// The data-parallel rank a series is of: vLLM's `engine="r"`, SGLang's `dp_rank="r"`.
 pub fn label_rank(labels: &str) -> Option<u32> {
+    label_value(labels, "engine")
+        .or_else(|| label_value(labels, "dp_rank"))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The value of label `name` in a sample's `labels` (between the braces), unescaped.
+pub fn label_value<'a>(labels: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> {
     let mut rest = labels;
     while !rest.is_empty() {
         let (key, after) = rest.split_once('=')?;
@@ -120,8 +161,24 @@ pub fn label_rank(labels: &str) -> Option<u32> {
         }
         let end = end?;
         let key = key.trim().trim_start_matches(',').trim();
-        if key == "engine" || key == "dp_rank" {
-            return after[..end].parse().ok();
+        if key == name {
+            let raw = &after[..end];
+            if !raw.contains('\\') {
+                return Some(raw.into());
+            }
+            let mut out = String::with_capacity(raw.len());
+            let mut chars = raw.chars();
+            while let Some(c) = chars.next() {
+                match (c, c == '\\') {
+                    (_, false) => out.push(c),
+                    (_, true) => match chars.next() {
+                        Some('n') => out.push('\n'),
+                        Some(e) => out.push(e),
+                        None => {}
+                    },
+                }
+            }
+            return Some(out.into());
         }
         rest = after[end + 1..].trim_start_matches(',').trim_start();
     }
@@ -135,11 +192,16 @@ pub fn label_rank(labels: &str) -> Option<u32> {
 pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
     let mut ranks: Vec<[Acc; 4]> = (0..n).map(|_| Default::default()).collect();
     let mut shared: [Acc; 4] = Default::default();
+    let mut lora = LoraInfo::default();
     for line in text.lines() {
         let Some((name, labels, v)) = labeled_sample(line) else {
             continue;
         };
         let i = match name {
+            LORA_INFO => {
+                lora.add(labels, v);
+                continue;
+            }
             "vllm:num_requests_running" | "sglang:num_running_reqs" => 0,
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => 1,
             "vllm:kv_cache_usage_perc" | "sglang:token_usage" => 2,
@@ -171,20 +233,26 @@ pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
                 running: share(&acc[0], &shared[0]),
                 waiting: share(&acc[1], &shared[1]),
                 kv_usage: usage.map(|u| u.clamp(0.0, 1.0)),
+                lora: lora.report,
             }
         })
         .collect()
 }
 
+/// vLLM's LoRA report (module header).
+const LORA_INFO: &str = "vllm:lora_requests_info";
+
 /// Read the queue and KV usage series out of a Prometheus text exposition.
 pub fn parse_metrics(text: &str) -> MetricsSample {
     let (mut running, mut waiting) = (Acc::default(), Acc::default());
     let (mut usage, mut usage_old) = (Acc::default(), Acc::default());
+    let mut lora = LoraInfo::default();
     for line in text.lines() {
-        let Some((name, v)) = sample(line) else {
+        let Some((name, labels, v)) = labeled_sample(line) else {
             continue;
         };
         match name {
+            LORA_INFO => lora.add(labels, v),
             "vllm:num_requests_running" | "sglang:num_running_reqs" => running.add(v),
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => waiting.add(v),
             "vllm:kv_cache_usage_perc" | "sglang:token_usage" => usage.add(v),
@@ -196,6 +264,7 @@ pub fn parse_metrics(text: &str) -> MetricsSample {
         running: running.sum(),
         waiting: waiting.sum(),
         kv_usage: usage.mean().or(usage_old.mean()).map(|u| u.clamp(0.0, 1.0)),
+        lora: lora.report,
     }
 }
 
@@ -335,15 +404,18 @@ fn publish(shared: &Shared, r: usize, m: &MetricsSample, own: (u64, u64), interv
     store(&tel.kv_usage_milli, m.kv_usage.map(|u| u * 1000.0));
     let now_ms = shared.now_ms();
     let count = |v: Option<f64>| v.map_or(0, |v| v.max(0.0).round() as u64);
-    tel.reported.publish(ReportedLoad::from_scrape(
-        count(m.waiting),
-        count(m.running),
-        m.kv_usage,
-        own.0,
-        own.1,
-        now_ms,
-        interval.as_millis() as u64,
-    ));
+    tel.reported.publish(
+        ReportedLoad::from_scrape(
+            count(m.waiting),
+            count(m.running),
+            m.kv_usage,
+            own.0,
+            own.1,
+            now_ms,
+            interval.as_millis() as u64,
+        )
+        .with_lora(m.lora.unwrap_or_default()),
+    );
     tel.last_metrics_ms.store(now_ms.max(1), Relaxed);
     tel.touch(now_ms);
     tel.scrapes.fetch_add(1, Relaxed);

@@ -343,7 +343,8 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="x"} 1.
         MetricsSample {
             running: Some(7.0),
             waiting: Some(9.0),
-            kv_usage: Some(0.5)
+            kv_usage: Some(0.5),
+            lora: None,
         }
     );
     // Hostile input: nothing known, no panic.
@@ -355,6 +356,43 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="x"} 1.
         "\u{0}\u{ff}",
     ] {
         assert_eq!(parse_metrics(junk), MetricsSample::default(), "{junk:?}");
+    }
+}
+
+#[test]
+fn the_newest_lora_report_gives_the_slots_and_the_adapters() {
+    use crate::models::name_hash;
+    // As vLLM 0.33 renders it: every label set ever set stays, its value the time it was set;
+    // both adapter labels list every adapter with requests.
+    let text = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7649e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="sql,chat"} 1.764900012e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters="sql"} 1.764900005e+09
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+"#;
+    let lora = parse_metrics(text).lora.expect("a LoRA report");
+    assert_eq!((lora.slots, lora.active), (2, 2));
+    for n in ["sql", "chat"] {
+        assert!(lora.names.may_contain(name_hash(n.as_bytes())), "{n}");
+    }
+    // The same for each rank of a data-parallel replica (the family has no rank label).
+    let ranks = crate::telemetry::scrape::parse_metrics_ranks(text, 2);
+    assert!(ranks.iter().all(|r| r.lora == Some(lora)));
+    // The newest set says no adapter has requests; escaped names are read unescaped.
+    let idle = format!(
+        "{text}vllm:lora_requests_info{{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}} 1.7649001e+09\n"
+    );
+    assert_eq!(parse_metrics(&idle).lora.map(|l| l.active), Some(0));
+    let quoted = "vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"a\\\"b\"} 5\n";
+    let lora = parse_metrics(quoted).lora.unwrap();
+    assert!(lora.names.may_contain(name_hash(b"a\"b")));
+    // No max_lora, or not a number: no report.
+    for bad in [
+        "vllm:lora_requests_info{running_lora_adapters=\"a\"} 5\n",
+        "vllm:lora_requests_info{max_lora=\"x\",running_lora_adapters=\"a\"} 5\n",
+    ] {
+        assert_eq!(parse_metrics(bad).lora, None, "{bad}");
     }
 }
 

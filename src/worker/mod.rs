@@ -428,17 +428,24 @@ impl Worker {
             };
             cap > 0 && self.shared.loads[i].in_flight.load(Relaxed) >= cap
         };
+        // The adapter the request runs under (its name hash), which needs a LoRA batch slot.
+        let lora = match model.key {
+            ModelKey::Named(h) if model.class.adapter || model.adapter.is_some() => h,
+            _ => 0,
+        };
         let mut c = self.candidates.borrow_mut();
         c.clear();
         let candidate = |i: usize, setup_us: u32| {
             let load = &self.shared.loads[i];
+            let reported = self.shared.telemetry[i].reported.load();
             Candidate {
                 replica: i,
                 in_flight: load.in_flight.load(Relaxed),
                 queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
                 decoding: load.decoding.load(Relaxed),
-                reported: self.shared.telemetry[i].reported.load(),
+                reported,
                 setup_us,
+                lora_slot_busy: reported.lora_slot_busy(lora, now),
             }
         };
         for (i, slot) in self.shared.fleet.slots() {
@@ -887,7 +894,11 @@ impl Worker {
             };
             let policy = &mut policies[t];
             let i = policy.select(&view, &cands, random);
-            (cands[i.min(cands.len() - 1)].replica, policy.decision())
+            let chosen = &cands[i.min(cands.len() - 1)];
+            if chosen.lora_slot_busy {
+                crate::metrics::add(&self.stats().lora_slot_waits, 1);
+            }
+            (chosen.replica, policy.decision())
         };
         if let Some(d) = decision {
             let stats = self.stats();

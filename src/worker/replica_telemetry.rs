@@ -208,6 +208,8 @@ impl ReplicaTelemetry {
             "foreign_waiting": r.foreign_waiting,
             "foreign_running": r.foreign_running,
             "kv_usage": r.kv_usage_milli as f64 / 1000.0,
+            "lora_slots": r.lora.slots,
+            "lora_adapters_active": r.lora.active,
         });
         serde_json::json!({
             "running": gauge(&self.running),

@@ -12,7 +12,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::estimate::ReportedLoad;
+use crate::estimate::{LoraMask, LoraReport, ReportedLoad};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// Tries a reader makes before giving up on a figure being rewritten.
@@ -26,6 +26,9 @@ pub struct ReportedLoadCell {
     kv_usage_milli: AtomicU32,
     at_ms: AtomicU64,
     max_age_ms: AtomicU64,
+    lora_slots: AtomicU32,
+    lora_active: AtomicU32,
+    lora_names: [AtomicU64; 4],
 }
 
 impl ReportedLoadCell {
@@ -50,6 +53,11 @@ impl ReportedLoadCell {
             .store(v.kv_usage_milli, Ordering::Relaxed);
         self.at_ms.store(v.at_ms, Ordering::Relaxed);
         self.max_age_ms.store(v.max_age_ms, Ordering::Relaxed);
+        self.lora_slots.store(v.lora.slots, Ordering::Relaxed);
+        self.lora_active.store(v.lora.active, Ordering::Relaxed);
+        for (a, w) in self.lora_names.iter().zip(v.lora.names.0) {
+            a.store(w, Ordering::Relaxed);
+        }
         self.seq.store(s + 2, Ordering::Release);
         true
     }
@@ -68,6 +76,15 @@ impl ReportedLoadCell {
                 kv_usage_milli: self.kv_usage_milli.load(Ordering::Relaxed),
                 at_ms: self.at_ms.load(Ordering::Relaxed),
                 max_age_ms: self.max_age_ms.load(Ordering::Relaxed),
+                lora: LoraReport {
+                    slots: self.lora_slots.load(Ordering::Relaxed),
+                    active: self.lora_active.load(Ordering::Relaxed),
+                    names: LoraMask(
+                        self.lora_names
+                            .each_ref()
+                            .map(|a| a.load(Ordering::Relaxed)),
+                    ),
+                },
             };
             // The field loads happen before the second sequence load.
             fence(Ordering::Acquire);
@@ -106,6 +123,11 @@ mod tests {
             kv_usage_milli: 950,
             at_ms: 1234,
             max_age_ms: 600,
+            lora: LoraReport {
+                slots: 2,
+                active: 3,
+                names: LoraMask([1, 2, 3, 4]),
+            },
         };
         assert!(c.publish(v));
         assert_eq!(c.load(), v);
@@ -138,6 +160,11 @@ mod tests {
                         kv_usage_milli: i,
                         at_ms: i as u64,
                         max_age_ms: i as u64,
+                        lora: LoraReport {
+                            slots: i,
+                            active: i,
+                            names: LoraMask([i as u64; 4]),
+                        },
                     });
                     i = i.wrapping_add(1).max(1);
                 }
@@ -153,6 +180,10 @@ mod tests {
                 assert_eq!(
                     (v.foreign_running, v.kv_usage_milli, v.at_ms, v.max_age_ms),
                     (i, i, i as u64, i as u64)
+                );
+                assert_eq!(
+                    (v.lora.slots, v.lora.active, v.lora.names.0),
+                    (i, i, [i as u64; 4])
                 );
             }
         }

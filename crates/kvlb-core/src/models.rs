@@ -18,9 +18,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
 use xxhash_rust::xxh3::xxh3_64;
 
-/// The key a model name is looked up by.
+/// The key a model name is looked up by (`ModelKey::Named`), also the key of an adapter in a
+/// replica's LoRA report (`estimate::LoraMask`).
 #[inline]
-fn name_hash(name: &[u8]) -> u64 {
+pub fn name_hash(name: &[u8]) -> u64 {
     xxh3_64(name)
 }
 
@@ -280,6 +281,9 @@ pub struct ModelClass {
     pub label: u16,
     /// Its `[[model]]` table, counted from 1 (0: none, the global settings apply).
     pub table: u16,
+    /// A LoRA adapter (listed with a `parent`, or one kvlb loads): it needs one of the
+    /// replica's LoRA batch slots.
+    pub adapter: bool,
 }
 
 impl ModelMap {
@@ -339,17 +343,18 @@ impl ModelMap {
                 .position(|names| names.iter().any(|n| n == name))
                 .map_or(0, |t| t as u16 + 1)
         };
+        // (name, parent, whether an adapter)
         let served = self
             .cards
             .iter()
-            .map(|c| (c.id.as_str(), c.parent.as_deref()));
+            .map(|c| (c.id.as_str(), c.parent.as_deref(), c.is_adapter()));
         let named = tables
             .iter()
-            .flat_map(|names| names.iter().map(|n| (n.as_str(), None)));
-        let all: Vec<(&str, Option<&str>)> =
-            served.chain(named).chain(extra.iter().copied()).collect();
+            .flat_map(|names| names.iter().map(|n| (n.as_str(), None, false)));
+        let extra = extra.iter().map(|&(name, base)| (name, base, true));
+        let all: Vec<(&str, Option<&str>, bool)> = served.chain(named).chain(extra).collect();
         let mut classes = KeyMap::default();
-        for (name, parent) in all {
+        for (name, parent, adapter) in all {
             let h = name_hash(name.as_bytes());
             if classes.contains_key(&h) {
                 continue;
@@ -363,6 +368,7 @@ impl ModelMap {
                 ModelClass {
                     label: label(name),
                     table,
+                    adapter,
                 },
             );
         }
@@ -730,17 +736,30 @@ mod tests {
             let m = name(s);
             map.class(&m, map.resolve(&m))
         };
-        assert_eq!(class("big"), ModelClass { label: 1, table: 2 });
-        assert_eq!(class("big-alias"), ModelClass { label: 2, table: 2 });
+        let base = |label, table| ModelClass {
+            label,
+            table,
+            adapter: false,
+        };
+        assert_eq!(class("big"), base(1, 2));
+        assert_eq!(class("big-alias"), base(2, 2));
         // The adapter follows its parent's table, with a label of its own.
-        assert_eq!(class("sql"), ModelClass { label: 3, table: 2 });
+        let sql = ModelClass {
+            adapter: true,
+            ..base(3, 2)
+        };
+        assert_eq!(class("sql"), sql);
         // SGLang's base:adapter form is the adapter's class.
         assert_eq!(class("big:sql"), class("sql"));
         // Labels ran out: the table still applies.
-        assert_eq!(class("small"), ModelClass { label: 0, table: 1 });
+        assert_eq!(class("small"), base(0, 1));
         // A table's name no replica serves (a plain backend) and an adapter to load.
         assert_eq!(class("unserved").table, 3);
         assert_eq!(map.class_of("lazy").table, 1);
+        assert!(
+            map.class_of("lazy").adapter,
+            "an adapter to load is an adapter"
+        );
         // A name no one knows, and no name at all.
         assert_eq!(class("nope"), ModelClass::default());
         assert_eq!(

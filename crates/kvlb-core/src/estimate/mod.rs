@@ -69,7 +69,7 @@
 
 pub mod reported;
 
-pub use reported::ReportedLoad;
+pub use reported::{LoraMask, LoraReport, ReportedLoad};
 
 /// The calibration the defaults come from: an 8B model on one H100 (vLLM, chunked prefill).
 /// The simulated engine (`kvlb-sim`'s `EngineConfig::default`) runs with these same numbers, so
@@ -264,6 +264,15 @@ impl TtftModel {
         let d = &self.decode;
         let batch = decoding as f64;
         d.base + d.per_seq * batch + d.per_ctx_token * batch * d.context_tokens as f64
+    }
+
+    /// Seconds a request for a LoRA adapter waits on a replica whose batch slots are all held
+    /// by other adapters (`ReportedLoad::lora_slot_busy`), `decoding` sequences running
+    /// there: until every request of one of them has finished, priced as one request's whole
+    /// decode (`mean_output_tokens` steps). The replica reports no more than which adapters
+    /// have requests, so how far along they are is not known.
+    pub fn lora_slot_wait(&self, decoding: u32) -> f64 {
+        self.decode.mean_output_tokens as f64 * self.decode_step_seconds(decoding.max(1))
     }
 
     /// Seconds before a new request's own prefill can start on a replica with `load`.

@@ -65,10 +65,61 @@
 //! the waiting it causes (requests held back for blocks) shows in the reported `waiting`
 //! count, which the queue above already prices; penalising usage too would count it twice.
 //! Stale or missing usage keeps every hit whole.
+//!
+//! # LoRA batch slots: an adapter that would wait for one
+//!
+//! An engine runs the requests of at most `max_loras` adapters in one batch (vLLM
+//! `--max-loras`, default 1). While that many adapters have requests running there, a request
+//! for any other adapter is skipped by the scheduler (it does not block the queue) until every
+//! request of one of them has finished. vLLM reports it in `vllm:lora_requests_info`: its
+//! `max_lora` label, and in `running_lora_adapters` the adapters with requests there (vLLM 0.33
+//! lists an adapter with only waiting requests too, so the list says "has requests", not
+//! "holds a slot"). The scrape keeps the slot count, the number of adapters listed and a
+//! 256-bit mask of their name hashes (`LoraMask`); `lora_slot_busy` says a request for an
+//! adapter would wait for a slot there: the figure is fresh, the adapters listed fill the
+//! slots, and the request's adapter is not among them. The mask may say "among them" for an
+//! adapter that is not (two names in one bit: with 8 adapters listed, 3% of the others), which
+//! prices the request as today, never worse. The cost model adds the wait for a slot
+//! (`TtftModel::lora_slot_wait`: one request's decode) to the replica's queue.
 
 #![forbid(unsafe_code)]
 
 use super::ReplicaLoad;
+
+/// The adapters with requests on a replica, as a 256-bit mask of their name hashes
+/// (`models::name_hash`): a fixed size whatever their number, and one bit test per lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoraMask(pub [u64; 4]);
+
+impl LoraMask {
+    fn bit(hash: u64) -> (usize, u64) {
+        let b = (hash >> 56) as usize; // the top byte: 0..256
+        (b / 64, 1 << (b % 64))
+    }
+
+    /// Add the adapter whose name hash is `hash`.
+    pub fn insert(&mut self, hash: u64) {
+        let (w, m) = LoraMask::bit(hash);
+        self.0[w] |= m;
+    }
+
+    /// Whether the adapter may be among those added (never false for one added).
+    pub fn may_contain(&self, hash: u64) -> bool {
+        let (w, m) = LoraMask::bit(hash);
+        self.0[w] & m != 0
+    }
+}
+
+/// What a replica's /metrics said of its LoRA batch slots (module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoraReport {
+    /// Adapters one batch may run (vLLM `max_lora`); 0: not reported.
+    pub slots: u32,
+    /// Adapters listed with requests there (`running_lora_adapters`).
+    pub active: u32,
+    /// Their names.
+    pub names: LoraMask,
+}
 
 /// A figure is used for this many scrape intervals after its scrape.
 pub const FRESH_SCRAPE_INTERVALS: u64 = 3;
@@ -86,6 +137,8 @@ pub struct ReportedLoad {
     pub at_ms: u64,
     /// The figure is ignored once older than this.
     pub max_age_ms: u64,
+    /// Its LoRA batch slots (default: not reported).
+    pub lora: LoraReport,
 }
 
 impl ReportedLoad {
@@ -113,7 +166,25 @@ impl ReportedLoad {
             kv_usage_milli,
             at_ms: at_ms.max(1),
             max_age_ms: interval_ms.saturating_mul(FRESH_SCRAPE_INTERVALS),
+            lora: LoraReport::default(),
         }
+    }
+
+    /// This figure with the replica's LoRA report.
+    pub fn with_lora(self, lora: LoraReport) -> ReportedLoad {
+        ReportedLoad { lora, ..self }
+    }
+
+    /// Whether a request for the adapter named by `adapter` (its name hash; 0: no adapter)
+    /// would wait there for a LoRA batch slot at `now_ms` (module header).
+    #[inline]
+    pub fn lora_slot_busy(&self, adapter: u64, now_ms: u64) -> bool {
+        let l = &self.lora;
+        adapter != 0
+            && l.slots > 0
+            && l.active >= l.slots
+            && !l.names.may_contain(adapter)
+            && self.fresh(now_ms)
     }
 
     /// Whether the figure counts at `now_ms`.
@@ -187,6 +258,44 @@ mod tests {
             decoding,
             in_flight,
         }
+    }
+
+    #[test]
+    fn an_adapter_waits_for_a_slot_only_when_the_slots_are_full_of_others() {
+        use crate::models::name_hash;
+        let mut names = LoraMask::default();
+        for n in ["sql", "chat"] {
+            names.insert(name_hash(n.as_bytes()));
+        }
+        let at = |slots, active| {
+            ReportedLoad::from_scrape(0, 2, None, 0, 0, 1_000, 1_000).with_lora(LoraReport {
+                slots,
+                active,
+                names,
+            })
+        };
+        let (sql, code) = (name_hash(b"sql"), name_hash(b"code"));
+        assert_ne!(
+            LoraMask::bit(sql),
+            LoraMask::bit(code),
+            "pick names in distinct bits"
+        );
+        // Two slots, both held: another adapter waits, the holders do not.
+        assert!(at(2, 2).lora_slot_busy(code, 1_500));
+        assert!(!at(2, 2).lora_slot_busy(sql, 1_500));
+        // A free slot, no report, no adapter, or a stale figure: no wait.
+        assert!(!at(4, 2).lora_slot_busy(code, 1_500));
+        assert!(!at(0, 2).lora_slot_busy(code, 1_500));
+        assert!(!at(2, 2).lora_slot_busy(0, 1_500));
+        assert!(!at(2, 2).lora_slot_busy(code, 1_000 + 3_001));
+        // vLLM lists adapters with waiting requests too: more listed than slots is full.
+        assert!(at(1, 2).lora_slot_busy(code, 1_500));
+        // Every added name is found, whatever the count.
+        let mut many = LoraMask::default();
+        for i in 0..1000u32 {
+            many.insert(name_hash(format!("a{i}").as_bytes()));
+        }
+        assert!((0..1000u32).all(|i| many.may_contain(name_hash(format!("a{i}").as_bytes()))));
     }
 
     #[test]

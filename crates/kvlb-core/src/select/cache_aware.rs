@@ -512,7 +512,10 @@ impl Policy for CacheAware {
                 );
                 ((held as f64 * keep) as u32, (gpu as f64 * keep) as u32)
             };
-            let wait = cfg.model.queue_wait(&load) + c.setup_us as f64 * 1e-6;
+            let mut wait = cfg.model.queue_wait(&load) + c.setup_us as f64 * 1e-6;
+            if c.lora_slot_busy {
+                wait += cfg.model.lora_slot_wait(load.decoding);
+            }
             min_wait = min_wait.min(wait);
             waiting += load.in_flight.saturating_sub(load.decoding) as u64;
             self.estimates.push(Estimate {

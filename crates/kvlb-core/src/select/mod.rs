@@ -60,6 +60,9 @@ pub struct Candidate {
     /// Microseconds the replica must spend before it can start this request (a LoRA
     /// adapter to load); `cache_aware` adds them to its wait.
     pub setup_us: u32,
+    /// The request is for a LoRA adapter and the replica's LoRA batch slots are all held by
+    /// others (`ReportedLoad::lora_slot_busy`): `cache_aware` adds the wait for one.
+    pub lora_slot_busy: bool,
 }
 
 pub trait Policy {

@@ -623,6 +623,7 @@ pub fn simulate_serving(
                             decoding: l.decoding,
                             reported: reported[r],
                             setup_us: 0,
+                            lora_slot_busy: false,
                         }),
                 );
                 if candidates.is_empty() {

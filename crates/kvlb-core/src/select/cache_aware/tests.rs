@@ -627,6 +627,7 @@ fn reported(waiting: u32, running: u32, kv_usage_milli: u32) -> crate::estimate:
         kv_usage_milli,
         at_ms: 1_000,
         max_age_ms: 3_000,
+        lora: Default::default(),
     }
 }
 
@@ -904,4 +905,29 @@ fn a_setup_is_paid_before_the_queue_and_the_prefill() {
     c[0].setup_us = 500_000;
     assert_eq!(p.select(&req(&prompt, 512, 0), &c, 0), 0);
     assert!(close(p.last_decision().ttft_s, idle + 0.5), "{idle}");
+}
+
+#[test]
+fn a_warm_replica_whose_lora_slots_are_full_loses_its_hit() {
+    let (idx, mut w) = fleet(2);
+    let prompt = blocks(32); // 2048 tokens, all resident on replica 0
+    w.insert(0, &prompt, 0).unwrap();
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    let mut c = queued(&[0, 0]);
+    // A free slot there: the hit wins.
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &c, 0), 0);
+    assert_eq!(p.last_decision().reason, Reason::Cache);
+    // Its slots held by other adapters: one request's decode (256 steps of ~8 ms) is more
+    // than the 2048-token prefill the hit saves.
+    c[0].lora_slot_busy = true;
+    for random in 0..4 {
+        assert_eq!(p.select(&req(&prompt, 2048, 0), &c, random), 1);
+    }
+    let d = p.last_decision();
+    let wait = CacheAwareConfig::default().model.lora_slot_wait(0);
+    assert!(wait > 1.0, "{wait}");
+    assert!(d.runner_up_ttft_s > wait, "{d:?}");
+    // Both full: the hit decides again.
+    c[1].lora_slot_busy = true;
+    assert_eq!(p.select(&req(&prompt, 2048, 0), &c, 0), 0);
 }
