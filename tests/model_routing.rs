@@ -630,6 +630,66 @@ fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
     assert_eq!(kvlb.metric("kvlb_lora_slot_waits_total", &[]), Some(0.0));
 }
 
+/// kvlb counts its own adapter requests at once, not at the next scrape: right after a
+/// scrape that saw no adapter running (scrapes 5 s apart), a request for `sql` sent while
+/// kvlb's own `chat` request holds the replica's one slot is counted as waiting for it.
+#[test]
+fn kvlbs_own_adapter_requests_fill_the_slots_before_any_scrape_shows_them() {
+    let base = fleet_with(
+        1,
+        &["big"],
+        &[
+            "--time-scale",
+            "1",
+            "--enable-lora",
+            "--max-loras",
+            "1",
+            "--lora-modules",
+            "sql=/adapters/sql",
+            "chat=/adapters/chat",
+        ],
+    );
+    let spec = format!("{},metrics=on", url(&base.http[0]));
+    let kvlb = serve(&[spec], &["--metrics-interval", "5s"]);
+    wait_models(&kvlb, &[Some(&["big", "sql", "chat"])]);
+    let waits = || kvlb.metric("kvlb_lora_slot_waits_total", &[]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    // The engine reports its slots from its first step on.
+    let r = post(&mut conn, "/v1/chat/completions", &chat("sql", "warm up"));
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(waits(), Some(0.0));
+    let slots = || kvlb.metric("kvlb_replica_lora_slots", &[]);
+    assert!(wait_until(T, || slots() == Some(1.0)), "{}", kvlb.stderr());
+    assert_eq!(
+        kvlb.metric("kvlb_replica_lora_adapters_active", &[]),
+        Some(0.0)
+    );
+    let listen = kvlb.listen;
+    let long = std::thread::spawn(move || {
+        let mut conn = HttpConn::connect(listen);
+        conn.set_read_timeout(Duration::from_secs(60));
+        let body = json!({
+            "model": "chat",
+            "messages": [{"role": "user", "content": "tell a long story"}],
+            "max_tokens": 200,
+        })
+        .to_string();
+        post(&mut conn, "/v1/chat/completions", body.as_bytes()).status
+    });
+    assert!(wait_until(T, || replicas_json(&kvlb)[0]["in_flight"]
+        .as_u64()
+        == Some(1)));
+    // Its own chat request holds the slot: a second chat request would join it, sql waits.
+    let r = post(&mut conn, "/v1/chat/completions", &chat("sql", "now"));
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(waits(), Some(1.0), "{}", kvlb.stderr());
+    assert_eq!(long.join().unwrap(), 200);
+    // Both ended: the slot is free, as kvlb counts it.
+    let r = post(&mut conn, "/v1/chat/completions", &chat("sql", "later"));
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(waits(), Some(1.0));
+}
+
 /// `[[model]]` tables: a model's own policy, concurrency limit and response timeout, which
 /// its aliases without a table do not take; and the per-model metrics, unknown names under
 /// `other`.

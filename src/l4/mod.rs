@@ -22,7 +22,7 @@ use crate::metrics::{families, Collector, DescriptorEncoder};
 use crate::models::ModelKey;
 use crate::prompt::PromptError;
 use crate::rt::op;
-use crate::worker::{InFlight, Worker, SMALL_BODY};
+use crate::worker::{CountedAs, InFlight, Worker, SMALL_BODY};
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
@@ -100,6 +100,8 @@ struct Routed {
     estimate_s: f64,
     /// The first request's model label.
     model_label: u16,
+    /// The LoRA adapter the first request runs under (`ModelRoute::lora`; 0: none).
+    lora: u64,
 }
 
 /// Serve one client connection accepted on an L4 listener.
@@ -325,6 +327,7 @@ async fn first_request(
             prefill_tokens: choice.prefill_tokens(),
             estimate_s: choice.estimate_s(),
             model_label: class.label,
+            lora: model.lora(),
         },
         received_at,
     ))
@@ -340,7 +343,10 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         routed.estimate_s,
         received_at,
         false,
-        routed.model_label,
+        CountedAs {
+            model_label: routed.model_label,
+            lora: routed.lora,
+        },
     );
     let rc = &w.stats().replicas[replica];
     let slot = w.shared.fleet.slot(replica);

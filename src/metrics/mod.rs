@@ -282,4 +282,55 @@ pub struct ReplicaGauges {
     pub queued_prefill_tokens: AtomicU64,
     /// Requests here past their first byte.
     pub decoding: AtomicU32,
+    /// This instance's requests here for LoRA adapters.
+    pub lora: OwnLoraCounts,
+}
+
+/// This instance's requests on one replica for LoRA adapters, by the adapter's bit in
+/// `estimate::LoraMask`, and the number of bits with requests: raised when a request is sent,
+/// lowered when it ends (`worker::in_flight`). A bit's 0 -> 1 and 1 -> 0 steps are each seen by
+/// exactly one fetch, so `adapters` never drifts.
+pub struct OwnLoraCounts {
+    requests: [std::sync::atomic::AtomicU16; crate::estimate::LoraMask::BITS],
+    adapters: AtomicU32,
+}
+
+impl Default for OwnLoraCounts {
+    fn default() -> OwnLoraCounts {
+        OwnLoraCounts {
+            requests: std::array::from_fn(|_| Default::default()),
+            adapters: AtomicU32::new(0),
+        }
+    }
+}
+
+impl OwnLoraCounts {
+    /// A request for the adapter whose name hash is `lora` (0: none) was sent.
+    pub fn enter(&self, lora: u64) {
+        if lora != 0 {
+            let b = crate::estimate::LoraMask::bit_index(lora);
+            if self.requests[b].fetch_add(1, Relaxed) == 0 {
+                self.adapters.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// That request ended.
+    pub fn leave(&self, lora: u64) {
+        if lora != 0 {
+            let b = crate::estimate::LoraMask::bit_index(lora);
+            if self.requests[b].fetch_sub(1, Relaxed) == 1 {
+                self.adapters.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+
+    /// What the cost model needs for a request for `lora`.
+    #[inline]
+    pub fn own(&self, lora: u64) -> crate::estimate::OwnLora {
+        crate::estimate::OwnLora {
+            holds: self.requests[crate::estimate::LoraMask::bit_index(lora)].load(Relaxed) > 0,
+            adapters: self.adapters.load(Relaxed),
+        }
+    }
 }

@@ -14,6 +14,7 @@ use crate::http::write_error;
 use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
+use crate::worker::CountedAs;
 use crate::worker::{Upstream, Worker};
 use std::io;
 use std::os::fd::RawFd;
@@ -62,7 +63,10 @@ pub(super) async fn forward(
         routed.estimate_s,
         received_at,
         true,
-        routed.class.label,
+        CountedAs {
+            model_label: routed.class.label,
+            lora: routed.lora,
+        },
     );
     if let Some(i) = routed.load {
         if let Err(why) = w.adapter_loaded(i, replica, routed.epoch).await {

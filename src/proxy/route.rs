@@ -308,6 +308,7 @@ pub(super) fn route(
             estimate_s: choice.estimate_s(),
             class: model.class,
             load,
+            lora: model.lora(),
         },
         explain_len,
     )
@@ -327,4 +328,6 @@ pub(super) struct Routed {
     pub(super) class: ModelClass,
     /// A LoRA adapter (`lora_adapter` index) to wait for: being loaded there.
     pub(super) load: Option<usize>,
+    /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
+    pub(super) lora: u64,
 }

@@ -8,6 +8,15 @@ use crate::worker::Worker;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
+/// What a request in flight is counted under besides its replica.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CountedAs {
+    /// Its model label (`ModelClass::label`).
+    pub(crate) model_label: u16,
+    /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
+    pub(crate) lora: u64,
+}
+
 /// Counts a request in flight at a replica and on the worker until dropped: first as queued
 /// prefill (its estimated uncached tokens), then, from its first response byte, as decoding.
 pub(crate) struct InFlight<'a> {
@@ -19,6 +28,8 @@ pub(crate) struct InFlight<'a> {
     estimate_s: f64,
     /// The request's model label (`ModelClass::label`).
     model_label: u16,
+    /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
+    lora: u64,
 }
 
 impl<'a> InFlight<'a> {
@@ -31,12 +42,13 @@ impl<'a> InFlight<'a> {
         estimate_s: f64,
         received_at: Instant,
         slot_taken: bool,
-        model_label: u16,
+        CountedAs { model_label, lora }: CountedAs,
     ) -> InFlight<'a> {
         let load = &w.shared.loads[replica];
         if !slot_taken {
             load.in_flight.fetch_add(1, Relaxed);
         }
+        load.lora.enter(lora);
         load.queued_prefill_tokens
             .fetch_add(prefill_tokens, Relaxed);
         crate::metrics::add(&w.stats().in_flight, 1);
@@ -48,6 +60,7 @@ impl<'a> InFlight<'a> {
             received_at,
             estimate_s,
             model_label,
+            lora,
         }
     }
 
@@ -90,6 +103,7 @@ impl Drop for InFlight<'_> {
                 .fetch_sub(self.prefill_tokens, Relaxed);
         }
         load.in_flight.fetch_sub(1, Relaxed);
+        load.lora.leave(self.lora);
         crate::metrics::sub(&self.w.stats().in_flight, 1);
     }
 }

@@ -22,7 +22,7 @@ use std::time::Instant;
 mod in_flight;
 mod replica_telemetry;
 pub mod reported;
-pub(crate) use in_flight::InFlight;
+pub(crate) use in_flight::{CountedAs, InFlight};
 pub use replica_telemetry::{ReplicaTelemetry, UNKNOWN};
 
 /// Request bodies up to this size live in a pooled buffer and hold no body memory (the L7
@@ -428,16 +428,14 @@ impl Worker {
             };
             cap > 0 && self.shared.loads[i].in_flight.load(Relaxed) >= cap
         };
-        // The adapter the request runs under (its name hash), which needs a LoRA batch slot.
-        let lora = match model.key {
-            ModelKey::Named(h) if model.class.adapter || model.adapter.is_some() => h,
-            _ => 0,
-        };
+        let lora = model.lora();
         let mut c = self.candidates.borrow_mut();
         c.clear();
         let candidate = |i: usize, setup_us: u32| {
             let load = &self.shared.loads[i];
             let reported = self.shared.telemetry[i].reported.load();
+            let lora_slot_busy =
+                lora != 0 && reported.lora_slot_busy(lora, now, load.lora.own(lora));
             Candidate {
                 replica: i,
                 in_flight: load.in_flight.load(Relaxed),
@@ -445,7 +443,7 @@ impl Worker {
                 decoding: load.decoding.load(Relaxed),
                 reported,
                 setup_us,
-                lora_slot_busy: reported.lora_slot_busy(lora, now),
+                lora_slot_busy,
             }
         };
         for (i, slot) in self.shared.fleet.slots() {
@@ -706,6 +704,18 @@ pub struct ModelRoute {
     pub class: ModelClass,
     /// An adapter kvlb loads on demand (`lora_adapter` index): routed by `AdapterGate`.
     pub adapter: Option<u16>,
+}
+
+impl ModelRoute {
+    /// The LoRA adapter the request runs under, by its name hash (0: none): it needs one of
+    /// the replica's LoRA batch slots.
+    #[inline]
+    pub fn lora(&self) -> u64 {
+        match self.key {
+            ModelKey::Named(h) if self.class.adapter || self.adapter.is_some() => h,
+            _ => 0,
+        }
+    }
 }
 
 /// What a request's `model` asks of routing.

@@ -69,7 +69,7 @@
 
 pub mod reported;
 
-pub use reported::{LoraMask, LoraReport, ReportedLoad};
+pub use reported::{LoraMask, LoraReport, OwnLora, ReportedLoad};
 
 /// The calibration the defaults come from: an 8B model on one H100 (vLLM, chunked prefill).
 /// The simulated engine (`kvlb-sim`'s `EngineConfig::default`) runs with these same numbers, so

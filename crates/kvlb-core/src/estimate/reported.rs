@@ -79,8 +79,11 @@
 //! adapter would wait for a slot there: the figure is fresh, the adapters listed fill the
 //! slots, and the request's adapter is not among them. The mask may say "among them" for an
 //! adapter that is not (two names in one bit: with 8 adapters listed, 3% of the others), which
-//! prices the request as today, never worse. The cost model adds the wait for a slot
-//! (`TtftModel::lora_slot_wait`: one request's decode) to the replica's queue.
+//! prices the request as today, never worse. This instance's own requests count at once
+//! (`OwnLora`, kept by the workers as they send and finish them): an adapter it has requests
+//! for there is never kept waiting, and the adapters it has requests for there fill the
+//! slots as the report's do (the larger of the two counts). The cost model adds the wait for
+//! a slot (`TtftModel::lora_slot_wait`: one request's decode) to the replica's queue.
 
 #![forbid(unsafe_code)]
 
@@ -92,8 +95,17 @@ use super::ReplicaLoad;
 pub struct LoraMask(pub [u64; 4]);
 
 impl LoraMask {
+    /// Bits of the mask.
+    pub const BITS: usize = 256;
+
+    /// The bit of the adapter whose name hash is `hash` (the top byte): 0..256.
+    #[inline]
+    pub fn bit_index(hash: u64) -> usize {
+        (hash >> 56) as usize
+    }
+
     fn bit(hash: u64) -> (usize, u64) {
-        let b = (hash >> 56) as usize; // the top byte: 0..256
+        let b = LoraMask::bit_index(hash);
         (b / 64, 1 << (b % 64))
     }
 
@@ -108,6 +120,15 @@ impl LoraMask {
         let (w, m) = LoraMask::bit(hash);
         self.0[w] & m != 0
     }
+}
+
+/// This instance's own requests on a replica for LoRA adapters, counted the moment it sends
+/// them (the report is as old as the last scrape): whether it has requests there for the
+/// adapter asked about, and for how many adapters (counted by mask bit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OwnLora {
+    pub holds: bool,
+    pub adapters: u32,
 }
 
 /// What a replica's /metrics said of its LoRA batch slots (module header).
@@ -176,15 +197,21 @@ impl ReportedLoad {
     }
 
     /// Whether a request for the adapter named by `adapter` (its name hash; 0: no adapter)
-    /// would wait there for a LoRA batch slot at `now_ms` (module header).
+    /// would wait there for a LoRA batch slot at `now_ms`, given this instance's `own`
+    /// requests there (module header). The slot count is the engine's setting and holds
+    /// however old the figure; the adapters listed count only while it is fresh.
     #[inline]
-    pub fn lora_slot_busy(&self, adapter: u64, now_ms: u64) -> bool {
+    pub fn lora_slot_busy(&self, adapter: u64, now_ms: u64, own: OwnLora) -> bool {
         let l = &self.lora;
-        adapter != 0
-            && l.slots > 0
-            && l.active >= l.slots
-            && !l.names.may_contain(adapter)
-            && self.fresh(now_ms)
+        if adapter == 0 || l.slots == 0 || own.holds {
+            return false;
+        }
+        let active = match self.fresh(now_ms) {
+            true if l.names.may_contain(adapter) => return false,
+            true => l.active.max(own.adapters),
+            false => own.adapters,
+        };
+        active >= l.slots
     }
 
     /// Whether the figure counts at `now_ms`.
@@ -280,16 +307,25 @@ mod tests {
             LoraMask::bit(code),
             "pick names in distinct bits"
         );
+        let none = OwnLora::default();
         // Two slots, both held: another adapter waits, the holders do not.
-        assert!(at(2, 2).lora_slot_busy(code, 1_500));
-        assert!(!at(2, 2).lora_slot_busy(sql, 1_500));
+        assert!(at(2, 2).lora_slot_busy(code, 1_500, none));
+        assert!(!at(2, 2).lora_slot_busy(sql, 1_500, none));
         // A free slot, no report, no adapter, or a stale figure: no wait.
-        assert!(!at(4, 2).lora_slot_busy(code, 1_500));
-        assert!(!at(0, 2).lora_slot_busy(code, 1_500));
-        assert!(!at(2, 2).lora_slot_busy(0, 1_500));
-        assert!(!at(2, 2).lora_slot_busy(code, 1_000 + 3_001));
-        // vLLM lists adapters with waiting requests too: more listed than slots is full.
-        assert!(at(1, 2).lora_slot_busy(code, 1_500));
+        assert!(!at(4, 2).lora_slot_busy(code, 1_500, none));
+        assert!(!at(0, 2).lora_slot_busy(code, 1_500, none));
+        assert!(!at(2, 2).lora_slot_busy(0, 1_500, none));
+        let stale = 1_000 + 3_001;
+        assert!(!at(2, 2).lora_slot_busy(code, stale, none));
+        // More listed than slots is full.
+        assert!(at(1, 2).lora_slot_busy(code, 1_500, none));
+        // Our own requests count at once: for the adapter itself (it has a slot there, or is
+        // queued behind its own), and as adapters filling the slots, stale report or not.
+        let own = |holds, adapters| OwnLora { holds, adapters };
+        assert!(!at(2, 2).lora_slot_busy(code, 1_500, own(true, 2)));
+        assert!(at(2, 0).lora_slot_busy(code, 1_500, own(false, 2)));
+        assert!(at(2, 2).lora_slot_busy(code, stale, own(false, 2)));
+        assert!(!at(2, 2).lora_slot_busy(code, stale, own(false, 1)));
         // Every added name is found, whatever the count.
         let mut many = LoraMask::default();
         for i in 0..1000u32 {
