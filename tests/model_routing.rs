@@ -495,16 +495,11 @@ fn a_busy_adapter_spreads_to_a_second_replica_of_its_base() {
     assert_eq!(loads(), 2.0, "{}", kvlb.stderr());
 }
 
-/// vLLM runs the requests of at most `--max-loras` adapters in one batch: while another
-/// adapter's request holds a replica's only slot, a request for `sql` would wait there for the
-/// whole of it. kvlb reads the slots from the replica's `vllm:lora_requests_info` and sends
-/// the request to the other replica, though the busy one holds its prompt; once the slot is
-/// free the wait is no longer priced.
-#[test]
-fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
-    // Real time: the other adapter's 300 decode steps hold the slot for seconds.
-    let base = fleet_with(
-        2,
+/// `n` replicas of `big` with adapters `sql` and `chat` and one LoRA batch slot, in real time
+/// (a request of 300 tokens holds its slot for seconds).
+fn one_slot_fleet(n: usize) -> ReplicaFleet {
+    fleet_with(
+        n,
         &["big"],
         &[
             "--time-scale",
@@ -516,7 +511,17 @@ fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
             "sql=/adapters/sql",
             "chat=/adapters/chat",
         ],
-    );
+    )
+}
+
+/// vLLM runs the requests of at most `--max-loras` adapters in one batch: while another
+/// adapter's request holds a replica's only slot, a request for `sql` would wait there for the
+/// whole of it. kvlb reads the slots from the replica's `vllm:lora_requests_info` and sends
+/// the request to the other replica, though the busy one holds its prompt; once the slot is
+/// free the wait is no longer priced.
+#[test]
+fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
+    let base = one_slot_fleet(2);
     let urls: Vec<String> = base.http.iter().map(url).collect();
     // No KV events here: the scrape is asked for.
     let specs: Vec<String> = urls.iter().map(|u| format!("{u},metrics=on")).collect();
@@ -635,20 +640,7 @@ fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
 /// kvlb's own `chat` request holds the replica's one slot is counted as waiting for it.
 #[test]
 fn kvlbs_own_adapter_requests_fill_the_slots_before_any_scrape_shows_them() {
-    let base = fleet_with(
-        1,
-        &["big"],
-        &[
-            "--time-scale",
-            "1",
-            "--enable-lora",
-            "--max-loras",
-            "1",
-            "--lora-modules",
-            "sql=/adapters/sql",
-            "chat=/adapters/chat",
-        ],
-    );
+    let base = one_slot_fleet(1);
     let spec = format!("{},metrics=on", url(&base.http[0]));
     let kvlb = serve(&[spec], &["--metrics-interval", "5s"]);
     wait_models(&kvlb, &[Some(&["big", "sql", "chat"])]);
