@@ -6,10 +6,11 @@
 # Fleet (two `kvlb replica` processes, both with KV cache events on; `--count` gives every
 # replica of a process the same flags, hence two processes):
 #   2 replicas  --served-model-name Qwen/Qwen3-8B --enable-lora --lora-modules a1=... a8=...
-#               (eight LoRA adapters; an adapter's KV cache is kept apart from its base's)
-#   2 replicas  --served-model-name Qwen/Qwen3-0.6B
-# Both simulate the same engine timing (the 8B on H100 model): what differs is which names
-# they answer; a replica asked for a model it does not serve answers vLLM's 404.
+#               --max-loras MAX_LORAS (eight LoRA adapters, MAX_LORAS of them in one batch as
+#               vLLM schedules them; an adapter's KV cache is kept apart from its base's)
+#   2 replicas  --served-model-name Qwen/Qwen3-0.6B, prefilling SMALL_PREFILL times the 8B's
+#               time per token (the engine's 8B-on-H100 timing, its prefill terms scaled)
+# A replica asked for a model it does not serve answers vLLM's 404.
 #
 # Load: traces/mooncake_conversation_trace.jsonl (no model column), models given by
 # `kvlb replay --models MODELS`: per conversation, by weight (default 25% Qwen/Qwen3-8B,
@@ -51,7 +52,8 @@
 #
 # Environment: TRACE (traces/mooncake_conversation_trace.jsonl), START (0), DURATION (40),
 # LOAD (1), TIME_SCALE (5), MODELS (the mix above), MAX_OUTPUT (cap output tokens; default the
-# trace's), BALANCERS (all four), WARMUP (10: wall seconds of warm-up through kvlb, from trace
+# trace's), MAX_LORAS (2), SMALL_PREFILL (0.25), ROUNDS (1: every balancer measured N times,
+# the order reversed every other round, one report table per round), BALANCERS (all four), WARMUP (10: wall seconds of warm-up through kvlb, from trace
 # second 3000, before any measurement; 0: none), PIN (1: fleet on core FLEET_CORE (1),
 # balancer and replayer on BALANCER_CORE (0)), KVLB_BIN (a kvlb binary instead of building
 # target/release/kvlb), RESULTS_NAME (multi-model-YYYYMMDD), RESULTS_JSON (unset: none).
@@ -74,6 +76,9 @@ default_mix="Qwen/Qwen3-8B=0.25,Qwen/Qwen3-0.6B=0.5"
 for a in $ADAPTERS; do default_mix+=",$a=0.03125"; done
 MODELS=${MODELS:-$default_mix}
 MAX_OUTPUT=${MAX_OUTPUT:-}
+MAX_LORAS=${MAX_LORAS:-2}
+SMALL_PREFILL=${SMALL_PREFILL:-0.25}
+ROUNDS=${ROUNDS:-1}
 BALANCERS=${BALANCERS:-kvlb sglang-router vllm-router vllm-router-igw}
 WARMUP=${WARMUP:-10}
 PIN=${PIN:-1}
@@ -84,9 +89,15 @@ VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
 num_re='^[0-9]+([.][0-9]+)?$'
-for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP"; do
+for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$SMALL_PREFILL"; do
     if ! [[ $v =~ $num_re ]]; then
-        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP must be numbers (got '$v')" >&2
+        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, SMALL_PREFILL must be numbers (got '$v')" >&2
+        exit 2
+    fi
+done
+for v in "$MAX_LORAS" "$ROUNDS"; do
+    if ! [[ $v =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: MAX_LORAS and ROUNDS must be whole numbers of at least 1 (got '$v')" >&2
         exit 2
     fi
 done
@@ -167,15 +178,24 @@ start_fleet() {
         REPLICA_BASE+=("$base")
     done < <(grep '^kvlb replica: replica ' "$log")
 }
-start_fleet big Qwen/Qwen3-8B --enable-lora --lora-modules "${lora_modules[@]}"
-start_fleet small Qwen/Qwen3-0.6B
+start_fleet big Qwen/Qwen3-8B --enable-lora --max-loras "$MAX_LORAS" --lora-modules "${lora_modules[@]}"
+# The small model's prefill terms, scaled from the engine's defaults (read off its --help).
+scaled() {
+    "$KVLB" replica --help | python3 -c "
+import re, sys
+m = re.search(r'--$1 <[A-Z]+>.*?\[default: ([0-9.e-]+)\]', sys.stdin.read(), re.S)
+print(float(m.group(1)) * $SMALL_PREFILL)"
+}
+start_fleet small Qwen/Qwen3-0.6B --prefill-a-s "$(scaled prefill-a-s)" \
+    --prefill-b-s "$(scaled prefill-b-s)" --prefill-c-s "$(scaled prefill-c-s)"
 
 SPEEDUP=$(python3 -c "print($LOAD * $TIME_SCALE)")
 SLICE=$(python3 -c "print($DURATION * $LOAD * $TIME_SCALE)")
 say "# multi-model fleet: kvlb vs peers ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, $(uname -r))"
 say "trace: $(basename "$TRACE"), trace seconds $START..$(python3 -c "print($START + $SLICE)"), load x$LOAD (engine time)"
-say "fleet: 2 x kvlb replica serving Qwen/Qwen3-8B + LoRA $ADAPTERS (${REPLICA_URLS[0]}, ${REPLICA_URLS[1]}),"
-say "       2 x kvlb replica serving Qwen/Qwen3-0.6B (${REPLICA_URLS[2]}, ${REPLICA_URLS[3]}); time scale $TIME_SCALE, KV events on"
+say "fleet: 2 x kvlb replica serving Qwen/Qwen3-8B + LoRA $ADAPTERS, --max-loras $MAX_LORAS (${REPLICA_URLS[0]}, ${REPLICA_URLS[1]}),"
+say "       2 x kvlb replica serving Qwen/Qwen3-0.6B, prefill x$SMALL_PREFILL (${REPLICA_URLS[2]}, ${REPLICA_URLS[3]}); time scale $TIME_SCALE, KV events on"
+say "rounds: $ROUNDS (order reversed every other round; one table per round)"
 say "models: kvlb replay --models $MODELS (per conversation)"
 say "replay: speedup $SPEEDUP wall, streaming chat, ${MAX_OUTPUT:-trace} output tokens; times are engine seconds (wall x $TIME_SCALE)"
 [ "$PIN" = 1 ] && say "pinning: fleet on core $FLEET_CORE; each balancer and the replayer on core $BALANCER_CORE"
@@ -263,41 +283,66 @@ if [ "$WARMUP" != 0 ]; then
     BALANCER_PID=""
 fi
 
-SUMMARIES=()
 FAILED=()
-for name in $BALANCERS; do
+NOTES=()
+ORDER=$BALANCERS
+REVERSED=$(echo "$BALANCERS" | tr ' ' '\n' | grep . | tac | tr '\n' ' ')
+for round in $(seq "$ROUNDS"); do
+for name in $ORDER; do
+    if grep -q "^$name\$" "$TMP/failed" 2>/dev/null; then
+        continue
+    fi
     for u in "${REPLICA_URLS[@]}"; do
         curl -fsS -o /dev/null -X POST "$u/reset_prefix_cache"
     done
     mapfile -t ports < <(ports2)
-    echo "== $name: starting on 127.0.0.1:${ports[0]}" >&2
+    echo "== round $round/$ROUNDS, $name: starting on 127.0.0.1:${ports[0]}" >&2
     if ! start_balancer "$name" "${ports[0]}" "${ports[1]}"; then
         why="did not start (log: $(tail -n 3 "$TMP/$name.log" 2>/dev/null | tr '\n' ' ' | cut -c1-300))"
         say "FAILED: $name $why"
         FAILED+=(--failed "$name=$why")
+        echo "$name" >>"$TMP/failed"
         stop_tree "$BALANCER_PID"
         BALANCER_PID=""
         continue
     fi
     replay_args=(replay --target "http://127.0.0.1:${ports[0]}" --trace "$TRACE"
         --start "$START" --duration "$SLICE" --speedup "$SPEEDUP" --time-scale "$TIME_SCALE"
-        --models "$MODELS" --label "$name" --json "$TMP/$name.json" --quiet)
+        --models "$MODELS" --label "$name" --json "$TMP/$name.r$round.json" --quiet)
     [ -n "$MAX_OUTPUT" ] && replay_args+=(--max-output "$MAX_OUTPUT")
     for u in "${REPLICA_URLS[@]}"; do replay_args+=(--replica "$u"); done
-    if on_core "$BALANCER_CORE" "$KVLB" "${replay_args[@]}" >"$TMP/$name.replay.txt" 2>"$TMP/$name.replay.log"; then
-        SUMMARIES+=("$TMP/$name.json")
-    else
+    if ! on_core "$BALANCER_CORE" "$KVLB" "${replay_args[@]}" >"$TMP/$name.replay.txt" 2>"$TMP/$name.replay.log"; then
         why="replay failed: $(tail -n 3 "$TMP/$name.replay.log" | tr '\n' ' ' | cut -c1-300)"
         say "FAILED: $name $why"
         FAILED+=(--failed "$name=$why")
+        echo "$name" >>"$TMP/failed"
+    fi
+    if [ "$name" = kvlb ]; then
+        # How often kvlb still sent an adapter's request to a replica with its LoRA slots full.
+        NOTES+=("round $round, kvlb: $(curl -fsS --max-time 5 "http://127.0.0.1:${ports[1]}/metrics" 2>/dev/null |
+            grep -E '^kvlb_(lora_slot_waits_total|decisions_total)' | tr '\n' ' ' || true)")
     fi
     stop_tree "$BALANCER_PID"
     BALANCER_PID=""
 done
+if [ "$ORDER" = "$BALANCERS" ]; then ORDER=$REVERSED; else ORDER=$BALANCERS; fi
+done
 
-# --- report --------------------------------------------------------------------------------
-"$KVLB" replay report --kvlb kvlb ${RESULTS_JSON:+--json "$RESULTS_JSON"} "${FAILED[@]}" "${SUMMARIES[@]}" |
-    tee -a "$RESULTS_TXT"
+# --- report: one table per round ----------------------------------------------------------
+SUMMARIES=()
+for round in $(seq "$ROUNDS"); do
+    runs=()
+    for name in $BALANCERS; do
+        [ -f "$TMP/$name.r$round.json" ] && runs+=("$TMP/$name.r$round.json")
+    done
+    [ "${#runs[@]}" -eq 0 ] && continue
+    SUMMARIES+=("${runs[@]}")
+    say "## round $round"
+    json=""
+    [ -n "$RESULTS_JSON" ] && json=${RESULTS_JSON%.json}.r$round.json
+    "$KVLB" replay report --kvlb kvlb ${json:+--json "$json"} "${FAILED[@]}" "${runs[@]}" |
+        tee -a "$RESULTS_TXT"
+done
 say ""
 say "(times in engine seconds. Top table: hit_rate and requests per replica from the replicas'"
 say " /metrics (order: two 8B+LoRA replicas, two 0.6B replicas). Per-model table: errors include"
@@ -307,9 +352,10 @@ for s in "${SUMMARIES[@]}"; do
     python3 - "$s" <<'PY' | tee -a "$RESULTS_TXT"
 import json, sys
 s = json.load(open(sys.argv[1]))
-print("%s: %d of %d requests failed%s" % (s["label"], s["errors"], s["requests"],
+print("%s (%s): %d of %d requests failed%s" % (s["label"], sys.argv[1].rsplit(".", 2)[-2], s["errors"], s["requests"],
       "; first errors: " + " | ".join(e[:110] for e in s["error_samples"][:2]) if s["errors"] else ""))
 PY
 done
+for n in "${NOTES[@]}"; do say "$n"; done
 say "results: $RESULTS_TXT${RESULTS_JSON:+, $RESULTS_JSON}"
 FINISHED=1
