@@ -304,13 +304,8 @@ fi
 
 FAILED=()
 NOTES=()
-ORDER=$BALANCERS
-REVERSED=$(echo "$BALANCERS" | tr ' ' '\n' | grep . | tac | tr '\n' ' ')
 for round in $(seq "$ROUNDS"); do
-for name in $ORDER; do
-    if grep -q "^$name\$" "$TMP/failed" 2>/dev/null; then
-        continue
-    fi
+for name in $(round_order "$round"); do
     for u in "${REPLICA_URLS[@]}"; do
         curl -fsS -o /dev/null -X POST "$u/reset_prefix_cache"
     done
@@ -363,7 +358,6 @@ print('balancer CPU %.1f s, fleet CPU %.1f s, replayer CPU %.1f s, in %.1f s wal
     stop_tree "$BALANCER_PID"
     BALANCER_PID=""
 done
-if [ "$ORDER" = "$BALANCERS" ]; then ORDER=$REVERSED; else ORDER=$BALANCERS; fi
 done
 
 # With several rounds, each balancer's run with the lowest p99 TTFT goes in the table (a busy

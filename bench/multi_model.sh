@@ -285,13 +285,8 @@ fi
 
 FAILED=()
 NOTES=()
-ORDER=$BALANCERS
-REVERSED=$(echo "$BALANCERS" | tr ' ' '\n' | grep . | tac | tr '\n' ' ')
 for round in $(seq "$ROUNDS"); do
-for name in $ORDER; do
-    if grep -q "^$name\$" "$TMP/failed" 2>/dev/null; then
-        continue
-    fi
+for name in $(round_order "$round"); do
     for u in "${REPLICA_URLS[@]}"; do
         curl -fsS -o /dev/null -X POST "$u/reset_prefix_cache"
     done
@@ -325,7 +320,6 @@ for name in $ORDER; do
     stop_tree "$BALANCER_PID"
     BALANCER_PID=""
 done
-if [ "$ORDER" = "$BALANCERS" ]; then ORDER=$REVERSED; else ORDER=$BALANCERS; fi
 done
 
 # --- report: one table per round ----------------------------------------------------------

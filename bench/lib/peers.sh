@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Sourced by bench/e2e_peers.sh and bench/multi_model.sh, which run kvlb and its peers
 # (sglang-router, vllm-router) in front of simulated fleets: the peers' venv, the kvlb binary,
-# and the process bookkeeping both scripts share. Expects ROOT, VENV, LIB and PIN.
+# the process bookkeeping and the order of the rounds both scripts share. Expects ROOT, VENV,
+# LIB and PIN (round_order: BALANCERS and TMP).
 
 # The peers' venv (bench/requirements-e2e.txt), installed idempotently: a stamp of the
 # requirements and the interpreter skips pip when nothing changed.
@@ -71,4 +72,17 @@ wait_http() {
         sleep 0.1
     done
     return 1
+}
+
+# The balancers of round $1 (counted from 1), in the order they run: BALANCERS in odd rounds,
+# reversed in even ones (so no balancer always runs first on a fresh fleet), leaving out
+# those named in $TMP/failed (one per line: did not start, or their replay failed).
+round_order() {
+    local order=$BALANCERS name
+    if [ $(($1 % 2)) -eq 0 ]; then
+        order=$(echo "$BALANCERS" | tr ' ' '\n' | grep . | tac | tr '\n' ' ')
+    fi
+    for name in $order; do
+        grep -qx "$name" "$TMP/failed" 2>/dev/null || echo "$name"
+    done
 }
