@@ -67,10 +67,15 @@ fn wait_models(kvlb: &Kvlb, want: &[Option<&[&str]>]) {
 }
 
 fn chat(model: &str, text: &str) -> Vec<u8> {
+    chat_tokens(model, text, 2)
+}
+
+/// A chat request for `max_tokens` tokens.
+fn chat_tokens(model: &str, text: &str, max_tokens: u32) -> Vec<u8> {
     json!({
         "model": model,
         "messages": [{"role": "user", "content": text}],
-        "max_tokens": 2,
+        "max_tokens": max_tokens,
     })
     .to_string()
     .into_bytes()
@@ -473,13 +478,8 @@ fn a_busy_adapter_spreads_to_a_second_replica_of_its_base() {
             std::thread::spawn(move || {
                 let mut conn = HttpConn::connect(listen);
                 let text = format!("document {i}: ") + &format!("line {i} of many. ").repeat(800);
-                let body = json!({
-                    "model": "sql",
-                    "messages": [{"role": "user", "content": text}],
-                    "max_tokens": 4,
-                })
-                .to_string();
-                let r = post(&mut conn, "/v1/chat/completions", body.as_bytes());
+                let body = chat_tokens("sql", &text, 4);
+                let r = post(&mut conn, "/v1/chat/completions", &body);
                 (r.status, r.header("x-kvlb-replica").map(str::to_string))
             })
         })
@@ -573,14 +573,9 @@ fn a_replica_whose_lora_slots_are_held_by_another_adapter_loses_its_hit() {
     let long = std::thread::spawn(move || {
         let mut direct = HttpConn::connect(busy);
         direct.set_read_timeout(Duration::from_secs(60));
-        let body = json!({
-            "model": "chat",
-            "messages": [{"role": "user", "content": "tell a long story"}],
-            "max_tokens": 300,
-        })
-        .to_string();
+        let body = chat_tokens("chat", "tell a long story", 300);
         let started = std::time::Instant::now();
-        let r = post(&mut direct, "/v1/chat/completions", body.as_bytes());
+        let r = post(&mut direct, "/v1/chat/completions", &body);
         assert_eq!(r.status, 200, "{}", r.describe());
         started.elapsed()
     });
@@ -660,13 +655,8 @@ fn kvlbs_own_adapter_requests_fill_the_slots_before_any_scrape_shows_them() {
     let long = std::thread::spawn(move || {
         let mut conn = HttpConn::connect(listen);
         conn.set_read_timeout(Duration::from_secs(60));
-        let body = json!({
-            "model": "chat",
-            "messages": [{"role": "user", "content": "tell a long story"}],
-            "max_tokens": 200,
-        })
-        .to_string();
-        post(&mut conn, "/v1/chat/completions", body.as_bytes()).status
+        let body = chat_tokens("chat", "tell a long story", 200);
+        post(&mut conn, "/v1/chat/completions", &body).status
     });
     assert!(wait_until(T, || replicas_json(&kvlb)[0]["in_flight"]
         .as_u64()
