@@ -142,7 +142,7 @@ pub static HOT_PREFIX_SPILLS: Family = Family::counter(
 pub static LORA_SLOT_WAITS: Family = Family::counter(
     "kvlb_lora_slot_waits_total",
     &[],
-    "Requests for a LoRA adapter sent to a replica whose LoRA batch slots (vLLM max_loras) its last /metrics showed held by other adapters: they wait there for one. Growing: more slots (--max-loras) or more replicas for the adapters.",
+    "Requests for a LoRA adapter sent to a replica whose LoRA batch slots (vLLM max_loras) were held by other adapters, as its last /metrics and kvlb's own requests there showed: they wait there for one. Growing: more slots (--max-loras) or more replicas for the adapters.",
 );
 pub static UNPARSED_PROMPTS: Family = Family::counter(
     "kvlb_unparsed_prompts_total",

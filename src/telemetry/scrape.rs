@@ -169,14 +169,15 @@ pub fn label_value<'a>(labels: &'a str, name: &str) -> Option<std::borrow::Cow<'
             let mut out = String::with_capacity(raw.len());
             let mut chars = raw.chars();
             while let Some(c) = chars.next() {
-                match (c, c == '\\') {
-                    (_, false) => out.push(c),
-                    (_, true) => match chars.next() {
-                        Some('n') => out.push('\n'),
-                        Some(e) => out.push(e),
-                        None => {}
+                let c = match c {
+                    '\\' => match chars.next() {
+                        Some('n') => '\n',
+                        Some(e) => e,
+                        None => break,
                     },
-                }
+                    c => c,
+                };
+                out.push(c);
             }
             return Some(out.into());
         }
