@@ -1,11 +1,12 @@
-//! OpenAI request body -> canonical prompt prefix. Pure, no I/O, no allocation.
+//! API request body -> canonical prompt prefix. Pure, no I/O, no allocation.
 //!
 //! kvlb routes a request to the replica that already holds most of its prompt in KV cache, so
 //! it needs a name for "the prompt so far" that is the same for equal prompts however the client
 //! wrote the JSON. This module owns that canonical form: it reads the raw body bytes of
-//! `POST /v1/completions` or `POST /v1/chat/completions` (replica-interfaces.md section 3) and
-//! streams the canonical prefix as pieces into a [`PromptSink`]; `prefix` cuts the stream into
-//! blocks and hashes them.
+//! `POST /v1/completions` or `POST /v1/chat/completions` (replica-interfaces.md section 3),
+//! `POST /v1/responses` (OpenAI's Responses API) or `POST /v1/messages` (Anthropic's Messages
+//! API) and streams the canonical prefix as pieces into a [`PromptSink`]; `prefix` cuts the
+//! stream into blocks and hashes them.
 //!
 //! # Canonical form
 //! Whatever order the keys come in, pieces come out in this order (`\0` is a NUL byte; strings
@@ -21,6 +22,23 @@
 //!    `\0name\0<name>`. Nothing follows the last message, so the canonical bytes of a
 //!    conversation are a prefix of those of its next turn (same model and tools, more messages).
 //! 4. Completions with text: `\0prompt\0<text>` for the string, or for each string of a list.
+//! 5. Responses: `instructions` as a system message (`\0role:system\0<text>`, as vLLM renders
+//!    it), then `input`: a string as a user message; of a list, each item whose `type` is absent
+//!    or `message` as a chat message, any other item (function calls and their outputs,
+//!    reasoning, ...) as `\0item\0` + its canonical JSON.
+//! 6. Messages: `system` as a system message (a string, or its blocks as content parts; a text
+//!    block starting with `x-anthropic-billing-header`, a per-request hash some agents send, is
+//!    left out as vLLM leaves it out), then `messages` as chat messages.
+//!
+//! In content parts, `input_text` and `output_text` parts are text parts; Anthropic's
+//! `tool_use` block is `\0tool_call\0<name>\0<canonical input>`, its `tool_result` block
+//! `\0tool_call_id\0<tool_use_id>\0` + its content (a string, or text blocks with `\n` between
+//! them and other blocks as below); any other part's canonical JSON leaves out its
+//! `cache_control` member, the prompt caching marker agents move to the newest block every
+//! turn. So each of the three conversational APIs has the prefix property of chat: a turn's
+//! canonical bytes are a prefix of the next turn's. A Responses request that continues with
+//! `previous_response_id` carries only its new input: its history is on the replica that
+//! stored the previous response, where kvlb sends it (`affinity`).
 //!
 //! Completions whose `prompt` is token ids (a list of ints, or a list of lists: the first is
 //! used) produce [`Piece::Token`]s only, no text: token-mode block hashes must equal the hashes
@@ -97,13 +115,17 @@ pub use scan::MAX_DEPTH;
 use scan::{Cursor, Emit, STOP};
 use std::fmt;
 
-/// Which OpenAI endpoint a body belongs to.
+/// Which API endpoint a body belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     /// `POST /v1/completions`: `prompt`.
     Completions,
     /// `POST /v1/chat/completions`: `messages`.
     ChatCompletions,
+    /// `POST /v1/responses` (OpenAI's Responses API): `instructions` and `input`.
+    Responses,
+    /// `POST /v1/messages` (Anthropic's Messages API): `system` and `messages`.
+    Messages,
 }
 
 impl Endpoint {
@@ -116,6 +138,8 @@ impl Endpoint {
         match path {
             b"/v1/completions" => Some(Endpoint::Completions),
             b"/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            b"/v1/responses" => Some(Endpoint::Responses),
+            b"/v1/messages" => Some(Endpoint::Messages),
             _ => None,
         }
     }
@@ -280,7 +304,7 @@ pub enum Extent {
 /// metric (see [`PromptError::label`]) and routes the request without prefix affinity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PromptError {
-    /// Not `/v1/completions` or `/v1/chat/completions`.
+    /// Not one of the prompt paths of [`Endpoint`].
     NotAPromptPath,
     /// The body ends inside a value (or is empty).
     Truncated,
@@ -323,7 +347,7 @@ impl fmt::Display for PromptError {
             PromptError::NotAPromptPath => {
                 write!(
                     f,
-                    "not a prompt path: expected /v1/completions or /v1/chat/completions"
+                    "not a prompt path: expected /v1/completions, /v1/chat/completions, /v1/responses or /v1/messages"
                 )
             }
             PromptError::Truncated => write!(f, "request body ends inside a JSON value"),
@@ -361,6 +385,15 @@ const TOOL_CALL: &[u8] = b"\x00tool_call\x00";
 const TOOL_CALL_ID: &[u8] = b"\x00tool_call_id\x00";
 const NAME: &[u8] = b"\x00name\x00";
 const PROMPT: &[u8] = b"\x00prompt\x00";
+const SYSTEM_ROLE: &[u8] = b"\x00role:system\x00";
+const USER_ROLE: &[u8] = b"\x00role:user\x00";
+const ITEM: &[u8] = b"\x00item\x00";
+/// The member of a content block that clients move from turn to turn (Anthropic's prompt
+/// caching marker): left out of a block's canonical JSON.
+const CACHE_CONTROL: &[u8] = b"cache_control";
+/// The start of a system block whose text changes with every request (a per-request hash
+/// some agents send): such a block is left out, as vLLM leaves it out of the prompt.
+const BILLING_HEADER: &[u8] = b"\"x-anthropic-billing-header";
 
 /// Calls `emit` with the decoded pieces of the string member `key` of the JSON object `body`
 /// (the last one, as the engines' JSON parsers keep the last of duplicate keys), skimming the
@@ -525,7 +558,17 @@ fn second_pass(
         }
     }
     match endpoint {
-        Endpoint::ChatCompletions => {
+        Endpoint::Responses => {
+            if let Some(start) = fields.instructions {
+                instructions(body, start, text)?;
+            }
+            let start = fields.messages.ok_or(PromptError::MissingField("input"))?;
+            responses_input(body, start, text)?;
+        }
+        Endpoint::ChatCompletions | Endpoint::Messages => {
+            if let Some(start) = fields.instructions {
+                system(body, start, text)?;
+            }
             let start = fields
                 .messages
                 .ok_or(PromptError::MissingField("messages"))?;
@@ -1080,7 +1123,10 @@ struct TopLevel {
     /// SGLang's adapter field (a name, despite its name), read for [`PromptSink::field`] only.
     lora_path: Option<usize>,
     tools: Option<usize>,
+    /// Chat's and Messages' `messages`, the Responses API's `input`.
     messages: Option<usize>,
+    /// The Responses API's `instructions`, Messages' `system`.
+    instructions: Option<usize>,
     prompt: Option<usize>,
     /// A completions prompt of token ids was emitted during this pass (token mode needs nothing
     /// else from the body, so it takes one pass).
@@ -1114,13 +1160,17 @@ fn top_level(
     let members = c.object(0, |c, key| {
         budget.work(MEMBER_WORK)?;
         c.skip_ws();
-        let slot = match key {
-            b"model" => Some((&mut fields.model, "model")),
-            b"cache_salt" => Some((&mut fields.cache_salt, "cache_salt")),
-            b"lora_path" => Some((&mut fields.lora_path, "lora_path")),
-            b"tools" => Some((&mut fields.tools, "tools")),
-            b"messages" => Some((&mut fields.messages, "messages")),
-            b"prompt" => Some((&mut fields.prompt, "prompt")),
+        use Endpoint::*;
+        let slot = match (key, endpoint) {
+            (b"model", _) => Some((&mut fields.model, "model")),
+            (b"cache_salt", _) => Some((&mut fields.cache_salt, "cache_salt")),
+            (b"lora_path", _) => Some((&mut fields.lora_path, "lora_path")),
+            (b"tools", _) => Some((&mut fields.tools, "tools")),
+            (b"messages", ChatCompletions | Messages) => Some((&mut fields.messages, "messages")),
+            (b"input", Responses) => Some((&mut fields.messages, "input")),
+            (b"instructions", Responses) => Some((&mut fields.instructions, "instructions")),
+            (b"system", Messages) => Some((&mut fields.instructions, "system")),
+            (b"prompt", Completions) => Some((&mut fields.prompt, "prompt")),
             _ => None,
         };
         if let Some((slot, name)) = slot {
@@ -1137,13 +1187,12 @@ fn top_level(
             }
             // The big values the second pass reads in full (escapes included) are only skimmed
             // here; the rest is checked now, whatever the second pass does.
-            if endpoint == Endpoint::ChatCompletions && name == "messages" {
+            if name == "messages" {
                 return record_messages(c, record, budget);
             }
-            let reread = match endpoint {
-                Endpoint::ChatCompletions => matches!(name, "messages" | "tools"),
-                Endpoint::Completions => name == "prompt",
-            };
+            // (A completions prompt of token ids leaves `tools` unread: checked here.)
+            let reread = matches!(name, "input" | "instructions" | "system" | "prompt")
+                || (name == "tools" && endpoint != Endpoint::Completions);
             if reread {
                 return budget.skip(c, 1, false);
             }
@@ -1259,6 +1308,110 @@ fn messages_from(
             b']' => return Ok(()),
             _ => return Err(c.syntax()),
         }
+    }
+}
+
+/// The Responses API's `instructions`: a system message (vLLM renders it as one), or null.
+fn instructions(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
+    let mut c = Cursor::new(body, start);
+    match c.peek_token()? {
+        b'n' => c.null().map(|_| ()),
+        b'"' => {
+            text.emit(SYSTEM_ROLE);
+            c.string_to(text)
+        }
+        _ => Err(PromptError::WrongType("instructions")),
+    }
+}
+
+/// Anthropic's `system`: a string, or text blocks read as a message's content parts (a block
+/// whose text starts with [`BILLING_HEADER`] left out), as a system message; or null.
+fn system(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
+    let mut c = Cursor::new(body, start);
+    match c.peek_token()? {
+        b'n' => c.null().map(|_| ()),
+        b'"' => {
+            text.emit(SYSTEM_ROLE);
+            c.string_to(text)
+        }
+        b'[' => {
+            text.emit(SYSTEM_ROLE);
+            let mut text_parts = 0usize;
+            c.array(1, |c, _| {
+                if billing_header(c.buf, c.pos) {
+                    return text.skip(c, 2);
+                }
+                content_part(c, &mut text_parts, text)
+            })
+        }
+        _ => Err(PromptError::WrongType("system")),
+    }
+}
+
+/// Whether the block at `at` is a text block whose text starts with [`BILLING_HEADER`] (as
+/// written: such headers hold no escapes). Anything unreadable is not: the reader reports it.
+fn billing_header(buf: &[u8], at: usize) -> bool {
+    let mut c = Cursor::new(buf, at);
+    let mut found = false;
+    let read = c.peek_token() == Ok(b'{')
+        && c.object(2, |c, key| {
+            if key == b"text" {
+                c.skip_ws();
+                found = buf[c.pos..].starts_with(BILLING_HEADER);
+            }
+            c.skim_fast()
+        })
+        .is_ok();
+    read && found
+}
+
+/// The Responses API's `input`: a string (one user message), or a list of items.
+fn responses_input(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
+    let mut c = Cursor::new(body, start);
+    match c.peek_token()? {
+        b'"' => {
+            text.message(0)?;
+            text.emit(USER_ROLE);
+            c.string_to(text)
+        }
+        b'[' => c.array(1, |c, index| {
+            text.message(index)?;
+            response_item(c, text)
+        }),
+        _ => Err(PromptError::WrongType("input")),
+    }
+}
+
+/// One input item: a message (`type` absent or "message") as a chat message; any other item
+/// (function calls and their outputs, reasoning, ...) as [`ITEM`] and its canonical JSON.
+fn response_item(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), PromptError> {
+    if c.peek_token()? != b'{' {
+        return Err(PromptError::WrongType("input[]"));
+    }
+    let mut probe = Cursor::new(c.buf, c.pos);
+    let mut message_type = true;
+    let _ = probe.object(MESSAGE_DEPTH - 1, |p, key| {
+        if key == b"type" && p.peek_token()? == b'"' {
+            let mut name = [0u8; 8];
+            let mut len = 0usize;
+            p.string(&mut |piece: &[u8]| {
+                for &b in piece {
+                    if let Some(slot) = name.get_mut(len) {
+                        *slot = b;
+                    }
+                    len += 1;
+                }
+            })?;
+            message_type = name.get(..len) == Some(b"message");
+            return Ok(());
+        }
+        p.skim_fast()
+    });
+    if message_type {
+        message(c, text)
+    } else {
+        text.emit(ITEM);
+        c.value_to(MESSAGE_DEPTH - 1, text)
     }
 }
 
@@ -1406,11 +1559,24 @@ enum PartType {
     Unknown,
     Text,
     ImageUrl,
+    ToolUse,
+    ToolResult,
     Other,
 }
 
 /// Depth of a content part's values: message (3) > content array (4) > part (5).
 const PART_DEPTH: usize = MESSAGE_DEPTH + 2;
+
+/// Where the members of a content part that kvlb reads start.
+#[derive(Default)]
+struct PartFields {
+    text: Option<usize>,
+    image_url: Option<usize>,
+    name: Option<usize>,
+    input: Option<usize>,
+    tool_use_id: Option<usize>,
+    content: Option<usize>,
+}
 
 /// One element of a content array; `text_parts` counts text parts emitted so far in it.
 fn content_part(
@@ -1424,66 +1590,50 @@ fn content_part(
         return Err(PromptError::WrongType("messages[].content[]"));
     }
     let mut kind = PartType::Unknown;
-    let mut text_at = None;
-    let mut image_at = None;
+    let mut at = PartFields::default();
     let mut streamed = false;
     c.object(PART_DEPTH - 1, |c, key| {
         text.member()?;
         c.skip_ws();
-        match key {
+        let (slot, name) = match key {
             b"type" => {
                 if kind != PartType::Unknown {
                     return Err(PromptError::DuplicateKey("messages[].content[].type"));
                 }
-                if c.peek_token()? != b'"' {
-                    return Err(PromptError::WrongType("messages[].content[].type"));
-                }
-                let mut name = [0u8; 10];
-                let mut len = 0usize;
-                c.string(&mut |p: &[u8]| {
-                    for &b in p {
-                        if let Some(slot) = name.get_mut(len) {
-                            *slot = b;
-                        }
-                        len += 1;
-                    }
-                })?;
-                kind = match name.get(..len) {
-                    Some(b"text") => PartType::Text,
-                    Some(b"image_url") => PartType::ImageUrl,
-                    _ => PartType::Other,
-                };
-                Ok(())
+                kind = part_type(c)?;
+                return Ok(());
             }
             b"text" => {
-                if text_at.is_some() {
+                if at.text.is_some() {
                     return Err(PromptError::DuplicateKey("messages[].content[].text"));
                 }
-                text_at = Some(c.pos);
+                at.text = Some(c.pos);
                 if kind == PartType::Text {
                     // Its turn: emit while scanning.
                     streamed = true;
-                    part_text(c, text_parts, text)
-                } else {
-                    text.skip(c, PART_DEPTH)
+                    return part_text(c, text_parts, text);
                 }
+                return text.skip(c, PART_DEPTH);
             }
-            b"image_url" => {
-                if image_at.is_some() {
-                    return Err(PromptError::DuplicateKey("messages[].content[].image_url"));
-                }
-                image_at = Some(c.pos);
-                text.skip(c, PART_DEPTH)
-            }
-            _ => text.skip(c, PART_DEPTH),
+            b"image_url" => (&mut at.image_url, "messages[].content[].image_url"),
+            b"name" => (&mut at.name, "messages[].content[].name"),
+            b"input" => (&mut at.input, "messages[].content[].input"),
+            b"tool_use_id" => (&mut at.tool_use_id, "messages[].content[].tool_use_id"),
+            b"content" => (&mut at.content, "messages[].content[].content"),
+            _ => return text.skip(c, PART_DEPTH),
+        };
+        if slot.is_some() {
+            return Err(PromptError::DuplicateKey(name));
         }
+        *slot = Some(c.pos);
+        text.skip(c, PART_DEPTH)
     })?;
     let buf = c.buf;
     // A part without "type" is read by its payload, as servers do.
     if kind == PartType::Unknown {
-        kind = if text_at.is_some() {
+        kind = if at.text.is_some() {
             PartType::Text
-        } else if image_at.is_some() {
+        } else if at.image_url.is_some() {
             PartType::ImageUrl
         } else {
             PartType::Other
@@ -1492,19 +1642,167 @@ fn content_part(
     match kind {
         PartType::Text => {
             if !streamed {
-                let at = text_at.ok_or(PromptError::MissingField("messages[].content[].text"))?;
+                let at = at
+                    .text
+                    .ok_or(PromptError::MissingField("messages[].content[].text"))?;
                 part_text(&mut Cursor::new(buf, at), text_parts, text)?;
             }
         }
         PartType::ImageUrl => {
-            let at = image_at.ok_or(PromptError::MissingField("messages[].content[].image_url"))?;
+            let at = at
+                .image_url
+                .ok_or(PromptError::MissingField("messages[].content[].image_url"))?;
             image_url(&mut Cursor::new(buf, at), text)?;
+        }
+        PartType::ToolUse => {
+            const NAME_FIELD: &str = "messages[].content[].name";
+            let name = at.name.ok_or(PromptError::MissingField(NAME_FIELD))?;
+            let input = at
+                .input
+                .ok_or(PromptError::MissingField("messages[].content[].input"))?;
+            let mut n = Cursor::new(buf, name);
+            if n.peek_token()? != b'"' {
+                return Err(PromptError::WrongType(NAME_FIELD));
+            }
+            text.emit(TOOL_CALL);
+            n.string_to(text)?;
+            text.emit(END);
+            Cursor::new(buf, input).value_to(PART_DEPTH, text)?;
+        }
+        PartType::ToolResult => {
+            const ID_FIELD: &str = "messages[].content[].tool_use_id";
+            let id = at.tool_use_id.ok_or(PromptError::MissingField(ID_FIELD))?;
+            let mut i = Cursor::new(buf, id);
+            if i.peek_token()? != b'"' {
+                return Err(PromptError::WrongType(ID_FIELD));
+            }
+            text.emit(TOOL_CALL_ID);
+            i.string_to(text)?;
+            text.emit(END);
+            if let Some(content) = at.content {
+                tool_result_content(&mut Cursor::new(buf, content), text)?;
+            }
         }
         _ => {
             text.emit(OTHER_PART);
-            Cursor::new(buf, part_start).value_to(PART_DEPTH - 1, text)?;
+            object_without(
+                &mut Cursor::new(buf, part_start),
+                PART_DEPTH - 1,
+                CACHE_CONTROL,
+                text,
+            )?;
         }
     }
+    Ok(())
+}
+
+/// A content part's `type`, the cursor on its value.
+fn part_type(c: &mut Cursor<'_>) -> Result<PartType, PromptError> {
+    if c.peek_token()? != b'"' {
+        return Err(PromptError::WrongType("messages[].content[].type"));
+    }
+    let mut name = [0u8; 12];
+    let mut len = 0usize;
+    c.string(&mut |p: &[u8]| {
+        for &b in p {
+            if let Some(slot) = name.get_mut(len) {
+                *slot = b;
+            }
+            len += 1;
+        }
+    })?;
+    Ok(match name.get(..len) {
+        Some(b"text" | b"input_text" | b"output_text") => PartType::Text,
+        Some(b"image_url") => PartType::ImageUrl,
+        Some(b"tool_use") => PartType::ToolUse,
+        Some(b"tool_result") => PartType::ToolResult,
+        _ => PartType::Other,
+    })
+}
+
+/// A `tool_result` block's `content`: a string, or blocks whose text parts give their text
+/// (`\n` between them) and any other block its canonical JSON without `cache_control`.
+fn tool_result_content(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), PromptError> {
+    const FIELD: &str = "messages[].content[].content";
+    const DEPTH: usize = PART_DEPTH + 1;
+    match c.peek_token()? {
+        b'"' => c.string_to(text),
+        b'n' => c.null().map(|_| ()),
+        b'[' => {
+            let mut text_parts = 0usize;
+            c.array(PART_DEPTH, |c, _| {
+                text.part()?;
+                if c.peek_token()? != b'{' {
+                    return Err(PromptError::WrongType("messages[].content[].content[]"));
+                }
+                let start = c.pos;
+                let mut is_text = false;
+                let mut text_at = None;
+                c.object(DEPTH, |c, key| {
+                    text.member()?;
+                    c.skip_ws();
+                    match key {
+                        b"type" => is_text = part_type(c)? == PartType::Text,
+                        b"text" => {
+                            text_at = Some(c.pos);
+                            text.skip(c, DEPTH + 1)?;
+                        }
+                        _ => text.skip(c, DEPTH + 1)?,
+                    }
+                    Ok(())
+                })?;
+                match (is_text, text_at) {
+                    (true, Some(at)) => {
+                        part_text(&mut Cursor::new(c.buf, at), &mut text_parts, text)
+                    }
+                    _ => {
+                        text.emit(OTHER_PART);
+                        object_without(&mut Cursor::new(c.buf, start), DEPTH, CACHE_CONTROL, text)
+                    }
+                }
+            })
+        }
+        _ => Err(PromptError::WrongType(FIELD)),
+    }
+}
+
+/// The object at the cursor in canonical JSON (as [`Cursor::value_to`] writes it) without its
+/// member `drop` (at its top level only).
+fn object_without(
+    c: &mut Cursor<'_>,
+    depth: usize,
+    drop: &[u8],
+    text: &mut impl Reader,
+) -> Result<(), PromptError> {
+    c.expect(b'{')?;
+    text.emit(b"{");
+    let mut first = true;
+    if c.peek_token()? != b'}' {
+        loop {
+            let key_at = c.pos;
+            let mut key = [0u8; 16];
+            let len = c.object_key(&mut key)?;
+            if len == drop.len() && key.get(..len) == Some(drop) {
+                text.skip(c, depth + 1)?;
+            } else {
+                if !first {
+                    text.emit(b",");
+                }
+                first = false;
+                text.emit(b"\"");
+                Cursor::new(c.buf, key_at).string_to(text)?;
+                text.emit(b"\":");
+                c.value_to(depth + 1, text)?;
+            }
+            match c.peek_token()? {
+                b',' => c.pos += 1,
+                b'}' => break,
+                _ => return Err(c.syntax()),
+            }
+        }
+    }
+    c.pos += 1;
+    text.emit(b"}");
     Ok(())
 }
 

@@ -44,7 +44,17 @@ pub(crate) fn reference_extract_prompt(
         }
     }
     match endpoint {
-        Endpoint::ChatCompletions => {
+        Endpoint::Responses => {
+            if let Some(start) = fields.instructions {
+                instructions(body, start, text)?;
+            }
+            let start = fields.messages.ok_or(PromptError::MissingField("input"))?;
+            responses_input(body, start, text)?;
+        }
+        Endpoint::ChatCompletions | Endpoint::Messages => {
+            if let Some(start) = fields.instructions {
+                system(body, start, text)?;
+            }
             let start = fields
                 .messages
                 .ok_or(PromptError::MissingField("messages"))?;
@@ -65,6 +75,7 @@ struct ReferenceTopLevel {
     cache_salt: Option<usize>,
     tools: Option<usize>,
     messages: Option<usize>,
+    instructions: Option<usize>,
     prompt: Option<usize>,
     /// A completions prompt of token ids was emitted during this pass (token mode needs nothing
     /// else from the body, so it takes one pass).
@@ -95,12 +106,16 @@ fn reference_top_level(
     let mut fields = ReferenceTopLevel::default();
     c.object(0, |c, key| {
         c.skip_ws();
-        let slot = match key {
-            b"model" => Some((&mut fields.model, "model")),
-            b"cache_salt" => Some((&mut fields.cache_salt, "cache_salt")),
-            b"tools" => Some((&mut fields.tools, "tools")),
-            b"messages" => Some((&mut fields.messages, "messages")),
-            b"prompt" => Some((&mut fields.prompt, "prompt")),
+        use Endpoint::*;
+        let slot = match (key, endpoint) {
+            (b"model", _) => Some((&mut fields.model, "model")),
+            (b"cache_salt", _) => Some((&mut fields.cache_salt, "cache_salt")),
+            (b"tools", _) => Some((&mut fields.tools, "tools")),
+            (b"messages", ChatCompletions | Messages) => Some((&mut fields.messages, "messages")),
+            (b"input", Responses) => Some((&mut fields.messages, "input")),
+            (b"instructions", Responses) => Some((&mut fields.instructions, "instructions")),
+            (b"system", Messages) => Some((&mut fields.instructions, "system")),
+            (b"prompt", Completions) => Some((&mut fields.prompt, "prompt")),
             _ => None,
         };
         if let Some((slot, name)) = slot {
@@ -117,10 +132,10 @@ fn reference_top_level(
             }
             // The big values the second pass reads in full (escapes included) are only skimmed
             // here; the rest is checked now, whatever the second pass does.
-            let reread = match endpoint {
-                Endpoint::ChatCompletions => matches!(name, "messages" | "tools"),
-                Endpoint::Completions => name == "prompt",
-            };
+            let reread = matches!(
+                name,
+                "messages" | "input" | "instructions" | "system" | "prompt"
+            ) || (name == "tools" && endpoint != Endpoint::Completions);
             if reread {
                 return c.skim(1);
             }
@@ -197,6 +212,16 @@ fn paths_pick_the_endpoint() {
         Endpoint::from_path(b"/v1/chat/completions?x=1"),
         Some(Endpoint::ChatCompletions)
     );
+    assert_eq!(
+        Endpoint::from_path(b"/v1/responses"),
+        Some(Endpoint::Responses)
+    );
+    assert_eq!(
+        Endpoint::from_path(b"/v1/messages"),
+        Some(Endpoint::Messages)
+    );
+    assert_eq!(Endpoint::from_path(b"/v1/responses/resp_1"), None);
+    assert_eq!(Endpoint::from_path(b"/v1/messages/count_tokens"), None);
     assert_eq!(Endpoint::from_path(b"/v1/models"), None);
     assert_eq!(Endpoint::from_path(b"/v1/completionsx"), None);
     assert_eq!(Endpoint::from_path(b""), None);
@@ -848,7 +873,18 @@ pub(crate) fn random_body(rng: &mut Rng) -> String {
             r#""role":"{}""#,
             ["user", "assistant", "system", "tool"][rng.next() as usize % 4]
         )];
-        match rng.next() % 6 {
+        match rng.next() % 8 {
+            6 => fields.push(format!(
+                r#""content":[{{"type":"tool_use","id":"t","name":"f","input":{{"a":"{}"}},"cache_control":{{"type":"ephemeral"}}}},{{"cache_control":{{}},"type":"tool_result","tool_use_id":"t","content":[{{"type":"text","text":"{}"}},{{"type":"image","cache_control":1}}]}},{{"type":"output_text","text":"{}"}}]"#,
+                text(rng),
+                text(rng),
+                text(rng)
+            )),
+            7 => fields.push(format!(
+                r#""type":"{}","content":[{{"type":"input_text","text":"{}"}}]"#,
+                ["message", "function_call", "reasoning"][rng.next() as usize % 3],
+                text(rng)
+            )),
             0 => fields.push(format!(
                 r#""content":[{{"type":"text","text":"{}"}},{{"text":"{}","type":"text"}},{{"type":"image_url","image_url":{{"url":"u{}"}}}},{{"type":"x","y":[1,2]}}]"#,
                 text(rng),
@@ -898,6 +934,19 @@ pub(crate) fn random_body(rng: &mut Rng) -> String {
     if rng.next().is_multiple_of(20) {
         top.push(r#""messages":[]"#.to_string());
     }
+    match rng.next() % 8 {
+        0 => top.push(format!(r#""system":"{}""#, text(rng))),
+        1 => top.push(format!(
+            r#""system":[{{"type":"text","text":"x-anthropic-billing-header: {}"}},{{"text":"{}","type":"text","cache_control":{{"type":"ephemeral"}}}}]"#,
+            rng.next(),
+            text(rng)
+        )),
+        2 => top.push(format!(r#""instructions":"{}""#, text(rng))),
+        3 => top.push(format!(r#""input":"{}""#, text(rng))),
+        4 => top.push(format!(r#""input":[{}]"#, messages.join(","))),
+        5 => top.push(r#""instructions":7"#.to_string()),
+        _ => {}
+    }
     if rng.next().is_multiple_of(20) {
         top.push(r#""messages":"no""#.to_string());
     }
@@ -940,7 +989,12 @@ fn recording_path_equals_the_two_pass_reference() {
     for _ in 0..6000 {
         let body = random_body(&mut rng);
         let body = body.as_bytes();
-        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+        for endpoint in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Messages,
+            Endpoint::Responses,
+        ] {
             let reference =
                 extracted_with(|mut s| reference_extract_prompt(endpoint, body, &mut s));
             let stack = extracted_with(|mut s| extract_prompt(endpoint, body, &mut s));
@@ -993,7 +1047,12 @@ fn bodies_under_the_bounds_read_as_without_them() {
     for _ in 0..4000 {
         let body = random_body(&mut rng);
         let body = body.as_bytes();
-        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+        for endpoint in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Messages,
+            Endpoint::Responses,
+        ] {
             let reference =
                 extracted_with(|mut s| reference_extract_prompt(endpoint, body, &mut s));
             for scratch in scratches.iter_mut() {
@@ -1033,7 +1092,12 @@ fn a_bound_cuts_the_canonical_prefix_and_nothing_else() {
             max_work: pick(&mut rng, &[0, 5, 20, 80, 400, usize::MAX]),
             max_validated_bytes: pick(&mut rng, &[0, 4, 30, usize::MAX]),
         };
-        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+        for endpoint in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Messages,
+            Endpoint::Responses,
+        ] {
             let reference =
                 extracted_with(|mut s| reference_extract_prompt(endpoint, body, &mut s));
             let scratch = &mut scratches[round % 4];
@@ -1289,5 +1353,227 @@ fn dense_text_stops_at_the_work_bound() {
             "{body:.60}"
         );
         assert!(pieces <= 2 * 10_000 + 8, "{pieces} pieces: {body:.60}");
+    }
+}
+
+fn text_of(endpoint: Endpoint, body: &str) -> Vec<u8> {
+    match canon(endpoint, body) {
+        Ok((PromptForm::Text, text, tokens)) => {
+            assert!(tokens.is_empty());
+            text
+        }
+        other => panic!("{body}: {other:?}"),
+    }
+}
+
+fn responses(body: &str) -> String {
+    String::from_utf8(text_of(Endpoint::Responses, body)).unwrap()
+}
+
+fn anthropic(body: &str) -> String {
+    String::from_utf8(text_of(Endpoint::Messages, body)).unwrap()
+}
+
+#[test]
+fn responses_instructions_and_input() {
+    assert_eq!(
+        responses(r#"{"input":"Hi","instructions":"Be brief.","model":"m"}"#),
+        "\0model\0m\0role:system\0Be brief.\0role:user\0Hi"
+    );
+    assert_eq!(
+        responses(r#"{"model":"m","instructions":null,"input":"Hi"}"#),
+        "\0model\0m\0role:user\0Hi"
+    );
+    // Message items read as chat messages, whatever their key order and whichever text part
+    // type; other items as their canonical JSON.
+    let a = responses(
+        r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"Hi"}]},
+            {"type":"function_call","call_id":"c1","name":"ls","arguments":"{}"},
+            {"type":"function_call_output","call_id":"c1","output":"a b"}]}"#,
+    );
+    assert_eq!(
+        a,
+        "\0model\0m\0role:user\0Hi\0item\0{\"type\":\"function_call\",\"call_id\":\"c1\",\"name\":\"ls\",\"arguments\":\"{}\"}\0item\0{\"type\":\"function_call_output\",\"call_id\":\"c1\",\"output\":\"a b\"}"
+    );
+    let b = responses(
+        r#"{"input":[{"content":[{"text":"Hi","type":"input_text"}],"type":"message","role":"user"},
+            {"type":"function_call","call_id":"c1","name":"ls","arguments":"{}"},
+            {"type":"function_call_output","call_id":"c1","output":"a b"}],"model":"m"}"#,
+    );
+    assert_eq!(a, b);
+    // A string input and the same text as an easy message item read alike.
+    assert_eq!(
+        responses(r#"{"model":"m","input":"Hi"}"#),
+        responses(r#"{"model":"m","input":[{"role":"user","content":"Hi"}]}"#)
+    );
+}
+
+/// Turn `turns` of an agent session on the Responses API, resending its whole history.
+fn responses_session(turns: usize) -> String {
+    let mut items = Vec::new();
+    for t in 0..turns {
+        items.push(format!(
+            r#"{{"role":"user","content":[{{"type":"input_text","text":"Step {t}: {}"}}]}}"#,
+            "y".repeat(t * 41)
+        ));
+        if t + 1 < turns {
+            items.push(format!(
+                r#"{{"type":"reasoning","id":"rs_{t}","summary":[],"content":[{{"type":"reasoning_text","text":"think {t}"}}]}}"#
+            ));
+            items.push(format!(
+                r#"{{"type":"function_call","id":"fc_{t}","call_id":"call_{t}","name":"grep","arguments":"{{\"q\":\"{t}\"}}","status":"completed"}}"#
+            ));
+            items.push(format!(
+                r#"{{"type":"function_call_output","call_id":"call_{t}","output":"hit {t}"}}"#
+            ));
+            items.push(format!(
+                r#"{{"type":"message","id":"msg_{t}","role":"assistant","status":"completed","content":[{{"type":"output_text","text":"Done {t}","annotations":[]}}]}}"#
+            ));
+        }
+    }
+    format!(
+        r#"{{"model":"m","instructions":"You are a coding agent.","tools":[{{"type":"function","name":"grep","parameters":{{}}}}],"input":[{}],"stream":true}}"#,
+        items.join(",")
+    )
+}
+
+#[test]
+fn a_responses_session_extends_its_canonical_prefix() {
+    for turn in 1..10 {
+        let now = responses(&responses_session(turn));
+        let next = responses(&responses_session(turn + 1));
+        assert!(next.len() > now.len());
+        assert!(next.starts_with(&now), "turn {turn}");
+    }
+}
+
+#[test]
+fn anthropic_system_and_blocks() {
+    assert_eq!(
+        anthropic(
+            r#"{"model":"m","system":"Be brief.","messages":[{"role":"user","content":"Hi"}]}"#
+        ),
+        "\0model\0m\0role:system\0Be brief.\0role:user\0Hi"
+    );
+    // A per-request billing header block is left out of the system prompt.
+    let with_header = |hash: &str| {
+        anthropic(&format!(
+            r#"{{"model":"m","system":[{{"type":"text","text":"x-anthropic-billing-header: cch={hash};"}},{{"type":"text","text":"You are an agent.","cache_control":{{"type":"ephemeral"}}}}],"messages":[{{"role":"user","content":"Hi"}}]}}"#
+        ))
+    };
+    assert_eq!(with_header("1a2b"), with_header("9f8e"));
+    assert_eq!(
+        with_header("1a2b"),
+        "\0model\0m\0role:system\0You are an agent.\0role:user\0Hi"
+    );
+    // tool_use as a tool call, tool_result as the call's id and its content.
+    assert_eq!(
+        anthropic(
+            r#"{"model":"m","messages":[
+                {"role":"assistant","content":[{"type":"text","text":"Looking."},{"type":"tool_use","id":"toolu_1","name":"ls","input":{"path":"/"}}]},
+                {"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":[{"type":"text","text":"bin"},{"type":"text","text":"etc"}]}]}]}"#
+        ),
+        "\0model\0m\0role:assistant\0Looking.\0tool_call\0ls\0{\"path\":\"/\"}\0role:user\0\0tool_call_id\0toolu_1\0bin\netc"
+    );
+}
+
+/// Turn `turns` of a coding agent on the Messages API, as such agents send it: the prompt
+/// caching marker on the last block of the last message only, so it moves every turn.
+fn anthropic_session(turns: usize) -> String {
+    let mut messages = Vec::new();
+    for t in 0..turns {
+        let last = t + 1 == turns;
+        let marker = if last {
+            r#","cache_control":{"type":"ephemeral"}"#
+        } else {
+            ""
+        };
+        if t == 0 {
+            messages.push(format!(
+                r#"{{"role":"user","content":[{{"type":"text","text":"Fix the bug {}"{marker}}}]}}"#,
+                "z".repeat(30)
+            ));
+        } else {
+            messages.push(format!(
+                r#"{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"toolu_{t}","content":"out {t}"{marker}}}]}}"#
+            ));
+        }
+        if !last {
+            messages.push(format!(
+                r#"{{"role":"assistant","content":[{{"type":"thinking","thinking":"plan {t}","signature":"s{t}"}},{{"type":"tool_use","id":"toolu_{}","name":"bash","input":{{"cmd":"make {t}"}}}}]}}"#,
+                t + 1
+            ));
+        }
+    }
+    format!(
+        r#"{{"model":"m","max_tokens":512,"stream":true,"system":[{{"type":"text","text":"x-anthropic-billing-header: cch={turns};"}},{{"type":"text","text":"You are a coding agent.","cache_control":{{"type":"ephemeral"}}}}],"tools":[{{"name":"bash","input_schema":{{"type":"object"}}}}],"messages":[{}]}}"#,
+        messages.join(",")
+    )
+}
+
+#[test]
+fn an_anthropic_session_extends_its_canonical_prefix_as_the_marker_moves() {
+    for turn in 1..10 {
+        let now = anthropic(&anthropic_session(turn));
+        let next = anthropic(&anthropic_session(turn + 1));
+        assert!(next.len() > now.len());
+        assert!(next.starts_with(&now), "turn {turn}:\n{now:?}\n{next:?}");
+    }
+}
+
+#[test]
+fn malformed_agent_bodies_are_errors() {
+    let responses_cases: &[(&str, PromptError)] = &[
+        (r#"{"model":"m"}"#, PromptError::MissingField("input")),
+        (r#"{"input":5}"#, PromptError::WrongType("input")),
+        (r#"{"input":[5]}"#, PromptError::WrongType("input[]")),
+        (
+            r#"{"input":"x","instructions":[1]}"#,
+            PromptError::WrongType("instructions"),
+        ),
+        (
+            r#"{"input":[{"content":"x"}]}"#,
+            PromptError::MissingField("messages[].role"),
+        ),
+        (
+            r#"{"input":"x","input":"y"}"#,
+            PromptError::DuplicateKey("input"),
+        ),
+    ];
+    for (body, want) in responses_cases {
+        assert_eq!(
+            canon(Endpoint::Responses, body).expect_err(body),
+            *want,
+            "{body}"
+        );
+    }
+    let messages_cases: &[(&str, PromptError)] = &[
+        (
+            r#"{"model":"m","system":"s"}"#,
+            PromptError::MissingField("messages"),
+        ),
+        (
+            r#"{"system":{},"messages":[]}"#,
+            PromptError::WrongType("system"),
+        ),
+        (
+            r#"{"messages":[{"role":"assistant","content":[{"type":"tool_use","input":{}}]}]}"#,
+            PromptError::MissingField("messages[].content[].name"),
+        ),
+        (
+            r#"{"messages":[{"role":"user","content":[{"type":"tool_result","content":"x"}]}]}"#,
+            PromptError::MissingField("messages[].content[].tool_use_id"),
+        ),
+        (
+            r#"{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":7}]}]}"#,
+            PromptError::WrongType("messages[].content[].content"),
+        ),
+    ];
+    for (body, want) in messages_cases {
+        assert_eq!(
+            canon(Endpoint::Messages, body).expect_err(body),
+            *want,
+            "{body}"
+        );
     }
 }
