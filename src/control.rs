@@ -92,6 +92,10 @@ impl Control {
             restart_only.push("max_prompt_tokens");
             new.max_prompt_tokens = old.max_prompt_tokens;
         }
+        if new.response_affinity_entries != old.response_affinity_entries {
+            restart_only.push("response_affinity_entries");
+            new.response_affinity_entries = old.response_affinity_entries;
+        }
 
         // The replica diff: by URL.
         let mut adds = Vec::new();

@@ -30,7 +30,9 @@ pub mod telemetry;
 pub mod worker;
 
 pub use kvlb_cli as cli;
-pub use kvlb_core::{estimate, http, lru, models, prefix, prompt, residency, rng, select};
+pub use kvlb_core::{
+    affinity, estimate, http, lru, models, prefix, prompt, residency, rng, select,
+};
 pub use kvlb_sim::{demo, engine, replay, replica, sim};
 pub use kvlb_tokenize as tokenize;
 pub use kvlb_zmtp as zmtp;

@@ -238,6 +238,14 @@ impl Collector for DataPlaneMetrics {
         families::LORA_SLOT_WAITS
             .describe(&mut enc)?
             .counter(&[], sum(&|w| w.lora_slot_waits.load(Relaxed)))?;
+        let mut s = families::RESPONSE_AFFINITY.describe(&mut enc)?;
+        for (i, label) in metrics::AFFINITY_OUTCOMES.iter().enumerate() {
+            s.counter(&[label], sum(&|w| w.affinity[i].load(Relaxed)))?;
+        }
+        let mut s = families::RESPONSE_IDS.describe(&mut enc)?;
+        for (i, label) in metrics::RESPONSE_ID_OUTCOMES.iter().enumerate() {
+            s.counter(&[label], sum(&|w| w.response_ids[i].load(Relaxed)))?;
+        }
         let mut s = families::UNPARSED_PROMPTS.describe(&mut enc)?;
         for (i, label) in metrics::PROMPT_ERRORS.iter().enumerate() {
             s.counter(&[label], sum(&|w| w.prompt_errors[i].load(Relaxed)))?;

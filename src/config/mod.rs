@@ -429,6 +429,10 @@ pub struct ServeConfig {
     pub queue_size: u32,
     /// How long one may wait before 429.
     pub queue_timeout: Duration,
+    /// Response ids remembered for conversation affinity (0: off).
+    pub response_affinity_entries: usize,
+    /// How long a response id's replica is remembered.
+    pub response_affinity_ttl: Duration,
     /// `tokenizer = PATH`: a Hugging Face tokenizer.json; chat and text completions requests
     /// are then hashed in token mode (see `crate::tokenize`).
     pub tokenizer: Option<String>,
@@ -818,6 +822,8 @@ impl Default for ServeConfig {
             max_in_flight: 0,
             queue_size: 1024,
             queue_timeout: Duration::from_secs(30),
+            response_affinity_entries: 1 << 20,
+            response_affinity_ttl: Duration::from_secs(3600),
             tokenizer: None,
             access_log: None,
             chat_template: None,

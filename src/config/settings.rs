@@ -7,9 +7,9 @@
 #![forbid(unsafe_code)]
 
 use super::values::{
-    one_or_many, Addr, Cores, DnsServer, DnsSource, Dur, DurOrOff, Fraction, ListenerTable,
-    LoraAdapterSpec, OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size, SizeOrOff, Switch,
-    UrlPath, Whole,
+    one_or_many, Addr, AffinityTtl, Cores, DnsServer, DnsSource, Dur, DurOrOff, Fraction,
+    ListenerTable, LoraAdapterSpec, OffOrPath, ProbePath, ReplicaSpec, Seconds, Secret, Size,
+    SizeOrOff, Switch, UrlPath, Whole,
 };
 use super::{
     bad, check_admin_token, load_token_mode, ApiKeys, ConfigError, L4Forwarding, ListenerMode,
@@ -33,8 +33,8 @@ const MAX_PROMPT: u64 = MAX_PROMPT_TOKENS as u64;
 API keys, separated by commas) apply over the file and under the flags, so that secrets need not \
 appear on a command line.\n\nSIGHUP (or POST /reload on the admin listener) rereads the \
 configuration: replicas, policy, limits, timeouts and health settings change without dropping \
-connections or requests; listen, workers, cores, admin, max_replicas and max_prompt_tokens need \
-a restart."
+connections or requests; listen, workers, cores, admin, max_replicas, max_prompt_tokens and \
+response_affinity_entries need a restart."
 )]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeSettings {
@@ -263,6 +263,17 @@ pub struct ServeSettings {
     /// Longest wait in that queue before 429 (default: 30s).
     #[arg(long, value_name = "DUR")]
     pub queue_timeout: Option<Dur>,
+
+    /// Response ids (`resp_...`) whose replica kvlb remembers, so that a Responses API request
+    /// continuing with `previous_response_id` reaches the replica that stored its history;
+    /// 8 bytes each, sized at about twice the ids made within the TTL; 0: off (default:
+    /// 1048576).
+    #[arg(long, value_name = "N")]
+    pub response_affinity_entries: Option<Whole<0, 268_435_456>>,
+
+    /// How long a response id's replica is remembered (default: 1h; at most 24d).
+    #[arg(long, value_name = "DUR")]
+    pub response_affinity_ttl: Option<AffinityTtl>,
 
     /// A Hugging Face tokenizer.json: chat and text completions prompts are hashed as the
     /// engine's token ids, so blocks match its KV events. Without it, prompts are hashed over
@@ -506,6 +517,8 @@ impl ServeSettings {
             max_in_flight,
             queue_size,
             queue_timeout,
+            response_affinity_entries,
+            response_affinity_ttl,
             tokenizer,
             chat_template,
             access_log,
@@ -628,6 +641,14 @@ impl ServeSettings {
         set(&mut cfg.max_in_flight, max_in_flight.map(|v| v.0 as u32));
         set(&mut cfg.queue_size, queue_size.map(|v| v.0 as u32));
         set(&mut cfg.queue_timeout, queue_timeout.map(|v| v.0));
+        set(
+            &mut cfg.response_affinity_entries,
+            response_affinity_entries.map(|v| v.0 as usize),
+        );
+        set(
+            &mut cfg.response_affinity_ttl,
+            response_affinity_ttl.map(|v| v.0),
+        );
         if let Some(p) = tokenizer {
             cfg.tokenizer = Some(p);
         }

@@ -35,6 +35,7 @@ macro_rules! deserialize_from_text {
 deserialize_from_text!(
     Addr,
     Dur,
+    AffinityTtl,
     DurOrOff,
     Size,
     SizeOrOff,
@@ -80,6 +81,26 @@ impl FromStr for Dur {
     type Err = String;
     fn from_str(s: &str) -> Result<Dur, String> {
         parse_duration("", s).map(Dur).map_err(why)
+    }
+}
+
+/// How long a response id's replica is remembered: a duration above 0, at most 24 days (what
+/// the affinity table's clock tells apart).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AffinityTtl(pub Duration);
+
+impl FromStr for AffinityTtl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<AffinityTtl, String> {
+        let d = parse_duration("", s).map_err(why)?;
+        let max = Duration::from_millis(kvlb_core::affinity::MAX_TTL_MS);
+        if d.is_zero() || d > max {
+            return Err(format!(
+                "expected a duration above 0 and at most {}d",
+                max.as_secs() / 86_400
+            ));
+        }
+        Ok(AffinityTtl(d))
     }
 }
 

@@ -283,6 +283,7 @@ async fn first_request(
         key,
         class,
         adapter,
+        pin: None,
     };
     let body_len = match head.body {
         BodyFraming::Length(n) => n.min(u32::MAX as u64) as usize,
@@ -295,7 +296,15 @@ async fn first_request(
         if w.fill_candidates(&[], model).0 == 0 {
             break;
         }
-        let c = w.choose(head.method, path_bytes, body, body_len, parsed, class);
+        let c = w.choose(
+            head.method,
+            path_bytes,
+            body,
+            body_len,
+            parsed,
+            class,
+            false,
+        );
         let epoch = w.shared.fleet.slot(c.replica).epoch.load(Relaxed);
         match adapter.map(|i| i as usize) {
             Some(i) if !w.adapter_held(i, c.replica, epoch) => {

@@ -132,7 +132,7 @@ pub static MATCHED_PREFIX_TOKENS: Family = Family::histogram(
 pub static DECISIONS: Family = Family::counter(
     "kvlb_decisions_total",
     &["reason"],
-    "cache_aware decisions by reason: cache (a resident prefix won), load (queues decided), fallback (no prefix).",
+    "cache_aware decisions by reason: cache (a resident prefix won), load (queues decided), fallback (no prefix), affinity (to the replica that stored the previous response).",
 );
 pub static HOT_PREFIX_SPILLS: Family = Family::counter(
     "kvlb_hot_prefix_spills_total",
@@ -143,6 +143,16 @@ pub static LORA_SLOT_WAITS: Family = Family::counter(
     "kvlb_lora_slot_waits_total",
     &[],
     "Requests for a LoRA adapter sent to a replica whose LoRA batch slots (vLLM max_loras) were held by other adapters, as its last /metrics and kvlb's own requests there showed: they wait there for one. Growing: more slots (--max-loras) or more replicas for the adapters.",
+);
+pub static RESPONSE_AFFINITY: Family = Family::counter(
+    "kvlb_response_affinity_total",
+    &["outcome"],
+    "Requests naming a stored response (previous_response_id, /v1/responses/{id}): routed (to the replica that stored it), unknown (not relayed by this kvlb, or expired or evicted: routed by prefix, the engine answers whether it knows the id), unavailable (its replica is gone or unhealthy: routed elsewhere, where the engine answers not found).",
+);
+pub static RESPONSE_IDS: Family = Family::counter(
+    "kvlb_response_ids_total",
+    &["outcome"],
+    "Successful Responses API answers relayed: learned (their id and replica remembered), evicted (remembered over a live entry: raise response_affinity_entries), missed (no response id in the body's first bytes).",
 );
 pub static UNPARSED_PROMPTS: Family = Family::counter(
     "kvlb_unparsed_prompts_total",
@@ -464,6 +474,8 @@ pub static ALL: &[&Family] = &[
     &DECISIONS,
     &HOT_PREFIX_SPILLS,
     &LORA_SLOT_WAITS,
+    &RESPONSE_AFFINITY,
+    &RESPONSE_IDS,
     &UNPARSED_PROMPTS,
     &PROMPT_TRUNCATED,
     &REQUEST_DURATION,

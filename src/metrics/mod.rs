@@ -98,7 +98,17 @@ impl ValueHistogram {
 }
 
 /// How `cache_aware` decided (index: Reason as usize order cache, load, fallback).
-pub const REASONS: [&str; 3] = ["cache", "load", "fallback"];
+pub const REASONS: [&str; 4] = ["cache", "load", "fallback", "affinity"];
+/// What became of a request naming a stored response (`previous_response_id`, or the id in a
+/// `/v1/responses/{id}` path): sent to the replica that stored it; the id unknown here (another
+/// kvlb relayed it, or it expired or was evicted); its replica gone or unhealthy.
+pub const AFFINITY_OUTCOMES: [&str; 3] = ["routed", "unknown", "unavailable"];
+pub const AFFINITY_ROUTED: usize = 0;
+pub const AFFINITY_UNKNOWN: usize = 1;
+pub const AFFINITY_UNAVAILABLE: usize = 2;
+/// What kvlb learned from a successful Responses API answer it relayed: its id stored; stored
+/// over a live entry (the table is small for the TTL); no id in its first bytes.
+pub const RESPONSE_ID_OUTCOMES: [&str; 3] = ["learned", "evicted", "missed"];
 
 /// Why a POST body on a prompt path could not be read as a prompt (PromptError labels).
 pub const PROMPT_ERRORS: [&str; 8] = [
@@ -211,10 +221,14 @@ pub struct WorkerStats {
     pub matched_tokens: ValueHistogram,
     pub estimated_ttft: Histogram,
     pub ttft_ratio: ValueHistogram,
-    pub decisions: [AtomicU64; 3],
+    pub decisions: [AtomicU64; 4],
     pub spills: AtomicU64,
     /// Requests sent to a replica whose LoRA batch slots were held by other adapters.
     pub lora_slot_waits: AtomicU64,
+    /// Requests naming a stored response, by `AFFINITY_OUTCOMES`.
+    pub affinity: [AtomicU64; 3],
+    /// Responses API answers relayed, by `RESPONSE_ID_OUTCOMES`.
+    pub response_ids: [AtomicU64; 3],
     pub prompt_errors: [AtomicU64; 8],
     /// Prompts a bound stopped, by `prompt::Bound` (`Bound::ALL` order).
     pub prompt_truncated: [AtomicU64; 4],
@@ -248,6 +262,8 @@ impl WorkerStats {
             decisions: Default::default(),
             spills: AtomicU64::new(0),
             lora_slot_waits: AtomicU64::new(0),
+            affinity: Default::default(),
+            response_ids: Default::default(),
             prompt_errors: Default::default(),
             prompt_truncated: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaStats::default()).collect(),

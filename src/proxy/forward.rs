@@ -5,12 +5,12 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use super::relay::{relay_body, Relayed};
+use super::relay::{relay_body, IdWatch, Relayed};
 use super::route::Routed;
 use super::{remaining, Conn, InFlight, UpstreamFailure};
 use crate::http::request::{self, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
-use crate::http::write_error;
+use crate::http::write_error_in;
 use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
@@ -173,7 +173,12 @@ pub(super) async fn forward(
     conn.log.ttfb_us = Some(ttfb_us);
     let class = metrics::status_class(rhead.status);
 
-    let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight).await;
+    // A Responses API answer names the response the replica stored: learned on the way.
+    let path = &conn.cbuf[head.target.0..head.target.1];
+    let creates_response = head.method == Method::Post
+        && path.split(|&b| b == b'?').next() == Some(&b"/v1/responses"[..]);
+    let ids = IdWatch::new((rhead.status == 200 && creates_response).then_some(routed.epoch));
+    let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight, ids).await;
     if let Relayed::Unsent(f) = result {
         // Nothing reached the client: it gets kvlb's 502 instead of a head and no body. Not
         // retried: the replica has taken the request and may have acted on it.
@@ -382,7 +387,16 @@ pub(super) async fn fail(
     };
     conn.log.status = status;
     conn.obuf.clear();
-    write_error(&mut conn.obuf, status, reason, kind, &msg, Some(url), true);
+    write_error_in(
+        &mut conn.obuf,
+        conn.shape,
+        status,
+        reason,
+        kind,
+        &msg,
+        Some(url),
+        true,
+    );
     let n = conn.obuf.len();
     let (_, b) = op::send_all(conn.fd, std::mem::take(&mut conn.obuf), 0, n).await;
     conn.obuf = b;

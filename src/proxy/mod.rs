@@ -21,7 +21,7 @@
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use crate::http::request::{self, Method};
-use crate::http::HttpError;
+use crate::http::{ErrorShape, HttpError};
 use crate::metrics;
 use crate::models::ModelKey;
 use crate::rt::op;
@@ -63,6 +63,8 @@ struct Conn {
     log: LogState,
     /// Body bytes the current request holds of the worker's and kvlb's body memory.
     reserved: usize,
+    /// The shape of kvlb's own error answers to the current request (its API's).
+    shape: ErrorShape,
 }
 
 /// Answer a connection over the limit with 503 and close it.
@@ -86,6 +88,7 @@ pub async fn serve_connection(w: Rc<Worker>, fd: RawFd, peer: Option<SocketAddr>
         watch: ClientWatch::new(fd),
         log: LogState::default(),
         reserved: 0,
+        shape: ErrorShape::OpenAi,
     };
     let _ = connection_loop(&w, &mut conn).await;
     release_body(&w, &mut conn);
@@ -147,6 +150,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
         }
         let received_at = crate::rt::now();
         conn.log = LogState::default();
+        conn.shape = ErrorShape::OpenAi;
         let deadline = received_at + cfg.timeouts.client;
         let max_head = cfg.limits.max_header_bytes;
 
@@ -179,6 +183,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 Ok(h) => h,
                 Err(e) => return send_local_error(w, conn, e).await,
             };
+        conn.shape = ErrorShape::of_target(&conn.cbuf[head.target.0..head.target.1]);
 
         // kvlb's own probes answer without a key.
         if let Some(probe) = probe_state(w, cfg, conn, &head) {
@@ -251,12 +256,14 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 key,
                 class,
                 adapter: None,
+                pin: None,
             }),
             RequestModel::Adapter(i) => {
                 let route = ModelRoute {
                     key: ModelKey::Named(w.shared.on_demand.adapters[i].key),
                     class,
                     adapter: Some(i as u16),
+                    pin: None,
                 };
                 // No replica holds it or may load it now: say why.
                 match w.fill_candidates(&[], route) {
@@ -270,7 +277,15 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             }
         };
         let model = match model {
-            Ok(model) => model,
+            // A conversation continued: to the replica that stored its previous response.
+            Ok(model) => ModelRoute {
+                pin: w.response_pin(
+                    head.method,
+                    &conn.cbuf[head.target.0..head.target.1],
+                    &conn.cbuf[head.head_len..body_end],
+                ),
+                ..model
+            },
             Err((status, why)) => {
                 w.stats().local_error(status);
                 conn.log.status = status;
@@ -278,10 +293,11 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 conn.obuf.clear();
                 if status == 404 {
                     let name = w.prefix.borrow().model.shown().into_owned();
-                    crate::http::write_model_not_found(&mut conn.obuf, &name);
+                    crate::http::write_model_not_found_in(&mut conn.obuf, conn.shape, &name);
                 } else {
-                    crate::http::write_error(
+                    crate::http::write_error_in(
                         &mut conn.obuf,
+                        conn.shape,
                         503,
                         "Service Unavailable",
                         "service_unavailable",
@@ -333,7 +349,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                                 &tried[..attempts],
                                 received_at,
                             );
-                            let _ = op::send_static(conn.fd, e.response()).await;
+                            let _ = op::send_static(conn.fd, e.response_in(conn.shape)).await;
                             return End::Close;
                         }
                         Some((r, f)) => break Forwarded::Failed(r, f, false),

@@ -28,7 +28,7 @@ pub(super) async fn send_local_error(w: &Worker, conn: &mut Conn, e: HttpError) 
     w.stats().local_error(e.status());
     conn.log.status = e.status();
     log_request(w, conn, None, &[], crate::rt::now());
-    let _ = op::send_static(conn.fd, e.response()).await;
+    let _ = op::send_static(conn.fd, e.response_in(conn.shape)).await;
     End::Close
 }
 
@@ -93,7 +93,10 @@ const LINGER_BYTES: usize = 16 << 20;
 /// stop sending, drop what the client still sends for a moment, and close.
 pub(super) async fn refuse_unread(w: &Worker, conn: &mut Conn, e: HttpError) -> End {
     w.stats().local_error(e.status());
-    if op::send_static(conn.fd, e.response()).await.is_err() {
+    if op::send_static(conn.fd, e.response_in(conn.shape))
+        .await
+        .is_err()
+    {
         return End::Close;
     }
     // Safety: shutdown(2) of our own socket's sending side; the descriptor stays open.
@@ -122,7 +125,9 @@ pub(super) async fn refuse_request(
 ) -> bool {
     w.stats().local_error(e.status());
     conn.log.status = e.status();
-    let sent = op::send_static(conn.fd, e.response()).await.is_ok();
+    let sent = op::send_static(conn.fd, e.response_in(conn.shape))
+        .await
+        .is_ok();
     consume_request(conn, req_end);
     sent && head.keep_alive && e.keeps_connection() && !w.draining.get()
 }

@@ -137,6 +137,55 @@ async fn splice_body(
     }
 }
 
+/// Reads the id of the response a replica stored from the first body bytes relayed (the JSON
+/// body, or a stream's first event), without holding any back: they are copied into a small
+/// buffer on the way (`affinity::response_id`).
+pub(super) struct IdWatch {
+    /// The replica slot's epoch while an id is looked for.
+    epoch: Option<u64>,
+    buf: [u8; ID_WINDOW],
+    len: usize,
+}
+
+/// Body bytes looked at for a response id: the first event of a stream names it in its first
+/// hundred bytes.
+const ID_WINDOW: usize = 512;
+
+impl IdWatch {
+    /// Looks for an id (at the replica slot's `epoch`) or, with None, does nothing.
+    pub(super) fn new(epoch: Option<u64>) -> IdWatch {
+        IdWatch {
+            epoch,
+            buf: [0; ID_WINDOW],
+            len: 0,
+        }
+    }
+
+    /// The next de-chunked body bytes.
+    fn feed(&mut self, w: &Worker, replica: usize, bytes: &[u8]) {
+        let Some(epoch) = self.epoch else {
+            return;
+        };
+        let take = bytes.len().min(ID_WINDOW - self.len);
+        self.buf[self.len..self.len + take].copy_from_slice(&bytes[..take]);
+        self.len += take;
+        if let Some(id) = crate::affinity::response_id(&self.buf[..self.len]) {
+            w.learn_response(Some(id), replica, epoch);
+            self.epoch = None;
+        } else if self.len == ID_WINDOW {
+            self.finish(w, replica);
+        }
+    }
+
+    /// The body ended (or the window is full) without an id: counted as missed.
+    fn finish(&mut self, w: &Worker, replica: usize) {
+        if self.epoch.take().is_some() {
+            w.learn_response(None, replica, 0);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn relay_body(
     w: &Worker,
     conn: &mut Conn,
@@ -145,6 +194,25 @@ pub(super) async fn relay_body(
     head: &RequestHead,
     rhead: &response::ResponseHead,
     in_flight: &mut InFlight<'_>,
+    mut ids: IdWatch,
+) -> Relayed {
+    let relayed = relay(w, conn, up, replica, head, rhead, in_flight, &mut ids).await;
+    if matches!(relayed, Relayed::Complete { .. }) {
+        ids.finish(w, replica);
+    }
+    relayed
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn relay(
+    w: &Worker,
+    conn: &mut Conn,
+    up: &mut Upstream,
+    replica: usize,
+    head: &RequestHead,
+    rhead: &response::ResponseHead,
+    in_flight: &mut InFlight<'_>,
+    ids: &mut IdWatch,
 ) -> Relayed {
     let rc = &w.stats().replicas[replica];
     let client_close = !head.keep_alive
@@ -174,6 +242,7 @@ pub(super) async fn relay_body(
         }
         ResponseBody::Length(n) => {
             let first = ((avail_end - avail_start) as u64).min(n) as usize;
+            ids.feed(w, replica, &conn.ubuf[avail_start..avail_start + first]);
             conn.obuf
                 .extend_from_slice(&conn.ubuf[avail_start..avail_start + first]);
             let mut reusable = avail_end - avail_start == first;
@@ -199,6 +268,7 @@ pub(super) async fn relay_body(
                 if take < got {
                     reusable = false;
                 }
+                ids.feed(w, replica, &conn.ubuf[..take]);
                 let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, take).await;
                 conn.ubuf = b;
                 if let Err(e) = r {
@@ -229,6 +299,9 @@ pub(super) async fn relay_body(
                         Err(_) if !sent => return Relayed::Unsent(UpstreamFailure::Invalid),
                         Err(_) => return Relayed::UpstreamBroken(Cut::Malformed),
                     };
+                    for &(s, e) in spans.iter() {
+                        ids.feed(w, replica, &conn.ubuf[start + s..start + e]);
+                    }
                     if dechunk {
                         for &(s, e) in spans.iter() {
                             conn.obuf
@@ -265,6 +338,7 @@ pub(super) async fn relay_body(
             }
         }
         ResponseBody::UntilClose => {
+            ids.feed(w, replica, &conn.ubuf[avail_start..avail_end]);
             conn.obuf
                 .extend_from_slice(&conn.ubuf[avail_start..avail_end]);
             if let Err(e) = flush_obuf(conn).await {
@@ -275,6 +349,7 @@ pub(super) async fn relay_body(
                     Ok(got) => {
                         in_flight.first_byte();
                         metrics::add(&rc.bytes_from_replica, got as u64);
+                        ids.feed(w, replica, &conn.ubuf[..got]);
                         let (r, b) =
                             op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;
                         conn.ubuf = b;

@@ -161,7 +161,7 @@ pub(super) fn models_answer(w: &Worker, conn: &mut Conn, head: &RequestHead) -> 
                 }
                 None => {
                     let name = String::from_utf8_lossy(&id);
-                    crate::http::write_model_not_found(&mut conn.obuf, &name);
+                    crate::http::write_model_not_found_in(&mut conn.obuf, conn.shape, &name);
                     Some(404)
                 }
             }
@@ -256,6 +256,7 @@ pub(super) fn route(
         body_end - head.head_len,
         parsed,
         model.class,
+        model.pin.is_some(),
     );
     let replica = choice.replica;
     let slot = w.shared.fleet.slot(replica);

@@ -67,6 +67,8 @@ pub struct Shared {
     pub splice_ok: bool,
     /// Request body bytes held over all workers (bounded by `limits.max_body_memory`).
     pub body_memory: std::sync::atomic::AtomicUsize,
+    /// Which replica stored which response (`previous_response_id`), sized at start.
+    pub affinity: crate::affinity::AffinityTable,
 }
 
 impl Shared {
@@ -114,6 +116,7 @@ impl Shared {
             telemetry: (0..n).map(|_| ReplicaTelemetry::default()).collect(),
             splice_ok: crate::rt::splice::supported(),
             body_memory: std::sync::atomic::AtomicUsize::new(0),
+            affinity: crate::affinity::AffinityTable::new(cfg.response_affinity_entries),
             config: arc_swap::ArcSwap::from_pointee(cfg),
         }
     }
@@ -446,6 +449,20 @@ impl Worker {
                 lora_slot_busy,
             }
         };
+        // A conversation's stored response: its replica alone while it may take requests
+        // (slow start or not), waited for at its limit.
+        if let Some(pin) = model.pin.filter(|p| !tried.contains(&p.slot)) {
+            let slot = self.shared.fleet.slot(pin.slot);
+            if self.pin_holds(pin, slot, now) {
+                if let Some(setup_us) = serves(pin.slot, slot) {
+                    if at_cap(pin.slot, slot) {
+                        return (0, 1);
+                    }
+                    c.push(candidate(pin.slot, setup_us));
+                    return (1, 0);
+                }
+            }
+        }
         for (i, slot) in self.shared.fleet.slots() {
             if !slot.available(now) || tried.contains(&i) {
                 continue;
@@ -481,6 +498,107 @@ impl Worker {
             }
         }
         (c.len(), capped)
+    }
+
+    /// Whether the replica of `pin` may take the conversation's request now: the same replica
+    /// (slot epoch), healthy and not ejected; draining too, as it still serves while it
+    /// drains and the conversation works nowhere else.
+    fn pin_holds(&self, pin: Pin, slot: &crate::fleet::ReplicaSlot, now_ms: u64) -> bool {
+        use crate::fleet::{ACTIVE, DRAINING};
+        matches!(slot.state(), ACTIVE | DRAINING)
+            && crate::affinity::AffinityTable::same_epoch(pin.epoch, slot.epoch.load(Relaxed))
+            && slot.down_until_ms.load(Relaxed) <= now_ms
+            && slot.check_ok.load(Relaxed)
+    }
+
+    /// The replica that stored the response a request continues (`previous_response_id` of
+    /// `POST /v1/responses`, or the id of a `/v1/responses/{id}` path), counted by outcome
+    /// (`kvlb_response_affinity_total`); None for any other request, or when the id is unknown
+    /// here or its replica cannot take it (routed as any request: the engine that gets it
+    /// answers whether it knows the id).
+    pub fn response_pin(
+        &self,
+        method: crate::http::request::Method,
+        target: &[u8],
+        body: &[u8],
+    ) -> Option<Pin> {
+        use crate::affinity::{id_hash, MAX_ID};
+        let path = match memchr::memchr(b'?', target) {
+            Some(q) => &target[..q],
+            None => target,
+        };
+        let mut buf = [0u8; MAX_ID];
+        let mut len = 0usize;
+        let id: &[u8] = if path == b"/v1/responses" {
+            if method != crate::http::request::Method::Post {
+                return None;
+            }
+            crate::prompt::top_level_string(body, b"previous_response_id", &mut |p: &[u8]| {
+                if let Some(dst) = buf.get_mut(len..len + p.len()) {
+                    dst.copy_from_slice(p);
+                }
+                len += p.len();
+            });
+            if len > MAX_ID {
+                return None;
+            }
+            &buf[..len]
+        } else {
+            let rest = path.strip_prefix(b"/v1/responses/")?;
+            match memchr::memchr(b'/', rest) {
+                Some(end) => &rest[..end],
+                None => rest,
+            }
+        };
+        if id.is_empty() {
+            return None;
+        }
+        let stats = self.stats();
+        let now = self.shared.now_ms();
+        let ttl = self.cfg().response_affinity_ttl.as_millis() as u64;
+        let Some((slot, epoch)) = self.shared.affinity.find(id_hash(id), now, ttl) else {
+            crate::metrics::add(&stats.affinity[crate::metrics::AFFINITY_UNKNOWN], 1);
+            return None;
+        };
+        let pin = Pin { slot, epoch };
+        if slot < self.shared.loads.len() && self.pin_holds(pin, self.shared.fleet.slot(slot), now)
+        {
+            crate::metrics::add(&stats.affinity[crate::metrics::AFFINITY_ROUTED], 1);
+            Some(pin)
+        } else {
+            crate::metrics::add(&stats.affinity[crate::metrics::AFFINITY_UNAVAILABLE], 1);
+            static LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+            if let Some(left_out) = LOG.allow() {
+                eprintln!(
+                    "kvlb: a request continues a response stored on replica slot {slot}, which                      is gone or unavailable: routed elsewhere, where the engine answers whether                      it knows the id ({left_out} more since the last such line;                      kvlb_response_affinity_total{{outcome=\"unavailable\"}})"
+                );
+            }
+            None
+        }
+    }
+
+    /// Remembers that the replica in `slot` (at `epoch`) stored the response `id`; counted in
+    /// `kvlb_response_ids_total` (a missing id too: `id` None).
+    pub fn learn_response(&self, id: Option<&[u8]>, slot: usize, epoch: u64) {
+        use crate::affinity::Learned;
+        let stats = self.stats();
+        let outcome = match id {
+            None => 2,
+            Some(id) => {
+                let ttl = self.cfg().response_affinity_ttl.as_millis() as u64;
+                let hash = crate::affinity::id_hash(id);
+                match self
+                    .shared
+                    .affinity
+                    .learn(hash, slot, epoch, self.shared.now_ms(), ttl)
+                {
+                    Learned::Stored => 0,
+                    Learned::Evicted => 1,
+                    Learned::Off => return,
+                }
+            }
+        };
+        crate::metrics::add(&stats.response_ids[outcome], 1);
     }
 
     /// Which replicas a request for adapter `i` (`lora_adapter`) may go to now.
@@ -704,6 +822,16 @@ pub struct ModelRoute {
     pub class: ModelClass,
     /// An adapter kvlb loads on demand (`lora_adapter` index): routed by `AdapterGate`.
     pub adapter: Option<u16>,
+    /// The replica that stored the response this request continues: the only candidate
+    /// while it is available (`Worker::response_pin`).
+    pub pin: Option<Pin>,
+}
+
+/// A replica slot and the low bits of its epoch (`affinity::AffinityTable`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    pub slot: usize,
+    pub epoch: u64,
 }
 
 impl ModelRoute {
@@ -862,7 +990,9 @@ impl Worker {
     /// Ask the policy for one of the candidates `fill_candidates` left (at least one), and
     /// count its decision. `hashed`: the worker's prefix buffers hold this request's blocks
     /// (`hash_prompt` returned true); otherwise the body's size (`body_len`, about 4 bytes a
-    /// token) stands for its work.
+    /// token) stands for its work. `pinned`: the candidates are the one replica that stored
+    /// the response the request continues (the decision says `affinity`).
+    #[allow(clippy::too_many_arguments)]
     pub fn choose(
         &self,
         method: crate::http::request::Method,
@@ -871,6 +1001,7 @@ impl Worker {
         body_len: usize,
         hashed: bool,
         class: ModelClass,
+        pinned: bool,
     ) -> Choice {
         let prefix = self.prefix.borrow();
         let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if hashed {
@@ -908,7 +1039,13 @@ impl Worker {
             if chosen.lora_slot_busy {
                 crate::metrics::add(&self.stats().lora_slot_waits, 1);
             }
-            (chosen.replica, policy.decision())
+            let mut decision = policy.decision();
+            if pinned {
+                if let Some(d) = decision.as_mut() {
+                    d.reason = select::Reason::Affinity;
+                }
+            }
+            (chosen.replica, decision)
         };
         if let Some(d) = decision {
             let stats = self.stats();
@@ -916,6 +1053,7 @@ impl Worker {
                 select::Reason::Cache => 0,
                 select::Reason::Load => 1,
                 select::Reason::Fallback => 2,
+                select::Reason::Affinity => 3,
             };
             crate::metrics::add(&stats.decisions[reason], 1);
             if d.spilled {

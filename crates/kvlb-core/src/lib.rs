@@ -12,6 +12,7 @@
 //! - `http`: HTTP/1.1 request and response heads, chunked bodies.
 //! - `kv_events`: vLLM's and SGLang's KV cache events (msgpack), decoded and encoded.
 //! - `models`: which replica serves which model (and LoRA adapter), read per request.
+//! - `affinity`: which replica stored a Responses API response (`previous_response_id`).
 //! - `lru`, `rng`: an intrusive LRU list and the policies' xorshift generator.
 //!
 //! `unsafe` is denied here except in the modules whose SIMD scans and prefetches need it
@@ -19,6 +20,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod affinity;
 pub mod estimate;
 pub mod http;
 pub mod kv_events;

@@ -231,7 +231,7 @@ impl HttpError {
                 401,
                 "Unauthorized",
                 "invalid_request_error",
-                "missing or invalid API key: send Authorization: Bearer <key>",
+                "missing or invalid API key: send Authorization: Bearer <key> or x-api-key: <key>",
             ),
             BodyMemoryFull => (
                 503,
@@ -267,19 +267,34 @@ impl HttpError {
         )
     }
 
-    /// The complete response (head and JSON body), built once per process. Error responses
-    /// close the connection: after a framing error the byte stream cannot be trusted.
+    /// The complete response (head and JSON body in OpenAI's shape), built once per process.
+    /// Error responses close the connection: after a framing error the byte stream cannot be
+    /// trusted.
     pub fn response(self) -> &'static [u8] {
-        static TABLE: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
-        let table = TABLE.get_or_init(|| {
+        self.response_in(ErrorShape::OpenAi)
+    }
+
+    /// [`HttpError::response`] in the error shape of the request's API.
+    pub fn response_in(self, shape: ErrorShape) -> &'static [u8] {
+        static TABLES: [OnceLock<Vec<Vec<u8>>>; 2] = [OnceLock::new(), OnceLock::new()];
+        let table = TABLES[shape as usize].get_or_init(|| {
             HttpError::ALL
                 .iter()
                 .map(|e| {
                     let (status, reason, kind, msg) = e.parts();
                     // Refusals of a well-formed request keep the connection; anything else
                     // closes it (after a framing error the byte stream cannot be trusted).
-                    let mut r =
-                        render_error(status, reason, kind, msg, None, !e.keeps_connection());
+                    let mut r = Vec::with_capacity(256);
+                    write_error_in(
+                        &mut r,
+                        shape,
+                        status,
+                        reason,
+                        kind,
+                        msg,
+                        None,
+                        !e.keeps_connection(),
+                    );
                     let extra: &[u8] = match e {
                         HttpError::Unauthorized | HttpError::UnauthorizedUnread => {
                             b"www-authenticate: Bearer\r\n"
@@ -297,6 +312,45 @@ impl HttpError {
         });
         let idx = HttpError::ALL.iter().position(|e| *e == self).unwrap_or(0);
         &table[idx]
+    }
+}
+
+/// The shape of the error bodies a client of the request's API expects: OpenAI's
+/// `{"error":{"message","type","code"}}`, or on Anthropic's Messages API
+/// `{"type":"error","error":{"type","message"}}` (its clients dispatch on `error.type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorShape {
+    #[default]
+    OpenAi = 0,
+    Anthropic = 1,
+}
+
+impl ErrorShape {
+    /// The shape for a request target: Anthropic's under `/v1/messages`, else OpenAI's.
+    pub fn of_target(target: &[u8]) -> ErrorShape {
+        let path = match find_byte(b'?', target) {
+            Some(q) => &target[..q],
+            None => target,
+        };
+        match path.strip_prefix(b"/v1/messages") {
+            Some(b"" | [b'/', ..]) => ErrorShape::Anthropic,
+            _ => ErrorShape::OpenAi,
+        }
+    }
+}
+
+/// Anthropic's `error.type` for an HTTP status (the vocabulary its clients dispatch on, mapped
+/// as vLLM's Messages API maps it).
+pub fn anthropic_error_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        s if s >= 500 => "api_error",
+        _ => "invalid_request_error",
     }
 }
 
@@ -324,11 +378,45 @@ pub fn write_error(
     replica: Option<&str>,
     close: bool,
 ) {
+    write_error_in(
+        out,
+        ErrorShape::OpenAi,
+        status,
+        reason,
+        kind,
+        message,
+        replica,
+        close,
+    )
+}
+
+/// [`write_error`] in `shape`; Anthropic's `error.type` comes from the status (`kind` is
+/// OpenAI's).
+#[allow(clippy::too_many_arguments)]
+pub fn write_error_in(
+    out: &mut Vec<u8>,
+    shape: ErrorShape,
+    status: u16,
+    reason: &str,
+    kind: &str,
+    message: &str,
+    replica: Option<&str>,
+    close: bool,
+) {
     use std::io::Write;
-    let body_len = r#"{"error":{"message":"","type":"","code":}}"#.len()
-        + json_escaped_len(message)
-        + kind.len()
-        + 3;
+    let body_len = match shape {
+        ErrorShape::OpenAi => {
+            r#"{"error":{"message":"","type":"","code":}}"#.len()
+                + json_escaped_len(message)
+                + kind.len()
+                + 3
+        }
+        ErrorShape::Anthropic => {
+            r#"{"type":"error","error":{"type":"","message":""}}"#.len()
+                + anthropic_error_type(status).len()
+                + json_escaped_len(message)
+        }
+    };
     let _ = write!(
         out,
         "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n"
@@ -339,15 +427,44 @@ pub fn write_error(
     if close {
         out.extend_from_slice(b"connection: close\r\n");
     }
-    out.extend_from_slice(b"\r\n{\"error\":{\"message\":\"");
-    json_escape_into(out, message);
-    let _ = write!(out, "\",\"type\":\"{kind}\",\"code\":{status}}}}}");
+    match shape {
+        ErrorShape::OpenAi => {
+            out.extend_from_slice(b"\r\n{\"error\":{\"message\":\"");
+            json_escape_into(out, message);
+            let _ = write!(out, "\",\"type\":\"{kind}\",\"code\":{status}}}}}");
+        }
+        ErrorShape::Anthropic => {
+            out.extend_from_slice(b"\r\n{\"type\":\"error\",\"error\":{\"type\":\"");
+            out.extend_from_slice(anthropic_error_type(status).as_bytes());
+            out.extend_from_slice(b"\",\"message\":\"");
+            json_escape_into(out, message);
+            out.extend_from_slice(b"\"}}");
+        }
+    }
 }
 
 /// Append the 404 of a request naming a model no replica serves, in OpenAI's own shape for it
 /// (`code` "model_not_found", `param` "model"). Keeps the connection.
 pub fn write_model_not_found(out: &mut Vec<u8>, model: &str) {
+    write_model_not_found_in(out, ErrorShape::OpenAi, model)
+}
+
+/// [`write_model_not_found`] in `shape` (Anthropic's: `not_found_error`, same message).
+pub fn write_model_not_found_in(out: &mut Vec<u8>, shape: ErrorShape, model: &str) {
     use std::io::Write;
+    if shape == ErrorShape::Anthropic {
+        const BEFORE: &str =
+            r#"{"type":"error","error":{"type":"not_found_error","message":"The model `"#;
+        const AFTER: &str = r#"` does not exist."}}"#;
+        let body_len = BEFORE.len() + json_escaped_len(model) + AFTER.len();
+        let _ = write!(
+            out,
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n{BEFORE}"
+        );
+        json_escape_into(out, model);
+        out.extend_from_slice(AFTER.as_bytes());
+        return;
+    }
     const BEFORE: &str = r#"{"error":{"message":"The model `"#;
     const AFTER: &str = r#"` does not exist.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#;
     let body_len = BEFORE.len() + json_escaped_len(model) + AFTER.len();
@@ -381,6 +498,8 @@ pub enum Field {
     TransferEncoding,
     Host,
     Authorization,
+    /// Anthropic's API key field, accepted as the client's key.
+    XApiKey,
     Connection,
     Expect,
     KeepAlive,
@@ -424,6 +543,7 @@ pub fn field(name: &str) -> Field {
         6 if is("expect") => Field::Expect,
         7 if is("upgrade") => Field::Upgrade,
         7 if is("trailer") => Field::Trailer,
+        9 if is("x-api-key") => Field::XApiKey,
         10 if is("connection") => Field::Connection,
         10 if is("keep-alive") => Field::KeepAlive,
         13 if is("authorization") => Field::Authorization,
@@ -612,7 +732,41 @@ mod tests {
             let v: serde_json::Value = serde_json::from_str(body).unwrap();
             assert_eq!(v["error"]["message"], e.parts().3);
             assert_eq!(v["error"]["type"], e.parts().2);
+            // The same answer in Anthropic's shape for the Messages API.
+            let r = std::str::from_utf8(e.response_in(ErrorShape::Anthropic)).unwrap();
+            let (a_head, a_body) = r.split_once("\r\n\r\n").unwrap();
+            assert_eq!(a_head.lines().count(), head.lines().count(), "{e:?}");
+            assert!(
+                a_head.contains(&format!("content-length: {}\r", a_body.len()))
+                    || a_head.ends_with(&format!("content-length: {}", a_body.len()))
+            );
+            let v: serde_json::Value = serde_json::from_str(a_body).unwrap();
+            assert_eq!(v["type"], "error");
+            assert_eq!(v["error"]["message"], e.parts().3);
+            assert_eq!(v["error"]["type"], anthropic_error_type(e.status()));
         }
+        let mut out = Vec::new();
+        write_model_not_found_in(&mut out, ErrorShape::Anthropic, "a\"b");
+        let text = String::from_utf8(out).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.ends_with(&format!("content-length: {}", body.len())));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["type"], "not_found_error");
+        assert_eq!(v["error"]["message"], "The model `a\"b` does not exist.");
+        assert_eq!(
+            ErrorShape::of_target(b"/v1/messages"),
+            ErrorShape::Anthropic
+        );
+        assert_eq!(
+            ErrorShape::of_target(b"/v1/messages?beta=true"),
+            ErrorShape::Anthropic
+        );
+        assert_eq!(
+            ErrorShape::of_target(b"/v1/messages/count_tokens"),
+            ErrorShape::Anthropic
+        );
+        assert_eq!(ErrorShape::of_target(b"/v1/messagesx"), ErrorShape::OpenAi);
+        assert_eq!(ErrorShape::of_target(b"/v1/responses"), ErrorShape::OpenAi);
     }
 
     #[test]

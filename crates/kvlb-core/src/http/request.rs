@@ -55,8 +55,8 @@ pub struct RequestHead {
     /// The upstream head has a Host: the client's, or the authority of an absolute-form
     /// target (HTTP/1.0 clients may send neither; the caller adds one).
     pub has_host: bool,
-    /// Byte range of the credentials of `Authorization: Bearer <credentials>` (empty when
-    /// absent or another scheme).
+    /// Byte range of the credentials of `Authorization: Bearer <credentials>`, else of the
+    /// value of `x-api-key` (Anthropic's clients); empty when neither is sent.
     pub bearer: (usize, usize),
 }
 
@@ -337,6 +337,8 @@ pub fn parse_request(
     let mut conn_keep_alive = false;
     let mut expect_continue = false;
     let mut bearer: &[u8] = &[];
+    // Anthropic's clients send their key as `x-api-key`.
+    let mut api_key: &[u8] = &[];
     // Names listed in Connection are hop-by-hop too (up to 16 of them).
     let mut conn_named: [&[u8]; 16] = [&[]; 16];
     let mut n_named = 0;
@@ -370,6 +372,8 @@ pub fn parse_request(
             if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
                 bearer = trim_ows(&v[7..]);
             }
+        } else if *kind == Field::XApiKey {
+            api_key = trim_ows(h.value);
         } else if *kind == Field::Connection {
             for t in h.value.split(|b| *b == b',') {
                 let t = trim_ows(t);
@@ -503,6 +507,9 @@ pub fn parse_request(
         }
     }
 
+    if bearer.is_empty() {
+        bearer = api_key;
+    }
     let bearer_start = if bearer.is_empty() {
         0
     } else {

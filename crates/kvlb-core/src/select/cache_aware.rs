@@ -304,6 +304,9 @@ pub enum Reason {
     /// The request carried no prefix blocks: chosen by load alone.
     #[default]
     Fallback,
+    /// The request continues a stored response (`previous_response_id`): sent to the
+    /// replica that stored it, ahead of any estimate.
+    Affinity,
 }
 
 impl Reason {
@@ -312,6 +315,7 @@ impl Reason {
             Reason::Cache => "cache",
             Reason::Load => "load",
             Reason::Fallback => "fallback",
+            Reason::Affinity => "affinity",
         }
     }
 }
