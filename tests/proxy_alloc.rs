@@ -26,9 +26,10 @@ fn backend() -> u16 {
             std::thread::spawn(move || {
                 let mut buf = Vec::new();
                 let mut tmp = [0u8; 65536];
+                let mut served = 0u64;
                 loop {
                     // One request: head + Content-Length body.
-                    let (head_end, cl, models) = loop {
+                    let (head_end, cl, models, responses) = loop {
                         if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                             let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
                             let cl = head
@@ -36,7 +37,12 @@ fn backend() -> u16 {
                                 .find_map(|l| l.strip_prefix("content-length:"))
                                 .map(|v| v.trim().parse::<usize>().unwrap())
                                 .unwrap_or(0);
-                            break (p + 4, cl, head.starts_with("get /v1/models "));
+                            break (
+                                p + 4,
+                                cl,
+                                head.starts_with("get /v1/models "),
+                                head.starts_with("post /v1/responses "),
+                            );
                         }
                         match s.read(&mut tmp) {
                             Ok(0) | Err(_) => return,
@@ -50,9 +56,13 @@ fn backend() -> u16 {
                         }
                     }
                     buf.drain(..head_end + cl);
-                    let body: &[u8] = match models {
-                        true => br#"{"object":"list","data":[{"id":"m","object":"model","parent":null}]}"#,
-                        false => br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
+                    served += 1;
+                    // Four ids, again and again: a follow-up naming one finds it.
+                    let id = format!(r#"{{"id":"resp_{:032x}","object":"response"}}"#, served % 4);
+                    let body: &[u8] = match (models, responses) {
+                        (true, _) => br#"{"object":"list","data":[{"id":"m","object":"model","parent":null}]}"#,
+                        (_, true) => id.as_bytes(),
+                        _ => br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
                     };
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -120,12 +130,27 @@ fn metric(admin: u16, name: &str) -> u64 {
 }
 
 /// The chat path in origin-form, and in absolute-form (rewritten to origin-form upstream, its
-/// authority the Host sent), and a path whose prompt kvlb does not read (its model is skimmed).
-const TARGETS: [&str; 3] = [
+/// authority the Host sent), a path whose prompt kvlb does not read (its model is skimmed), and
+/// the agent APIs: Responses (its answer's id learned; a follow-up naming an earlier id looked
+/// up) and Messages.
+const TARGETS: [&str; 6] = [
     "/v1/chat/completions",
     "http://kvlb.example:8000/v1/chat/completions",
     "/v1/embeddings",
+    "/v1/responses",
+    "/v1/responses",
+    "/v1/messages",
 ];
+
+/// The body sent to `TARGETS[i]`.
+fn body_for(i: usize, chat: &str, responses: &str, follow_up: &str, messages: &str) -> String {
+    match i {
+        3 => responses.to_string(),
+        4 => follow_up.to_string(),
+        5 => messages.to_string(),
+        _ => chat.to_string(),
+    }
+}
 
 /// Send one POST to `target` on a keep-alive connection and read the whole response.
 fn request(s: &mut TcpStream, target: &str, body: &[u8], buf: &mut Vec<u8>) {
@@ -192,23 +217,41 @@ fn warm_requests_allocate_nothing(extra: &[&str]) {
             s
         })
         .collect();
+    let responses = format!(
+        r#"{{"model":"m","instructions":"{}","input":[{{"role":"user","content":[{{"type":"input_text","text":"hi"}}]}},{{"type":"function_call","call_id":"c","name":"f","arguments":"{{}}"}}]}}"#,
+        "You are a helpful assistant. ".repeat(60)
+    );
+    let follow_up =
+        r#"{"model":"m","previous_response_id":"resp_00000000000000000000000000000001","input":"more"}"#;
+    let messages = format!(
+        r#"{{"model":"m","max_tokens":8,"system":[{{"type":"text","text":"x-anthropic-billing-header: cch=1;"}},{{"type":"text","text":"{}","cache_control":{{"type":"ephemeral"}}}}],"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t","content":"ok"}}]}}]}}"#,
+        "You are a helpful assistant. ".repeat(60)
+    );
+    let bodies: Vec<String> = (0..TARGETS.len())
+        .map(|i| body_for(i, &body, &responses, follow_up, &messages))
+        .collect();
     let mut buf = Vec::new();
-    for _ in 0..100 {
+    for round in 0..100 {
         for (i, c) in conns.iter_mut().enumerate() {
-            request(c, TARGETS[i % 3], body.as_bytes(), &mut buf);
+            let k = (round + i) % TARGETS.len();
+            request(c, TARGETS[k], bodies[k].as_bytes(), &mut buf);
         }
     }
     assert_eq!(metric(admin, "kvlb_model_replicas{model=\"m\"}"), 1);
     let before = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
     let served_before = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}");
-    for _ in 0..500 {
+    for round in 0..500 {
         for (i, c) in conns.iter_mut().enumerate() {
-            request(c, TARGETS[i % 3], body.as_bytes(), &mut buf);
+            let k = (round + i) % TARGETS.len();
+            request(c, TARGETS[k], bodies[k].as_bytes(), &mut buf);
         }
     }
     let after = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
     let served = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}") - served_before;
     assert_eq!(served, 2000);
+    // The Responses answers' ids were learned, and the follow-ups found theirs.
+    assert!(metric(admin, "kvlb_response_ids_total{outcome=\"learned\"}") >= 300);
+    assert!(metric(admin, "kvlb_response_affinity_total{outcome=\"routed\"}") >= 300);
     eprintln!(
         "allocations over {served} warm requests: {}",
         after - before
