@@ -39,6 +39,7 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
+pub mod agent;
 pub mod fixture;
 #[cfg(test)]
 mod tests;

@@ -22,7 +22,12 @@ With --enable-lora, /metrics adds vLLM's vllm:lora_requests_info: after every en
 sample {max_lora, waiting_lora_adapters, running_lora_adapters} set to the Unix time, both
 adapter labels naming every adapter with a request between its first token and its end; the
 last 32 label sets stay, the current one has the largest value.
-/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).";
+/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).
+Besides /v1/completions and /v1/chat/completions it serves the agent APIs as vLLM does: the
+Responses API (/v1/responses, stored in memory per port, the last 10000, for
+previous_response_id and GET /v1/responses/ID) and Anthropic's /v1/messages (and
+/count_tokens), both rendered with the chat template; /v1/embeddings, /rerank, /score and
+/detokenize answer at once, without the engine.";
 
 /// Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV
 /// events).

@@ -491,6 +491,15 @@ pub fn push_sse_chunk(out: &mut Vec<u8>, payload: &str) {
     out.extend_from_slice(b"\n\n\r\n");
 }
 
+/// Append `event: {event}\ndata: {payload}\n\n` (a named server-sent event, as the Responses
+/// and Messages APIs send them) as one HTTP chunk.
+pub fn push_sse_event(out: &mut Vec<u8>, event: &str, payload: &str) {
+    let len = event.len() + payload.len() + 16;
+    out.extend_from_slice(format!("{len:x}\r\nevent: {event}\ndata: ").as_bytes());
+    out.extend_from_slice(payload.as_bytes());
+    out.extend_from_slice(b"\n\n\r\n");
+}
+
 /// The zero chunk that ends a chunked body.
 pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 

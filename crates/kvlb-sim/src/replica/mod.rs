@@ -2,15 +2,22 @@
 //! interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV events) around its own `engine`.
 //!
 //! Layout: `flags` (command line), `http` (HTTP/1.1 framing), `openai` (request and response
-//! bodies), `server` (endpoints and connection threads), `driver` (engine in wall time, output
-//! routing, KV event publishing), `metrics` (Prometheus text).
+//! bodies), `server` (endpoints and connection threads), `answer` (what endpoints share: JSON
+//! answers and errors, one prompt on the engine), `responses` (the Responses API and
+//! its store), `messages` (Anthropic's Messages API), `pooling` (embeddings, rerank, score,
+//! detokenize), `driver` (engine in wall time, output routing, KV event publishing), `metrics`
+//! (Prometheus text).
 
+pub mod answer;
 pub mod driver;
 pub mod flags;
 pub mod http;
+pub mod messages;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod pooling;
+pub mod responses;
 pub mod server;
 
 use crate::kv_events::publisher::KvEventPublisher;

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible request and response bodies a vLLM server speaks (replica-interfaces.md
 //! section 3): request JSON -> prompt token ids and sampling limits, and the JSON of responses,
-//! stream chunks and errors. Pure: no I/O, no clocks (ids and timestamps are passed in).
+//! stream chunks and errors. Pure: no I/O, no clocks (ids and timestamps are passed in). The
+//! agent APIs (`responses`, `messages`) tokenize through [`parse_chat`] too.
 //!
 //! Unknown fields are ignored, as vLLM does. Where this differs from vLLM, on purpose:
 //! - the served model name is echoed whatever `model` the client sent (vLLM answers 404 for an
@@ -23,7 +24,7 @@ pub static HF_TOKENIZER: std::sync::OnceLock<crate::tokenize::ChatTokenizer> =
 
 /// A text prompt's ids: the configured tokenizer's (with special tokens, as vLLM encodes a
 /// completion prompt), else the simulated one's.
-fn encode_text(s: &str) -> Result<Vec<u32>, ApiError> {
+pub(super) fn encode_text(s: &str) -> Result<Vec<u32>, ApiError> {
     let mut ids = Vec::new();
     match HF_TOKENIZER.get() {
         Some(t) => {
@@ -104,7 +105,7 @@ pub struct GenerationRequest {
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 const MAX_N: u64 = 128;
 
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(super) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ApiError::bad_request("request body must be a JSON object")),
@@ -114,7 +115,7 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn type_name(v: &Value) -> &'static str {
+pub(super) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "boolean",
@@ -208,7 +209,7 @@ fn common(
     })
 }
 
-fn token_ids(list: &[Value], what: &str) -> Result<Vec<u32>, ApiError> {
+pub(super) fn token_ids(list: &[Value], what: &str) -> Result<Vec<u32>, ApiError> {
     let mut out = Vec::with_capacity(list.len());
     for v in list {
         match v.as_u64() {

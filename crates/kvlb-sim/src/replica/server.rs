@@ -1,29 +1,32 @@
 //! The HTTP side of one replica: an accept thread per listener and a thread per connection,
-//! dispatching vLLM's endpoints (/v1/completions, /v1/chat/completions, /v1/models, /health,
-//! /tokenize, /reset_prefix_cache, /metrics) onto the replica's engine. Generation answers
-//! either one JSON body or a chunked server-sent-events stream written as the engine produces
-//! each token; a client that goes away cancels its engine requests.
+//! dispatching vLLM's endpoints (/v1/completions, /v1/chat/completions, /v1/responses,
+//! /v1/messages, /v1/models, /health, /tokenize, /detokenize, /v1/embeddings, /rerank, /score,
+//! /reset_prefix_cache, /metrics) onto the replica's engine. Generation answers either one JSON
+//! body or a chunked server-sent-events stream written as the engine produces each token; a
+//! client that goes away cancels its engine requests. The Responses API (`responses`) and
+//! Anthropic's Messages API (`messages`) generate through `answer::Single`; the pooling endpoints
+//! (`pooling`) answer at once, without the engine.
 
 #![forbid(unsafe_code)]
 
+use super::answer::{engine_identity, next_outputs, send_error, send_json, unix_secs};
 use super::driver::Replica;
 use super::http::{self, Connection, Method, ReadRequestError};
 use super::openai::{
     self, ApiError, ChoiceResult, Endpoint, GenerationRequest, ResponseMeta, Usage,
 };
+use super::{messages, pooling, responses};
 use crate::engine::tokenizer;
 use crate::engine::{EngineOutput, EngineRequest, FinishReason, RequestId};
-use crossbeam::channel::{self, Receiver, RecvTimeoutError};
+use crossbeam::channel::{self, Receiver};
 use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Stack of a connection thread: request handling is shallow (serde_json caps nesting at 128).
 const CONNECTION_STACK_BYTES: usize = 512 * 1024;
-/// How often a waiting connection checks that its client is still there.
-const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The engines behind one HTTP port: one, or the ranks of a data-parallel engine
 /// (`--dp-size`), each with its own KV cache and event stream.
@@ -31,6 +34,9 @@ pub struct Ranks {
     pub engines: Vec<Arc<Replica>>,
     /// The names served behind the port (base model, aliases, LoRA adapters).
     pub served: super::models::Served,
+    /// Stored Responses API responses: one store per port, shared by its ranks, as vLLM's
+    /// data-parallel ranks share their API server's.
+    pub responses: responses::Store,
     /// Round-robin over the ranks for requests that name none (vLLM's internal load balancer
     /// balances by load; round-robin is its idle-fleet behaviour).
     next: AtomicUsize,
@@ -41,6 +47,7 @@ impl Ranks {
         Arc::new(Ranks {
             engines,
             served,
+            responses: responses::Store::new(responses::STORE_CAPACITY),
             next: AtomicUsize::new(0),
         })
     }
@@ -193,24 +200,6 @@ fn handle_connection(stream: TcpStream, ranks: &Ranks) {
     }
 }
 
-fn send_error(conn: &mut Connection, err: &ApiError, keep_alive: bool) -> io::Result<()> {
-    conn.write_all(&http::response(
-        err.status,
-        Some("application/json"),
-        err.body().as_bytes(),
-        keep_alive,
-    ))
-}
-
-fn send_json(conn: &mut Connection, body: &str, keep_alive: bool) -> io::Result<()> {
-    conn.write_all(&http::response(
-        200,
-        Some("application/json"),
-        body.as_bytes(),
-        keep_alive,
-    ))
-}
-
 fn dispatch(
     conn: &mut Connection,
     ranks: &Ranks,
@@ -225,10 +214,43 @@ fn dispatch(
     } else {
         path
     };
+    // GET /v1/responses/{id} and POST /v1/responses/{id}/cancel.
+    if let Some(rest) = path.strip_prefix("/v1/responses/") {
+        let (id, cancel) = match rest.strip_suffix("/cancel") {
+            Some(id) => (id, true),
+            None => (rest, false),
+        };
+        if id.is_empty() || id.contains('/') {
+            return send_error(conn, &ApiError::not_found("Not Found"), keep_alive);
+        }
+        let allowed = if cancel { Method::Post } else { Method::Get };
+        if method != allowed {
+            return send_error(conn, &ApiError::method_not_allowed(), keep_alive);
+        }
+        let answer = if cancel {
+            ranks.responses.cancel(id)
+        } else {
+            ranks.responses.retrieve(id)
+        };
+        return match answer {
+            Ok(body) => send_json(conn, &body, keep_alive),
+            Err(e) => send_error(conn, &e, keep_alive),
+        };
+    }
     let allowed = match path {
         "/v1/completions" | "/v1/chat/completions" | "/tokenize" | "/reset_prefix_cache" => {
             Method::Post
         }
+        "/v1/responses"
+        | "/v1/messages"
+        | "/v1/messages/count_tokens"
+        | "/v1/embeddings"
+        | "/v1/rerank"
+        | "/rerank"
+        | "/v2/rerank"
+        | "/v1/score"
+        | "/score"
+        | "/detokenize" => Method::Post,
         "/v1/models" | "/health" | "/metrics" | "/version" | "/ping" => Method::Get,
         "/v1/load_lora_adapter" | "/v1/unload_lora_adapter" if ranks.served.runtime_updates() => {
             Method::Post
@@ -236,9 +258,39 @@ fn dispatch(
         _ => return send_error(conn, &ApiError::not_found("Not Found"), keep_alive),
     };
     if method != allowed {
+        if path.starts_with("/v1/messages") {
+            return messages::send_error(conn, &ApiError::method_not_allowed(), keep_alive);
+        }
         return send_error(conn, &ApiError::method_not_allowed(), keep_alive);
     }
     match path {
+        "/v1/responses" => responses::create(
+            conn,
+            &ranks.served,
+            &ranks.responses,
+            replica,
+            body,
+            keep_alive,
+        ),
+        "/v1/messages" => messages::create(conn, &ranks.served, replica, body, keep_alive),
+        "/v1/messages/count_tokens" => match messages::count_tokens(&ranks.served, body) {
+            Ok(text) => send_json(conn, &text, keep_alive),
+            Err(e) => messages::send_error(conn, &e, keep_alive),
+        },
+        "/v1/embeddings" | "/v1/rerank" | "/rerank" | "/v2/rerank" | "/v1/score" | "/score"
+        | "/detokenize" => {
+            let ids = replica.response_random();
+            let answer = match path {
+                "/v1/embeddings" => pooling::embeddings(body, &ranks.served, ids, unix_secs()),
+                "/v1/score" | "/score" => pooling::score(body, &ranks.served, ids, unix_secs()),
+                "/detokenize" => pooling::detokenize(body, &ranks.served),
+                _ => pooling::rerank(body, &ranks.served, ids),
+            };
+            match answer {
+                Ok(text) => send_json(conn, &text, keep_alive),
+                Err(e) => send_error(conn, &e, keep_alive),
+            }
+        }
         "/v1/completions" | "/v1/chat/completions" => {
             let parsed = match path {
                 "/v1/completions" => openai::parse_completion(body),
@@ -298,13 +350,6 @@ fn dispatch(
     }
 }
 
-fn unix_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// Per-choice progress of one HTTP generation request.
 struct Choice {
     id: RequestId,
@@ -324,18 +369,7 @@ fn generate(
     req: GenerationRequest,
     keep_alive: bool,
 ) -> io::Result<()> {
-    // An adapter's KV cache is kept apart from the base model's and other adapters'.
-    // Its KV events name the adapter, as vLLM's do (`lora_id`, `lora_name`).
-    let (cache_salt, lora) = match &named {
-        super::models::Named::Base => (req.cache_salt, None),
-        super::models::Named::Adapter(name, salt, id) => (
-            Some(req.cache_salt.map_or(*salt, |s| s ^ salt.rotate_left(17))),
-            Some(crate::engine::LoraRef {
-                id: *id as i64,
-                name: name.as_str().into(),
-            }),
-        ),
-    };
+    let (cache_salt, lora) = engine_identity(&named, req.cache_salt);
     let (tx, rx) = channel::unbounded::<Vec<EngineOutput>>();
     let mut choices: Vec<Choice> = Vec::with_capacity(req.prompts.len() * req.n as usize);
     let mut engine_requests = Vec::with_capacity(choices.capacity());
@@ -443,32 +477,6 @@ fn apply_output(
         }
     }
     Some((i, token))
-}
-
-/// Wait for the next outputs, checking now and then that the client is still there.
-fn next_outputs(
-    conn: &Connection,
-    rx: &Receiver<Vec<EngineOutput>>,
-) -> io::Result<Vec<EngineOutput>> {
-    loop {
-        match rx.recv_timeout(CLIENT_CHECK_INTERVAL) {
-            Ok(batch) => return Ok(batch),
-            Err(RecvTimeoutError::Timeout) => {
-                if conn.peer_closed() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        "client went away",
-                    ));
-                }
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "replica engine stopped",
-                ))
-            }
-        }
-    }
 }
 
 fn collect_choices(
