@@ -254,3 +254,87 @@ fn token_ids_equal_transformers_rendering_and_python_tokenizers() {
         assert_eq!(t.chat_tokens_whole(body.as_bytes()).unwrap(), expected);
     }
 }
+
+/// The Responses and Messages APIs in token mode: kvlb converts their bodies to the chat the
+/// engine renders for them (as the replica does, following vLLM), so a request sharing a long
+/// instruction block with one a replica has served goes there, the shared full blocks matched.
+#[test]
+fn agent_api_prompts_hash_to_the_engines_blocks() {
+    use kvlb::tokenize::agent;
+    let dir = TempDir::new("tokenizer-mode-agents");
+    fixture::write_chatml(&dir.path).unwrap();
+    let tokenizer_path = dir.file("tokenizer.json");
+    let tokenizer_arg = tokenizer_path.to_str().unwrap();
+    let reps = ReplicaFleet::start(2, &["--time-scale", "50", "--tokenizer", tokenizer_arg]);
+    let http = &reps.http;
+    let kvlb = serve_subscribed(&reps, "", &["--tokenizer", tokenizer_arg]);
+    let t = ChatTokenizer::load(&tokenizer_path, None).unwrap();
+    let system = "You are a coding agent. Read the code before changing it, run the tests after \
+        every change and explain what you did in one sentence. "
+        .repeat(20);
+    let responses = |input: &str| -> Value {
+        json!({"model": "Qwen/Qwen3-8B", "instructions": system, "max_output_tokens": 1,
+            "tools": [{"type": "function", "name": "read_file", "description": "Read a file.",
+                       "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": input}]}]})
+    };
+    let messages = |input: &str| -> Value {
+        json!({"model": "Qwen/Qwen3-8B", "max_tokens": 1,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=7f3a;"},
+                       {"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": input}]})
+    };
+    for (path, served_by, first, second) in [
+        (
+            "/v1/responses",
+            1,
+            responses("Fix the parser."),
+            responses("Add a test."),
+        ),
+        (
+            "/v1/messages",
+            0,
+            messages("Fix the parser."),
+            messages("Add a test."),
+        ),
+    ] {
+        let direct = post(http[served_by], path, first.to_string().as_bytes());
+        assert_eq!(direct.status, 200, "{}", direct.describe());
+        assert!(
+            replica_count_reaches(&kvlb, served_by, "resident_blocks", 32, T),
+            "{path}: kvlb did not learn replica {served_by}'s blocks: {:?}",
+            replicas_json(&kvlb)
+        );
+        let via = post(kvlb.listen, path, second.to_string().as_bytes());
+        assert_eq!(via.status, 200, "{}", via.describe());
+        assert_eq!(
+            via.header("x-kvlb-replica"),
+            Some(format!("http://{}", http[served_by]).as_str()),
+            "{path}: {}",
+            via.describe()
+        );
+        let tokens = |body: &Value| {
+            let chat = match path {
+                "/v1/responses" => agent::responses_to_chat(body, None).unwrap(),
+                _ => agent::messages_to_chat(body, t.merges_inline_system()).unwrap(),
+            };
+            t.chat_tokens_whole(chat.to_string().as_bytes()).unwrap()
+        };
+        let (a, b) = (tokens(&first), tokens(&second));
+        let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        let (reason, matched) = decision(&via);
+        assert_eq!(reason, "cache", "{path}: {}", via.describe());
+        assert_eq!(
+            matched as usize,
+            common / 16 * 16,
+            "{path}: {}",
+            via.describe()
+        );
+        assert!(matched >= 256, "{path}: {}", via.describe());
+    }
+    let metrics = kvlb.admin_get("/metrics").body_text();
+    assert!(
+        metrics.contains("kvlb_tokenize_errors_total 0"),
+        "{metrics}"
+    );
+}

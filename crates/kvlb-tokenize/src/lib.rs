@@ -120,6 +120,9 @@ pub struct ChatTokenizer {
     /// Ids `encode(text, add_special_tokens = true)` puts before and after the text's own
     /// (None: the post-processor does something else; completions are then encoded whole).
     completion_frame: Option<(Vec<u32>, Vec<u32>)>,
+    /// The template wants the system prompt first: the Messages API's inline system messages
+    /// are merged into it, as vLLM does (`agent::template_needs_system_first`).
+    merge_inline_system: bool,
     /// Where it was loaded from, for messages.
     pub source: String,
     /// Distinct for every load (a worker's cache belongs to one).
@@ -290,11 +293,13 @@ impl ChatTokenizer {
             added_ids,
             segment_wise: false,
             completion_frame: None,
+            merge_inline_system: true,
             source: String::new(),
             load_id: LOADS.fetch_add(1, Relaxed),
         };
         t.segment_wise = !prepends_only_first(tokenizer_json) && t.probe_segments();
         t.completion_frame = t.probe_completion_frame();
+        t.merge_inline_system = agent::template_needs_system_first(|chat| t.render_chat_json(chat));
         Ok(t)
     }
 
@@ -366,6 +371,18 @@ impl ChatTokenizer {
             .map_err(|e| TokenizeError::Template(format!("{e:#}")))
     }
 
+    /// [`ChatTokenizer::render_chat`] of a chat body already parsed.
+    pub fn render_chat_json(&self, chat: &serde_json::Value) -> Result<String, TokenizeError> {
+        let body = serde_json::to_vec(chat).map_err(|e| TokenizeError::Body(e.to_string()))?;
+        self.render_chat(&body)
+    }
+
+    /// Whether the Messages API's inline system messages are merged into the leading one
+    /// for this template (vLLM's probe).
+    pub fn merges_inline_system(&self) -> bool {
+        self.merge_inline_system
+    }
+
     /// The engine's ids for a chat body: the rendered prompt encoded whole, no special tokens
     /// added (the template has them).
     pub fn chat_tokens_whole(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
@@ -401,6 +418,21 @@ impl ChatTokenizer {
         match path {
             b"/v1/chat/completions" => {
                 let text = self.render_chat(body)?;
+                self.encode_cached(&text, cache, out)?;
+                Ok(true)
+            }
+            // Converted to the chat vLLM renders for them. A Responses request continuing with
+            // `previous_response_id` renders without its stored history: its first blocks
+            // (tools, instructions) are still the engine's; routing follows the id anyway.
+            b"/v1/responses" | b"/v1/messages" => {
+                let request: serde_json::Value = serde_json::from_slice(body)
+                    .map_err(|e| TokenizeError::Body(format!("not JSON: {e}")))?;
+                let chat = if path == b"/v1/responses" {
+                    agent::responses_to_chat(&request, None)?
+                } else {
+                    agent::messages_to_chat(&request, self.merge_inline_system)?
+                };
+                let text = self.render_chat_json(&chat)?;
                 self.encode_cached(&text, cache, out)?;
                 Ok(true)
             }
