@@ -177,8 +177,21 @@ pub(super) async fn forward(
     let path = &conn.cbuf[head.target.0..head.target.1];
     let creates_response = head.method == Method::Post
         && path.split(|&b| b == b'?').next() == Some(&b"/v1/responses"[..]);
-    let ids = IdWatch::new((rhead.status == 200 && creates_response).then_some(routed.epoch));
-    let result = relay_body(w, conn, &mut up, replica, head, &rhead, &mut in_flight, ids).await;
+    let mut ids = IdWatch::new((rhead.status == 200 && creates_response).then_some(routed.epoch));
+    let result = relay_body(
+        w,
+        conn,
+        &mut up,
+        replica,
+        head,
+        &rhead,
+        &mut in_flight,
+        &mut ids,
+    )
+    .await;
+    if matches!(result, Relayed::Complete { .. }) {
+        ids.finish(w, replica);
+    }
     if let Relayed::Unsent(f) = result {
         // Nothing reached the client: it gets kvlb's 502 instead of a head and no body. Not
         // retried: the replica has taken the request and may have acted on it.

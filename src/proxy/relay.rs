@@ -178,33 +178,16 @@ impl IdWatch {
     }
 
     /// The body ended (or the window is full) without an id: counted as missed.
-    fn finish(&mut self, w: &Worker, replica: usize) {
+    pub(super) fn finish(&mut self, w: &Worker, replica: usize) {
         if self.epoch.take().is_some() {
             w.learn_response(None, replica, 0);
         }
     }
 }
 
+/// Relays the response body; the bytes go through `ids` on the way.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn relay_body(
-    w: &Worker,
-    conn: &mut Conn,
-    up: &mut Upstream,
-    replica: usize,
-    head: &RequestHead,
-    rhead: &response::ResponseHead,
-    in_flight: &mut InFlight<'_>,
-    mut ids: IdWatch,
-) -> Relayed {
-    let relayed = relay(w, conn, up, replica, head, rhead, in_flight, &mut ids).await;
-    if matches!(relayed, Relayed::Complete { .. }) {
-        ids.finish(w, replica);
-    }
-    relayed
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn relay(
     w: &Worker,
     conn: &mut Conn,
     up: &mut Upstream,

@@ -452,28 +452,23 @@ pub fn write_model_not_found(out: &mut Vec<u8>, model: &str) {
 /// [`write_model_not_found`] in `shape` (Anthropic's: `not_found_error`, same message).
 pub fn write_model_not_found_in(out: &mut Vec<u8>, shape: ErrorShape, model: &str) {
     use std::io::Write;
-    if shape == ErrorShape::Anthropic {
-        const BEFORE: &str =
-            r#"{"type":"error","error":{"type":"not_found_error","message":"The model `"#;
-        const AFTER: &str = r#"` does not exist."}}"#;
-        let body_len = BEFORE.len() + json_escaped_len(model) + AFTER.len();
-        let _ = write!(
-            out,
-            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n{BEFORE}"
-        );
-        json_escape_into(out, model);
-        out.extend_from_slice(AFTER.as_bytes());
-        return;
-    }
-    const BEFORE: &str = r#"{"error":{"message":"The model `"#;
-    const AFTER: &str = r#"` does not exist.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#;
-    let body_len = BEFORE.len() + json_escaped_len(model) + AFTER.len();
+    let (before, after) = match shape {
+        ErrorShape::OpenAi => (
+            r#"{"error":{"message":"The model `"#,
+            r#"` does not exist.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#,
+        ),
+        ErrorShape::Anthropic => (
+            r#"{"type":"error","error":{"type":"not_found_error","message":"The model `"#,
+            r#"` does not exist."}}"#,
+        ),
+    };
+    let body_len = before.len() + json_escaped_len(model) + after.len();
     let _ = write!(
         out,
-        "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n{BEFORE}"
+        "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n{before}"
     );
     json_escape_into(out, model);
-    out.extend_from_slice(AFTER.as_bytes());
+    out.extend_from_slice(after.as_bytes());
 }
 
 /// Append a 200 answer of kvlb's own with a JSON `body` (`GET /v1/models`); `head_only` for

@@ -1393,16 +1393,7 @@ fn response_item(c: &mut Cursor<'_>, text: &mut impl Reader) -> Result<(), Promp
     let _ = probe.object(MESSAGE_DEPTH - 1, |p, key| {
         if key == b"type" && p.peek_token()? == b'"' {
             let mut name = [0u8; 8];
-            let mut len = 0usize;
-            p.string(&mut |piece: &[u8]| {
-                for &b in piece {
-                    if let Some(slot) = name.get_mut(len) {
-                        *slot = b;
-                    }
-                    len += 1;
-                }
-            })?;
-            message_type = name.get(..len) == Some(b"message");
+            message_type = short_string(p, &mut name)? == Some(b"message");
             return Ok(());
         }
         p.skim_fast()
@@ -1702,22 +1693,29 @@ fn part_type(c: &mut Cursor<'_>) -> Result<PartType, PromptError> {
         return Err(PromptError::WrongType("messages[].content[].type"));
     }
     let mut name = [0u8; 12];
-    let mut len = 0usize;
-    c.string(&mut |p: &[u8]| {
-        for &b in p {
-            if let Some(slot) = name.get_mut(len) {
-                *slot = b;
-            }
-            len += 1;
-        }
-    })?;
-    Ok(match name.get(..len) {
+    Ok(match short_string(c, &mut name)? {
         Some(b"text" | b"input_text" | b"output_text") => PartType::Text,
         Some(b"image_url") => PartType::ImageUrl,
         Some(b"tool_use") => PartType::ToolUse,
         Some(b"tool_result") => PartType::ToolResult,
         _ => PartType::Other,
     })
+}
+
+/// The string at the cursor, decoded into `buf`: None when it does not fit (no name kvlb
+/// looks for is that long).
+fn short_string<'b>(
+    c: &mut Cursor<'_>,
+    buf: &'b mut [u8],
+) -> Result<Option<&'b [u8]>, PromptError> {
+    let mut len = 0usize;
+    c.string(&mut |p: &[u8]| {
+        if let Some(dst) = buf.get_mut(len..len + p.len()) {
+            dst.copy_from_slice(p);
+        }
+        len += p.len();
+    })?;
+    Ok(buf.get(..len))
 }
 
 /// A `tool_result` block's `content`: a string, or blocks whose text parts give their text

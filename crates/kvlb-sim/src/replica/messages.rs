@@ -47,20 +47,9 @@ fn merge_inline_system() -> bool {
     })
 }
 
-/// vLLM's `translate_error_type`: Anthropic's `error.type` for an HTTP status.
-pub fn error_type(status: u16) -> &'static str {
-    match status {
-        400 => "invalid_request_error",
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 => "overloaded_error",
-        s if s >= 500 => "api_error",
-        _ => "invalid_request_error",
-    }
-}
+/// vLLM's `translate_error_type`: Anthropic's `error.type` for an HTTP status (the one
+/// mapping kvlb's own errors use too).
+pub use crate::http::anthropic_error_type as error_type;
 
 /// An error in Anthropic's shape.
 pub fn error_body(err: &ApiError) -> String {
