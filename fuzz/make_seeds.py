@@ -166,6 +166,19 @@ write("prompt", "completions_list", b"\x02" + b'{"prompt":["a","b\\n"],"model":"
 write("prompt", "completions_tokens", b"\x04" + b'{"model":"m","prompt":[1,2,3,4294967295]}')
 write("prompt", "completions_token_lists", b"\x06" + b'{"model":"m","prompt":[[1,2],[3]]}')
 write("prompt", "lone_surrogate", b"\x01" + b'{"model":"m","messages":[{"role":"user","content":"\\ud800x"}]}')
+# Even first bytes read a body as completions and as the Responses API, odd ones as chat and as
+# Anthropic's Messages API.
+responses = {"model": "m", "instructions": "Be brief.", "tools": [{"type": "function", "name": "ls", "parameters": {}}],
+             "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi \u00e9"}]},
+                       {"type": "function_call", "call_id": "c", "name": "ls", "arguments": "{}"},
+                       {"type": "function_call_output", "call_id": "c", "output": "a"}]}
+write("prompt", "responses_items", b"\x00" + json.dumps(responses).encode())
+messages = {"model": "m", "max_tokens": 8,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+                       {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "ls", "input": {"p": "/"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "bin"}], "cache_control": {"type": "ephemeral"}}]}]}
+write("prompt", "messages_blocks", b"\x03" + json.dumps(messages).encode())
 
 # --- DNS responses (the packet only: the check asks the question the packet answers) ------
 def dns_name(n):

@@ -283,11 +283,19 @@ pub fn prompt(data: &[u8]) {
     let Some((&choice, body)) = data.split_first() else {
         return;
     };
-    let endpoint = if choice & 1 == 0 {
-        Endpoint::Completions
+    // Each body is read as one of the OpenAI endpoints and as the agent API of the same shape
+    // (completions' top level beside the Responses API's, chat's messages beside Messages').
+    let (endpoint, agent) = if choice & 1 == 0 {
+        (Endpoint::Completions, Endpoint::Responses)
     } else {
-        Endpoint::ChatCompletions
+        (Endpoint::ChatCompletions, Endpoint::Messages)
     };
+    prompt_as(endpoint, choice, body);
+    prompt_as(agent, choice, body);
+}
+
+/// [`prompt`] for one endpoint.
+fn prompt_as(endpoint: Endpoint, choice: u8, body: &[u8]) {
     let scratch_pieces = [0usize, 1, 2, 3, 8, 64, 1024, 4096][(choice >> 1) as usize % 8];
 
     let (mut text, mut tokens) = (Vec::new(), Vec::new());
