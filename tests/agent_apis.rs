@@ -294,7 +294,12 @@ fn the_messages_api_takes_x_api_key_and_gets_anthropic_errors() {
     assert_eq!(v["type"], "error", "{v}");
     assert_eq!(v["error"]["type"], "authentication_error");
     // Its key as x-api-key, or as a bearer token.
-    let r = post(&mut conn, "/v1/messages", &[("x-api-key", "client-key-2")], &body);
+    let r = post(
+        &mut conn,
+        "/v1/messages",
+        &[("x-api-key", "client-key-2")],
+        &body,
+    );
     assert_eq!(r.status, 200, "{}", r.describe());
     assert_eq!(r.json().unwrap()["type"], "message");
     let r = post(
@@ -308,9 +313,21 @@ fn the_messages_api_takes_x_api_key_and_gets_anthropic_errors() {
     let wrong =
         json!({"model": "other", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
     assert!(wait_until(T, || {
-        post(&mut conn, "/v1/messages", &[("x-api-key", "client-key-1")], &wrong).status == 404
+        post(
+            &mut conn,
+            "/v1/messages",
+            &[("x-api-key", "client-key-1")],
+            &wrong,
+        )
+        .status
+            == 404
     }));
-    let r = post(&mut conn, "/v1/messages", &[("x-api-key", "client-key-1")], &wrong);
+    let r = post(
+        &mut conn,
+        "/v1/messages",
+        &[("x-api-key", "client-key-1")],
+        &wrong,
+    );
     let v = r.json().unwrap();
     assert_eq!(v["error"]["type"], "not_found_error", "{v}");
     assert_eq!(v["error"]["message"], "The model `other` does not exist.");

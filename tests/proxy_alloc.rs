@@ -221,8 +221,7 @@ fn warm_requests_allocate_nothing(extra: &[&str]) {
         r#"{{"model":"m","instructions":"{}","input":[{{"role":"user","content":[{{"type":"input_text","text":"hi"}}]}},{{"type":"function_call","call_id":"c","name":"f","arguments":"{{}}"}}]}}"#,
         "You are a helpful assistant. ".repeat(60)
     );
-    let follow_up =
-        r#"{"model":"m","previous_response_id":"resp_00000000000000000000000000000001","input":"more"}"#;
+    let follow_up = r#"{"model":"m","previous_response_id":"resp_00000000000000000000000000000001","input":"more"}"#;
     let messages = format!(
         r#"{{"model":"m","max_tokens":8,"system":[{{"type":"text","text":"x-anthropic-billing-header: cch=1;"}},{{"type":"text","text":"{}","cache_control":{{"type":"ephemeral"}}}}],"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t","content":"ok"}}]}}]}}"#,
         "You are a helpful assistant. ".repeat(60)
