@@ -3,7 +3,9 @@
 //! JSON summary checked for facts that hold on a busy machine: every request answered, TTFT
 //! measured and ordered, the replicas' own counters adding up to the trace (requests and
 //! prompt tokens) with a prefix hit rate above zero. Then `kvlb replay report` on the result,
-//! and a target that refuses connections, whose requests must all count as errors.
+//! the same trace requests sent as chat, Responses and Messages requests (every answer's usage
+//! read: prompt and cached tokens adding up to the replicas' counts), and a target that refuses
+//! connections, whose requests must all count as errors.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -188,6 +190,92 @@ fn replay_through_kvlb_measures_ttft_and_the_replicas_hit_rate() {
     let r: Value = serde_json::from_str(&std::fs::read_to_string(&report_json).unwrap()).unwrap();
     assert_eq!(r["balancers"][0]["label"], "kvlb");
     assert_eq!(r["failed"][0]["label"], "nginx");
+}
+
+/// Empties every replica's prefix cache.
+fn reset_caches(fleet: &Fleet) {
+    for a in &fleet.addrs {
+        let r = support::client::HttpConn::connect(*a)
+            .request("POST", "/reset_prefix_cache", &[], b"")
+            .expect("reset_prefix_cache");
+        assert_eq!(r.status, 200, "{}", r.describe());
+    }
+}
+
+#[test]
+fn replay_speaks_the_responses_and_messages_apis_through_kvlb() {
+    let fleet = Fleet::start(2);
+    let urls = fleet.urls();
+    let mut serve_args = vec!["--workers", "1"];
+    for u in &urls {
+        serve_args.extend(["--replica", u.as_str()]);
+    }
+    let kvlb = Kvlb::serve(&serve_args);
+    let requests = 10;
+    let mut prompt_tokens = Vec::new();
+    for api in ["chat", "responses", "messages"] {
+        reset_caches(&fleet);
+        let mut args: Vec<String> = [
+            "replay",
+            "--target",
+            &format!("http://{}", kvlb.listen),
+            "--trace",
+            "gen:agent-sessions",
+            "--limit",
+            &requests.to_string(),
+            "--speedup",
+            "20",
+            "--time-scale",
+            "20",
+            "--max-output",
+            "8",
+            "--api",
+            api,
+            "--json",
+            "-",
+            "--quiet",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        for u in &urls {
+            args.extend(["--replica".to_string(), u.clone()]);
+        }
+        let (ok, stdout, stderr) = run(&args, Duration::from_secs(60));
+        assert!(ok, "kvlb replay --api {api} failed:\n{stderr}\n{stdout}");
+        let s: Value =
+            serde_json::from_str(&stdout[stdout.find('{').expect("JSON on stdout")..]).unwrap();
+        assert_eq!(s["api"], api);
+        assert_eq!(num(&s, "requests") as usize, requests, "{api}: {s}");
+        assert_eq!(
+            num(&s, "ok") as usize,
+            requests,
+            "{api}: all answered: {}",
+            s["error_samples"]
+        );
+        assert_eq!(s["ttfts_s"].as_array().unwrap().len(), requests, "{api}");
+        assert!(num(&s, "ttft_p50_s") > 0.0, "{api}");
+        // Every answer's usage told its prompt tokens and those found cached: their sums are
+        // the replicas' own counts of prompt tokens and prefix-cache hits.
+        let replicas = s["replicas"].as_array().expect("per-replica shares");
+        let sum = |key: &str| -> f64 { replicas.iter().map(|r| num(r, key)).sum() };
+        assert_eq!(sum("requests") as usize, requests, "{api}: {replicas:?}");
+        let m = &s["models"][0];
+        assert_eq!(num(m, "ok") as usize, requests, "{api}: {m}");
+        let (prompt, cached) = (num(m, "prompt_tokens"), num(m, "cached_tokens"));
+        assert_eq!(prompt, sum("prompt_tokens"), "{api}: {m} {replicas:?}");
+        assert_eq!(cached, sum("prefix_hits_tokens"), "{api}: {m} {replicas:?}");
+        // The sessions' shared preamble and histories are found in the replicas' caches.
+        assert!(
+            cached > 0.0 && cached < prompt,
+            "{api}: {cached} of {prompt}"
+        );
+        assert!(num(m, "hit_rate") > 0.0, "{api}: {m}");
+        prompt_tokens.push(prompt);
+    }
+    // The same trace requests: the same prompts, whichever API carries them.
+    assert_eq!(prompt_tokens[1], prompt_tokens[0], "responses vs chat");
+    assert_eq!(prompt_tokens[2], prompt_tokens[0], "messages vs chat");
 }
 
 #[test]

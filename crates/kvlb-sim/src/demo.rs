@@ -6,6 +6,7 @@
 
 use crate::replay::client::{self, http};
 use crate::replay::counters::EngineCounters;
+use crate::replay::Api;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -52,9 +53,113 @@ pub struct Opts {
     /// sim-70b's timing in a [[model]] table)
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::cli::int::<usize, 1, 2>)]
     pub models: usize,
+    /// The API the sessions speak
+    #[arg(long, value_enum, default_value_t = DemoApi::Chat)]
+    pub api: DemoApi,
     /// Print every request: session, turn, replica, TTFT and kvlb's decision
     #[arg(long)]
     pub verbose: bool,
+}
+
+/// `kvlb demo --api`.
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
+pub enum DemoApi {
+    /// /v1/chat/completions: the system prompt and the history as chat messages; TTFT at the
+    /// first event
+    Chat,
+    /// /v1/responses (OpenAI's Responses API): the system prompt as instructions, the history
+    /// as input items, store false; TTFT at the first response.output_text.delta
+    Responses,
+    /// /v1/messages (Anthropic's Messages API): the system prompt as system, the history as
+    /// messages; TTFT at the first text content_block_delta
+    Messages,
+}
+
+impl DemoApi {
+    /// The replayer's name for it (how its stream is read).
+    pub fn api(self) -> Api {
+        match self {
+            DemoApi::Chat => Api::Chat,
+            DemoApi::Responses => Api::Responses,
+            DemoApi::Messages => Api::Messages,
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            DemoApi::Chat => "/v1/chat/completions",
+            DemoApi::Responses => "/v1/responses",
+            DemoApi::Messages => "/v1/messages",
+        }
+    }
+
+    /// The request body of one turn: `system` the system prompt, `conversation` the session's
+    /// messages after it (`{"role", "content"}` objects, comma-separated).
+    fn body(self, model: &str, system: &str, tools: &Tools, conversation: &str) -> String {
+        let system = json_str(system);
+        match self {
+            DemoApi::Chat => format!(
+                r#"{{"model":"{model}","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{{"role":"system","content":{system}}},{conversation}]}}"#
+            ),
+            DemoApi::Responses => format!(
+                r#"{{"model":"{model}","stream":true,"store":false,"max_output_tokens":24,"instructions":{system},"tools":{},"input":[{conversation}]}}"#,
+                tools.responses
+            ),
+            DemoApi::Messages => format!(
+                r#"{{"model":"{model}","stream":true,"max_tokens":24,"system":{system},"tools":{},"messages":[{conversation}]}}"#,
+                tools.messages
+            ),
+        }
+    }
+
+    /// The text an answer's events carry.
+    fn answer_text(self, body: &str) -> String {
+        let mut content = String::new();
+        for line in body.lines() {
+            let Some(data) = line.strip_prefix("data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+                continue;
+            };
+            let delta = match self {
+                DemoApi::Chat => v["choices"][0]["delta"]["content"].as_str(),
+                DemoApi::Responses if v["type"] == "response.output_text.delta" => {
+                    v["delta"].as_str()
+                }
+                DemoApi::Messages if v["delta"]["type"] == "text_delta" => {
+                    v["delta"]["text"].as_str()
+                }
+                _ => None,
+            };
+            content.push_str(delta.unwrap_or(""));
+        }
+        content
+    }
+}
+
+/// The demo's tools in the Responses and Messages shapes (JSON).
+struct Tools {
+    responses: String,
+    messages: String,
+}
+
+impl Tools {
+    fn new() -> Tools {
+        let chat: Vec<serde_json::Value> = serde_json::from_str(TOOLS).expect("TOOLS is JSON");
+        let (mut responses, mut messages) = (Vec::new(), Vec::new());
+        for t in &chat {
+            let f = &t["function"];
+            responses.push(serde_json::json!({"type": "function", "name": f["name"],
+                "description": f["description"], "parameters": f["parameters"]}));
+            messages.push(serde_json::json!({"name": f["name"],
+                "description": f["description"], "input_schema": f["parameters"]}));
+        }
+        Tools {
+            responses: serde_json::Value::Array(responses).to_string(),
+            messages: serde_json::Value::Array(messages).to_string(),
+        }
+    }
 }
 
 /// The demo's models: name, prefill and decode slowdown over the 8B timing.
@@ -178,6 +283,13 @@ fn run(o: &Opts) -> Result<(), String> {
             "kvlb demo: {} simulated replicas serving two models ({} sim-8b, {} sim-70b prefilling 4x slower; {}x real time), {} agent sessions x {} turns, alternating models",
             o.replicas, o.replicas - o.replicas / 2, o.replicas / 2, o.time_scale, o.sessions, o.turns
         ),
+    }
+    match o.api {
+        DemoApi::Chat => {}
+        DemoApi::Responses => {
+            eprintln!("kvlb demo: sessions speak the Responses API (/v1/responses)")
+        }
+        DemoApi::Messages => eprintln!("kvlb demo: sessions speak the Messages API (/v1/messages)"),
     }
     // One replica process per model: the first serves the first half of the replicas.
     let mut fleets = Vec::new();
@@ -400,8 +512,11 @@ fn replay(
         None::<String>,
         Vec::new(),
     )));
+    let tools = Arc::new(Tools::new());
+    let api = o.api;
     let mut threads = Vec::new();
     for _ in 0..o.concurrency.min(o.sessions) {
+        let tools = tools.clone();
         let (next, done, out, system) = (next.clone(), done.clone(), out.clone(), system.clone());
         let (sessions, turns, scale, verbose) = (o.sessions, o.turns, o.time_scale, o.verbose);
         let n_models = o.models;
@@ -419,16 +534,12 @@ fn replay(
             }
             let model = s % n_models;
             let mut messages = format!(
-                r#"{{"role":"system","content":{}}},{{"role":"user","content":{}}}"#,
-                json_str(&system),
+                r#"{{"role":"user","content":{}}}"#,
                 json_str(&session_context(s))
             );
             for t in 0..turns {
-                let body = format!(
-                    r#"{{"model":"{}","stream":true,"max_tokens":24,"tools":{TOOLS},"messages":[{messages}]}}"#,
-                    MODELS[model].0
-                );
-                match stream_chat(listen, body.as_bytes()) {
+                let body = api.body(MODELS[model].0, &system, &tools, &messages);
+                match stream_turn(listen, api, body.as_bytes()) {
                     Ok((ttft, replica, text, decision)) => {
                         if verbose {
                             eprintln!(
@@ -501,13 +612,18 @@ fn progress(policy: &str, n: usize, total: usize) {
     );
 }
 
-/// One streaming chat request: (seconds to the first SSE event, replica, generated text,
-/// kvlb's decision header).
-fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, String), String> {
+/// One streaming request: (seconds to the first SSE event (Responses, Messages: the first text
+/// delta), replica, generated text, kvlb's decision header).
+fn stream_turn(
+    addr: SocketAddr,
+    api: DemoApi,
+    body: &[u8],
+) -> Result<(f64, String, String, String), String> {
     let answer = client::stream(
         addr,
-        "/v1/chat/completions",
+        api.path(),
         body,
+        api.api(),
         Duration::from_secs(120),
         true,
     )?;
@@ -520,17 +636,13 @@ fn stream_chat(addr: SocketAddr, body: &[u8]) -> Result<(f64, String, String, St
     }
     let replica = answer.header("x-kvlb-replica").unwrap_or("?").to_string();
     let decision = answer.header("x-kvlb-decision").unwrap_or("").to_string();
-    let mut content = String::new();
-    for line in text.lines() {
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-                content.push_str(c);
-            }
-        }
+    if !answer.done {
+        return Err(format!(
+            "the stream ended before {}",
+            client::end_event(api.api())
+        ));
     }
+    let content = api.answer_text(&text);
     Ok((
         answer.ttft_s.ok_or("no SSE event")?,
         replica,
@@ -558,6 +670,11 @@ mod tests {
         );
         assert_eq!(o.policies, ["cache_aware", "round_robin", "least_loaded"]);
         assert!(!o.verbose);
+        assert_eq!(o.api, DemoApi::Chat);
+        assert_eq!(
+            parse(&args("--api messages --api responses")).unwrap().api,
+            DemoApi::Responses
+        );
         let o = parse(&args(
             "--replicas 2 --replicas=3 --policies round_robin --time-scale 1000 --verbose",
         ))
@@ -575,11 +692,67 @@ mod tests {
             ("--policies cache_aware,", "--policies", "\"\""),
             ("--bogus 1", "--bogus", "--bogus"),
             ("--turns", "--turns", "value is required"),
+            ("--api completions", "--api", "completions"),
         ] {
             let e = parse(&args(bad)).unwrap_err().to_string();
             assert!(e.contains(flag) && e.contains(value), "{bad}: {e}");
         }
         let e = parse(&args("--help")).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+
+    #[test]
+    fn each_api_gets_its_body_and_its_answer_text() {
+        let tools = Tools::new();
+        let conversation =
+            r#"{"role":"user","content":"fix it"},{"role":"assistant","content":"ok"}"#;
+        for api in [DemoApi::Chat, DemoApi::Responses, DemoApi::Messages] {
+            let body: serde_json::Value =
+                serde_json::from_str(&api.body("sim-8b", "be brief", &tools, conversation))
+                    .unwrap_or_else(|e| panic!("{api:?}: {e}"));
+            assert_eq!(
+                (&body["model"], &body["stream"]),
+                (&"sim-8b".into(), &true.into())
+            );
+            let (system, history, tool_name) = match api {
+                DemoApi::Chat => (
+                    &body["messages"][0]["content"],
+                    &body["messages"].as_array().unwrap()[1..],
+                    &body["tools"][0]["function"]["name"],
+                ),
+                DemoApi::Responses => (
+                    &body["instructions"],
+                    &body["input"].as_array().unwrap()[..],
+                    &body["tools"][0]["name"],
+                ),
+                DemoApi::Messages => (
+                    &body["system"],
+                    &body["messages"].as_array().unwrap()[..],
+                    &body["tools"][0]["name"],
+                ),
+            };
+            assert_eq!(system, "be brief", "{api:?}");
+            assert_eq!(history.len(), 2, "{api:?}");
+            assert_eq!(history[1]["content"], "ok", "{api:?}");
+            assert_eq!(tool_name, "read_file", "{api:?}");
+        }
+        assert_eq!(body_of(DemoApi::Responses)["store"], false);
+        assert_eq!(body_of(DemoApi::Responses)["max_output_tokens"], 24);
+        assert_eq!(
+            body_of(DemoApi::Messages)["tools"][2]["input_schema"]["type"],
+            "object"
+        );
+
+        let chat = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"a b\"}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(DemoApi::Chat.answer_text(chat), "a b");
+        let responses = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{}}\n\nevent: response.output_text.delta\ndata: {\"delta\":\"a\",\"type\":\"response.output_text.delta\"}\n\nevent: response.output_text.delta\ndata: {\"delta\":\" b\",\"type\":\"response.output_text.delta\"}\n\nevent: response.output_text.done\ndata: {\"text\":\"a b\",\"type\":\"response.output_text.done\"}\n\n";
+        assert_eq!(DemoApi::Responses.answer_text(responses), "a b");
+        let messages = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"},\"index\":0}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\" b\"},\"index\":0}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        assert_eq!(DemoApi::Messages.answer_text(messages), "a b");
+    }
+
+    fn body_of(api: DemoApi) -> serde_json::Value {
+        serde_json::from_str(&api.body("m", "s", &Tools::new(), r#"{"role":"user","content":"x"}"#))
+            .unwrap()
     }
 }

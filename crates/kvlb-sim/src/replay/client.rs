@@ -2,15 +2,20 @@
 //! connection (`Connection: close`), shared with `kvlb demo`.
 //!
 //! * `stream` sends a request whose answer is a server-sent event stream and times it: time
-//!   to the first `data:` event of the body (TTFT) and to the end of the answer. It keeps the
-//!   response head, and the body only when asked (the replayer keeps a few bytes, so a few
-//!   hundred streams at once cost little memory), and the `usage` of its last event (asked
-//!   for with `stream_options.include_usage`);
+//!   to the first `data:` event of the body (TTFT) and to the end of the answer (`data:
+//!   [DONE]`). It keeps the response head, and the body only when asked (the replayer keeps a
+//!   few bytes, so a few hundred streams at once cost little memory), and the `usage` of its
+//!   last event (asked for with `stream_options.include_usage`). A Responses or Messages
+//!   stream is read event by event instead ([`EventReader`]): TTFT at its first text delta,
+//!   the end at `response.completed` / `response.incomplete` or `message_stop`, the usage from
+//!   its final events;
 //! * `http` is a small exchange for admin endpoints (`/metrics`, `/reset_prefix_cache`);
 //! * `base_addr` turns `http://HOST:PORT[/]` into a socket address.
 
 #![forbid(unsafe_code)]
 
+use super::Api;
+use serde_json::{Map, Value};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -18,17 +23,20 @@ use std::time::{Duration, Instant};
 /// A streamed answer.
 #[derive(Debug, Clone)]
 pub struct Streamed {
+    /// The API the answer was read as.
+    pub api: Api,
     pub status: u16,
     /// The response head (status line and headers) as text.
     pub head: String,
     /// The body (chunk framing removed) when `keep_body`, else its first bytes for a non-200
     /// answer (the error message).
     pub body: Vec<u8>,
-    /// Seconds from sending the request to the first `data:` event.
+    /// Seconds from sending the request to the first `data:` event (Responses, Messages: to
+    /// the first text delta).
     pub ttft_s: Option<f64>,
     /// Seconds from sending the request to the end of the answer.
     pub e2e_s: f64,
-    /// The stream ended with `data: [DONE]`.
+    /// The stream ended with its last event ([`end_event`]).
     pub done: bool,
     /// The `usage` object of the stream's last events, when one carried it.
     pub usage: Option<StreamUsage>,
@@ -39,8 +47,178 @@ pub struct Streamed {
 pub struct StreamUsage {
     pub prompt_tokens: u64,
     /// `prompt_tokens_details.cached_tokens` (vLLM fills it with
-    /// --enable-prompt-tokens-details; absent or null otherwise).
+    /// --enable-prompt-tokens-details; absent or null otherwise); Responses:
+    /// `input_tokens_details.cached_tokens`; Messages: `cache_read_input_tokens`.
     pub cached_tokens: Option<u64>,
+}
+
+/// The event that ends a complete answer of `api`, as error messages name it.
+pub fn end_event(api: Api) -> &'static str {
+    match api {
+        Api::Chat | Api::Completions => "data: [DONE]",
+        Api::Responses => "response.completed or response.incomplete",
+        Api::Messages => "message_stop",
+    }
+}
+
+/// The largest single event an [`EventReader`] keeps (a Responses stream's final event repeats
+/// the whole answer); a larger one is skipped.
+const MAX_EVENT_BYTES: usize = 8 << 20;
+
+/// Reads a Responses or Messages event stream event by event (`event:` and `data:` lines up to
+/// a blank line), keeping only the event being read.
+#[derive(Debug)]
+pub struct EventReader {
+    api: Api,
+    /// The bytes of the event being read, carriage returns dropped.
+    partial: Vec<u8>,
+    /// How far `partial` is known to hold no blank line.
+    scanned: usize,
+    /// The event being read is over `MAX_EVENT_BYTES`: skipped up to its blank line.
+    skipping: bool,
+    /// A text delta was seen.
+    pub text: bool,
+    /// The stream's last event was seen.
+    pub done: bool,
+    /// Messages: the usage of `message_start`, overlaid with each `message_delta`'s.
+    anthropic_usage: Map<String, Value>,
+    pub usage: Option<StreamUsage>,
+}
+
+impl EventReader {
+    pub fn new(api: Api) -> EventReader {
+        EventReader {
+            api,
+            partial: Vec::new(),
+            scanned: 0,
+            skipping: false,
+            text: false,
+            done: false,
+            anthropic_usage: Map::new(),
+            usage: None,
+        }
+    }
+
+    /// Reads `bytes` of the stream's body; true when they hold its first text delta.
+    pub fn feed(&mut self, bytes: &[u8]) -> bool {
+        let had_text = self.text;
+        self.partial
+            .extend(bytes.iter().copied().filter(|&b| b != b'\r'));
+        loop {
+            let from = self.scanned.saturating_sub(1);
+            let Some(p) = find(&self.partial[from..], b"\n\n").map(|p| from + p) else {
+                self.scanned = self.partial.len();
+                if self.partial.len() > MAX_EVENT_BYTES {
+                    // Keep the last byte: the blank line may start with it.
+                    let cut = self.partial.len() - 1;
+                    self.partial.drain(..cut);
+                    self.scanned = self.partial.len();
+                    self.skipping = true;
+                }
+                break;
+            };
+            if !self.skipping {
+                let event = String::from_utf8_lossy(&self.partial[..p]).into_owned();
+                self.event(&event);
+            }
+            self.skipping = false;
+            self.partial.drain(..p + 2);
+            self.scanned = 0;
+        }
+        self.text && !had_text
+    }
+
+    /// One event: its `event:` name (else its data's `type`) and its `data:` lines.
+    fn event(&mut self, event: &str) {
+        let mut name = None;
+        let mut data = String::new();
+        for line in event.lines() {
+            if let Some(v) = line.strip_prefix("event:") {
+                name = Some(v.trim().to_string());
+            } else if let Some(v) = line.strip_prefix("data:") {
+                if !data.is_empty() {
+                    data.push('\n');
+                }
+                data.push_str(v.strip_prefix(' ').unwrap_or(v));
+            }
+        }
+        if data.is_empty() {
+            return;
+        }
+        let mut parsed: Option<Value> = None;
+        let name = match name {
+            Some(n) => n,
+            None => {
+                let v: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
+                let n = v
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
+                parsed = Some(v);
+                n
+            }
+        };
+        let mut json = || {
+            parsed
+                .take()
+                .unwrap_or_else(|| serde_json::from_str(&data).unwrap_or(Value::Null))
+        };
+        match (self.api, name.as_str()) {
+            (Api::Responses, "response.output_text.delta") => self.text = true,
+            (Api::Responses, "response.completed" | "response.incomplete") => {
+                self.done = true;
+                let v = json();
+                let u = &v["response"]["usage"];
+                if let Some(prompt) = u.get("input_tokens").and_then(Value::as_u64) {
+                    self.usage = Some(StreamUsage {
+                        prompt_tokens: prompt,
+                        cached_tokens: u
+                            .get("input_tokens_details")
+                            .and_then(|d| d.get("cached_tokens"))
+                            .and_then(Value::as_u64),
+                    });
+                }
+            }
+            (Api::Messages, "content_block_delta") if !self.text => {
+                self.text = json()["delta"]["type"] == "text_delta";
+            }
+            (Api::Messages, "message_start") => {
+                if let Some(u) = json()["message"].get_mut("usage").map(Value::take) {
+                    self.overlay_usage(u);
+                }
+            }
+            (Api::Messages, "message_delta") => {
+                if let Some(u) = json().get_mut("usage").map(Value::take) {
+                    self.overlay_usage(u);
+                }
+            }
+            (Api::Messages, "message_stop") => {
+                self.done = true;
+                let u = &self.anthropic_usage;
+                let n = |k: &str| u.get(k).and_then(Value::as_u64);
+                let cached = n("cache_read_input_tokens");
+                self.usage = n("input_tokens").map(|input| StreamUsage {
+                    prompt_tokens: input
+                        + cached.unwrap_or(0)
+                        + n("cache_creation_input_tokens").unwrap_or(0),
+                    cached_tokens: cached,
+                });
+            }
+            _ => {}
+        }
+    }
+
+    /// Anthropic's usage fields of a later event replace the earlier ones (null ones aside).
+    fn overlay_usage(&mut self, usage: Value) {
+        if let Value::Object(fields) = usage {
+            for (k, v) in fields {
+                if !v.is_null() {
+                    self.anthropic_usage.insert(k, v);
+                }
+            }
+        }
+    }
 }
 
 /// Bytes of the stream's end kept to find its usage event (a usage chunk is a few hundred).
@@ -80,11 +258,13 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-/// POST `body` (JSON) to `path` on `addr` and read the whole streamed answer, within `timeout`.
+/// POST `body` (JSON) to `path` on `addr` and read the whole streamed answer of `api`, within
+/// `timeout`.
 pub fn stream(
     addr: SocketAddr,
     path: &str,
     body: &[u8],
+    api: Api,
     timeout: Duration,
     keep_body: bool,
 ) -> Result<Streamed, String> {
@@ -114,6 +294,10 @@ pub fn stream(
     let mut tail: Vec<u8> = Vec::with_capacity(64);
     let mut done = false;
     let mut last: Vec<u8> = Vec::with_capacity(LAST_BYTES);
+    let mut events = match api {
+        Api::Chat | Api::Completions => None,
+        Api::Responses | Api::Messages => Some(EventReader::new(api)),
+    };
     'read: loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -174,18 +358,24 @@ pub fn stream(
             let room = ERROR_BODY_BYTES - body.len();
             body.extend_from_slice(&payload[..payload.len().min(room)]);
         }
-        let window_from = tail.len();
-        tail.extend_from_slice(&payload);
-        if ttft.is_none() && find(&tail[window_from.saturating_sub(4)..], b"data:").is_some() {
-            ttft = Some(now.duration_since(t0).as_secs_f64());
+        if let Some(events) = events.as_mut() {
+            if status == 200 && events.feed(&payload) {
+                ttft = Some(now.duration_since(t0).as_secs_f64());
+            }
+        } else {
+            let window_from = tail.len();
+            tail.extend_from_slice(&payload);
+            if ttft.is_none() && find(&tail[window_from.saturating_sub(4)..], b"data:").is_some() {
+                ttft = Some(now.duration_since(t0).as_secs_f64());
+            }
+            if find(&tail[window_from.saturating_sub(11)..], b"data: [DONE]").is_some() {
+                done = true;
+            }
+            if tail.len() > 32 {
+                tail.drain(..tail.len() - 32);
+            }
         }
-        if find(&tail[window_from.saturating_sub(11)..], b"data: [DONE]").is_some() {
-            done = true;
-        }
-        if tail.len() > 32 {
-            tail.drain(..tail.len() - 32);
-        }
-        if status == 200 {
+        if status == 200 && events.is_none() {
             let keep = payload.len().min(LAST_BYTES);
             let drop = (last.len() + keep).saturating_sub(LAST_BYTES);
             last.drain(..drop);
@@ -197,14 +387,19 @@ pub fn stream(
     }
     let e2e_s = t0.elapsed().as_secs_f64();
     let (status, head) = head.ok_or_else(|| format!("{addr} closed without a response"))?;
+    let (done, usage) = match events {
+        Some(e) => (e.done, e.usage),
+        None => (done, usage_of(&last)),
+    };
     Ok(Streamed {
+        api,
         status,
         head,
         body,
         ttft_s: ttft,
         e2e_s,
         done,
-        usage: usage_of(&last),
+        usage,
     })
 }
 
@@ -307,6 +502,7 @@ mod tests {
             addr,
             "/v1/completions",
             b"{}",
+            Api::Completions,
             Duration::from_secs(5),
             false,
         )
@@ -329,5 +525,218 @@ mod tests {
             None
         );
         assert!(r.body.is_empty());
+    }
+
+    /// Serves one answer: a chunked event stream written as `parts`, each after its pause.
+    fn serve_stream(parts: Vec<(u64, String)>) -> (SocketAddr, std::thread::JoinHandle<()>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let mut got = Vec::new();
+            while find(&got, b"\r\n\r\n").is_none() {
+                let n = c.read(&mut buf).unwrap();
+                got.extend_from_slice(&buf[..n]);
+            }
+            c.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
+            for (pause_ms, part) in parts {
+                std::thread::sleep(Duration::from_millis(pause_ms));
+                c.write_all(format!("{:x}\r\n{part}\r\n", part.len()).as_bytes())
+                    .unwrap();
+            }
+            c.write_all(b"0\r\n\r\n").unwrap();
+        });
+        (addr, server)
+    }
+
+    fn sse(kind: &str, data: &str) -> String {
+        format!("event: {kind}\ndata: {data}\n\n")
+    }
+
+    /// A Responses stream as the replica (vLLM) writes it, ending with `end`.
+    fn responses_events(end: &str) -> (String, String, String) {
+        let first = sse(
+            "response.created",
+            r#"{"response":{"id":"resp_1","status":"in_progress","usage":null},"sequence_number":0,"type":"response.created"}"#,
+        ) + &sse(
+            "response.in_progress",
+            r#"{"response":{"id":"resp_1","status":"in_progress","usage":null},"sequence_number":1,"type":"response.in_progress"}"#,
+        );
+        let text = sse(
+            "response.output_item.added",
+            r#"{"item":{"content":[],"id":"msg_1","role":"assistant","status":"in_progress","type":"message"},"output_index":0,"sequence_number":2,"type":"response.output_item.added"}"#,
+        ) + &sse(
+            "response.content_part.added",
+            r#"{"content_index":0,"item_id":"msg_1","output_index":0,"part":{"annotations":[],"logprobs":[],"text":"","type":"output_text"},"sequence_number":3,"type":"response.content_part.added"}"#,
+        ) + &sse(
+            "response.output_text.delta",
+            r#"{"content_index":0,"delta":"Hello","item_id":"msg_1","logprobs":[],"output_index":0,"sequence_number":4,"type":"response.output_text.delta"}"#,
+        ) + &sse(
+            "response.output_text.delta",
+            r#"{"content_index":0,"delta":" world","item_id":"msg_1","logprobs":[],"output_index":0,"sequence_number":5,"type":"response.output_text.delta"}"#,
+        );
+        let last = sse(
+            "response.output_text.done",
+            r#"{"content_index":0,"item_id":"msg_1","logprobs":[],"output_index":0,"sequence_number":6,"text":"Hello world","type":"response.output_text.done"}"#,
+        ) + &sse(
+            end,
+            &format!(
+                r#"{{"response":{{"id":"resp_1","output":[{{"content":[{{"annotations":[],"text":"Hello world","type":"output_text"}}],"id":"msg_1","role":"assistant","status":"incomplete","type":"message"}}],"status":"incomplete","usage":{{"input_tokens":30,"input_tokens_details":{{"cached_tokens":16,"cache_write_tokens":0,"input_tokens_per_turn":[],"cached_tokens_per_turn":[]}},"output_tokens":2,"output_tokens_details":{{"reasoning_tokens":0,"tool_output_tokens":0}},"total_tokens":32}}}},"sequence_number":7,"type":"{end}"}}"#
+            ),
+        );
+        (first, text, last)
+    }
+
+    #[test]
+    fn responses_streams_time_the_first_text_delta_and_end_at_the_final_event() {
+        let (first, text, last) = responses_events("response.incomplete");
+        // The final event split mid-way across chunks.
+        let (a, b) = last.split_at(last.len() / 2);
+        let (addr, server) = serve_stream(vec![
+            (0, first),
+            (60, text),
+            (0, a.to_string()),
+            (10, b.to_string()),
+        ]);
+        let r = stream(
+            addr,
+            "/v1/responses",
+            b"{}",
+            Api::Responses,
+            Duration::from_secs(5),
+            false,
+        )
+        .unwrap();
+        server.join().unwrap();
+        assert_eq!(r.status, 200);
+        assert!(
+            r.ttft_s.unwrap() >= 0.05,
+            "TTFT at the first text delta, not response.created: {:?}",
+            r.ttft_s
+        );
+        assert!(r.e2e_s >= r.ttft_s.unwrap());
+        assert!(r.done, "response.incomplete ends the answer");
+        assert_eq!(
+            r.usage,
+            Some(StreamUsage {
+                prompt_tokens: 30,
+                cached_tokens: Some(16)
+            })
+        );
+
+        // response.completed ends it too; a stream cut before its final event is not done.
+        let (first, text, last) = responses_events("response.completed");
+        let mut reader = EventReader::new(Api::Responses);
+        assert!(!reader.feed(first.as_bytes()));
+        assert!(reader.feed(text.as_bytes()), "the first text delta");
+        assert!(!reader.done);
+        reader.feed(last.as_bytes());
+        assert!(reader.done);
+        assert_eq!(reader.usage.unwrap().cached_tokens, Some(16));
+        let mut cut = EventReader::new(Api::Responses);
+        cut.feed((first + &text).as_bytes());
+        cut.feed(&last.as_bytes()[..last.len() - 3]);
+        assert!(cut.text && !cut.done && cut.usage.is_none());
+        // A reasoning delta is not text.
+        let mut reasoning = EventReader::new(Api::Responses);
+        assert!(!reasoning.feed(
+            sse(
+                "response.reasoning_text.delta",
+                r#"{"delta":"hm","type":"response.reasoning_text.delta"}"#
+            )
+            .as_bytes()
+        ));
+    }
+
+    /// A Messages stream as the replica (vLLM) writes it.
+    fn messages_events() -> (String, String, String) {
+        let first = sse(
+            "message_start",
+            r#"{"type":"message_start","message":{"id":"chatcmpl-1","type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":30,"output_tokens":0}}}"#,
+        ) + &sse(
+            "content_block_start",
+            r#"{"type":"content_block_start","content_block":{"type":"text","text":""},"index":0}"#,
+        );
+        let text = sse(
+            "content_block_delta",
+            r#"{"type":"content_block_delta","delta":{"type":"text_delta","text":"Hello"},"index":0}"#,
+        ) + &sse(
+            "content_block_delta",
+            r#"{"type":"content_block_delta","delta":{"type":"text_delta","text":" world"},"index":0}"#,
+        );
+        let last = sse(
+            "content_block_stop",
+            r#"{"type":"content_block_stop","index":0}"#,
+        ) + &sse(
+            "message_delta",
+            r#"{"type":"message_delta","delta":{"stop_reason":"max_tokens","stop_sequence":null},"usage":{"input_tokens":14,"output_tokens":2,"cache_read_input_tokens":16}}"#,
+        ) + &sse("message_stop", r#"{"type":"message_stop"}"#);
+        (first, text, last)
+    }
+
+    #[test]
+    fn messages_streams_time_the_first_text_delta_and_end_at_message_stop() {
+        let (first, text, last) = messages_events();
+        let (a, b) = last.split_at(last.len() - 10);
+        let (addr, server) = serve_stream(vec![
+            (0, first.clone()),
+            (60, text.clone()),
+            (0, a.to_string()),
+            (10, b.to_string()),
+        ]);
+        let r = stream(
+            addr,
+            "/v1/messages",
+            b"{}",
+            Api::Messages,
+            Duration::from_secs(5),
+            false,
+        )
+        .unwrap();
+        server.join().unwrap();
+        assert!(
+            r.ttft_s.unwrap() >= 0.05,
+            "TTFT at the first text delta, not message_start: {:?}",
+            r.ttft_s
+        );
+        assert!(r.done, "message_stop ends the answer");
+        // Prompt tokens: the uncached input tokens plus those read from the cache.
+        assert_eq!(
+            r.usage,
+            Some(StreamUsage {
+                prompt_tokens: 30,
+                cached_tokens: Some(16)
+            })
+        );
+
+        // Without message_stop the answer is not complete.
+        let mut cut = EventReader::new(Api::Messages);
+        cut.feed((first + &text).as_bytes());
+        assert!(cut.text && !cut.done && cut.usage.is_none());
+
+        // Anthropic's own shape: the cache counts in message_start, message_delta with the
+        // output tokens only; CRLF line ends, no event: lines.
+        let mut reader = EventReader::new(Api::Messages);
+        let events = [
+            r#"{"type":"message_start","message":{"usage":{"input_tokens":5,"cache_creation_input_tokens":10,"cache_read_input_tokens":20,"output_tokens":1}}}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":""}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"hm"}}"#,
+        ];
+        for e in events {
+            assert!(!reader.feed(format!("data: {e}\r\n\r\n").as_bytes()), "{e}");
+        }
+        assert!(reader.feed(b"data: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\r\n\r\n"));
+        reader.feed(b"data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":12}}\r\n\r\ndata: {\"type\":\"message_stop\"}\r\n");
+        assert!(!reader.done, "the event is complete at its blank line");
+        reader.feed(b"\r\n");
+        assert!(reader.done);
+        assert_eq!(
+            reader.usage,
+            Some(StreamUsage {
+                prompt_tokens: 35,
+                cached_tokens: Some(20)
+            })
+        );
     }
 }

@@ -1,13 +1,14 @@
 //! `kvlb replay`: send a request trace through a balancer, live, and measure what its clients
 //! get. Every request of the trace (Mooncake JSONL, Azure CSV or a built-in generator, read by
 //! `crate::sim::trace`) leaves at its own arrival time divided by `--speedup`, as a streaming
-//! chat or completions request whose prompt is built from the trace's block ids (equal ids,
-//! equal text: the trace's prefix sharing is real shared text); per request the replayer
-//! measures the time to the first server-sent event (TTFT) and to the end of the answer.
-//! Given the replicas' URLs, it reads their own `/metrics` before and after, so requests,
-//! prompt tokens computed and the prefix-cache hit rate per replica are what the engines
-//! report. The summary is printed and written as JSON; `kvlb replay report` puts several
-//! summaries side by side (table, ratios, combined JSON, SVG plot).
+//! chat, completions, Responses or Messages request whose prompt is built from the trace's
+//! block ids (equal ids, equal text: the trace's prefix sharing is real shared text); per
+//! request the replayer measures the time to the first server-sent event (TTFT; for Responses
+//! and Messages, the first text delta) and to the end of the answer. Given the replicas' URLs,
+//! it reads their own `/metrics` before and after, so requests, prompt tokens computed and the
+//! prefix-cache hit rate per replica are what the engines report. The summary is printed and
+//! written as JSON; `kvlb replay report` puts several summaries side by side (table, ratios,
+//! combined JSON, SVG plot).
 //!
 //! * `client`: the HTTP side (one connection per request, streamed answers timed);
 //! * `counters`: the replicas' `/metrics` counters;
@@ -40,10 +41,31 @@ kvlb replay report [--title T] [--kvlb LABEL] [--baseline LABEL] [--failed LABEL
 /// `--api`.
 #[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
 pub enum Api {
-    /// /v1/chat/completions
+    /// /v1/chat/completions: the prompt as one user message; TTFT at the first event, the end
+    /// at data: [DONE]
     Chat,
-    /// /v1/completions
+    /// /v1/completions: the prompt as text or token ids; TTFT at the first event, the end at
+    /// data: [DONE]
     Completions,
+    /// /v1/responses (OpenAI's Responses API): the prompt as the input string, store false;
+    /// TTFT at the first response.output_text.delta, the end at response.completed or
+    /// response.incomplete
+    Responses,
+    /// /v1/messages (Anthropic's Messages API): the prompt as one user message; TTFT at the
+    /// first text content_block_delta, the end at message_stop
+    Messages,
+}
+
+impl Api {
+    /// The name `--api` takes and the summary's `api` field.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Completions => "completions",
+            Api::Responses => "responses",
+            Api::Messages => "messages",
+        }
+    }
 }
 
 /// `--prompt`.
@@ -59,7 +81,8 @@ pub enum PromptForm {
 ///
 /// Replays a request trace through the balancer at URL (http://HOST:PORT) in real time: each
 /// request leaves at its trace arrival time divided by --speedup, streams its answer, and its
-/// time to first token (first SSE event) and end-to-end time are measured.
+/// time to first token (first SSE event; with --api responses or messages, the first text
+/// delta) and end-to-end time are measured.
 #[derive(Debug, Clone, PartialEq, clap::Parser)]
 #[command(
     name = "kvlb replay",
@@ -145,10 +168,11 @@ fn http_url(v: &str) -> Result<String, String> {
 impl Options {
     /// The checks across flags; the error names the flags.
     pub fn validate(&self) -> Result<(), String> {
-        if self.prompt == PromptForm::TokenIds && self.api == Api::Chat {
-            return Err(
-                "--prompt token-ids needs --api completions (chat messages are text)".into(),
-            );
+        if self.prompt == PromptForm::TokenIds && self.api != Api::Completions {
+            return Err(format!(
+                "--prompt token-ids needs --api completions ({} prompts are text)",
+                self.api.name()
+            ));
         }
         Ok(())
     }
@@ -196,8 +220,9 @@ fn json_str(s: &str) -> String {
     serde_json::to_string(s).expect("a string serialises")
 }
 
-/// The request path and JSON body for one trace request (streamed, with the usage event that
-/// tells the prompt tokens found cached).
+/// The request path and JSON body for one trace request (streamed, with the usage that tells
+/// the prompt tokens found cached: chat and completions ask for the usage event; the
+/// Responses and Messages streams end with theirs).
 pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) {
     let mut text = String::new();
     trace::prompt_text(req, &mut text);
@@ -232,6 +257,22 @@ pub fn request_body(req: &TraceRequest, o: &Options) -> (&'static str, Vec<u8>) 
                 .into_bytes(),
             )
         }
+        Api::Responses => (
+            "/v1/responses",
+            format!(
+                r#"{{"model":{model},"input":{},"max_output_tokens":{max_tokens},"stream":true,"store":false}}"#,
+                json_str(&text)
+            )
+            .into_bytes(),
+        ),
+        Api::Messages => (
+            "/v1/messages",
+            format!(
+                r#"{{"model":{model},"max_tokens":{max_tokens},"messages":[{{"role":"user","content":{}}}],"stream":true}}"#,
+                json_str(&text)
+            )
+            .into_bytes(),
+        ),
     }
 }
 
@@ -294,7 +335,7 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
             .stack_size(256 * 1024)
             .spawn(move || {
                 let (path, body) = request_body(&req, &opts);
-                let answer = client::stream(target, path, &body, timeout, false);
+                let answer = client::stream(target, path, &body, opts.api, timeout, false);
                 let _ = tx.send(RequestRecord::from_answer(index, late_s, answer));
             });
         if let Err(e) = spawned {
@@ -329,10 +370,7 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
             label,
             target: o.target.clone(),
             trace: o.trace.clone(),
-            api: match o.api {
-                Api::Chat => "chat".into(),
-                Api::Completions => "completions".into(),
-            },
+            api: o.api.name().into(),
             speedup: o.speedup,
             time_scale: o.time_scale,
             wall_s,
@@ -431,6 +469,10 @@ mod tests {
                 "--target http://127.0.0.1:9 --trace x --prompt token-ids",
                 "token-ids",
             ),
+            (
+                "--target http://127.0.0.1:9 --trace x --api responses --prompt token-ids",
+                "responses prompts are text",
+            ),
             ("--target http://127.0.0.1:9 --trace x --bogus 1", "--bogus"),
             (
                 "--target http://127.0.0.1:9 --trace x --limit",
@@ -496,6 +538,22 @@ mod tests {
             crate::engine::tokenizer::count_tokens(content),
             reqs[0].prompt_tokens as usize
         );
+        o.api = Api::Responses;
+        let (path, body) = request_body(&reqs[0], &o);
+        assert_eq!(path, "/v1/responses");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["input"].as_str(), Some(content));
+        assert_eq!(
+            (&v["max_output_tokens"], &v["stream"], &v["store"]),
+            (&7.into(), &true.into(), &false.into())
+        );
+        o.api = Api::Messages;
+        let (path, body) = request_body(&reqs[0], &o);
+        assert_eq!(path, "/v1/messages");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["messages"][0]["content"].as_str(), Some(content));
+        assert_eq!(v["messages"][0]["role"], "user");
+        assert_eq!((&v["max_tokens"], &v["stream"]), (&7.into(), &true.into()));
         o.api = Api::Completions;
         o.prompt = PromptForm::TokenIds;
         let (path, body) = request_body(&reqs[0], &o);

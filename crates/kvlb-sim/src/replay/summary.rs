@@ -11,8 +11,9 @@
 
 #![forbid(unsafe_code)]
 
-use super::client::{StreamUsage, Streamed};
+use super::client::{self, StreamUsage, Streamed};
 use super::counters::EngineCounters;
+use super::Api;
 use crate::sim::report::percentile;
 use crate::sim::trace::TraceRequest;
 use serde::{Deserialize, Serialize};
@@ -43,7 +44,9 @@ impl RequestRecord {
         }
     }
 
-    /// A streamed answer counts when it is a 200 with an event and the final `[DONE]`.
+    /// A streamed answer counts when it is a 200 with an event (Responses, Messages: a text
+    /// delta) and its last event (`[DONE]`, `response.completed` or `response.incomplete`,
+    /// `message_stop`).
     pub fn from_answer(index: usize, late_s: f64, answer: Result<Streamed, String>) -> Self {
         let a = match answer {
             Ok(a) => a,
@@ -57,9 +60,12 @@ impl RequestRecord {
                 body.chars().take(200).collect::<String>().trim()
             ))
         } else if a.ttft_s.is_none() {
-            Some("200 without any SSE event".into())
+            Some(match a.api {
+                Api::Chat | Api::Completions => "200 without any SSE event".into(),
+                Api::Responses | Api::Messages => "200 without any text delta event".into(),
+            })
         } else if !a.done {
-            Some("stream ended before data: [DONE]".into())
+            Some(format!("stream ended before {}", client::end_event(a.api)))
         } else {
             None
         };
@@ -129,7 +135,7 @@ pub struct ReplaySummary {
     pub time_scale: f64,
     /// Requests sent.
     pub requests: usize,
-    /// Answered in full (200, events, `[DONE]`).
+    /// Answered in full (200, events, the last event: `[DONE]`, `response.completed`, ...).
     pub ok: usize,
     pub errors: usize,
     /// The first few error messages.
