@@ -207,9 +207,11 @@ fn token_ids_equal_transformers_rendering_and_python_tokenizers() {
                 messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
             }
             messages.push(json!({"role": "user", "content": "and tomorrow?"}));
-            // Built as text so the tool schema's keys keep an order serde_json would sort.
+            // Built as text so the tool schema's keys keep an order serde_json would sort. The
+            // tool is given as vLLM dumps it (name, description, parameters), which is what
+            // the template sees: hf_chat_tokens.py renders the body's tools as they are.
             let tools = if i % 2 == 0 {
-                r#", "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "description": "née"}}}}}]"#
+                r#", "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "description": "née"}}}}}]"#
             } else {
                 ""
             };

@@ -9,7 +9,8 @@
 //!   system messages and the stored response's output texts as assistant messages; then the new
 //!   input, whose items are merged as `_construct_message_from_response_item` does),
 //!   `construct_tool_dicts` (function tools, and the function tools of a namespace as
-//!   `namespace__name`, in chat format) and the chat template kwargs of
+//!   `namespace__name`, and each `custom` tool as a function of one string `input`, in chat
+//!   format) and the chat template kwargs of
 //!   `ResponsesRequest.build_chat_params` (`add_generation_prompt`, `continue_final_message`
 //!   for a partial last assistant message, `reasoning_effort` and `enable_thinking`).
 //! * Messages ([`messages_to_chat`]): `AnthropicServingMessages.to_chat_completion_request`:
@@ -31,9 +32,10 @@
 //! `continue_final_message` at the top level (and removed from `chat_template_kwargs`, where
 //! vLLM's own values win), `reasoning_effort` and `enable_thinking` inside
 //! `chat_template_kwargs`. Text content parts (`input_text`, `output_text`, `refusal`) are given
-//! as chat `text` parts and `input_image` as `image_url`, which is what vLLM's chat parser
-//! makes of them; keys of an item that the chat parser drops (`type`, `id`, `status`) are
-//! left out. Key order follows vLLM's (the template's `tojson` prints keys in order).
+//! as chat `text` parts, which is what vLLM's chat parser makes of them, and `input_image`
+//! parts as they are (with `detail` defaulted to "auto", as vLLM's request model fills it in);
+//! keys of an item that the chat parser drops (`type`, `id`, `status`) are left out. Key order
+//! follows vLLM's (the template's `tojson` prints keys in order).
 //!
 //! # Where this differs from vLLM, on purpose
 //! * Input vLLM answers with a 500 (an empty assistant message content list, a refusal as the
@@ -41,8 +43,6 @@
 //! * A `tool_use` block without an id gets `call_0` (vLLM: `call_` and the Unix time, which no
 //!   second renderer can reproduce); Anthropic `thinking.type = "disabled"` maps to
 //!   `reasoning_effort = "none"` (vLLM probes the template once and may pick "low").
-//! * Responses `custom` tools are not turned into chat tools (their calls in the input are,
-//!   with the free-form input under the key `input`).
 //!
 //! Also here, for the simulated replica's `/detokenize`: [`detokenize`] and [`vocab_size`] of a
 //! loaded [`crate::ChatTokenizer`]; and Python's `json.dumps`, `repr(float)` and `str()` of
@@ -404,10 +404,33 @@ fn responses_tools(tools: &[Value]) -> Result<Option<Vec<Value>>, TokenizeError>
                     out.push(chat_function(s, flat_name(ns, name), &at)?);
                 }
             }
+            // custom_tool_as_function_dict: a one-string function shim.
+            "custom" => {
+                let name = opt_str(t, "name", &at)?
+                    .ok_or_else(|| body_err(format!("tools[{i}].name: Field required")))?;
+                let mut shim = Map::new();
+                if let Some(d) = opt_str(t, "description", &at)? {
+                    shim.insert("description".into(), Value::String(d.into()));
+                }
+                shim.insert("parameters".into(), custom_tool_parameters());
+                out.push(chat_function(&shim, name.to_string(), &at)?);
+            }
             _ => {}
         }
     }
     Ok(Some(out))
+}
+
+/// vLLM's `custom_tool_parameters`: the schema of the function a `custom` tool is shown as.
+fn custom_tool_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "input": {"type": "string", "description": "The freeform text payload for this tool."}
+        },
+        "required": ["input"],
+        "additionalProperties": false
+    })
 }
 
 /// vLLM's `check_tool_usage`, then the chat form of the choice: "auto" and "none" become
@@ -502,7 +525,8 @@ fn responses_tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<Valu
 }
 
 /// Content parts as vLLM's chat parser reads them: text-like parts become `text` parts,
-/// `input_image` an `image_url` part; other parts stay as they are.
+/// `input_image` keeps its type and gets `detail: "auto"` when it has none (as vLLM's request
+/// model fills it in); other parts stay as they are.
 fn normalize_parts(content: &Value) -> Value {
     let Value::Array(parts) = content else {
         return content.clone();
@@ -523,10 +547,21 @@ fn normalize_parts(content: &Value) -> Value {
                         Some(t) => json!({"type": "text", "text": t}),
                         None => part.clone(),
                     },
-                    Some("input_image") => match part.get("image_url").and_then(Value::as_str) {
-                        Some(url) => json!({"type": "image_url", "image_url": {"url": url}}),
-                        None => part.clone(),
-                    },
+                    // Kept as it is, with the model's default detail: the chat parser
+                    // reads `input_image` itself and hands `detail` to the template.
+                    Some("input_image") => {
+                        let mut p = Map::new();
+                        let detail = part.get("detail").cloned().unwrap_or(json!("auto"));
+                        p.insert("detail".into(), detail);
+                        if let Some(o) = part.as_object() {
+                            for (k, v) in o {
+                                if k != "detail" {
+                                    p.insert(k.clone(), v.clone());
+                                }
+                            }
+                        }
+                        Value::Object(p)
+                    }
                     _ => part.clone(),
                 }
             })
@@ -582,7 +617,8 @@ fn input_items(items: &[Value]) -> Result<Vec<Value>, TokenizeError> {
                     .ok_or_else(|| body_err(format!("{at}call_id: Field required")))?;
                 let name = opt_str(o, "name", &at)?
                     .ok_or_else(|| body_err(format!("{at}name: Field required")))?;
-                let input = opt_str(o, "input", &at)?.unwrap_or("");
+                let input = opt_str(o, "input", &at)?
+                    .ok_or_else(|| body_err(format!("{at}input: Field required")))?;
                 let arguments = python_json_dumps(&json!({"input": input}), false);
                 Some(
                     json!({"id": call_id, "function": {"name": name, "arguments": arguments}, "type": "function"}),
@@ -655,6 +691,22 @@ fn input_items(items: &[Value]) -> Result<Vec<Value>, TokenizeError> {
                 out.push(json!({"role": "tool", "content": content, "tool_call_id": call_id}));
             }
             _ if o.get("role").and_then(Value::as_str) == Some("assistant") => {
+                // Without `type: "message"` only an easy message (input parts) fits: output
+                // parts need an output message.
+                if kind.is_none() {
+                    if let Some(Value::Array(parts)) = o.get("content") {
+                        for (j, part) in parts.iter().enumerate() {
+                            let t = part.get("type").and_then(Value::as_str);
+                            if !matches!(t, Some("input_text" | "input_image" | "input_file")) {
+                                return Err(body_err(format!(
+                                    "{at}content[{j}]: an assistant item without type \
+                                     \"message\" takes input_text, input_image or input_file \
+                                     parts"
+                                )));
+                            }
+                        }
+                    }
+                }
                 // An output message (or an easy assistant message): its first part's text.
                 let text = match o.get("content") {
                     Some(Value::String(s)) => Some(s.clone()),
@@ -899,9 +951,26 @@ fn system_text(content: &Value) -> Option<String> {
 ///
 /// `merge_inline_system`: the chat template wants the system prompt first
 /// ([`template_needs_system_first`]), so system messages inside `messages` are merged into the
-/// leading one. Also serves `/v1/messages/count_tokens` bodies: `max_tokens` is checked when
-/// given, not required (the `/v1/messages` endpoint requires it).
+/// leading one. `max_tokens` is required, as `AnthropicMessagesRequest` requires it (a
+/// `/v1/messages/count_tokens` body goes through [`count_tokens_to_chat`]).
 pub fn messages_to_chat(body: &Value, merge_inline_system: bool) -> Result<Value, TokenizeError> {
+    convert_messages(body, merge_inline_system, true)
+}
+
+/// As [`messages_to_chat`] for a `/v1/messages/count_tokens` body
+/// (`AnthropicCountTokensRequest`): `max_tokens` is checked when given, not required.
+pub fn count_tokens_to_chat(
+    body: &Value,
+    merge_inline_system: bool,
+) -> Result<Value, TokenizeError> {
+    convert_messages(body, merge_inline_system, false)
+}
+
+fn convert_messages(
+    body: &Value,
+    merge_inline_system: bool,
+    needs_max_tokens: bool,
+) -> Result<Value, TokenizeError> {
     let m = body
         .as_object()
         .ok_or_else(|| body_err("request body: expected a JSON object"))?;
@@ -969,6 +1038,9 @@ pub fn messages_to_chat(body: &Value, merge_inline_system: bool) -> Result<Value
         }
     };
     let max_tokens = match m.get("max_tokens") {
+        None | Some(Value::Null) if needs_max_tokens => {
+            return Err(body_err("max_tokens: Field required"))
+        }
         None | Some(Value::Null) => None,
         Some(Value::Number(n)) => match n.as_i64() {
             Some(v) if v > 0 => Some(v),
@@ -1355,10 +1427,11 @@ fn convert_blocks(
                     Some(v @ Value::Object(o)) if !o.is_empty() => v.clone(),
                     _ => json!({}),
                 };
+                // Key order of vLLM's validated ChatCompletionMessageToolCallParam.
                 tool_calls.push(json!({
                     "id": id,
+                    "function": {"arguments": python_json_dumps(&input, true), "name": name},
                     "type": "function",
-                    "function": {"name": name, "arguments": python_json_dumps(&input, true)},
                 }));
             }
             "tool_result" => {
@@ -1746,7 +1819,7 @@ mod tests {
                 {"role": "developer", "content": "rules"},
                 {"role": "user", "content": [
                     {"type": "text", "text": "look"},
-                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+                    {"detail": "auto", "type": "input_image", "image_url": "http://x/y.png"}
                 ]},
                 {"role": "assistant", "content": "ok"},
                 {"role": "user", "content": "next", "name": "bob"},
@@ -2164,7 +2237,7 @@ mod tests {
     #[test]
     fn messages_tool_changes_apply_in_order() {
         let c = msgs(
-            json!({"model": "m", "tools": [
+            json!({"model": "m", "max_tokens": 5, "tools": [
                     {"name": "a", "input_schema": {"type": "object"}, "defer_loading": true},
                     {"name": "b", "input_schema": {"type": "object"}}],
                 "messages": [
@@ -2189,13 +2262,13 @@ mod tests {
             c["tools"][0]
         );
         let e = err(messages_to_chat(
-            &json!({"model": "m", "messages": [{"role": "system", "content": [
+            &json!({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": [
             {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "zz"}}]}]}),
             false,
         ));
         assert!(e.contains("not declared in tools"), "{e}");
         let e = err(messages_to_chat(
-            &json!({"model": "m", "messages": [{"role": "user", "content": [
+            &json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "zz"}}]}]}),
             false,
         ));
@@ -2248,8 +2321,18 @@ mod tests {
                 "input_schema must be a dictionary",
             ),
         ] {
-            let e = err(messages_to_chat(&body, false));
+            // Checked as count_tokens bodies: max_tokens is not required there.
+            let e = err(count_tokens_to_chat(&body, false));
             assert!(e.contains(wanted), "{body}: {e}");
+        }
+        // /v1/messages requires max_tokens (absent or null), as AnthropicMessagesRequest does.
+        for body in [
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            json!({"model": "m", "max_tokens": null, "messages": [{"role": "user", "content": "hi"}]}),
+        ] {
+            let e = err(messages_to_chat(&body, false));
+            assert!(e.contains("max_tokens: Field required"), "{body}: {e}");
+            assert!(count_tokens_to_chat(&body, false).is_ok(), "{body}");
         }
     }
 

@@ -40,6 +40,7 @@
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 pub mod agent;
+mod conversation;
 pub mod fixture;
 #[cfg(test)]
 mod tests;
@@ -109,8 +110,17 @@ pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
     env: Environment<'static>,
     has_template: bool,
+    /// The template's source (transformers checks it names `content` for
+    /// `continue_final_message`).
+    template_source: String,
+    /// The template names the developer role (else vLLM renders developer messages as system
+    /// messages).
+    names_developer: bool,
     bos_token: String,
     eos_token: String,
+    /// The other named special tokens the config sets (`unk_token`, `sep_token`, `pad_token`,
+    /// `cls_token`, `mask_token`), which transformers hands the template too.
+    special_tokens: Vec<(String, String)>,
     /// Every added token that is matched on raw text, as the tokenizer splits on them.
     added: Option<AhoCorasick>,
     /// Per pattern of `added`: `Some(id)` where the token is a segment boundary.
@@ -255,6 +265,10 @@ impl ChatTokenizer {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         let has_template = template.is_some();
+        let template_source = template.clone().unwrap_or_default();
+        // vLLM's _detect_developer_role_support.
+        let names_developer =
+            template_source.contains("\"developer\"") || template_source.contains("'developer'");
         if let Some(t) = template {
             env.add_template_owned("chat", t)
                 .map_err(|e| format!("chat template: does not compile: {e:#}"))?;
@@ -287,8 +301,21 @@ impl ChatTokenizer {
             tokenizer,
             env,
             has_template,
+            template_source,
+            names_developer,
             bos_token: token_text(config.get("bos_token")),
             eos_token: token_text(config.get("eos_token")),
+            special_tokens: [
+                "unk_token",
+                "sep_token",
+                "pad_token",
+                "cls_token",
+                "mask_token",
+            ]
+            .into_iter()
+            .filter(|k| config.get(*k).is_some_and(|v| !v.is_null()))
+            .map(|k| (k.to_string(), token_text(config.get(k))))
+            .collect(),
             added,
             added_ids,
             segment_wise: false,
@@ -313,62 +340,65 @@ impl ChatTokenizer {
         self.has_template
     }
 
-    /// Renders a chat completions body with the template, as the engine would.
+    /// Renders a chat completions body with the template, as vLLM 0.33 does: the messages
+    /// rebuilt by vLLM's chat parser (see [`conversation`]: tool call arguments as objects,
+    /// reasoning as `reasoning` and `reasoning_content`, content as text), the template
+    /// variables vLLM and transformers pass, and for `continue_final_message` the prompt cut
+    /// right after the final message's text.
     pub fn render_chat(&self, body: &[u8]) -> Result<String, TokenizeError> {
         if !self.has_template {
             return Err(TokenizeError::Template(
                 "none configured (chat_template = PATH to tokenizer_config.json)".into(),
             ));
         }
-        let request: Value = serde_json::from_slice(body)
+        let request: serde_json::Value = serde_json::from_slice(body)
             .map_err(|e| TokenizeError::Body(format!("not JSON: {e}")))?;
-        let messages = request
-            .get_attr("messages")
-            .ok()
-            .filter(|m| m.kind() == minijinja::value::ValueKind::Seq)
-            .ok_or_else(|| TokenizeError::Body("messages: expected a list".into()))?;
-        let messages: Vec<Value> = messages
-            .try_iter()
-            .map_err(|e| TokenizeError::Body(format!("messages: {e}")))?
-            .map(|m| flatten_content(&m))
-            .collect();
-        let add_generation_prompt = match request.get_attr("add_generation_prompt") {
-            Ok(v) if !v.is_undefined() && !v.is_none() => v.is_true(),
-            _ => true,
+        let request = request
+            .as_object()
+            .ok_or_else(|| TokenizeError::Body("expected a JSON object".into()))?;
+        let messages = match request.get("messages") {
+            Some(serde_json::Value::Array(m)) => m,
+            _ => return Err(TokenizeError::Body("messages: expected a list".into())),
         };
+        let mut messages = conversation::parse_messages(messages)?;
+        if !self.names_developer {
+            messages = conversation::developer_to_system(messages);
+        }
+        let (kwargs, continue_final) = conversation::template_variables(request)?;
+        let final_text = if continue_final {
+            Some(conversation::mark_final(
+                &mut messages,
+                &self.template_source,
+            )?)
+        } else {
+            None
+        };
+        // transformers: the special tokens, then the keyword arguments over them; `messages`,
+        // `tools` and `documents` always defined.
         let mut ctx: Vec<(String, Value)> = vec![
-            ("messages".into(), Value::from(messages)),
-            (
-                "add_generation_prompt".into(),
-                Value::from(add_generation_prompt),
-            ),
             ("bos_token".into(), Value::from(self.bos_token.clone())),
             ("eos_token".into(), Value::from(self.eos_token.clone())),
         ];
-        for key in ["tools", "documents", "continue_final_message"] {
-            match request.get_attr(key) {
-                Ok(v) if !v.is_undefined() && !v.is_none() => ctx.push((key.into(), v)),
-                _ => ctx.push((key.into(), Value::from(()))),
-            }
+        for (name, token) in &self.special_tokens {
+            ctx.push((name.clone(), Value::from(token.clone())));
         }
-        if let Ok(kwargs) = request.get_attr("chat_template_kwargs") {
-            if kwargs.kind() == minijinja::value::ValueKind::Map {
-                if let Ok(keys) = kwargs.try_iter() {
-                    for k in keys {
-                        if let (Some(name), Ok(v)) = (k.as_str(), kwargs.get_item(&k)) {
-                            ctx.push((name.to_string(), v));
-                        }
-                    }
-                }
-            }
+        ctx.push(("tools".into(), Value::from(())));
+        ctx.push(("documents".into(), Value::from(())));
+        for (k, v) in kwargs {
+            ctx.push((k, Value::from_serialize(&v)));
         }
+        ctx.push(("messages".into(), Value::from_serialize(&messages)));
         let template = self
             .env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(format!("{e:#}")))?;
-        template
+        let rendered = template
             .render(Value::from_iter(ctx))
-            .map_err(|e| TokenizeError::Template(format!("{e:#}")))
+            .map_err(|e| TokenizeError::Template(format!("{e:#}")))?;
+        match final_text {
+            Some(text) => conversation::cut_after_final(rendered, &text),
+            None => Ok(rendered),
+        }
     }
 
     /// [`ChatTokenizer::render_chat`] of a chat body already parsed.
@@ -619,39 +649,6 @@ fn completion_prompt(body: &[u8]) -> Result<Option<String>, TokenizeError> {
     }
 }
 
-/// A message whose `content` is a list of parts gets the texts of its text parts joined by
-/// newlines, as vLLM does for templates that take string content.
-fn flatten_content(message: &Value) -> Value {
-    let content = match message.get_attr("content") {
-        Ok(c) if c.kind() == minijinja::value::ValueKind::Seq => c,
-        _ => return message.clone(),
-    };
-    let mut texts = Vec::new();
-    if let Ok(parts) = content.try_iter() {
-        for part in parts {
-            if let Some(s) = part.as_str() {
-                texts.push(s.to_string());
-            } else if let Ok(t) = part.get_attr("text") {
-                if let Some(s) = t.as_str() {
-                    texts.push(s.to_string());
-                }
-            }
-        }
-    }
-    let joined = Value::from(texts.join("\n"));
-    let Ok(keys) = message.try_iter() else {
-        return message.clone();
-    };
-    Value::from_iter(keys.filter_map(|k| {
-        let v = if k.as_str() == Some("content") {
-            joined.clone()
-        } else {
-            message.get_item(&k).ok()?
-        };
-        Some((k, v))
-    }))
-}
-
 /// `raise_exception(message)`: the template refuses the conversation.
 fn raise_exception(message: String) -> Result<Value, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, message))
@@ -880,6 +877,13 @@ impl PyFormatter {
 }
 
 impl serde_json::ser::Formatter for PyFormatter {
+    /// Floats as Python's `repr` writes them (`1e-07`, `1e+16`, `2.0`).
+    fn write_f64<W: ?Sized + std::io::Write>(&mut self, w: &mut W, f: f64) -> std::io::Result<()> {
+        w.write_all(agent::python_float(f).as_bytes())
+    }
+    fn write_f32<W: ?Sized + std::io::Write>(&mut self, w: &mut W, f: f32) -> std::io::Result<()> {
+        self.write_f64(w, f64::from(f))
+    }
     fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         self.open(w, b"[")
     }

@@ -284,3 +284,69 @@ fn fill_prefix_matches_kv_event_hashes() {
     assert_eq!(out.total_units, ids.len());
     assert_eq!(out.mode, kvlb_core::prefix::PrefixMode::Tokens);
 }
+
+/// vLLM's chat parser runs before the template: tool call arguments given as JSON strings are
+/// rendered as objects (Qwen-style `arguments | tojson`), a tool-call-only assistant message
+/// has `""` content, invalid arguments become `{}`, reasoning is also `reasoning_content`, and
+/// `continue_final_message` cuts the prompt right after the final message's text.
+#[test]
+fn chat_bodies_render_as_vllm_parses_them() {
+    let t = chatml();
+    let body = br#"{"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "20"}
+    ]}"#;
+    let text = t.render_chat(body).unwrap();
+    assert!(
+        text.contains(
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("{\"name\": \"get_weather\", \"arguments\": {}}"),
+        "{text}"
+    );
+    // Arguments given as an object render the same as their JSON string.
+    let object = br#"{"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "20"}
+    ]}"#;
+    assert_eq!(t.render_chat(object).unwrap(), text);
+
+    // Tool-call-only content is "" (a template concatenating it does not fail), reasoning is
+    // handed on as both names.
+    let custom = ChatTokenizer::from_parts(
+        chatml_tokenizer_json(600).as_bytes(),
+        Some(&chatml_config_json()),
+        Some("{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ m.reasoning_content }}|{{ m.reasoning }}|{{ m.extra }}]{% endfor %}{{ reasoning_effort }}/{{ enable_thinking }}/{{ continue_final_message }}"),
+    )
+    .unwrap();
+    let text = custom
+        .render_chat(br#"{"reasoning_effort": "low", "messages": [{"role": "assistant", "reasoning": "hmm", "extra": 1, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}"#)
+        .unwrap();
+    assert_eq!(text, "[assistant||hmm|hmm|]low/True/");
+
+    // continue_final_message: the prompt ends right after the final message's text.
+    let body = br#"{"add_generation_prompt": false, "continue_final_message": true, "messages": [
+        {"role": "user", "content": "Tell me a story"},
+        {"role": "assistant", "content": "Once upon a time"}
+    ]}"#;
+    let text = t.render_chat(body).unwrap();
+    assert!(
+        text.ends_with("<|im_start|>assistant\nOnce upon a time"),
+        "{text:?}"
+    );
+    // Both at once is refused, as vLLM refuses it.
+    let both =
+        br#"{"continue_final_message": true, "messages": [{"role": "assistant", "content": "x"}]}"#;
+    assert!(t.render_chat(both).is_err());
+}

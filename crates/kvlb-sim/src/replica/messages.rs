@@ -4,7 +4,9 @@
 //! accepted and ignored, as vLLM ignores them.
 //!
 //! A request is converted to the chat completions body vLLM renders for it
-//! ([`crate::tokenize::agent::messages_to_chat`]; inline system messages merged into the
+//! ([`crate::tokenize::agent::messages_to_chat`], or
+//! [`crate::tokenize::agent::count_tokens_to_chat`] for count_tokens, which does not require
+//! `max_tokens`; inline system messages merged into the
 //! leading one when the `--tokenizer` template wants the system prompt first, as vLLM probes
 //! at start) and tokenized as `/v1/chat/completions` is. The answer is what vLLM's
 //! `messages_full_converter` / `message_stream_converter` make of the chat answer: its id is
@@ -90,8 +92,13 @@ fn convert(served: &Served, body: &[u8], count_only: bool) -> Result<Prepared, A
     if !count_only && request.get("max_tokens").is_none_or(Value::is_null) {
         return Err(invalid("max_tokens: Field required"));
     }
-    let chat = agent::messages_to_chat(&Value::Object(request.clone()), merge_inline_system())
-        .map_err(|e| match e {
+    let convert = if count_only {
+        agent::count_tokens_to_chat
+    } else {
+        agent::messages_to_chat
+    };
+    let chat =
+        convert(&Value::Object(request.clone()), merge_inline_system()).map_err(|e| match e {
             crate::tokenize::TokenizeError::Body(m) => invalid(m),
             other => invalid(other.to_string()),
         })?;
