@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fetch the pinned vLLM and SGLang wheels and extract the KV event sources the engine tests run.
+"""Fetch the pinned vLLM and SGLang wheels and extract the sources the engine tests run (the KV
+event code; vLLM's Responses and Messages API conversions).
 
     python3 tests/py/engines/fetch.py        # prints the source directory (KVLB_ENGINE_SRC)
 
@@ -43,6 +44,27 @@ ENGINES = [
             "vllm/config/kv_events.py",
             # read, not imported: when the block pool emits which event
             "vllm/v1/core/block_pool.py",
+            # imported by agent_convert.py: the Responses and Messages API conversions and the
+            # request protocols they validate with
+            "vllm/envs.py",
+            "vllm/exceptions.py",
+            "vllm/logprobs.py",
+            "vllm/renderers/params.py",
+            "vllm/renderers/chat_utils/types.py",
+            "vllm/renderers/chat_utils/tool_call.py",
+            "vllm/renderers/chat_utils/chat_message.py",
+            "vllm/renderers/chat_utils/content_parser.py",
+            "vllm/entrypoints/serve/engine/protocol.py",
+            "vllm/entrypoints/generate/base/protocol.py",
+            "vllm/entrypoints/openai/chat_completion/protocol.py",
+            "vllm/entrypoints/openai/responses/protocol.py",
+            "vllm/entrypoints/openai/responses/utils.py",
+            "vllm/tool_parsers/utils.py",
+            "vllm/entrypoints/anthropic/protocol.py",
+            "vllm/entrypoints/anthropic/serving.py",
+            # read, not imported: how the servers call the conversions
+            "vllm/renderers/online_renderer.py",
+            "vllm/entrypoints/openai/responses/serving.py",
         ],
     },
     {
