@@ -560,14 +560,14 @@ fn second_pass(
     match endpoint {
         Endpoint::Responses => {
             if let Some(start) = fields.instructions {
-                instructions(body, start, text)?;
+                system_message(body, start, "instructions", text)?;
             }
             let start = fields.messages.ok_or(PromptError::MissingField("input"))?;
             responses_input(body, start, text)?;
         }
         Endpoint::ChatCompletions | Endpoint::Messages => {
             if let Some(start) = fields.instructions {
-                system(body, start, text)?;
+                system_message(body, start, "system", text)?;
             }
             let start = fields
                 .messages
@@ -1311,8 +1311,15 @@ fn messages_from(
     }
 }
 
-/// The Responses API's `instructions`: a system message (vLLM renders it as one), or null.
-fn instructions(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
+/// A system message: the Responses API's `instructions` (a string; vLLM renders it as one) or
+/// Anthropic's `system` (a string, or text blocks read as a message's content parts, a block
+/// whose text starts with [`BILLING_HEADER`] left out); null is none.
+fn system_message(
+    body: &[u8],
+    start: usize,
+    field: &'static str,
+    text: &mut impl Reader,
+) -> Result<(), PromptError> {
     let mut c = Cursor::new(body, start);
     match c.peek_token()? {
         b'n' => c.null().map(|_| ()),
@@ -1320,21 +1327,7 @@ fn instructions(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(),
             text.emit(SYSTEM_ROLE);
             c.string_to(text)
         }
-        _ => Err(PromptError::WrongType("instructions")),
-    }
-}
-
-/// Anthropic's `system`: a string, or text blocks read as a message's content parts (a block
-/// whose text starts with [`BILLING_HEADER`] left out), as a system message; or null.
-fn system(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), PromptError> {
-    let mut c = Cursor::new(body, start);
-    match c.peek_token()? {
-        b'n' => c.null().map(|_| ()),
-        b'"' => {
-            text.emit(SYSTEM_ROLE);
-            c.string_to(text)
-        }
-        b'[' => {
+        b'[' if field == "system" => {
             text.emit(SYSTEM_ROLE);
             let mut text_parts = 0usize;
             c.array(1, |c, _| {
@@ -1344,7 +1337,7 @@ fn system(body: &[u8], start: usize, text: &mut impl Reader) -> Result<(), Promp
                 content_part(c, &mut text_parts, text)
             })
         }
-        _ => Err(PromptError::WrongType("system")),
+        _ => Err(PromptError::WrongType(field)),
     }
 }
 

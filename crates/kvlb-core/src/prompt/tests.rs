@@ -46,14 +46,14 @@ pub(crate) fn reference_extract_prompt(
     match endpoint {
         Endpoint::Responses => {
             if let Some(start) = fields.instructions {
-                instructions(body, start, text)?;
+                system_message(body, start, "instructions", text)?;
             }
             let start = fields.messages.ok_or(PromptError::MissingField("input"))?;
             responses_input(body, start, text)?;
         }
         Endpoint::ChatCompletions | Endpoint::Messages => {
             if let Some(start) = fields.instructions {
-                system(body, start, text)?;
+                system_message(body, start, "system", text)?;
             }
             let start = fields
                 .messages
