@@ -75,7 +75,8 @@ fn body_err(message: impl Into<String>) -> TokenizeError {
     TokenizeError::Body(message.into())
 }
 
-fn type_name(v: &Value) -> &'static str {
+/// A JSON value's type as error messages name it.
+pub fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "boolean",

@@ -115,16 +115,7 @@ pub(super) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> 
     }
 }
 
-pub(super) fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
-}
+pub(super) use crate::tokenize::agent::type_name;
 
 fn opt_bool(m: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
     match m.get(key) {
