@@ -67,6 +67,7 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
+pub mod calibrate;
 pub mod reported;
 
 pub use reported::{LoraMask, LoraReport, OwnLora, ReportedLoad};
@@ -272,25 +273,39 @@ impl TtftModel {
     /// decode (`mean_output_tokens` steps). The replica reports no more than which adapters
     /// have requests, so how far along they are is not known.
     pub fn lora_slot_wait(&self, decoding: u32) -> f64 {
-        self.decode.mean_output_tokens as f64 * self.decode_step_seconds(decoding.max(1))
+        self.lora_slot_wait_parts(decoding).total()
+    }
+
+    /// `lora_slot_wait`, all of it decode time.
+    pub fn lora_slot_wait_parts(&self, decoding: u32) -> Seconds {
+        Seconds {
+            prefill: 0.0,
+            decode: self.decode.mean_output_tokens as f64
+                * self.decode_step_seconds(decoding.max(1)),
+        }
     }
 
     /// Seconds before a new request's own prefill can start on a replica with `load`.
     pub fn queue_wait(&self, load: &ReplicaLoad) -> f64 {
+        self.queue_wait_parts(load).total()
+    }
+
+    /// `queue_wait`, split into its prefill and decode time.
+    pub fn queue_wait_parts(&self, load: &ReplicaLoad) -> Seconds {
         let p = &self.prefill;
         let q = load.queued_prefill_tokens as f64;
-        let step_fixed = p.a + self.decode_step_seconds(load.decoding);
-        let mut wait = 0.0;
+        let mut wait = Seconds::default();
         if q > 0.0 {
-            wait += q / self.prefill_room(load.decoding) * step_fixed
-                + p.b * q
-                + p.c * q * p.queued_context_tokens as f64;
+            let steps = q / self.prefill_room(load.decoding);
+            wait.prefill = steps * p.a + p.b * q + p.c * q * p.queued_context_tokens as f64;
+            wait.decode = steps * self.decode_step_seconds(load.decoding);
         }
         let max_seqs = self.decode.max_num_seqs.max(1) as u64;
         let excess = (load.in_flight as u64 + 1).saturating_sub(max_seqs);
         if excess > 0 {
             let dstep = self.decode_step_seconds(load.decoding.max(1));
-            wait += excess as f64 / max_seqs as f64 * self.decode.mean_output_tokens as f64 * dstep;
+            wait.decode +=
+                excess as f64 / max_seqs as f64 * self.decode.mean_output_tokens as f64 * dstep;
         }
         wait
     }
@@ -298,13 +313,20 @@ impl TtftModel {
     /// Seconds to prefill the uncached rest of a `prompt_tokens` prompt after `matched_tokens`
     /// found in the cache, while `decoding` sequences share the steps.
     pub fn prefill_seconds(&self, matched_tokens: u32, prompt_tokens: u32, decoding: u32) -> f64 {
+        self.prefill_parts(matched_tokens, prompt_tokens, decoding)
+            .total()
+    }
+
+    /// `prefill_seconds`, split into its prefill and decode time.
+    pub fn prefill_parts(&self, matched_tokens: u32, prompt_tokens: u32, decoding: u32) -> Seconds {
         let p = &self.prefill;
         let matched = matched_tokens.min(prompt_tokens.saturating_sub(1));
         let n = (prompt_tokens - matched.min(prompt_tokens)).max(1) as f64;
         let steps = (n / self.prefill_room(decoding)).ceil().max(1.0);
-        steps * (p.a + self.decode_step_seconds(decoding))
-            + p.b * n
-            + p.c * n * (matched as f64 + (n + 1.0) / 2.0)
+        Seconds {
+            prefill: steps * p.a + p.b * n + p.c * n * (matched as f64 + (n + 1.0) / 2.0),
+            decode: steps * self.decode_step_seconds(decoding),
+        }
     }
 
     /// Seconds to prefill a `prompt_tokens` prompt whose first `gpu_tokens` are resident in
@@ -320,13 +342,108 @@ impl TtftModel {
         decoding: u32,
         load_cost: f64,
     ) -> f64 {
+        self.prefill_parts_tiered(gpu_tokens, held_tokens, prompt_tokens, decoding, load_cost)
+            .total()
+    }
+
+    /// `prefill_seconds_tiered`, split into its prefill and decode time.
+    pub fn prefill_parts_tiered(
+        &self,
+        gpu_tokens: u32,
+        held_tokens: u32,
+        prompt_tokens: u32,
+        decoding: u32,
+        load_cost: f64,
+    ) -> Seconds {
         let held = held_tokens.max(gpu_tokens);
-        let rest = self.prefill_seconds(held, prompt_tokens, decoding);
+        let rest = self.prefill_parts(held, prompt_tokens, decoding);
         if held == gpu_tokens {
             return rest;
         }
-        let recompute = self.prefill_seconds(gpu_tokens, prompt_tokens, decoding) - rest;
-        rest + load_cost.clamp(0.0, 1.0) * recompute.max(0.0)
+        let recompute = self.prefill_parts(gpu_tokens, prompt_tokens, decoding) - rest;
+        rest + recompute.at_least_zero() * load_cost.clamp(0.0, 1.0)
+    }
+}
+
+/// Seconds of an estimate, split by what they scale with on a replica: its prefill speed (the
+/// prefill terms `a`, `b`, `c`) or its decode speed (the decode steps that share the batch).
+/// The model computes them for a replica of the configured speed; `at` prices them on one
+/// whose measured [`Pace`] differs.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Seconds {
+    pub prefill: f64,
+    pub decode: f64,
+}
+
+impl Seconds {
+    /// The seconds on a replica of the configured speed.
+    pub fn total(self) -> f64 {
+        self.prefill + self.decode
+    }
+
+    /// The seconds on a replica of pace `pace`.
+    pub fn at(self, pace: Pace) -> f64 {
+        self.prefill * pace.prefill as f64 + self.decode * pace.decode as f64
+    }
+
+    fn at_least_zero(self) -> Seconds {
+        Seconds {
+            prefill: self.prefill.max(0.0),
+            decode: self.decode.max(0.0),
+        }
+    }
+}
+
+impl std::ops::Add for Seconds {
+    type Output = Seconds;
+    fn add(self, o: Seconds) -> Seconds {
+        Seconds {
+            prefill: self.prefill + o.prefill,
+            decode: self.decode + o.decode,
+        }
+    }
+}
+
+impl std::ops::Sub for Seconds {
+    type Output = Seconds;
+    fn sub(self, o: Seconds) -> Seconds {
+        Seconds {
+            prefill: self.prefill - o.prefill,
+            decode: self.decode - o.decode,
+        }
+    }
+}
+
+impl std::ops::Mul<f64> for Seconds {
+    type Output = Seconds;
+    fn mul(self, k: f64) -> Seconds {
+        Seconds {
+            prefill: self.prefill * k,
+            decode: self.decode * k,
+        }
+    }
+}
+
+/// How long a replica takes for what the model prices at one second: its prefill time and its
+/// decode time over the model's (1: as configured; 3: three times slower). `calibrate`
+/// measures it per replica.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pace {
+    pub prefill: f32,
+    pub decode: f32,
+}
+
+impl Pace {
+    /// A replica as fast as the model says.
+    pub const CONFIGURED: Pace = Pace {
+        prefill: 1.0,
+        decode: 1.0,
+    };
+}
+
+impl Default for Pace {
+    fn default() -> Pace {
+        Pace::CONFIGURED
     }
 }
 

@@ -1,0 +1,628 @@
+//! Online calibration: each replica's [`Pace`] (its prefill and decode time over what the
+//! model prices), learned from the requests kvlb sends there. The configured timing becomes a
+//! prior, not the truth: a fleet of GPUs three times slower than configured, or a mix of
+//! generations, is priced by what each replica is measured to do.
+//!
+//! # What is measured
+//!
+//! When a worker chooses a replica it knows the estimate it made, split by what each second
+//! of it scales with ([`Seconds`]: prefill time, decode time) at the configured speed, and the
+//! seconds no pace scales (an adapter load). When the request's first byte comes back, kvlb
+//! knows the time to first byte. That pair is a [`TtftSample`]:
+//!
+//! ```text
+//! observed ≈ prefill_pace * parts.prefill + decode_pace * parts.decode + fixed
+//! ```
+//!
+//! A stream's spacing between its events gives the decode time of its steps directly
+//! ([`DecodeSample`]): `elapsed ≈ decode_pace * steps * step_s`.
+//!
+//! # The estimator
+//!
+//! Per replica and per pace, a weighted least-squares fit through the origin of `y` against
+//! `x` (for prefill: `x = parts.prefill`, `y = observed - fixed - decode_pace * parts.decode`),
+//! with exponential forgetting in time ([`HALF_LIFE_MS`]) so that it follows a replica whose
+//! speed changes, and shrunk towards the fleet's pace by a prior worth [`PRIOR_WEIGHT`]:
+//!
+//! ```text
+//! pace = (Σ x·y + W0 · fleet) / (Σ x² + W0)
+//! ```
+//!
+//! Weighting by `x²` lets long prefills, whose times say the most about the replica's speed,
+//! carry the fit, and short ones (a cache hit, dominated by network and scheduling noise)
+//! little. Outliers are winsorised: once the fit holds some evidence, an observation is
+//! clamped to within [`OUTLIER_RATIO`] of the fit's prediction before it is added, and
+//! counted. A replica no request has measured yet is priced at the fleet's pace: the median of
+//! the paces of the replicas measured, or the configured speed when none is.
+//!
+//! Decode: while no stream has measured a replica's decode steps, its decode pace follows its
+//! prefill pace (a GPU k times slower is k times slower in both, the model's premise).
+//!
+//! # Publication
+//!
+//! One thread (the residency writer's tick in `kvlb serve`) owns [`Calibration`] and drains
+//! the samples the workers push into a bounded lock-free queue ([`Samples`]); it publishes each
+//! replica's pace into a [`ReplicaPace`] cell, one atomic word the workers load per candidate.
+//! No lock, no allocation on either side once started.
+
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use super::{Pace, Seconds};
+use crossbeam::queue::ArrayQueue;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Evidence halves every this many milliseconds without new samples.
+pub const HALF_LIFE_MS: u64 = 60_000;
+/// The prior's weight, in the unit of the fit's evidence (seconds squared): one observation of
+/// a 0.1 s prefill. A replica's first long prefill outweighs it.
+pub const PRIOR_WEIGHT: f64 = 0.01;
+/// Forgetting never takes a fit's evidence below this many priors: a replica measured once
+/// keeps its measured pace until new samples come, however long that takes.
+pub const KEPT_PRIORS: f64 = 4.0;
+/// A sample is clamped to within this factor of the fit's prediction (once the fit holds
+/// `KEPT_PRIORS` priors of evidence).
+pub const OUTLIER_RATIO: f64 = 3.0;
+/// Paces are kept within these bounds (a replica 50 times slower than configured is broken,
+/// not slow: health checks deal with it).
+pub const MIN_PACE: f64 = 0.05;
+pub const MAX_PACE: f64 = 50.0;
+/// The estimate error's moving average weighs a new sample this much.
+const ERROR_ALPHA: f64 = 0.05;
+
+/// What kvlb knew of a request when it chose its replica, and how long its first byte took.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftSample {
+    /// The replica's slot, and the slot's epoch (a slot reused by another replica starts over).
+    pub replica: u32,
+    pub epoch: u64,
+    /// The estimate's seconds at the configured speed: the queue wait and the prefill.
+    pub parts: Seconds,
+    /// Seconds of the estimate that no pace scales (an adapter load).
+    pub fixed_s: f32,
+    /// The pace the estimate was made with.
+    pub pace: Pace,
+    /// Seconds from the request's arrival to its first response byte.
+    pub observed_s: f32,
+}
+
+impl TtftSample {
+    /// The estimate the request was routed on.
+    pub fn estimated_s(&self) -> f64 {
+        self.parts.at(self.pace) + self.fixed_s as f64
+    }
+}
+
+/// A stream's decode: `steps` events after its first came `elapsed_s` seconds apart in all,
+/// while the model priced one step at `step_s`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeSample {
+    pub replica: u32,
+    pub epoch: u64,
+    pub steps: u32,
+    pub step_s: f32,
+    pub elapsed_s: f32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sample {
+    Ttft(TtftSample),
+    Decode(DecodeSample),
+}
+
+/// The workers' samples on their way to the calibration: bounded, lock-free; a sample that
+/// finds it full is dropped and counted.
+pub struct Samples {
+    queue: ArrayQueue<Sample>,
+    dropped: AtomicU64,
+}
+
+impl Samples {
+    pub fn new(capacity: usize) -> Samples {
+        Samples {
+            queue: ArrayQueue::new(capacity.max(1)),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// Queue `s`; false (and counted) when the queue is full.
+    pub fn push(&self, s: Sample) -> bool {
+        if self.queue.push(s).is_err() {
+            self.dropped.fetch_add(1, Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub fn pop(&self) -> Option<Sample> {
+        self.queue.pop()
+    }
+
+    /// Samples dropped because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Relaxed)
+    }
+}
+
+/// One replica's calibration as the workers and the admin endpoints read it: written by the
+/// calibration's owner only.
+#[derive(Debug, Default)]
+pub struct ReplicaPace {
+    /// The pace (two f32); 0 until published: the configured speed.
+    pace: AtomicU64,
+    /// What the pace was learned from: TTFT samples and decode samples taken, outliers among
+    /// them clamped.
+    pub ttft_samples: AtomicU64,
+    pub decode_samples: AtomicU64,
+    pub outliers: AtomicU64,
+    /// Observed over estimated TTFT of the requests routed there (geometric moving average,
+    /// f64 bits; 0 before the first sample).
+    error: AtomicU64,
+    /// Whether the pace was measured on this replica (not the fleet's).
+    measured: AtomicU64,
+}
+
+impl ReplicaPace {
+    /// The pace to price this replica at.
+    pub fn load(&self) -> Pace {
+        let v = self.pace.load(Relaxed);
+        if v == 0 {
+            return Pace::CONFIGURED;
+        }
+        Pace {
+            prefill: f32::from_bits((v >> 32) as u32),
+            decode: f32::from_bits(v as u32),
+        }
+    }
+
+    fn store(&self, p: Pace) {
+        let v = ((p.prefill.to_bits() as u64) << 32) | p.decode.to_bits() as u64;
+        self.pace.store(v, Relaxed);
+    }
+
+    /// Observed over estimated time to first token on this replica (moving geometric mean);
+    /// None before the first sample.
+    pub fn observed_over_estimated(&self) -> Option<f64> {
+        match self.error.load(Relaxed) {
+            0 => None,
+            b => Some(f64::from_bits(b)),
+        }
+    }
+
+    /// Whether the pace comes from this replica's own samples (false: the fleet's).
+    pub fn measured(&self) -> bool {
+        self.measured.load(Relaxed) != 0
+    }
+
+    /// Back to the configured speed, nothing measured (the slot takes another replica).
+    pub fn reset(&self) {
+        for a in [
+            &self.pace,
+            &self.ttft_samples,
+            &self.decode_samples,
+            &self.outliers,
+            &self.error,
+            &self.measured,
+        ] {
+            a.store(0, Relaxed);
+        }
+    }
+}
+
+/// A least-squares fit through the origin with forgetting.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Fit {
+    sxx: f64,
+    sxy: f64,
+    at_ms: u64,
+}
+
+impl Fit {
+    fn forget(&mut self, now_ms: u64) {
+        let dt = now_ms.saturating_sub(self.at_ms);
+        self.at_ms = self.at_ms.max(now_ms);
+        if dt == 0 || self.sxx <= 0.0 {
+            return;
+        }
+        let keep = KEPT_PRIORS * PRIOR_WEIGHT;
+        let k = 0.5f64.powf(dt as f64 / HALF_LIFE_MS as f64);
+        // Never below KEPT_PRIORS priors of evidence by forgetting alone.
+        let k = k.max((keep / self.sxx).min(1.0));
+        self.sxx *= k;
+        self.sxy *= k;
+    }
+
+    fn value(&self, prior: f64) -> f64 {
+        ((self.sxy + prior * PRIOR_WEIGHT) / (self.sxx + PRIOR_WEIGHT)).clamp(MIN_PACE, MAX_PACE)
+    }
+
+    fn evidence(&self) -> f64 {
+        self.sxx
+    }
+
+    /// Add `y` observed for `x`; returns whether it was clamped as an outlier.
+    fn add(&mut self, x: f64, y: f64, prior: f64) -> bool {
+        if !(x > 0.0 && x.is_finite() && y.is_finite()) {
+            return false;
+        }
+        let (lo, hi, outlier_if_clamped) = if self.sxx >= KEPT_PRIORS * PRIOR_WEIGHT {
+            let pred = self.value(prior) * x;
+            (pred / OUTLIER_RATIO, pred * OUTLIER_RATIO, true)
+        } else {
+            (MIN_PACE * x, MAX_PACE * x, false)
+        };
+        let clamped = y.clamp(lo, hi);
+        self.sxx += x * x;
+        self.sxy += x * clamped;
+        outlier_if_clamped && clamped != y
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct ReplicaFit {
+    epoch: u64,
+    prefill: Fit,
+    decode: Fit,
+    /// ln(observed / estimated), moving average; `errors` samples in it.
+    log_error: f64,
+    errors: u64,
+    ttft_samples: u64,
+    decode_samples: u64,
+    outliers: u64,
+}
+
+impl ReplicaFit {
+    fn measured(&self) -> bool {
+        self.prefill.evidence() > 0.0
+    }
+
+    fn pace(&self, fleet: Pace) -> Pace {
+        let prefill = self.prefill.value(fleet.prefill as f64);
+        let decode = if self.decode.evidence() > 0.0 {
+            self.decode.value(fleet.decode as f64)
+        } else if self.measured() {
+            // Not measured: as much slower than the fleet's decode as its prefill is.
+            (fleet.decode as f64 * prefill / fleet.prefill.max(1e-6) as f64)
+                .clamp(MIN_PACE, MAX_PACE)
+        } else {
+            fleet.decode as f64
+        };
+        Pace {
+            prefill: prefill as f32,
+            decode: decode as f32,
+        }
+    }
+}
+
+/// Every replica's calibration, owned by one thread.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    replicas: Vec<ReplicaFit>,
+    fleet: Pace,
+    /// Samples of a slot's earlier replica, dropped.
+    stale: u64,
+    /// Scratch for the fleet's median (allocated with the calibration).
+    scratch: Vec<f32>,
+}
+
+impl Calibration {
+    /// Calibration for up to `replicas` slots, all at the configured speed.
+    pub fn new(replicas: usize) -> Calibration {
+        Calibration {
+            replicas: vec![ReplicaFit::default(); replicas],
+            fleet: Pace::CONFIGURED,
+            stale: 0,
+            scratch: Vec::with_capacity(replicas),
+        }
+    }
+
+    /// The fit of slot `r` for a sample of `epoch`; None for a sample of an earlier replica.
+    fn fit(&mut self, r: u32, epoch: u64) -> Option<&mut ReplicaFit> {
+        let f = self.replicas.get_mut(r as usize)?;
+        if epoch < f.epoch {
+            self.stale += 1;
+            return None;
+        }
+        if epoch > f.epoch {
+            *f = ReplicaFit {
+                epoch,
+                ..ReplicaFit::default()
+            };
+        }
+        Some(f)
+    }
+
+    /// Learn from one sample taken at `now_ms`.
+    pub fn observe(&mut self, s: &Sample, now_ms: u64) {
+        let fleet = self.fleet;
+        match *s {
+            Sample::Ttft(t) => {
+                let Some(f) = self.fit(t.replica, t.epoch) else {
+                    return;
+                };
+                f.ttft_samples += 1;
+                let estimated = t.estimated_s();
+                let observed = t.observed_s as f64;
+                if estimated > 0.0 && observed > 0.0 && (observed / estimated).is_finite() {
+                    let e = (observed / estimated).ln();
+                    f.log_error = if f.errors == 0 {
+                        e
+                    } else {
+                        f.log_error + ERROR_ALPHA * (e - f.log_error)
+                    };
+                    f.errors += 1;
+                }
+                let pace = f.pace(fleet);
+                f.prefill.forget(now_ms);
+                let y = observed - t.fixed_s as f64 - pace.decode as f64 * t.parts.decode;
+                if f.prefill.add(t.parts.prefill, y, fleet.prefill as f64) {
+                    f.outliers += 1;
+                }
+            }
+            Sample::Decode(d) => {
+                let Some(f) = self.fit(d.replica, d.epoch) else {
+                    return;
+                };
+                f.decode_samples += 1;
+                f.decode.forget(now_ms);
+                let x = d.steps as f64 * d.step_s as f64;
+                if f.decode.add(x, d.elapsed_s as f64, fleet.decode as f64) {
+                    f.outliers += 1;
+                }
+            }
+        }
+    }
+
+    /// Slot `r` took another replica, of slot epoch `epoch`: back to the fleet's pace, and
+    /// samples of an earlier epoch are dropped from now on.
+    pub fn forget(&mut self, r: usize, epoch: u64) {
+        if let Some(f) = self.replicas.get_mut(r) {
+            *f = ReplicaFit {
+                epoch,
+                ..ReplicaFit::default()
+            };
+        }
+    }
+
+    /// The fleet's pace: the median of the measured replicas' paces (configured: none).
+    pub fn fleet(&self) -> Pace {
+        self.fleet
+    }
+
+    /// Slot `r`'s pace.
+    pub fn pace(&self, r: usize) -> Pace {
+        self.replicas
+            .get(r)
+            .map_or(self.fleet, |f| f.pace(self.fleet))
+    }
+
+    /// Samples dropped because their slot had since taken another replica.
+    pub fn stale(&self) -> u64 {
+        self.stale
+    }
+
+    /// Recompute the fleet's pace and publish every replica's into `cells` (slot order).
+    pub fn publish(&mut self, cells: &[ReplicaPace]) {
+        self.fleet = Pace {
+            prefill: self.median(|f| f.measured().then(|| f.prefill.value(1.0) as f32)),
+            decode: self
+                .median(|f| (f.decode.evidence() > 0.0).then(|| f.decode.value(1.0) as f32)),
+        };
+        if self.fleet.decode.is_nan() {
+            self.fleet.decode = self.fleet.prefill;
+        }
+        if self.fleet.prefill.is_nan() {
+            self.fleet = Pace::CONFIGURED;
+        }
+        for (f, cell) in self.replicas.iter().zip(cells) {
+            cell.store(f.pace(self.fleet));
+            cell.ttft_samples.store(f.ttft_samples, Relaxed);
+            cell.decode_samples.store(f.decode_samples, Relaxed);
+            cell.outliers.store(f.outliers, Relaxed);
+            cell.measured.store(f.measured() as u64, Relaxed);
+            if f.errors > 0 {
+                cell.error.store(f.log_error.exp().to_bits(), Relaxed);
+            } else {
+                cell.error.store(0, Relaxed);
+            }
+        }
+    }
+
+    /// The median of `value` over the replicas that have one; NaN when none has.
+    fn median(&mut self, value: impl Fn(&ReplicaFit) -> Option<f32>) -> f32 {
+        self.scratch.clear();
+        self.scratch.extend(self.replicas.iter().filter_map(&value));
+        if self.scratch.is_empty() {
+            return f32::NAN;
+        }
+        self.scratch.sort_by(|a, b| a.total_cmp(b));
+        let n = self.scratch.len();
+        if n % 2 == 1 {
+            self.scratch[n / 2]
+        } else {
+            (self.scratch[n / 2 - 1] + self.scratch[n / 2]) / 2.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ttft(replica: u32, prefill: f64, decode: f64, observed: f64) -> Sample {
+        Sample::Ttft(TtftSample {
+            replica,
+            epoch: 0,
+            parts: Seconds { prefill, decode },
+            fixed_s: 0.0,
+            pace: Pace::CONFIGURED,
+            observed_s: observed as f32,
+        })
+    }
+
+    fn published(c: &mut Calibration) -> Vec<ReplicaPace> {
+        let cells: Vec<ReplicaPace> = (0..c.replicas.len())
+            .map(|_| ReplicaPace::default())
+            .collect();
+        c.publish(&cells);
+        cells
+    }
+
+    #[test]
+    fn a_replica_three_times_slower_is_priced_so_after_one_long_prefill() {
+        let mut c = Calibration::new(2);
+        c.observe(&ttft(1, 0.3, 0.0, 0.9), 0);
+        let cells = published(&mut c);
+        let p = cells[1].load().prefill as f64;
+        // One 0.3 s prefill (evidence 0.09) against the prior (0.01) at the configured
+        // speed: 2.8, which makes the fleet's pace; shrunk towards that: 2.98.
+        assert!((p - 2.98).abs() < 0.01, "{p}");
+        // Its decode follows its prefill until measured.
+        assert!((cells[1].load().decode - cells[1].load().prefill).abs() < 1e-6);
+        // The other replica, unmeasured, takes the fleet's pace: the one measured (2.8).
+        assert!((cells[0].load().prefill - c.fleet().prefill).abs() < 1e-6);
+        assert!((c.fleet().prefill - 2.8).abs() < 0.01);
+        assert!(!cells[0].measured() && cells[1].measured());
+        // Many samples: the pace converges on the truth.
+        for i in 0..50 {
+            c.observe(
+                &ttft(1, 0.1 + 0.01 * i as f64, 0.0, 3.0 * (0.1 + 0.01 * i as f64)),
+                0,
+            );
+        }
+        let p = c.pace(1).prefill as f64;
+        assert!((p - 3.0).abs() < 0.01, "{p}");
+    }
+
+    #[test]
+    fn the_decode_part_is_taken_out_before_the_prefill_fit() {
+        let mut c = Calibration::new(1);
+        // Decode measured at 2x.
+        for _ in 0..20 {
+            c.observe(
+                &Sample::Decode(DecodeSample {
+                    replica: 0,
+                    epoch: 0,
+                    steps: 100,
+                    step_s: 0.01,
+                    elapsed_s: 2.0,
+                }),
+                0,
+            );
+        }
+        assert!((c.pace(0).decode - 2.0).abs() < 0.01);
+        // TTFT of 0.2 s prefill at 1.5x plus 0.1 s decode at 2x.
+        for _ in 0..20 {
+            c.observe(&ttft(0, 0.2, 0.1, 0.2 * 1.5 + 0.1 * 2.0), 0);
+        }
+        assert!((c.pace(0).prefill - 1.5).abs() < 0.02, "{:?}", c.pace(0));
+    }
+
+    #[test]
+    fn outliers_are_clamped_and_counted() {
+        let mut c = Calibration::new(1);
+        for _ in 0..20 {
+            c.observe(&ttft(0, 0.2, 0.0, 0.2), 0);
+        }
+        // One stall of 20 s: taken as 0.6 s, not 20.
+        c.observe(&ttft(0, 0.2, 0.0, 20.0), 0);
+        let cells = published(&mut c);
+        assert_eq!(cells[0].outliers.load(Relaxed), 1);
+        let p = c.pace(0).prefill;
+        assert!(p < 1.1, "{p}");
+        // A replica that really became 3x slower gets there over a few samples.
+        for _ in 0..100 {
+            c.observe(&ttft(0, 0.2, 0.0, 0.6), 0);
+        }
+        assert!(c.pace(0).prefill > 2.5, "{:?}", c.pace(0));
+    }
+
+    #[test]
+    fn forgetting_follows_a_change_but_keeps_a_floor_of_evidence() {
+        let mut c = Calibration::new(1);
+        for _ in 0..100 {
+            c.observe(&ttft(0, 0.3, 0.0, 0.9), 0);
+        }
+        let f = c.replicas[0].prefill;
+        // Ten half-lives later the evidence is down to the floor, the pace kept.
+        c.observe(&ttft(0, 0.3, 0.0, 0.3), 10 * HALF_LIFE_MS);
+        let after = c.replicas[0].prefill;
+        assert!(after.sxx < f.sxx / 10.0);
+        assert!(after.sxx >= KEPT_PRIORS * PRIOR_WEIGHT);
+        let p = c.pace(0).prefill;
+        // The 1x sample (clamped to 1/3 of the 3x prediction) moved it towards 1.
+        assert!(p < 2.6 && p > 1.0, "{p}");
+    }
+
+    #[test]
+    fn a_reused_slot_starts_over_and_late_samples_of_its_old_replica_are_dropped() {
+        let mut c = Calibration::new(1);
+        c.observe(&ttft(0, 0.3, 0.0, 0.9), 0);
+        assert!(c.pace(0).prefill > 2.0);
+        let mut s = ttft(0, 0.3, 0.0, 0.3);
+        if let Sample::Ttft(t) = &mut s {
+            t.epoch = 1;
+        }
+        c.observe(&s, 0);
+        assert!((c.pace(0).prefill - 1.0).abs() < 0.05);
+        c.observe(&ttft(0, 0.3, 0.0, 0.9), 0);
+        assert_eq!(c.stale(), 1);
+        assert!((c.pace(0).prefill - 1.0).abs() < 0.05);
+        // Told by the fleet first: the same.
+        c.forget(0, 2);
+        assert_eq!(c.pace(0), Pace::CONFIGURED);
+        s = ttft(0, 0.3, 0.0, 0.9);
+        if let Sample::Ttft(t) = &mut s {
+            t.epoch = 1;
+        }
+        c.observe(&s, 0);
+        assert_eq!((c.stale(), c.pace(0)), (2, Pace::CONFIGURED));
+    }
+
+    #[test]
+    fn the_fleet_pace_is_the_median_of_the_measured() {
+        let mut c = Calibration::new(5);
+        for (r, k) in [(0, 1.0), (1, 2.0), (2, 3.0)] {
+            for _ in 0..20 {
+                c.observe(&ttft(r, 0.3, 0.0, 0.3 * k), 0);
+            }
+        }
+        let cells = published(&mut c);
+        assert!((c.fleet().prefill - 2.0).abs() < 0.02, "{:?}", c.fleet());
+        // Unmeasured slots 3 and 4 are priced at the fleet's pace.
+        assert!((cells[4].load().prefill - c.fleet().prefill).abs() < 1e-6);
+        // The error average: observed 3x what the estimate (at pace 1) said.
+        let e = cells[2].observed_over_estimated().unwrap();
+        assert!((e - 3.0).abs() < 0.01, "{e}");
+        assert_eq!(cells[3].observed_over_estimated(), None);
+    }
+
+    #[test]
+    fn cells_round_trip_and_a_full_queue_counts_drops() {
+        let cell = ReplicaPace::default();
+        assert_eq!(cell.load(), Pace::CONFIGURED);
+        let p = Pace {
+            prefill: 2.5,
+            decode: 0.75,
+        };
+        cell.store(p);
+        assert_eq!(cell.load(), p);
+        cell.reset();
+        assert_eq!(cell.load(), Pace::CONFIGURED);
+        let q = Samples::new(2);
+        let s = ttft(0, 0.1, 0.0, 0.1);
+        assert!(q.push(s) && q.push(s) && !q.push(s));
+        assert_eq!(q.dropped(), 1);
+        assert_eq!(q.pop(), Some(s));
+    }
+
+    #[test]
+    fn nonsense_samples_change_nothing() {
+        let mut c = Calibration::new(1);
+        c.observe(&ttft(0, 0.0, 0.0, 1.0), 0);
+        c.observe(&ttft(0, f64::NAN, 0.0, 1.0), 0);
+        c.observe(&ttft(0, 0.2, 0.0, f64::INFINITY), 0);
+        c.observe(&ttft(7, 0.2, 0.0, 1.0), 0);
+        assert_eq!(c.pace(0), Pace::CONFIGURED);
+        assert!(!c.replicas[0].measured());
+    }
+}
