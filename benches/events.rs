@@ -273,6 +273,8 @@ fn main() {
                     reported: shared.telemetry[r].reported.load(),
                     setup_us: 0,
                     lora_slot_busy: false,
+                    pace: shared.pace[r].load(),
+                    routed: load.routed.load(Relaxed),
                 });
             }
             let view = RequestView {

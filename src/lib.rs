@@ -14,6 +14,7 @@ pub mod accept;
 pub mod access_log;
 pub mod admin;
 pub mod alloc;
+pub mod calibration;
 pub mod config;
 pub mod control;
 pub mod discovery;

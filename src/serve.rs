@@ -155,13 +155,17 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
              those take any model until they do"
         );
     }
+    let mut calibrator = crate::calibration::Calibrator::new(shared.clone());
     let writer_thread = spawn_writer_thread(
         writer,
         Duration::from_millis(1),
         crate::residency::PARKED_TICK,
         writer_stop.clone(),
         move || epoch.elapsed().as_micros() as u64,
-        move |w, now| feed.on_tick(w, now),
+        move |w, now| {
+            feed.on_tick(w, now);
+            calibrator.on_tick(now);
+        },
     )
     .map_err(|e| format!("cannot start the residency writer: {e}"))?;
     crate::admin::spawn(admin, shared.clone(), control.clone());

@@ -563,6 +563,18 @@ fn get(path: &str, admin: &Admin) -> Reply {
             }
         }
         "/replicas" => {
+            let calibration_json = |p: &crate::estimate::calibrate::ReplicaPace| {
+                let pace = p.load();
+                serde_json::json!({
+                    "prefill_pace": pace.prefill,
+                    "decode_pace": pace.decode,
+                    "measured": p.measured(),
+                    "ttft_samples": p.ttft_samples.load(Relaxed),
+                    "decode_samples": p.decode_samples.load(Relaxed),
+                    "outliers": p.outliers.load(Relaxed),
+                    "ttft_observed_over_estimated": p.observed_over_estimated(),
+                })
+            };
             let now = shared.now_ms();
             let models = shared.models.load();
             let list: Vec<serde_json::Value> = shared
@@ -601,6 +613,7 @@ fn get(path: &str, admin: &Admin) -> Reply {
                             .then(|| models.names_of(i))
                             .flatten(),
                         "telemetry": shared.telemetry[i].to_json(now),
+                        "calibration": calibration_json(&shared.pace[i]),
                     })
                 })
                 .collect();

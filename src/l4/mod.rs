@@ -97,7 +97,7 @@ pub fn effective_forwarding(requested: L4Forwarding) -> L4Forwarding {
 struct Routed {
     replica: usize,
     prefill_tokens: u64,
-    estimate_s: f64,
+    expected: crate::worker::Expected,
     /// The first request's model label.
     model_label: u16,
     /// The LoRA adapter the first request runs under (`ModelRoute::lora`; 0: none).
@@ -334,7 +334,7 @@ async fn first_request(
         Routed {
             replica: choice.replica,
             prefill_tokens: choice.prefill_tokens(),
-            estimate_s: choice.estimate_s(),
+            expected: choice.expected(),
             model_label: class.label,
             lora: model.lora(),
         },
@@ -349,7 +349,7 @@ async fn join(w: &Rc<Worker>, cfd: RawFd, routed: Routed, received_at: Instant, 
         w,
         replica,
         routed.prefill_tokens,
-        routed.estimate_s,
+        routed.expected,
         received_at,
         false,
         CountedAs {

@@ -398,6 +398,36 @@ pub static REPLICA_KV_EVENT_SKIPPED: Family = Family::counter(
     &["replica", "reason"],
     "KV events from the replica that kvlb skipped, by reason: undecodable (the event could not be read; the rest of its batch was applied), block_size (a BlockStored of a block size other than kvlb's token block), malformed (no block, or a token count other than blocks x block size), unknown_parent (a BlockStored whose parent block kvlb does not know), multimodal (blocks, not events: hashed with multimodal items or prompt embeddings, which no request's text or token ids name).",
 );
+pub static REPLICA_PREFILL_PACE: Family = Family::gauge(
+    "kvlb_replica_prefill_pace",
+    &["replica"],
+    "The replica's prefill time over what the configured cost model prices (1: as configured, 3: three times slower), learned from the times to first token of the streams kvlb sent there; the fleet's median while it has none.",
+);
+pub static REPLICA_DECODE_PACE: Family = Family::gauge(
+    "kvlb_replica_decode_pace",
+    &["replica"],
+    "The replica's decode step time over what the configured cost model prices, learned from its streams; follows its prefill pace until measured.",
+);
+pub static REPLICA_TTFT_OBSERVED_OVER_ESTIMATED: Family = Family::gauge(
+    "kvlb_replica_ttft_observed_over_estimated",
+    &["replica"],
+    "Observed over estimated time to first token of the streams kvlb sent to the replica (moving geometric mean); absent before the first.",
+);
+pub static REPLICA_CALIBRATION_SAMPLES: Family = Family::counter(
+    "kvlb_replica_calibration_samples_total",
+    &["replica", "kind"],
+    "Samples the replica's pace was learned from: ttft (a stream's first byte against its estimate), decode (a stream's event spacing).",
+);
+pub static REPLICA_CALIBRATION_OUTLIERS: Family = Family::counter(
+    "kvlb_replica_calibration_outliers_total",
+    &["replica"],
+    "Calibration samples of the replica more than 3x off the pace learned so far, taken as 3x off.",
+);
+pub static CALIBRATION_SAMPLES_DROPPED: Family = Family::counter(
+    "kvlb_calibration_samples_dropped_total",
+    &["reason"],
+    "Calibration samples not learned from: queue_full (the workers made more between two ticks than the queue holds), stale (their replica's slot had taken another replica since).",
+);
 pub static LORA_ADAPTERS: Family = Family::gauge(
     "kvlb_lora_adapters_known",
     &[],
@@ -524,6 +554,12 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_OFFLOADED_BLOCKS,
     &REPLICA_KV_OFFLOAD_RESIDENT_BLOCKS,
     &REPLICA_KV_EVENT_SKIPPED,
+    &REPLICA_PREFILL_PACE,
+    &REPLICA_DECODE_PACE,
+    &REPLICA_TTFT_OBSERVED_OVER_ESTIMATED,
+    &REPLICA_CALIBRATION_SAMPLES,
+    &REPLICA_CALIBRATION_OUTLIERS,
+    &CALIBRATION_SAMPLES_DROPPED,
     &LORA_ADAPTERS,
     &MODEL_REPLICAS,
     &MODEL_REQUESTS,

@@ -300,6 +300,8 @@ pub struct ReplicaGauges {
     pub decoding: AtomicU32,
     /// This instance's requests here for LoRA adapters.
     pub lora: OwnLoraCounts,
+    /// Requests sent here so far (cache_aware reads their recent rate).
+    pub routed: AtomicU64,
 }
 
 /// This instance's requests on one replica for LoRA adapters, by the adapter's bit in

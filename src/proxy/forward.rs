@@ -60,7 +60,7 @@ pub(super) async fn forward(
         w,
         replica,
         routed.prefill_tokens,
-        routed.estimate_s,
+        routed.expected,
         received_at,
         true,
         CountedAs {
@@ -171,6 +171,9 @@ pub(super) async fn forward(
     stats.ttfb.observe_us(ttfb_us);
     conn.log.status = rhead.status;
     conn.log.ttfb_us = Some(ttfb_us);
+    if rhead.status == 200 && rhead.event_stream {
+        in_flight.streamed();
+    }
     let class = metrics::status_class(rhead.status);
 
     // A Responses API answer names the response the replica stored: learned on the way.

@@ -306,7 +306,7 @@ pub(super) fn route(
             epoch,
             spec,
             prefill_tokens: choice.prefill_tokens(),
-            estimate_s: choice.estimate_s(),
+            expected: choice.expected(),
             class: model.class,
             load,
             lora: model.lora(),
@@ -323,8 +323,8 @@ pub(super) struct Routed {
     pub(super) spec: Arc<ReplicaConfig>,
     /// Prompt tokens the replica will compute (not resident there).
     pub(super) prefill_tokens: u64,
-    /// cache_aware's time-to-first-token estimate, 0 when the policy makes none.
-    pub(super) estimate_s: f64,
+    /// cache_aware's time-to-first-token estimate (none when the policy makes none).
+    pub(super) expected: crate::worker::Expected,
     /// The request's model label and settings.
     pub(super) class: ModelClass,
     /// A LoRA adapter (`lora_adapter` index) to wait for: being loaded there.

@@ -315,11 +315,53 @@ impl Collector for TelemetryMetrics {
                 samples.counter(&[replica.url.as_str(), reason], v.load(Relaxed))?;
             }
         }
+        encode_calibration(shared, &mut enc)?;
         families::LORA_ADAPTERS
             .describe(&mut enc)?
             .gauge(&[], shared.adapters.len() as u64)?;
         Ok(())
     }
+}
+
+/// Each replica's calibration (`crate::calibration`).
+fn encode_calibration(shared: &Shared, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    let replicas = || {
+        shared
+            .fleet
+            .slots()
+            .filter_map(|(r, slot)| slot.spec().map(|s| (r, s)))
+    };
+    let mut samples = families::REPLICA_PREFILL_PACE.describe(enc)?;
+    for (r, spec) in replicas() {
+        samples.gauge_f64(&[spec.url.as_str()], shared.pace[r].load().prefill as f64)?;
+    }
+    let mut samples = families::REPLICA_DECODE_PACE.describe(enc)?;
+    for (r, spec) in replicas() {
+        samples.gauge_f64(&[spec.url.as_str()], shared.pace[r].load().decode as f64)?;
+    }
+    let mut samples = families::REPLICA_TTFT_OBSERVED_OVER_ESTIMATED.describe(enc)?;
+    for (r, spec) in replicas() {
+        if let Some(e) = shared.pace[r].observed_over_estimated() {
+            samples.gauge_f64(&[spec.url.as_str()], e)?;
+        }
+    }
+    let mut samples = families::REPLICA_CALIBRATION_SAMPLES.describe(enc)?;
+    for (r, spec) in replicas() {
+        let p = &shared.pace[r];
+        samples.counter(&[spec.url.as_str(), "ttft"], p.ttft_samples.load(Relaxed))?;
+        samples.counter(
+            &[spec.url.as_str(), "decode"],
+            p.decode_samples.load(Relaxed),
+        )?;
+    }
+    let mut samples = families::REPLICA_CALIBRATION_OUTLIERS.describe(enc)?;
+    for (r, spec) in replicas() {
+        samples.counter(&[spec.url.as_str()], shared.pace[r].outliers.load(Relaxed))?;
+    }
+    let mut samples = families::CALIBRATION_SAMPLES_DROPPED.describe(enc)?;
+    samples.counter(&["queue_full"], shared.samples.dropped())?;
+    samples.counter(&["stale"], shared.samples_stale.load(Relaxed))?;
+    Ok(())
 }
 
 /// `v` unless it is `UNKNOWN`.

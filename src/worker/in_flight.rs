@@ -8,6 +8,25 @@ use crate::worker::Worker;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
+/// What the policy expected of a request at its replica: its time-to-first-token estimate,
+/// split as calibration needs it (`estimate::calibrate::TtftSample`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Expected {
+    /// The estimate's seconds at the configured speed.
+    pub parts: crate::estimate::Seconds,
+    /// Seconds no pace scales (an adapter load).
+    pub fixed_s: f64,
+    /// The replica's pace it was priced at.
+    pub pace: crate::estimate::Pace,
+}
+
+impl Expected {
+    /// The estimate in seconds (0: the policy made none).
+    pub fn seconds(&self) -> f64 {
+        self.parts.at(self.pace) + self.fixed_s
+    }
+}
+
 /// What a request in flight is counted under besides its replica.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CountedAs {
@@ -25,7 +44,12 @@ pub(crate) struct InFlight<'a> {
     prefill_tokens: u64,
     decoding: bool,
     received_at: Instant,
-    estimate_s: f64,
+    expected: Expected,
+    /// The replica slot's epoch when the request was counted.
+    epoch: u64,
+    /// The answer is a successful event stream: its first byte is its first token, and its
+    /// time a calibration sample.
+    measured: bool,
     /// The request's model label (`ModelClass::label`).
     model_label: u16,
     /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
@@ -39,7 +63,7 @@ impl<'a> InFlight<'a> {
         w: &'a Worker,
         replica: usize,
         prefill_tokens: u64,
-        estimate_s: f64,
+        expected: Expected,
         received_at: Instant,
         slot_taken: bool,
         CountedAs { model_label, lora }: CountedAs,
@@ -49,6 +73,7 @@ impl<'a> InFlight<'a> {
             load.in_flight.fetch_add(1, Relaxed);
         }
         load.lora.enter(lora);
+        load.routed.fetch_add(1, Relaxed);
         load.queued_prefill_tokens
             .fetch_add(prefill_tokens, Relaxed);
         crate::metrics::add(&w.stats().in_flight, 1);
@@ -58,7 +83,9 @@ impl<'a> InFlight<'a> {
             prefill_tokens,
             decoding: false,
             received_at,
-            estimate_s,
+            expected,
+            epoch: w.shared.fleet.slot(replica).epoch.load(Relaxed),
+            measured: false,
             model_label,
             lora,
         }
@@ -67,6 +94,12 @@ impl<'a> InFlight<'a> {
     /// Whether the replica has answered (its first byte arrived).
     pub(crate) fn decoding(&self) -> bool {
         self.decoding
+    }
+
+    /// The replica answers with a successful event stream: its first body byte is its first
+    /// token, so its time measures the estimate (`estimate::calibrate`).
+    pub(crate) fn streamed(&mut self) {
+        self.measured = true;
     }
 
     /// The first response body byte arrived: the prefill is done.
@@ -79,10 +112,14 @@ impl<'a> InFlight<'a> {
                 .model(self.model_label)
                 .first_token
                 .observe_us(observed.as_micros() as u64);
-            if self.estimate_s > 0.0 {
+            let estimate_s = self.expected.seconds();
+            if estimate_s > 0.0 {
                 stats
                     .ttft_ratio
-                    .observe(observed.as_secs_f64() / self.estimate_s);
+                    .observe(observed.as_secs_f64() / estimate_s);
+                if self.measured {
+                    self.sample(observed.as_secs_f64());
+                }
             }
             let load = &self.w.shared.loads[self.replica];
             load.queued_prefill_tokens
@@ -90,6 +127,23 @@ impl<'a> InFlight<'a> {
             load.decoding.fetch_add(1, Relaxed);
             self.decoding = true;
         }
+    }
+}
+
+impl InFlight<'_> {
+    /// Hand the first byte's time to the calibration (dropped and counted when its queue is
+    /// full).
+    fn sample(&self, observed_s: f64) {
+        use crate::estimate::calibrate::{Sample, TtftSample};
+        let e = &self.expected;
+        self.w.shared.samples.push(Sample::Ttft(TtftSample {
+            replica: self.replica as u32,
+            epoch: self.epoch,
+            parts: e.parts,
+            fixed_s: e.fixed_s as f32,
+            pace: e.pace,
+            observed_s: observed_s as f32,
+        }));
     }
 }
 

@@ -22,6 +22,7 @@ use std::time::Instant;
 mod in_flight;
 mod replica_telemetry;
 pub mod reported;
+pub use in_flight::Expected;
 pub(crate) use in_flight::{CountedAs, InFlight};
 pub use replica_telemetry::{ReplicaTelemetry, UNKNOWN};
 
@@ -69,6 +70,13 @@ pub struct Shared {
     pub body_memory: std::sync::atomic::AtomicUsize,
     /// Which replica stored which response (`previous_response_id`), sized at start.
     pub affinity: crate::affinity::AffinityTable,
+    /// Each replica's measured pace (`estimate::calibrate`), published by the calibration on
+    /// the residency writer's tick.
+    pub pace: Vec<crate::estimate::calibrate::ReplicaPace>,
+    /// The workers' calibration samples, on their way to that tick.
+    pub samples: crate::estimate::calibrate::Samples,
+    /// Samples the calibration dropped for their slot's replica having changed since.
+    pub samples_stale: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -117,6 +125,9 @@ impl Shared {
             splice_ok: crate::rt::splice::supported(),
             body_memory: std::sync::atomic::AtomicUsize::new(0),
             affinity: crate::affinity::AffinityTable::new(cfg.response_affinity_entries),
+            pace: (0..n).map(|_| Default::default()).collect(),
+            samples: crate::estimate::calibrate::Samples::new(CALIBRATION_SAMPLES),
+            samples_stale: std::sync::atomic::AtomicU64::new(0),
             config: arc_swap::ArcSwap::from_pointee(cfg),
         }
     }
@@ -148,6 +159,10 @@ impl Shared {
             .as_millis() as u64
     }
 }
+
+/// Calibration samples queued between two ticks of the residency writer at most (a tick
+/// drains them; more are dropped and counted).
+const CALIBRATION_SAMPLES: usize = 8192;
 
 /// A worker logs prompts cut short by a bound at most this often.
 const TRUNCATED_LOG_EVERY_MS: u64 = 10_000;
@@ -447,6 +462,8 @@ impl Worker {
                 reported,
                 setup_us,
                 lora_slot_busy,
+                pace: self.shared.pace[i].load(),
+                routed: load.routed.load(Relaxed),
             }
         };
         // A conversation's stored response: its replica alone while it may take requests
@@ -871,9 +888,16 @@ impl Choice {
         self.prompt_tokens.saturating_sub(matched) as u64
     }
 
-    /// The policy's time-to-first-token estimate (0 when it makes none).
-    pub fn estimate_s(&self) -> f64 {
-        self.decision.map(|d| d.ttft_s).unwrap_or(0.0)
+    /// The policy's time-to-first-token estimate and what it was made of (none when it makes
+    /// none).
+    pub fn expected(&self) -> crate::worker::Expected {
+        self.decision
+            .map(|d| crate::worker::Expected {
+                parts: d.estimate,
+                fixed_s: d.fixed_s,
+                pace: d.pace,
+            })
+            .unwrap_or_default()
     }
 }
 

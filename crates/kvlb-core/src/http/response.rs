@@ -25,6 +25,8 @@ pub struct ResponseHead {
     pub body: ResponseBody,
     /// The replica keeps the connection open afterwards.
     pub reusable: bool,
+    /// The body is a server-sent event stream (`Content-Type: text/event-stream`).
+    pub event_stream: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +84,7 @@ pub fn parse_response(
     let mut te_final: &[u8] = &[];
     let mut close_token = false;
     let mut keep_alive_token = false;
+    let mut event_stream = false;
     // Each field named once, for both passes; Connection-named fields are hop-by-hop too.
     let mut kinds = [Field::Other; MAX_HEADERS];
     let mut named: [&[u8]; 16] = [&[]; 16];
@@ -102,6 +105,11 @@ pub fn parse_response(
                     te_final = coding;
                 }
             }
+        } else if *kind == Field::Other && h.name.eq_ignore_ascii_case("content-type") {
+            event_stream = h
+                .value
+                .get(..17)
+                .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
         } else if *kind == Field::Connection {
             close_token |= has_token(h.value, "close");
             keep_alive_token |= has_token(h.value, "keep-alive");
@@ -187,6 +195,7 @@ pub fn parse_response(
         status,
         body,
         reusable,
+        event_stream,
     })
 }
 
@@ -200,6 +209,31 @@ mod tests {
             close: false,
             http10: false,
         }
+    }
+
+    #[test]
+    fn event_streams_are_told_by_their_content_type() {
+        let mut out = Vec::new();
+        let mut parse = |head: &str| {
+            parse_response(head.as_bytes(), 8192, "http://r", &client(), &mut out)
+                .unwrap()
+                .event_stream
+        };
+        assert!(parse(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+        ));
+        assert!(parse(
+            "HTTP/1.1 200 OK\r\ncontent-type: Text/Event-Stream; charset=utf-8\r\n\r\n"
+        ));
+        assert!(!parse(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n"
+        ));
+        assert!(!parse(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event\r\n\r\n"
+        ));
+        assert!(!parse(
+            "HTTP/1.1 200 OK\r\nX-Content-Type: text/event-stream\r\n\r\n"
+        ));
     }
 
     #[test]

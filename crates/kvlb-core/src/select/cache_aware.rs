@@ -126,7 +126,7 @@
 
 use super::{Candidate, Policy, RequestView};
 use crate::estimate::reported::{combined_load, hit_keep};
-use crate::estimate::{ReplicaLoad, TtftModel};
+use crate::estimate::{Pace, ReplicaLoad, Seconds, TtftModel};
 use crate::residency::{ResidencyIndex, RoutingLog};
 use std::sync::Arc;
 
@@ -163,6 +163,9 @@ pub struct CacheAwareConfig {
     /// Loading a block back from an offloaded tier (CPU memory, disk) costs this fraction of
     /// recomputing it (0..=1; 0 prices it as a GPU hit, 1 as no hit at all).
     pub offload_load_cost: f64,
+    /// The requests each replica was sent count for this many seconds (a decaying count):
+    /// their rate says how many requests a prefill there would hold up.
+    pub arrival_window_s: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -180,6 +183,7 @@ impl Default for CacheAwareConfig {
             kv_evict_from: 0.9,
             kv_hit_keep_at_full: 0.5,
             offload_load_cost: 0.25,
+            arrival_window_s: 10.0,
         }
     }
 }
@@ -204,6 +208,7 @@ impl CacheAwareConfig {
             ("tie_epsilon_s", self.tie_epsilon_s),
             ("hot_window_s", self.hot_window_s),
             ("hot_spill_wait_s", self.hot_spill_wait_s),
+            ("arrival_window_s", self.arrival_window_s),
         ] {
             if v.is_nan() || v < 0.0 {
                 return Err(format!("cache_aware {name} must be >= 0, got {v}"));
@@ -218,8 +223,13 @@ impl CacheAwareConfig {
                 return Err(format!("cache_aware {name} must be within 0..=1, got {v}"));
             }
         }
-        if self.hot_window_s == 0.0 {
-            return Err("cache_aware hot_window_s must be > 0, got 0".into());
+        for (name, v) in [
+            ("hot_window_s", self.hot_window_s),
+            ("arrival_window_s", self.arrival_window_s),
+        ] {
+            if v == 0.0 {
+                return Err(format!("cache_aware {name} must be > 0, got 0"));
+            }
         }
         Ok(())
     }
@@ -280,6 +290,7 @@ parameters! {
     "kv_evict_from" => real kv_evict_from;
     "kv_hit_keep_at_full" => real kv_hit_keep_at_full;
     "offload_load_cost" => real offload_load_cost;
+    "arrival_window_s" => real arrival_window_s;
     "prefill_a_s" => real model.prefill.a;
     "prefill_b_s" => real model.prefill.b;
     "prefill_c_s" => real model.prefill.c;
@@ -331,8 +342,13 @@ pub struct Decision {
     /// Leading blocks of the prompt the chosen replica holds only in its offloaded tier (CPU,
     /// disk), counted in `matched_tokens` at a discount; 0 when none counted.
     pub offloaded_blocks: u32,
-    /// Estimated seconds to first token there.
+    /// Estimated seconds to first token there: `estimate.at(pace) + fixed_s`.
     pub ttft_s: f64,
+    /// That estimate's seconds at the configured speed (queue wait and prefill), what no pace
+    /// scales (an adapter load), and the replica's pace: what calibration learns from.
+    pub estimate: Seconds,
+    pub fixed_s: f64,
+    pub pace: Pace,
     /// The best estimate among the other candidates (infinite with a single candidate).
     pub runner_up_ttft_s: f64,
     pub reason: Reason,
@@ -351,6 +367,15 @@ const LOGGED_SLOTS: usize = 4096;
 #[derive(Debug, Clone, Copy, Default)]
 struct Estimate {
     wait: f64,
+    /// The wait's seconds at the configured speed, and the seconds no pace scales.
+    wait_parts: Seconds,
+    fixed: f64,
+    /// The replica's pace (`Candidate::pace`).
+    pace: Pace,
+    /// The weight of its prefill in `score` (`prefill_weight`, by how busy it is).
+    weight: f64,
+    /// The prefill's seconds at the configured speed.
+    prefill_parts: Seconds,
     /// Sequences decoding there, ours and reported (they slow the request's prefill steps).
     decoding: u32,
     /// Leading prompt tokens held in GPU or offloaded memory (after `min_match_tokens` and
@@ -380,6 +405,62 @@ pub struct CacheAware {
     last: Decision,
     /// When each (replica, last block) was last logged while fully resident: key, time in us.
     logged: Box<[(u64, u64); LOGGED_SLOTS]>,
+    arrivals: Arrivals,
+}
+
+/// How many requests each replica was sent lately, by a count decaying over
+/// `arrival_window_s`, read from `Candidate::routed` (counted over every worker): their rate
+/// says how many requests a prefill there would hold up.
+struct Arrivals {
+    /// Per replica: `Candidate::routed` when last read (`u64::MAX`: never), the decaying
+    /// count, and when it was last decayed (us).
+    seen: Vec<(u64, f64, u64)>,
+    window_s: f64,
+}
+
+impl Arrivals {
+    fn new(replicas: usize, window_s: f64) -> Arrivals {
+        Arrivals {
+            seen: vec![(u64::MAX, 0.0, 0); replicas],
+            window_s,
+        }
+    }
+
+    fn update(&mut self, candidates: &[Candidate], now_us: u64) {
+        for c in candidates {
+            let Some((routed, count, at_us)) = self.seen.get_mut(c.replica) else {
+                continue;
+            };
+            if *routed == u64::MAX || c.routed < *routed {
+                // First sight, or the slot took another replica: nothing known yet.
+                (*routed, *count, *at_us) = (c.routed, 0.0, now_us);
+                continue;
+            }
+            let dt = now_us.saturating_sub(*at_us);
+            if dt > 0 {
+                *count *= (-(dt as f64) * 1e-6 / self.window_s).exp();
+                *at_us = now_us;
+            }
+            *count += (c.routed - *routed) as f64;
+            *routed = c.routed;
+        }
+    }
+
+    /// Requests per second sent to `replica` lately.
+    fn rate(&self, replica: usize) -> f64 {
+        self.seen
+            .get(replica)
+            .map_or(0.0, |&(_, count, _)| count / self.window_s)
+    }
+
+    /// The weight of a prefill on `c` against queueing, when its request would hold the
+    /// replica for `seconds`: `full` (`prefill_weight`) when as many requests as that are
+    /// expected to arrive there meanwhile, down to 1 (plain TTFT) on a replica nobody sends
+    /// to, where the prefill delays nobody.
+    fn weight(&self, c: &Candidate, full: f64, seconds: f64) -> f64 {
+        let held_up = (self.rate(c.replica) * seconds).clamp(0.0, 1.0);
+        1.0 + (full - 1.0) * held_up
+    }
 }
 
 /// What a second of prefill counts against a second of queueing when the candidates have
@@ -409,6 +490,7 @@ impl CacheAware {
             hot_window_start_us: 0,
             last: Decision::default(),
             logged: Box::new([(0, 0); LOGGED_SLOTS]),
+            arrivals: Arrivals::new(replicas, cfg.arrival_window_s),
         })
     }
 
@@ -487,6 +569,8 @@ impl Policy for CacheAware {
         let (mut min_wait, mut longest) = (f64::INFINITY, 0u32);
         let mut waiting = 0u64;
         let now_ms = req.now_us / 1000;
+        let now_us = req.now_us;
+        self.arrivals.update(candidates, now_us);
         for c in candidates {
             let own = ReplicaLoad {
                 queued_prefill_tokens: c.queued_prefill_tokens,
@@ -516,14 +600,21 @@ impl Policy for CacheAware {
                 );
                 ((held as f64 * keep) as u32, (gpu as f64 * keep) as u32)
             };
-            let mut wait = cfg.model.queue_wait(&load) + c.setup_us as f64 * 1e-6;
+            let mut wait_parts = cfg.model.queue_wait_parts(&load);
             if c.lora_slot_busy {
-                wait += cfg.model.lora_slot_wait(load.decoding);
+                wait_parts = wait_parts + cfg.model.lora_slot_wait_parts(load.decoding);
             }
+            let fixed = c.setup_us as f64 * 1e-6;
+            let wait = wait_parts.at(c.pace) + fixed;
             min_wait = min_wait.min(wait);
             waiting += load.in_flight.saturating_sub(load.decoding) as u64;
             self.estimates.push(Estimate {
                 wait,
+                wait_parts,
+                fixed,
+                pace: c.pace,
+                weight: 1.0,
+                prefill_parts: Seconds::default(),
                 decoding: load.decoding,
                 matched_tokens: tokens,
                 gpu_tokens,
@@ -537,32 +628,38 @@ impl Policy for CacheAware {
         // Pass 2: anti-herding, then the estimates.
         let mut best_ignored = f64::INFINITY;
         let mut best = f64::INFINITY;
-        for e in self.estimates.iter_mut() {
+        for (e, c) in self.estimates.iter_mut().zip(candidates) {
             if e.matched_tokens > 0 && e.wait - min_wait > cfg.hot_spill_wait_s {
                 let end = e.held_blocks as usize;
                 let heat = self.hot[hot_slot(req.blocks[end - 1])];
                 if heat >= cfg.hot_prefix_requests {
-                    let credited = cfg.model.prefill_seconds_tiered(
-                        e.gpu_tokens,
-                        e.matched_tokens,
-                        prompt,
-                        e.decoding,
-                        cfg.offload_load_cost,
-                    );
-                    best_ignored = best_ignored.min(e.wait + weight * credited);
+                    let credited = cfg
+                        .model
+                        .prefill_parts_tiered(
+                            e.gpu_tokens,
+                            e.matched_tokens,
+                            prompt,
+                            e.decoding,
+                            cfg.offload_load_cost,
+                        )
+                        .at(e.pace);
+                    let w = self.arrivals.weight(c, weight, e.wait + credited);
+                    best_ignored = best_ignored.min(e.wait + w * credited);
                     e.matched_tokens = 0;
                     e.gpu_tokens = 0;
                 }
             }
-            let prefill = cfg.model.prefill_seconds_tiered(
+            e.prefill_parts = cfg.model.prefill_parts_tiered(
                 e.gpu_tokens,
                 e.matched_tokens,
                 prompt,
                 e.decoding,
                 cfg.offload_load_cost,
             );
+            let prefill = e.prefill_parts.at(e.pace);
+            e.weight = self.arrivals.weight(c, weight, e.wait + prefill);
             e.ttft = e.wait + prefill;
-            e.score = e.wait + weight * prefill;
+            e.score = e.wait + e.weight * prefill;
             if e.score < best {
                 best = e.score;
             }
@@ -636,6 +733,9 @@ impl Policy for CacheAware {
                 0
             },
             ttft_s: e.ttft,
+            estimate: e.wait_parts + e.prefill_parts,
+            fixed_s: e.fixed,
+            pace: e.pace,
             runner_up_ttft_s: runner_up,
             reason: if !with_prefix {
                 Reason::Fallback

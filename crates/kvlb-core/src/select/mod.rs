@@ -44,7 +44,7 @@ pub struct RequestView<'a> {
 }
 
 /// One replica a request may go to, with the load kvlb knows of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Candidate {
     /// Index of the replica in the fleet.
     pub replica: usize,
@@ -63,6 +63,11 @@ pub struct Candidate {
     /// The request is for a LoRA adapter and the replica's LoRA batch slots are all held by
     /// others (`ReportedLoad::lora_slot_busy`): `cache_aware` adds the wait for one.
     pub lora_slot_busy: bool,
+    /// The replica's measured pace (`estimate::calibrate`): `cache_aware` prices its work at it.
+    pub pace: crate::estimate::Pace,
+    /// Requests sent to the replica so far, counted over every worker (`cache_aware` reads its
+    /// recent rate).
+    pub routed: u64,
 }
 
 pub trait Policy {

@@ -427,6 +427,8 @@ struct Load {
     in_flight: u32,
     queued_prefill_tokens: u64,
     decoding: u32,
+    /// Requests sent there so far.
+    routed: u64,
 }
 
 /// Simulate `trace` on `replicas` engines of `engine` behind `policy`, every replica serving
@@ -624,6 +626,8 @@ pub fn simulate_serving(
                             reported: reported[r],
                             setup_us: 0,
                             lora_slot_busy: false,
+                            pace: crate::estimate::Pace::CONFIGURED,
+                            routed: l.routed,
                         }),
                 );
                 if candidates.is_empty() {
@@ -669,6 +673,7 @@ pub fn simulate_serving(
                 policy.route_offloaded(r, &view_blocks, view.now_us);
                 let l = &mut loads[r];
                 l.in_flight += 1;
+                l.routed += 1;
                 l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
                 policy.settle(
                     r,
@@ -823,6 +828,7 @@ mod tests {
                 in_flight: 1,
                 queued_prefill_tokens: 2000,
                 decoding: 0,
+                routed: 1,
                 ..Default::default()
             }
         );
@@ -838,6 +844,7 @@ mod tests {
             seen[2].2[0],
             Candidate {
                 replica: 0,
+                routed: 2,
                 ..Default::default()
             }
         );
