@@ -53,6 +53,13 @@ pub struct Opts {
     /// sim-70b's timing in a [[model]] table)
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::cli::int::<usize, 1, 2>)]
     pub models: usize,
+    /// Per-replica speed factors of a mixed fleet, passed to kvlb replica --speed: one for all
+    /// replicas or one per replica of --replicas (with --models 2 the sim-8b replicas first),
+    /// each X (prefill and decode X times the model's speed; 0.333 = three times slower) or
+    /// PxD (prefill speed P, decode speed D, e.g. 0.33x0.5), from 0.01 to 100
+    #[arg(long, value_name = "LIST", default_value = crate::engine::SpeedList::DEFAULT,
+          value_parser = crate::engine::SpeedList::parse)]
+    pub speeds: crate::engine::SpeedList,
     /// The API the sessions speak
     #[arg(long, value_enum, default_value_t = DemoApi::Chat)]
     pub api: DemoApi,
@@ -193,13 +200,25 @@ fn policy_list(v: &str) -> Result<PolicyList, String> {
 /// Parse `kvlb demo` flags (without the `demo` word). `--help` comes back as an error of kind
 /// `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
 pub fn parse(args: &[String]) -> Result<Opts, clap::Error> {
-    crate::cli::parse("kvlb demo", args, |o: &Opts| match o.models > o.replicas {
-        true => Err(format!(
-            "--models {}: more models than --replicas {}",
-            o.models, o.replicas
-        )),
-        false => Ok(()),
+    crate::cli::parse("kvlb demo", args, |o: &Opts| {
+        if o.models > o.replicas {
+            return Err(format!(
+                "--models {}: more models than --replicas {}",
+                o.models, o.replicas
+            ));
+        }
+        o.speeds.check(
+            o.replicas,
+            "--speeds",
+            &format!("--replicas {}", o.replicas),
+        )
     })
+}
+
+/// The `--speed` of the replica process serving replicas `range` of the fleet (none when the
+/// whole fleet runs at speed 1, so the command line stays as it was).
+fn speed_arg(o: &Opts, range: std::ops::Range<usize>) -> Option<String> {
+    (!o.speeds.is_one()).then(|| o.speeds.slice(range).to_string())
 }
 
 struct Proc(Child);
@@ -284,6 +303,12 @@ fn run(o: &Opts) -> Result<(), String> {
             o.replicas, o.replicas - o.replicas / 2, o.replicas / 2, o.time_scale, o.sessions, o.turns
         ),
     }
+    if !o.speeds.is_one() {
+        eprintln!(
+            "kvlb demo: replica speeds {} (prefill and decode over the model's timing)",
+            o.speeds.slice(0..o.replicas)
+        );
+    }
     match o.api {
         DemoApi::Chat => {}
         DemoApi::Responses => {
@@ -306,6 +331,10 @@ fn run(o: &Opts) -> Result<(), String> {
         cmd.args(["replica", "--listen", "127.0.0.1:0", "--model", name])
             .args(["--count", &count.to_string()])
             .args(["--time-scale", &o.time_scale.to_string()]);
+        let first = replicas.len();
+        if let Some(speeds) = speed_arg(o, first..first + count) {
+            cmd.args(["--speed", &speeds]);
+        }
         if m > 0 {
             cmd.args(["--prefill-b-s", &(timing.prefill_b_s * prefill).to_string()])
                 .args(["--prefill-c-s", &(timing.prefill_c_s * prefill).to_string()])
@@ -699,6 +728,30 @@ mod tests {
         }
         let e = parse(&args("--help")).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+
+    #[test]
+    fn speeds_go_to_the_replica_processes() {
+        let o = parse(&[]).unwrap();
+        assert!(o.speeds.is_one());
+        assert_eq!(speed_arg(&o, 0..4), None, "no --speed at speed 1");
+        let o = parse(&args("--speeds 1,1,0.333,0.33x0.5")).unwrap();
+        assert_eq!(speed_arg(&o, 0..4).unwrap(), "1,1,0.333,0.33x0.5");
+        // --models 2: each process its half.
+        assert_eq!(speed_arg(&o, 0..2).unwrap(), "1,1");
+        assert_eq!(speed_arg(&o, 2..4).unwrap(), "0.333,0.33x0.5");
+        let o = parse(&args("--replicas 3 --speeds 0.5")).unwrap();
+        assert_eq!(speed_arg(&o, 1..3).unwrap(), "0.5,0.5");
+        for (bad, says) in [
+            ("--speeds 1,2", "--replicas 4"),
+            ("--replicas 2 --speeds 1,1,1", "--replicas 2"),
+            ("--speeds 0", "0"),
+        ] {
+            let e = parse(&args(bad)).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            let e = e.to_string();
+            assert!(e.contains("--speeds") && e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -73,10 +73,14 @@
 mod block_map;
 mod host_tier;
 mod kv_cache;
+mod speed;
 mod timing;
 pub mod tokenizer;
 
+pub use speed::{timing_spread, Speed, SpeedList};
+
 use crate::kv_events::KvEvent;
+use crate::select::Rng;
 use kv_cache::KvCache;
 use std::collections::{HashMap, VecDeque};
 use timing::StepWork;
@@ -118,6 +122,11 @@ pub struct EngineConfig {
     /// Seconds added to a step for each adapter it runs that is not in a GPU slot (copying its
     /// weights from host memory); only with `max_loras` > 0.
     pub lora_switch_s: f64,
+    /// Step-time jitter: each step's duration is multiplied by exp(spread * N(0,1) -
+    /// spread^2 / 2), a lognormal factor of mean 1; 0 = none (then no random number is drawn).
+    pub timing_spread: f64,
+    /// Seed of the jitter's random numbers (give each replica its own).
+    pub timing_seed: u64,
 }
 
 /// A request handed to the engine.
@@ -354,6 +363,8 @@ pub struct Engine {
     step_loras: Vec<i64>,
     /// Adapters in GPU slots (at most `max_loras`): id and the step that last ran it.
     gpu_loras: Vec<(i64, u64)>,
+    /// The step-time jitter's random numbers (`timing_spread`, seeded by `timing_seed`).
+    jitter: Rng,
 }
 
 /// Deterministic "model output": a text token from the request id and position.
@@ -384,6 +395,7 @@ impl Engine {
             max_num_batched_tokens: cfg.max_num_batched_tokens.max(1),
             ..cfg
         };
+        let timing_seed = cfg.timing_seed;
         Engine {
             context_limit: cfg.max_model_len.min(capacity),
             kv: KvCache::new(num_blocks, block_size, host_blocks),
@@ -403,6 +415,7 @@ impl Engine {
             steps: 0,
             step_loras: Vec::new(),
             gpu_loras: Vec::new(),
+            jitter: Rng::new(timing_seed),
         }
     }
 
@@ -811,9 +824,24 @@ impl Engine {
         if max_loras > 0 {
             work.add_lora_switches(self.activate_loras());
         }
-        let end = start + self.cfg.step_seconds(&work);
+        let end = start + self.cfg.step_seconds(&work) * self.jitter_factor();
         self.step_end = Some(end);
         self.last_step = StepRecord { start, end, work };
+    }
+
+    /// The next step's duration factor: exp(spread * z - spread^2 / 2) for a standard normal
+    /// z (Box-Muller), of mean 1; exactly 1, drawing nothing, without a spread.
+    fn jitter_factor(&mut self) -> f64 {
+        let spread = self.cfg.timing_spread;
+        if spread <= 0.0 {
+            return 1.0;
+        }
+        // u1 in (0, 1], u2 in [0, 1), from the top 53 bits.
+        let unit = |x: u64| (x >> 11) as f64 / (1u64 << 53) as f64;
+        let u1 = 1.0 - unit(self.jitter.next_u64());
+        let u2 = unit(self.jitter.next_u64());
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        (spread * z - 0.5 * spread * spread).exp()
     }
 
     /// Put the adapters of the step's requests in GPU slots, as vLLM's LRU adapter manager does
@@ -1014,6 +1042,8 @@ mod tests {
             host_load_s_per_token: 0.0,
             max_loras: 0,
             lora_switch_s: 0.0,
+            timing_spread: 0.0,
+            timing_seed: 0,
         }
     }
 
@@ -2122,5 +2152,101 @@ mod tests {
             started.elapsed().as_secs_f64(),
             hits as f64 / queries as f64
         );
+    }
+
+    /// A replica at speed 0.5 takes exactly twice as long for the same prefill, chunked or
+    /// not, and its decode at decode speed 0.25 four times as long.
+    #[test]
+    fn a_replica_at_half_speed_prefills_in_twice_the_time() {
+        let base = EngineConfig::default();
+        let time_to = |cfg: EngineConfig, prompt: u32, max_tokens: u32| {
+            let mut e = Engine::new(cfg);
+            e.submit(0.0, request(1, &tokens(0, prompt), max_tokens))
+                .unwrap();
+            let out = run(&mut e);
+            let end = out
+                .iter()
+                .find_map(|o| match *o {
+                    EngineOutput::Finished { t, .. } => Some(t),
+                    _ => None,
+                })
+                .unwrap();
+            (first_token(&out, 1).0, end)
+        };
+        let half = Speed {
+            prefill: 0.5,
+            decode: 0.25,
+        };
+        for prompt in [2000, 20_000] {
+            let (fast, fast_end) = time_to(base.clone(), prompt, 10);
+            let (slow, slow_end) = time_to(half.apply(&base), prompt, 10);
+            assert!(fast > 0.0);
+            assert_eq!(slow, 2.0 * fast, "{prompt} tokens");
+            // Nine decode steps after the first token, each four times as long.
+            let (fast_decode, slow_decode) = (fast_end - fast, slow_end - slow);
+            assert!(
+                (slow_decode - 4.0 * fast_decode).abs() < 1e-12,
+                "{slow_decode} vs {fast_decode}"
+            );
+        }
+        // What the speed does not touch: the chunking of the prompt.
+        let slow = "0.5".parse::<Speed>().unwrap().apply(&base);
+        assert_eq!(slow.max_num_batched_tokens, base.max_num_batched_tokens);
+    }
+
+    /// Timing spread: the step times scatter, their mean stays within a few percent of the
+    /// model, and the same seed gives the same times.
+    #[test]
+    fn timing_spread_keeps_the_mean_and_is_deterministic() {
+        let steps = 4000;
+        let times = |spread: f64, seed: u64| {
+            let mut e = Engine::new(EngineConfig {
+                timing_spread: spread,
+                timing_seed: seed,
+                ..EngineConfig::default()
+            });
+            e.submit(0.0, request(1, &tokens(0, 100), steps)).unwrap();
+            let out = run(&mut e);
+            let mut t: Vec<f64> = out
+                .iter()
+                .filter_map(|o| match *o {
+                    EngineOutput::FirstToken { t, .. } | EngineOutput::Token { t, .. } => Some(t),
+                    _ => None,
+                })
+                .collect();
+            t.insert(0, 0.0);
+            t.windows(2).map(|w| w[1] - w[0]).collect::<Vec<f64>>()
+        };
+        let plain = times(0.0, 7);
+        assert_eq!(plain, times(0.0, 8), "no spread: no randomness");
+        for spread in [0.1, 0.3] {
+            let jittered = times(spread, 7);
+            assert_eq!(jittered.len(), plain.len());
+            assert_eq!(jittered, times(spread, 7), "deterministic for a seed");
+            assert_ne!(jittered, times(spread, 8), "another seed, other times");
+            let ratio: f64 = jittered.iter().sum::<f64>() / plain.iter().sum::<f64>();
+            assert!(
+                (0.97..=1.03).contains(&ratio),
+                "spread {spread}: mean ratio {ratio}"
+            );
+            // The steps really scatter: the ratios' log has about the spread's deviation.
+            let logs: Vec<f64> = jittered
+                .iter()
+                .zip(&plain)
+                .map(|(j, p)| (j / p).ln())
+                .collect();
+            let mean = logs.iter().sum::<f64>() / logs.len() as f64;
+            let sd =
+                (logs.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / logs.len() as f64).sqrt();
+            assert!(
+                (sd / spread - 1.0).abs() < 0.1,
+                "spread {spread}: log deviation {sd}"
+            );
+        }
+        let bad = EngineConfig {
+            timing_spread: 1.5,
+            ..EngineConfig::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("timing_spread"));
     }
 }

@@ -14,6 +14,11 @@
 //! A step that runs LoRA adapters not in a GPU slot (with `max_loras` > 0) copies their
 //! weights in first: `lora_switch_s` more per such adapter.
 //!
+//! With `timing_spread` X > 0 the engine multiplies each step's duration by a random
+//! exp(X * N(0,1) - X^2 / 2), lognormal of mean 1 (seeded by `timing_seed`): real step-time
+//! jitter. The estimates here (`prefill_seconds`, `decode_step_seconds`) stay its mean.
+//! A mixed fleet scales these terms per replica (`speed.rs`).
+//!
 //! `context_i` is the mean number of keys a token of chunk i attends to: the tokens already in
 //! the KV cache plus half the chunk (`computed + (new + 1) / 2`), so that the attention term of
 //! a prompt is the same whether it is prefilled in one chunk or several. `total_context` is
@@ -175,6 +180,12 @@ impl EngineConfig {
                 ));
             }
         }
+        if !(0.0..=1.0).contains(&self.timing_spread) {
+            return Err(format!(
+                "engine timing_spread must be from 0 to 1, got {}",
+                self.timing_spread
+            ));
+        }
         Ok(())
     }
 }
@@ -230,6 +241,8 @@ impl EngineConfig {
 ///   (14 MB on q and v only). Over PCIe at about 30 GB/s that is 3 ms, plus vLLM's per-module
 ///   work from Python (a slot reset and copies of A and B in each of the 128 wrapped layers:
 ///   qkv, o, gate_up and down of 32 blocks): about 10 ms in all.
+/// * `timing_spread` 0 (and `timing_seed` 0): every step takes exactly its modelled time.
+///   `--timing-spread` turns on the jitter real GPUs show.
 ///
 /// The timing terms are the balancer's calibration (`estimate::calibration`), so the simulator
 /// and the balancer's TTFT model agree by construction.
@@ -253,6 +266,8 @@ impl Default for EngineConfig {
             host_load_s_per_token: 4.0e-6,
             max_loras: 0,
             lora_switch_s: 0.01,
+            timing_spread: 0.0,
+            timing_seed: 0,
         }
     }
 }

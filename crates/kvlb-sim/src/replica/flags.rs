@@ -6,7 +6,7 @@
 #![forbid(unsafe_code)]
 
 use crate::cli;
-use crate::engine::EngineConfig;
+use crate::engine::{EngineConfig, SpeedList};
 use crate::kv_events::EventFormat;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser};
@@ -14,7 +14,8 @@ use std::net::SocketAddr;
 
 const AFTER_HELP: &str = "\
 On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
-(plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled), then `kvlb replica: ready`.
+(plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled, and ` speed=X` or ` speed=PxD`
+for a replica not at --speed 1), then `kvlb replica: ready`.
 Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
 With a host KV tier every computed block is also kept in host memory (KV events with medium
 CPU) and a prefix the GPU evicted is loaded back instead of recomputed.
@@ -46,6 +47,13 @@ pub struct ReplicaFlags {
     /// Serve N independent replicas on consecutive ports
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, 1024>)]
     pub count: u32,
+    /// Per-replica speed factors of a mixed fleet, comma-separated, one for all replicas or one
+    /// per replica of --count: X (prefill and decode X times the engine flags' speed; 0.333 =
+    /// three times slower) or PxD (prefill speed P, decode speed D, e.g. 0.33x0.5), each from
+    /// 0.01 to 100. A replica's prefill terms (--prefill-a-s, -b-s, -c-s) are divided by P, its
+    /// decode terms (--decode-*) by D; token counts stay. Every rank of --dp-size gets it
+    #[arg(long, value_name = "LIST", default_value = SpeedList::DEFAULT, value_parser = SpeedList::parse)]
+    pub speed: SpeedList,
     /// Serve N data-parallel ranks behind the one HTTP port, as vLLM --data-parallel-size: each
     /// rank its own engine and KV cache, chosen by the X-Data-Parallel-Rank header (none:
     /// round-robin), publishing events on the --kv-events and --kv-replay ports + rank with
@@ -173,6 +181,12 @@ pub struct EngineFlags {
     #[arg(long, value_name = "X", default_value_t = EngineConfig::default().lora_switch_s,
           value_parser = cli::non_negative)]
     pub lora_switch_s: f64,
+    /// Step-time jitter: each engine step's duration is multiplied by a random lognormal
+    /// factor of mean 1, exp(X * N(0,1) - X^2/2), seeded by --seed and the replica (and rank);
+    /// 0 = every step takes its modelled time
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().timing_spread,
+          value_parser = crate::engine::timing_spread)]
+    pub timing_spread: f64,
 }
 
 impl EngineFlags {
@@ -193,13 +207,14 @@ impl EngineFlags {
             host_kv_capacity_tokens: self.host_kv_capacity_tokens,
             host_load_s_per_token: self.host_load_s_per_token,
             lora_switch_s: self.lora_switch_s,
+            timing_spread: self.timing_spread,
             ..EngineConfig::default()
         }
     }
 }
 
 /// Engine fields and the flags that set them, to name the flag in validation errors.
-const ENGINE_FLAGS: [(&str, &str); 14] = [
+const ENGINE_FLAGS: [(&str, &str); 15] = [
     ("host_kv_capacity_tokens", "--host-kv-capacity-tokens"),
     ("host_load_s_per_token", "--host-load-s-per-token"),
     ("max_num_batched_tokens", "--max-num-batched-tokens"),
@@ -214,6 +229,7 @@ const ENGINE_FLAGS: [(&str, &str); 14] = [
     ("decode_per_seq_s", "--decode-per-seq-s"),
     ("decode_per_ctx_token_s", "--decode-per-ctx-token-s"),
     ("lora_switch_s", "--lora-switch-s"),
+    ("timing_spread", "--timing-spread"),
 ];
 
 /// Parse `args` (without the `replica` word). `--flag value` and `--flag=value` both work; a
@@ -255,6 +271,11 @@ impl ReplicaFlags {
                 "--lora-modules {name}: the name of a served base model"
             ));
         }
+        self.speed.check(
+            self.count as usize,
+            "--speed",
+            &format!("--count {}", self.count),
+        )?;
         if self.chat_template.is_some() && self.tokenizer.is_none() {
             return Err("--chat-template needs --tokenizer".to_string());
         }
@@ -615,5 +636,60 @@ mod tests {
         assert!(e.contains("--kv-replay needs --kv-events"), "{e}");
         let e = run(&["--listen", "127.0.0.1:0", "stray"]).unwrap_err();
         assert!(e.contains("stray"), "{e}");
+    }
+
+    #[test]
+    fn speed_and_timing_spread() {
+        let f = run(&["--listen", "127.0.0.1:0"]).unwrap();
+        assert!(f.speed.is_one());
+        assert_eq!(f.engine_config().timing_spread, 0.0);
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--count",
+            "2",
+            "--speed",
+            "1,0.33x0.5",
+            "--timing-spread=0.2",
+        ])
+        .unwrap();
+        assert_eq!(f.speed.to_string(), "1,0.33x0.5");
+        assert_eq!((f.speed.of(1).prefill, f.speed.of(1).decode), (0.33, 0.5));
+        assert_eq!(f.engine_config().timing_spread, 0.2);
+        // One value for every replica, and for a data-parallel replica's ranks.
+        let f = run(&["--listen", "127.0.0.1:0", "--count", "3", "--speed", "0.5"]).unwrap();
+        assert_eq!(f.speed.per_replica(3), vec![f.speed.of(0); 3]);
+        assert!(run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--dp-size",
+            "2",
+            "--speed",
+            "0.5"
+        ])
+        .is_ok());
+        for (bad, says) in [
+            (&["--count", "2", "--speed", "1,1,1"][..], "--count 2"),
+            (&["--speed", "1,0.5"], "--count 1"),
+            (&["--speed", "0"], "0"),
+            (&["--speed", "101"], "101"),
+            (&["--speed", "0.5x"], "0.5x"),
+        ] {
+            let mut a = vec!["--listen", "127.0.0.1:0"];
+            a.extend_from_slice(bad);
+            let e = run(&a).unwrap_err();
+            assert!(e.contains("--speed") && e.contains(says), "{bad:?}: {e}");
+        }
+        for bad in ["-0.1", "1.5", "nan"] {
+            let e = run(&["--listen", "127.0.0.1:0", "--timing-spread", bad]).unwrap_err();
+            assert!(e.contains("--timing-spread") && e.contains(bad), "{e}");
+        }
+        assert!(help().contains("--speed") && help().contains("--timing-spread"));
+        // A bad length exits 2, as every parse error.
+        let v: Vec<String> = ["--listen", "127.0.0.1:0", "--speed", "1,2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(parse(&v).unwrap_err().exit_code(), 2);
     }
 }

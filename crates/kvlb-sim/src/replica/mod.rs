@@ -94,9 +94,12 @@ pub fn main(args: Vec<String>) -> i32 {
                     }
                 }
             };
-            let mut engine = flags.engine_config();
+            // Replica i at its --speed; every rank of it alike.
+            let mut engine = flags.speed.of(i as usize).apply(&flags.engine_config());
             engine.hash_seed =
                 xxhash_rust::xxh3::xxh3_64_with_seed(&shift.to_le_bytes(), flags.seed);
+            engine.timing_seed =
+                xxhash_rust::xxh3::xxh3_64_with_seed(b"step-timing", flags.seed ^ shift as u64);
             let id_seed =
                 xxhash_rust::xxh3::xxh3_64_with_seed(b"response-ids", flags.seed ^ shift as u64);
             let dp_rank = (flags.dp_size > 1).then_some(rank);
@@ -132,6 +135,10 @@ pub fn main(args: Vec<String>) -> i32 {
             if let Some(r) = replay {
                 line.push_str(&format!(" kv_replay=tcp://{r}"));
             }
+        }
+        let speed = flags.speed.of(replica.index as usize);
+        if !speed.is_one() {
+            line.push_str(&format!(" speed={speed}"));
         }
         eprintln!("{line}");
         let mut spawned = Ok(());

@@ -38,7 +38,7 @@
 
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
-use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest};
+use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest, Speed};
 use crate::estimate::{ReportedLoad, TtftModel};
 use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
@@ -440,7 +440,7 @@ pub fn simulate(
     policy: &mut RoutingPolicy,
     seed: u64,
 ) -> Result<Run, String> {
-    simulate_serving(trace, replicas, None, engine, policy, seed)
+    simulate_serving(trace, replicas, None, engine, &[], policy, seed)
 }
 
 /// As `simulate`, replica `r` serving only the names `serving[r]` when `serving` is given: the
@@ -448,11 +448,18 @@ pub fn simulate(
 /// filters its candidates), a request naming a model no replica serves is rejected (kvlb's
 /// 404), and one naming none may go to any replica. The engines do not tell models apart: a
 /// replica's prefix cache is shared by the names it serves.
+///
+/// A mixed fleet: replica `r` runs `engine` at `speeds[r]` (`Speed::apply`; empty = every
+/// replica at speed 1), while the policy keeps whatever model it was built with (the base
+/// `engine`'s, for `RoutingPolicy::build`). With `engine.timing_spread` > 0 each replica's
+/// step times scatter with random numbers of its own, seeded by `seed`, the replica and
+/// `engine.timing_seed`.
 pub fn simulate_serving(
     trace: &Trace,
     replicas: usize,
     serving: Option<&[Vec<String>]>,
     engine: &EngineConfig,
+    speeds: &[Speed],
     policy: &mut RoutingPolicy,
     seed: u64,
 ) -> Result<Run, String> {
@@ -466,10 +473,21 @@ pub fn simulate_serving(
             s.len()
         ));
     }
+    if !speeds.is_empty() && speeds.len() != replicas {
+        return Err(format!(
+            "{} replicas but {} speeds given",
+            replicas,
+            speeds.len()
+        ));
+    }
     let events = policy.learns_from_events();
+    let timing_seed = trace::mix(seed ^ 0x5449_4d49_4e47) ^ engine.timing_seed;
     let mut engines: Vec<Engine> = (0..replicas)
-        .map(|_| {
-            let mut e = Engine::new(engine.clone());
+        .map(|r| {
+            let speed = speeds.get(r).copied().unwrap_or(Speed::ONE);
+            let mut cfg = speed.apply(engine);
+            cfg.timing_seed = trace::mix(timing_seed.wrapping_add(r as u64));
+            let mut e = Engine::new(cfg);
             e.set_kv_events_enabled(events);
             e
         })
@@ -1047,6 +1065,7 @@ mod tests {
             2,
             Some(&serving),
             &EngineConfig::default(),
+            &[],
             &mut policy,
             1,
         )
@@ -1070,6 +1089,7 @@ mod tests {
             3,
             Some(&serving),
             &EngineConfig::default(),
+            &[],
             &mut policy,
             1,
         )

@@ -24,7 +24,7 @@ pub mod report;
 pub mod routed;
 pub mod trace;
 
-use crate::engine::EngineConfig;
+use crate::engine::{EngineConfig, Speed, SpeedList};
 use std::time::Instant;
 
 /// Most replicas a simulated fleet may have.
@@ -126,6 +126,19 @@ pub struct Options {
     /// would (0: never, the policy sees only its own counts)
     #[arg(long, value_name = "X", default_value_t = 0.0, value_parser = crate::cli::non_negative)]
     pub scrape_interval: f64,
+    /// Per-replica speed factors of a mixed fleet, comma-separated, one for all replicas or one
+    /// per replica (of --replicas or --fleet-models), as kvlb replica --speed: X (prefill and
+    /// decode X times the default engine's speed; 0.333 = three times slower) or PxD (prefill
+    /// speed P, decode speed D, e.g. 0.33x0.5), each from 0.01 to 100. The policies' cost
+    /// model stays the default engine's
+    #[arg(long, value_name = "LIST", default_value = SpeedList::DEFAULT, value_parser = SpeedList::parse)]
+    pub speeds: SpeedList,
+    /// Step-time jitter, as kvlb replica --timing-spread: each engine step's duration is
+    /// multiplied by a random lognormal factor of mean 1, exp(X * N(0,1) - X^2/2), from --seed
+    /// and the replica (0 = none)
+    #[arg(long, value_name = "X", default_value_t = EngineConfig::default().timing_spread,
+          value_parser = crate::engine::timing_spread)]
+    pub timing_spread: f64,
 }
 
 /// `--set NAME=X`: a known cache_aware parameter and a number.
@@ -220,7 +233,7 @@ fn residency() -> impl clap::builder::TypedValueParser<Value = fleet::ResidencyS
 /// Parse the command line (without the `simulate` word). `--help` comes back as an error of
 /// kind `DisplayHelp` (exit status 0), like every parse error ready for `cli::exit_status`.
 pub fn parse_args(args: &[String]) -> Result<Options, clap::Error> {
-    crate::cli::parse("kvlb simulate", args, |_: &Options| Ok(()))
+    crate::cli::parse("kvlb simulate", args, Options::validate)
 }
 
 /// Every policy's results, in the order of `Options::policies`.
@@ -239,10 +252,43 @@ impl Options {
     pub fn fleet_size(&self) -> usize {
         self.fleet_models.as_ref().map_or(self.replicas, Vec::len)
     }
+
+    /// The checks across flags: --speeds has one value or one per replica.
+    pub fn validate(&self) -> Result<(), String> {
+        let fleet = match &self.fleet_models {
+            Some(f) => format!("the {} replicas of --fleet-models", f.len()),
+            None => format!("--replicas {}", self.replicas),
+        };
+        self.speeds.check(self.fleet_size(), "--speeds", &fleet)
+    }
+
+    /// What the table's first line adds about the fleet's engines: the speeds when not all 1,
+    /// the timing spread when not 0.
+    fn fleet_note(&self) -> String {
+        let mut note = String::new();
+        if !self.speeds.is_one() {
+            note.push_str(&format!(", speeds {}", self.speeds));
+        }
+        if self.timing_spread > 0.0 {
+            note.push_str(&format!(", timing spread {}", self.timing_spread));
+        }
+        note
+    }
 }
 
-/// Run every policy of `o`.
-pub fn run(o: &Options) -> Result<Runs, String> {
+/// What every policy's run shares: the trace (sliced, models assigned, sped up), the base
+/// engine (the policies' cost model) and each replica's speed.
+pub struct Setup {
+    pub trace: trace::Trace,
+    pub engine: EngineConfig,
+    pub speeds: Vec<Speed>,
+    /// Whether some request names a model.
+    pub named: bool,
+}
+
+/// The trace, engine and speeds `o` describes.
+pub fn setup(o: &Options) -> Result<Setup, String> {
+    o.validate()?;
     // Models are given over the whole trace, so a slice gets the models it has in it.
     let mut t = trace::load(&o.trace, None, o.seed)?;
     if let Some(mix) = &o.models {
@@ -261,27 +307,50 @@ pub fn run(o: &Options) -> Result<Runs, String> {
     let engine = EngineConfig {
         host_kv_capacity_tokens: o.host_kv_tokens,
         host_load_s_per_token: o.host_load_s_per_token,
+        timing_spread: o.timing_spread,
         ..EngineConfig::default()
     };
     engine.validate()?;
+    let speeds = match o.speeds.is_one() {
+        true => Vec::new(),
+        false => o.speeds.per_replica(o.fleet_size()),
+    };
+    Ok(Setup {
+        trace: t,
+        engine,
+        speeds,
+        named,
+    })
+}
+
+/// Policy `name`'s run on the fleet of `o`, as `run` does it for each policy.
+pub fn simulate_policy(o: &Options, s: &Setup, name: &str) -> Result<fleet::Run, String> {
+    let replicas = o.fleet_size();
+    let mut policy = fleet::RoutingPolicy::build_with(name, replicas, &s.engine, &o.set)?
+        .learn_from(o.residency)
+        .scrape_every(o.scrape_interval);
+    fleet::simulate_serving(
+        &s.trace,
+        replicas,
+        o.fleet_models.as_deref(),
+        &s.engine,
+        &s.speeds,
+        &mut policy,
+        o.seed,
+    )
+}
+
+/// Run every policy of `o`.
+pub fn run(o: &Options) -> Result<Runs, String> {
+    let setup = setup(o)?;
+    let (t, named) = (&setup.trace, setup.named);
     let mut summaries = Vec::new();
     let mut ttfts = Vec::new();
     let mut host_hit_rates = Vec::new();
     let mut models = Vec::new();
-    let replicas = o.fleet_size();
     for name in &o.policies {
         let started = Instant::now();
-        let mut policy = fleet::RoutingPolicy::build_with(name, replicas, &engine, &o.set)?
-            .learn_from(o.residency)
-            .scrape_every(o.scrape_interval);
-        let run = fleet::simulate_serving(
-            &t,
-            replicas,
-            o.fleet_models.as_deref(),
-            &engine,
-            &mut policy,
-            o.seed,
-        )?;
+        let run = simulate_policy(o, &setup, name)?;
         eprintln!(
             "kvlb simulate: {name}: {} requests in {:.2} s wall",
             run.records.len(),
@@ -291,7 +360,7 @@ pub fn run(o: &Options) -> Result<Runs, String> {
             host_hit_rates.push(report::host_hit_rate(&run));
         }
         if named {
-            models.push(report::per_model(&run, &t));
+            models.push(report::per_model(&run, t));
         }
         summaries.push(report::summarize(&run));
         ttfts.push(report::sorted_ttfts(&run));
@@ -333,8 +402,12 @@ pub fn main(args: Vec<String>) -> i32 {
             String::new()
         };
         println!(
-            "{} ({} requests, {} replicas, speedup {}{host})",
-            o.trace, summaries[0].requests, replicas, o.speedup
+            "{} ({} requests, {} replicas, speedup {}{host}{})",
+            o.trace,
+            summaries[0].requests,
+            replicas,
+            o.speedup,
+            o.fleet_note()
         );
         let host = (o.host_kv_tokens > 0).then_some(host_hit_rates.as_slice());
         print!("{}", report::to_table_with_host(&summaries, host));
@@ -344,11 +417,12 @@ pub fn main(args: Vec<String>) -> i32 {
     }
     if let Some(path) = &o.plot {
         let title = format!(
-            "kvlb simulate: {} — {} requests, {} replicas, speedup {}",
+            "kvlb simulate: {} — {} requests, {} replicas, speedup {}{}",
             o.trace.rsplit('/').next().unwrap_or(&o.trace),
             summaries[0].requests,
             replicas,
-            o.speedup
+            o.speedup,
+            o.fleet_note()
         );
         let svg = plot::render(&title, &summaries, &ttfts);
         if let Err(e) = std::fs::write(path, svg) {
@@ -515,5 +589,138 @@ mod tests {
             e.contains("--fleet-models") && e.contains("--replicas"),
             "{e}"
         );
+    }
+
+    /// Median TTFT of the finished requests `run` sent to `replicas`.
+    fn median_ttft(run: &fleet::Run, replicas: &[u32]) -> f64 {
+        let mut t: Vec<f64> = run
+            .records
+            .iter()
+            .filter(|r| r.finished && replicas.contains(&r.replica))
+            .map(|r| r.ttft_s)
+            .collect();
+        assert!(t.len() > 50, "{} requests on {replicas:?}", t.len());
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    }
+
+    #[test]
+    fn slow_replicas_of_a_mixed_fleet_answer_later() {
+        let flags = |extra: &[&str]| {
+            let mut a = args(&[
+                "--trace",
+                "gen:agent-sessions",
+                "--policies",
+                "round_robin",
+                "--limit",
+                "800",
+            ]);
+            a.extend(args(extra));
+            parse_args(&a).unwrap()
+        };
+        let o = flags(&["--speeds", "1,1,0.333,0.333"]);
+        let s = setup(&o).unwrap();
+        assert_eq!(s.speeds.len(), 4);
+        assert_eq!(s.speeds[2].prefill, 0.333);
+        // The policy's model stays the default engine's.
+        assert_eq!(s.engine.prefill_b_s, EngineConfig::default().prefill_b_s);
+        let mixed = simulate_policy(&o, &s, "round_robin").unwrap();
+        let (fast, slow) = (median_ttft(&mixed, &[0, 1]), median_ttft(&mixed, &[2, 3]));
+        assert!(slow > 2.5 * fast, "fast {fast} s, slow {slow} s");
+        assert_eq!(o.fleet_note(), ", speeds 1,1,0.333,0.333");
+        // A uniform fleet: both halves alike.
+        let o = flags(&[]);
+        let uniform = simulate_policy(&o, &setup(&o).unwrap(), "round_robin").unwrap();
+        let (a, b) = (
+            median_ttft(&uniform, &[0, 1]),
+            median_ttft(&uniform, &[2, 3]),
+        );
+        assert!(b < 1.5 * a && a < 1.5 * b, "{a} s vs {b} s");
+        assert_eq!(o.fleet_note(), "");
+        // One value for every replica.
+        let o = flags(&["--speeds", "0.5"]);
+        assert_eq!(
+            setup(&o).unwrap().speeds,
+            vec![
+                Speed {
+                    prefill: 0.5,
+                    decode: 0.5
+                };
+                4
+            ]
+        );
+    }
+
+    #[test]
+    fn timing_spread_runs_are_deterministic_for_a_seed() {
+        let flags = |seed: &str| {
+            parse_args(&args(&[
+                "--trace",
+                "gen:agent-sessions",
+                "--limit",
+                "300",
+                "--timing-spread",
+                "0.3",
+                "--speeds",
+                "1,0.5x0.8,1,2",
+                "--seed",
+                seed,
+            ]))
+            .unwrap()
+        };
+        let ttfts = |o: &Options| {
+            let s = setup(o).unwrap();
+            simulate_policy(o, &s, "cache_aware")
+                .unwrap()
+                .records
+                .iter()
+                .map(|r| r.ttft_s.to_bits())
+                .collect::<Vec<u64>>()
+        };
+        assert_eq!(ttfts(&flags("5")), ttfts(&flags("5")));
+        assert_ne!(ttfts(&flags("5")), ttfts(&flags("6")));
+        assert_eq!(
+            flags("5").fleet_note(),
+            ", speeds 1,0.5x0.8,1,2, timing spread 0.3"
+        );
+    }
+
+    #[test]
+    fn speeds_are_one_or_one_per_replica() {
+        for (extra, says) in [
+            (&["--speeds", "1,2"][..], "--replicas 4"),
+            (&["--replicas", "2", "--speeds", "1,1,1"], "--replicas 2"),
+            (
+                &["--fleet-models", "a=1,b=2", "--speeds", "1,1"],
+                "the 3 replicas of --fleet-models",
+            ),
+            (&["--speeds", "0.001"], "0.001"),
+            (&["--speeds", "1x"], "1x"),
+        ] {
+            let mut a = args(&["--trace", "x"]);
+            a.extend(args(extra));
+            let e = parse_args(&a).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            let e = e.to_string();
+            assert!(e.contains("--speeds") && e.contains(says), "{extra:?}: {e}");
+        }
+        let o = parse_args(&args(&[
+            "--trace",
+            "x",
+            "--fleet-models",
+            "a=1,b=2",
+            "--speeds",
+            "1,1,0.25",
+        ]))
+        .unwrap();
+        assert_eq!(o.speeds.of(2).prefill, 0.25);
+        for bad in ["-1", "2"] {
+            let e = parse_args(&args(&["--trace", "x", "--timing-spread", bad]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--timing-spread") && e.contains(bad), "{e}");
+        }
+        let o = parse_args(&args(&["--trace", "x"])).unwrap();
+        assert!(o.speeds.is_one() && o.timing_spread == 0.0);
     }
 }

@@ -349,7 +349,7 @@ mod tests {
         let (trace, serving) = super::super::trace::two_model_fixture();
         let cfg = crate::engine::EngineConfig::default();
         let mut policy = RoutingPolicy::build("round_robin", 2, &cfg).unwrap();
-        let run = simulate_serving(&trace, 2, Some(&serving), &cfg, &mut policy, 1).unwrap();
+        let run = simulate_serving(&trace, 2, Some(&serving), &cfg, &[], &mut policy, 1).unwrap();
         let rows = per_model(&run, &trace);
         let names: Vec<(&str, usize, usize)> = rows
             .iter()
