@@ -95,6 +95,7 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_kv_event_skipped_total", "counter"),
     ("kvlb_replica_prefill_pace", "gauge"),
     ("kvlb_replica_decode_pace", "gauge"),
+    ("kvlb_replica_queue_pace", "gauge"),
     ("kvlb_replica_ttft_observed_over_estimated", "gauge"),
     ("kvlb_replica_calibration_samples_total", "counter"),
     ("kvlb_replica_calibration_outliers_total", "counter"),

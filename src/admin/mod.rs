@@ -568,6 +568,7 @@ fn get(path: &str, admin: &Admin) -> Reply {
                 serde_json::json!({
                     "prefill_pace": pace.prefill,
                     "decode_pace": pace.decode,
+                    "queue_pace": pace.queue,
                     "measured": p.measured(),
                     "ttft_samples": p.ttft_samples.load(Relaxed),
                     "decode_samples": p.decode_samples.load(Relaxed),

@@ -272,6 +272,8 @@ pub struct CostModel {
     /// Seconds a request for an adapter kvlb loads on demand loses on a replica without it
     /// (at least; the loads kvlb timed, when longer).
     pub lora_load_s: f64,
+    /// Price replicas at their measured pace (`estimate::calibrate`).
+    pub calibrate: bool,
 }
 
 impl Default for CostModel {
@@ -283,6 +285,7 @@ impl Default for CostModel {
             foreign_request_tokens: p.foreign_request_tokens,
             offload_load_cost: p.offload_load_cost,
             lora_load_s: 0.5,
+            calibrate: p.calibrated,
         }
     }
 }
@@ -296,6 +299,7 @@ impl CostModel {
             model: p.model.scaled(self.prefill_s_per_token, self.decode_step_s),
             foreign_request_tokens: self.foreign_request_tokens,
             offload_load_cost: self.offload_load_cost,
+            calibrated: self.calibrate,
             ..p
         }
     }

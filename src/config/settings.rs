@@ -352,6 +352,14 @@ pub struct CostSettings {
     /// (default: 0.5).
     #[arg(long, value_name = "SECONDS")]
     pub lora_load_s: Option<Seconds>,
+
+    /// Price each replica at the pace kvlb measures from the times to first token of the
+    /// streams it sends there (its prefill, queue and decode time over what prefill_s_per_token
+    /// and decode_step_s say); false prices every replica at those figures as configured.
+    /// kvlb measures and shows the paces either way (/replicas, kvlb_replica_prefill_pace)
+    /// (default: true).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub calibrate: Option<Switch>,
 }
 
 /// `[[model]]`: the settings of the requests naming one model (file only; `docs/models.md`).
@@ -679,6 +687,7 @@ impl CostSettings {
             foreign_request_tokens,
             offload_load_cost,
             lora_load_s,
+            calibrate,
         } = self;
         set(&mut m.prefill_s_per_token, prefill_s_per_token.map(|v| v.0));
         set(&mut m.decode_step_s, decode_step_s.map(|v| v.0));
@@ -688,6 +697,7 @@ impl CostSettings {
         );
         set(&mut m.offload_load_cost, offload_load_cost.map(|v| v.0));
         set(&mut m.lora_load_s, lora_load_s.map(|v| v.0));
+        set(&mut m.calibrate, calibrate.map(|v| v.0));
     }
 }
 

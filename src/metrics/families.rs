@@ -408,6 +408,11 @@ pub static REPLICA_DECODE_PACE: Family = Family::gauge(
     &["replica"],
     "The replica's decode step time over what the configured cost model prices, learned from its streams; follows its prefill pace until measured.",
 );
+pub static REPLICA_QUEUE_PACE: Family = Family::gauge(
+    "kvlb_replica_queue_pace",
+    &["replica"],
+    "How long the queue a request meets on the replica takes over what the configured cost model prices for it: its prefill pace, plus what kvlb cannot see of that queue (other clients' work, hits evicted before use).",
+);
 pub static REPLICA_TTFT_OBSERVED_OVER_ESTIMATED: Family = Family::gauge(
     "kvlb_replica_ttft_observed_over_estimated",
     &["replica"],
@@ -556,6 +561,7 @@ pub static ALL: &[&Family] = &[
     &REPLICA_KV_EVENT_SKIPPED,
     &REPLICA_PREFILL_PACE,
     &REPLICA_DECODE_PACE,
+    &REPLICA_QUEUE_PACE,
     &REPLICA_TTFT_OBSERVED_OVER_ESTIMATED,
     &REPLICA_CALIBRATION_SAMPLES,
     &REPLICA_CALIBRATION_OUTLIERS,

@@ -339,6 +339,10 @@ fn encode_calibration(shared: &Shared, enc: &mut DescriptorEncoder<'_>) -> std::
     for (r, spec) in replicas() {
         samples.gauge_f64(&[spec.url.as_str()], shared.pace[r].load().decode as f64)?;
     }
+    let mut samples = families::REPLICA_QUEUE_PACE.describe(enc)?;
+    for (r, spec) in replicas() {
+        samples.gauge_f64(&[spec.url.as_str()], shared.pace[r].load().queue as f64)?;
+    }
     let mut samples = families::REPLICA_TTFT_OBSERVED_OVER_ESTIMATED.describe(enc)?;
     for (r, spec) in replicas() {
         if let Some(e) = shared.pace[r].observed_over_estimated() {

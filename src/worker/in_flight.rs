@@ -12,8 +12,9 @@ use std::time::Instant;
 /// split as calibration needs it (`estimate::calibrate::TtftSample`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Expected {
-    /// The estimate's seconds at the configured speed.
-    pub parts: crate::estimate::Seconds,
+    /// The estimate's seconds at the configured speed: queue wait, own prefill.
+    pub wait: crate::estimate::Seconds,
+    pub prefill: crate::estimate::Seconds,
     /// Seconds no pace scales (an adapter load).
     pub fixed_s: f64,
     /// The replica's pace it was priced at.
@@ -23,7 +24,7 @@ pub struct Expected {
 impl Expected {
     /// The estimate in seconds (0: the policy made none).
     pub fn seconds(&self) -> f64 {
-        self.parts.at(self.pace) + self.fixed_s
+        self.wait.waited_at(self.pace) + self.prefill.at(self.pace) + self.fixed_s
     }
 }
 
@@ -139,7 +140,8 @@ impl InFlight<'_> {
         self.w.shared.samples.push(Sample::Ttft(TtftSample {
             replica: self.replica as u32,
             epoch: self.epoch,
-            parts: e.parts,
+            wait: e.wait,
+            prefill: e.prefill,
             fixed_s: e.fixed_s as f32,
             pace: e.pace,
             observed_s: observed_s as f32,

@@ -893,7 +893,8 @@ impl Choice {
     pub fn expected(&self) -> crate::worker::Expected {
         self.decision
             .map(|d| crate::worker::Expected {
-                parts: d.estimate,
+                wait: d.wait,
+                prefill: d.prefill,
                 fixed_s: d.fixed_s,
                 pace: d.pace,
             })

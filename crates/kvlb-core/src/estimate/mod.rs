@@ -381,9 +381,14 @@ impl Seconds {
         self.prefill + self.decode
     }
 
-    /// The seconds on a replica of pace `pace`.
+    /// The seconds of a request's own prefill on a replica of pace `pace`.
     pub fn at(self, pace: Pace) -> f64 {
         self.prefill * pace.prefill as f64 + self.decode * pace.decode as f64
+    }
+
+    /// The seconds of a queue wait on a replica of pace `pace`.
+    pub fn waited_at(self, pace: Pace) -> f64 {
+        self.prefill * pace.queue as f64 + self.decode * pace.decode as f64
     }
 
     fn at_least_zero(self) -> Seconds {
@@ -424,13 +429,15 @@ impl std::ops::Mul<f64> for Seconds {
     }
 }
 
-/// How long a replica takes for what the model prices at one second: its prefill time and its
-/// decode time over the model's (1: as configured; 3: three times slower). `calibrate`
-/// measures it per replica.
+/// How long a replica takes for what the model prices at one second (1: as configured; 3:
+/// three times slower): a request's own prefill, its decode steps, and the prefill of the
+/// queue it waits behind (which also carries what the model cannot see of that queue: work of
+/// other clients, hits that did not hold). `calibrate` measures it per replica.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pace {
     pub prefill: f32,
     pub decode: f32,
+    pub queue: f32,
 }
 
 impl Pace {
@@ -438,7 +445,17 @@ impl Pace {
     pub const CONFIGURED: Pace = Pace {
         prefill: 1.0,
         decode: 1.0,
+        queue: 1.0,
     };
+
+    /// A replica `k` times slower than the model says in everything.
+    pub fn uniform(k: f32) -> Pace {
+        Pace {
+            prefill: k,
+            decode: k,
+            queue: k,
+        }
+    }
 }
 
 impl Default for Pace {

@@ -166,6 +166,9 @@ pub struct CacheAwareConfig {
     /// The requests each replica was sent count for this many seconds (a decaying count):
     /// their rate says how many requests a prefill there would hold up.
     pub arrival_window_s: f64,
+    /// Price each replica at its measured pace (`Candidate::pace`); false: at the model's
+    /// configured speed.
+    pub calibrated: bool,
 }
 
 impl Default for CacheAwareConfig {
@@ -184,6 +187,7 @@ impl Default for CacheAwareConfig {
             kv_hit_keep_at_full: 0.5,
             offload_load_cost: 0.25,
             arrival_window_s: 10.0,
+            calibrated: true,
         }
     }
 }
@@ -342,11 +346,13 @@ pub struct Decision {
     /// Leading blocks of the prompt the chosen replica holds only in its offloaded tier (CPU,
     /// disk), counted in `matched_tokens` at a discount; 0 when none counted.
     pub offloaded_blocks: u32,
-    /// Estimated seconds to first token there: `estimate.at(pace) + fixed_s`.
+    /// Estimated seconds to first token there: `wait.waited_at(pace) + prefill.at(pace) +
+    /// fixed_s`.
     pub ttft_s: f64,
-    /// That estimate's seconds at the configured speed (queue wait and prefill), what no pace
+    /// That estimate's seconds at the configured speed (queue wait, own prefill), what no pace
     /// scales (an adapter load), and the replica's pace: what calibration learns from.
-    pub estimate: Seconds,
+    pub wait: Seconds,
+    pub prefill: Seconds,
     pub fixed_s: f64,
     pub pace: Pace,
     /// The best estimate among the other candidates (infinite with a single candidate).
@@ -605,14 +611,19 @@ impl Policy for CacheAware {
                 wait_parts = wait_parts + cfg.model.lora_slot_wait_parts(load.decoding);
             }
             let fixed = c.setup_us as f64 * 1e-6;
-            let wait = wait_parts.at(c.pace) + fixed;
+            let pace = if cfg.calibrated {
+                c.pace
+            } else {
+                Pace::CONFIGURED
+            };
+            let wait = wait_parts.waited_at(pace) + fixed;
             min_wait = min_wait.min(wait);
             waiting += load.in_flight.saturating_sub(load.decoding) as u64;
             self.estimates.push(Estimate {
                 wait,
                 wait_parts,
                 fixed,
-                pace: c.pace,
+                pace,
                 weight: 1.0,
                 prefill_parts: Seconds::default(),
                 decoding: load.decoding,
@@ -733,7 +744,8 @@ impl Policy for CacheAware {
                 0
             },
             ttft_s: e.ttft,
-            estimate: e.wait_parts + e.prefill_parts,
+            wait: e.wait_parts,
+            prefill: e.prefill_parts,
             fixed_s: e.fixed,
             pace: e.pace,
             runner_up_ttft_s: runner_up,

@@ -39,6 +39,7 @@
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest, Speed};
+use crate::estimate::calibrate::{Calibration, Sample, TtftSample};
 use crate::estimate::{ReportedLoad, TtftModel};
 use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
@@ -50,6 +51,9 @@ use crate::select::{
 use std::collections::HashMap;
 use std::time::Duration;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Seconds of simulated time between updates of the fleet's pace, as `kvlb serve` publishes.
+const PUBLISH_PERIOD_S: f64 = 0.1;
 
 /// Seconds of simulated time between duplicate-KV samples.
 pub const SAMPLE_PERIOD_S: f64 = 10.0;
@@ -134,6 +138,9 @@ pub struct RoutingPolicy {
     /// Seconds between the scrapes of the engines' queue and KV usage fed to the policy as
     /// `Candidate::reported` (what `kvlb serve` reads from a replica's /metrics); 0: none.
     scrape_interval_s: f64,
+    /// Candidates carry the pace calibration learned from the requests' first tokens (as
+    /// `kvlb serve` measures its streams); false: every replica at the configured speed.
+    calibrate: bool,
 }
 
 impl RoutingPolicy {
@@ -229,6 +236,7 @@ impl RoutingPolicy {
             views: Vec::new(),
             guess_ttl_us: crate::residency::DEFAULT_ROUTED_GUESS_TTL.as_micros() as u64,
             scrape_interval_s: 0.0,
+            calibrate: true,
         }
     }
 
@@ -345,6 +353,12 @@ impl RoutingPolicy {
 
     pub fn name(&self) -> &'static str {
         self.policy.name()
+    }
+
+    /// Price every replica at the configured speed (no calibration).
+    pub fn without_calibration(mut self) -> RoutingPolicy {
+        self.calibrate = false;
+        self
     }
 
     fn select(&mut self, req: &RequestView<'_>, candidates: &[Candidate], random: u64) -> usize {
@@ -533,6 +547,10 @@ pub fn simulate_serving(
     let mut reported = vec![ReportedLoad::default(); replicas];
     let mut next_scrape = 0.0f64;
     let mut stalled = 0u32;
+    // What each request's estimate was made of (cache_aware), until its first token.
+    let mut expected: Vec<Option<TtftSample>> = vec![None; trace.requests.len()];
+    let mut calibration = Calibration::new(replicas);
+    let mut next_publish = 0.0f64;
 
     loop {
         let arrival = trace.requests.get(next_arrival).map(|r| r.arrival_s);
@@ -582,6 +600,17 @@ pub fn simulate_serving(
                         &mut loads,
                         &mut replica_prefill_tokens,
                     );
+                    // A first token is a calibration sample, as a stream's first byte is.
+                    if let EngineOutput::FirstToken { id, .. } = *out {
+                        if let Some(mut sample) = expected[id as usize].take() {
+                            sample.observed_s = records[id as usize].ttft_s as f32;
+                            calibration.observe(&Sample::Ttft(sample), (s * 1e3) as u64);
+                        }
+                    }
+                }
+                if s >= next_publish {
+                    calibration.update_fleet();
+                    next_publish = s + PUBLISH_PERIOD_S;
                 }
                 if events {
                     policy.learn_events(i, &mut engines[i], (s * 1e6) as u64);
@@ -644,7 +673,7 @@ pub fn simulate_serving(
                             reported: reported[r],
                             setup_us: 0,
                             lora_slot_busy: false,
-                            pace: crate::estimate::Pace::CONFIGURED,
+                            pace: calibration.pace(r),
                             routed: l.routed,
                         }),
                 );
@@ -655,6 +684,19 @@ pub fn simulate_serving(
                 }
                 let pick = policy.select(&view, &candidates, rng.next_u64());
                 let r = candidates[pick.min(candidates.len() - 1)].replica;
+                expected[k] = policy
+                    .policy
+                    .decision()
+                    .filter(|_| policy.calibrate)
+                    .map(|d| TtftSample {
+                        replica: r as u32,
+                        epoch: 0,
+                        wait: d.wait,
+                        prefill: d.prefill,
+                        fixed_s: d.fixed_s as f32,
+                        pace: d.pace,
+                        observed_s: 0.0,
+                    });
                 let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
                 trace::prompt_tokens(req, &mut prompt);
                 policy.learn_prompt(&prompt, &req.block_ids, engine);

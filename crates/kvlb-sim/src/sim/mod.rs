@@ -139,6 +139,10 @@ pub struct Options {
     #[arg(long, value_name = "X", default_value_t = EngineConfig::default().timing_spread,
           value_parser = crate::engine::timing_spread)]
     pub timing_spread: f64,
+    /// Price every replica at the cost model's configured speed: no calibration from the
+    /// requests' times to first token (kvlb serve calibrates; this shows what it gains)
+    #[arg(long)]
+    pub no_calibration: bool,
 }
 
 /// `--set NAME=X`: a known cache_aware parameter and a number.
@@ -329,6 +333,9 @@ pub fn simulate_policy(o: &Options, s: &Setup, name: &str) -> Result<fleet::Run,
     let mut policy = fleet::RoutingPolicy::build_with(name, replicas, &s.engine, &o.set)?
         .learn_from(o.residency)
         .scrape_every(o.scrape_interval);
+    if o.no_calibration {
+        policy = policy.without_calibration();
+    }
     fleet::simulate_serving(
         &s.trace,
         replicas,

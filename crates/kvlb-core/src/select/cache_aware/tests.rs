@@ -765,10 +765,7 @@ fn each_replica_is_priced_at_its_pace() {
     let m = TtftModel::default();
     let r = req(&prompt, 2048, 0);
     let mut c = queued(&[0, 0]);
-    let pace = |prefill: f32| Pace {
-        prefill,
-        decode: prefill,
-    };
+    let pace = Pace::uniform;
     // Replica 0 prefills 3x slower: its hit leaves 3 x 24.3 = 72.8 ms, more than the 71.5 ms
     // of the cold, fast replica 1.
     c[0].pace = pace(3.0);
@@ -778,14 +775,17 @@ fn each_replica_is_priced_at_its_pace() {
         d.runner_up_ttft_s,
         3.0 * m.prefill_seconds(1536, 2048, 0)
     ));
-    assert!(close(d.ttft_s, d.estimate.at(d.pace) + d.fixed_s));
+    assert!(close(
+        d.ttft_s,
+        d.wait.waited_at(d.pace) + d.prefill.at(d.pace) + d.fixed_s
+    ));
     // 2x slower: 48.6 ms, the hit wins; the decision carries what calibration learns from.
     c[0].pace = pace(2.0);
     assert_eq!(p.select(&r, &c, 0), 0);
     let d = p.last_decision();
     assert_eq!(d.pace, pace(2.0));
-    assert!(close(d.estimate.total(), m.prefill_seconds(1536, 2048, 0)));
-    assert!(close(d.ttft_s, 2.0 * d.estimate.total()));
+    assert!(close(d.prefill.total(), m.prefill_seconds(1536, 2048, 0)));
+    assert!(close(d.ttft_s, 2.0 * d.prefill.total()));
     // Queued work is priced at the pace too: 2048 tokens queued on a 2x replica wait twice
     // the 71.8 ms.
     let c = {
