@@ -386,6 +386,13 @@ impl Seconds {
         self.prefill * pace.prefill as f64 + self.decode * pace.decode as f64
     }
 
+    /// The seconds a request's prefill holds up those queued behind it on a replica of pace
+    /// `pace`: they meet it as queued work, at the queue's pace when that is the slower, at
+    /// the replica's own speed otherwise.
+    pub fn held_up_at(self, pace: Pace) -> f64 {
+        self.prefill * pace.queue.max(pace.prefill) as f64 + self.decode * pace.decode as f64
+    }
+
     /// The seconds of a queue wait on a replica of pace `pace`.
     pub fn waited_at(self, pace: Pace) -> f64 {
         self.prefill * pace.queue as f64 + self.decode * pace.decode as f64
@@ -588,6 +595,26 @@ mod tests {
         assert!(gpu < mixed && mixed < m.prefill_seconds(1024, prompt, d));
         // A cost outside 0..=1 is clamped.
         assert_eq!(m.prefill_seconds_tiered(0, 2048, prompt, d, -3.0), gpu);
+    }
+
+    #[test]
+    fn a_pace_prices_each_part() {
+        let s = Seconds {
+            prefill: 0.2,
+            decode: 0.1,
+        };
+        let pace = Pace {
+            prefill: 2.0,
+            decode: 3.0,
+            queue: 5.0,
+        };
+        assert!((s.at(pace) - (0.4 + 0.3)).abs() < 1e-12);
+        assert!((s.waited_at(pace) - (1.0 + 0.3)).abs() < 1e-12);
+        // Held-up time: at the slower of queue and prefill pace.
+        assert!((s.held_up_at(pace) - (1.0 + 0.3)).abs() < 1e-12);
+        let quick_queue = Pace { queue: 0.5, ..pace };
+        assert!((s.held_up_at(quick_queue) - s.at(quick_queue)).abs() < 1e-12);
+        assert_eq!(s.at(Pace::CONFIGURED), s.total());
     }
 
     #[test]

@@ -52,6 +52,18 @@
 //! simulation (tests) weight 2 against 1 takes returns to the session's replica from 77% to
 //! 93% and p99 TTFT from 0.29 s to 0.22 s; `recompute_weight = 1` is the pure TTFT argmin.
 //!
+//! **Pace.** Each candidate carries its replica's measured pace (`Candidate::pace`,
+//! `estimate::calibrate`): its queue wait is priced at the queue pace, its own prefill at the
+//! prefill pace, and the part of the score that stands for the requests a prefill holds up at
+//! the slower of the two (they meet it as queued work). `calibrated: false` prices every
+//! replica at the configured speed.
+//!
+//! **Who a prefill delays.** The extra weight of a prefill (`recompute_weight - 1`, plus the
+//! backlog term below) is scaled per replica by `min(1, rate * seconds)`: the requests sent to
+//! that replica lately (`Candidate::routed`, a count decaying over `arrival_window_s`) times how
+//! long this request would hold it. A prefill on a replica nobody sends to delays nobody and
+//! counts once.
+//!
 //! **Backlog.** How many requests a prefill delays grows with the backlog: work done while
 //! the fleet is backlogged pushes back every request arriving until the backlog drains, and
 //! the requests waiting now (not yet at their first token, fleet mean per candidate) are the
@@ -644,18 +656,17 @@ impl Policy for CacheAware {
                 let end = e.held_blocks as usize;
                 let heat = self.hot[hot_slot(req.blocks[end - 1])];
                 if heat >= cfg.hot_prefix_requests {
-                    let credited = cfg
-                        .model
-                        .prefill_parts_tiered(
-                            e.gpu_tokens,
-                            e.matched_tokens,
-                            prompt,
-                            e.decoding,
-                            cfg.offload_load_cost,
-                        )
-                        .at(e.pace);
+                    let parts = cfg.model.prefill_parts_tiered(
+                        e.gpu_tokens,
+                        e.matched_tokens,
+                        prompt,
+                        e.decoding,
+                        cfg.offload_load_cost,
+                    );
+                    let credited = parts.at(e.pace);
                     let w = self.arrivals.weight(c, weight, e.wait + credited);
-                    best_ignored = best_ignored.min(e.wait + w * credited);
+                    let score = e.wait + credited + (w - 1.0) * parts.held_up_at(e.pace);
+                    best_ignored = best_ignored.min(score);
                     e.matched_tokens = 0;
                     e.gpu_tokens = 0;
                 }
@@ -670,7 +681,8 @@ impl Policy for CacheAware {
             let prefill = e.prefill_parts.at(e.pace);
             e.weight = self.arrivals.weight(c, weight, e.wait + prefill);
             e.ttft = e.wait + prefill;
-            e.score = e.wait + e.weight * prefill;
+            // The requests it holds up meet it as queued work: at the queue's pace.
+            e.score = e.ttft + (e.weight - 1.0) * e.prefill_parts.held_up_at(e.pace);
             if e.score < best {
                 best = e.score;
             }
