@@ -81,6 +81,10 @@ pub struct Record<'a> {
     pub bytes_in: usize,
     /// Microseconds from the whole request received to the response head, and to the end.
     pub ttfb_us: Option<u64>,
+    /// To the replica's first response body byte (a stream's first token).
+    pub first_byte_us: Option<u64>,
+    /// What the policy expected, when it estimates (cache_aware).
+    pub estimate: Option<Estimated>,
     pub total_us: u64,
 }
 
@@ -174,6 +178,17 @@ impl AccessLog {
     }
 }
 
+/// What cache_aware expected of a request where it sent it, in milliseconds: its estimated
+/// time to first token, the queue wait in it, the best other candidate's estimate, and
+/// whether a hot prefix's holder was passed over.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimated {
+    pub ttft_ms: f32,
+    pub wait_ms: f32,
+    pub runner_up_ms: f32,
+    pub spilled: bool,
+}
+
 /// Formats `r` as one JSON line at `now`.
 pub fn write_line(out: &mut Vec<u8>, now: SystemTime, r: &Record<'_>) {
     let since = now.duration_since(UNIX_EPOCH).unwrap_or_default();
@@ -221,6 +236,29 @@ pub fn write_line(out: &mut Vec<u8>, now: SystemTime, r: &Record<'_>) {
     match r.ttfb_us {
         Some(us) => millis(out, us),
         None => out.extend_from_slice(b"null"),
+    }
+    out.extend_from_slice(b",\"first_byte_ms\":");
+    match r.first_byte_us {
+        Some(us) => millis(out, us),
+        None => out.extend_from_slice(b"null"),
+    }
+    match r.estimate {
+        Some(e) => {
+            let _ = write!(
+                out,
+                ",\"estimate_ms\":{:.1},\"wait_ms\":{:.1},\"runner_up_ms\":",
+                e.ttft_ms, e.wait_ms
+            );
+            if e.runner_up_ms.is_finite() {
+                let _ = write!(out, "{:.1}", e.runner_up_ms);
+            } else {
+                out.extend_from_slice(b"null");
+            }
+            let _ = write!(out, ",\"spilled\":{}", e.spilled);
+        }
+        None => out.extend_from_slice(
+            b",\"estimate_ms\":null,\"wait_ms\":null,\"runner_up_ms\":null,\"spilled\":null",
+        ),
     }
     out.extend_from_slice(b",\"total_ms\":");
     millis(out, r.total_us);
@@ -316,6 +354,13 @@ mod tests {
             matched_tokens: 256,
             bytes_in: 2049,
             ttfb_us: Some(12_345),
+            first_byte_us: Some(98_765),
+            estimate: Some(Estimated {
+                ttft_ms: 80.25,
+                wait_ms: 40.0,
+                runner_up_ms: f32::INFINITY,
+                spilled: true,
+            }),
             total_us: 1_234_567,
         };
         let s = line(&r, Duration::from_millis(1_796_025_722_123));
@@ -335,6 +380,11 @@ mod tests {
         assert_eq!(v["bytes_in"], 2049);
         assert_eq!(v["ttfb_ms"], 12.345);
         assert_eq!(v["total_ms"], 1234.567);
+        assert_eq!(v["first_byte_ms"], 98.765);
+        assert_eq!(v["estimate_ms"], 80.2);
+        assert_eq!(v["wait_ms"], 40.0);
+        assert!(v["runner_up_ms"].is_null());
+        assert_eq!(v["spilled"], true);
         let local = line(
             &Record {
                 method: b"-",
@@ -346,6 +396,7 @@ mod tests {
         );
         let v: serde_json::Value = serde_json::from_str(&local).unwrap();
         assert!(v["client"].is_null() && v["replica"].is_null() && v["ttfb_ms"].is_null());
+        assert!(v["estimate_ms"].is_null() && v["first_byte_ms"].is_null());
         assert_eq!(v["path"].as_str().unwrap().len(), MAX_PATH + 3);
     }
 

@@ -171,15 +171,20 @@ pub(super) async fn forward(
     stats.ttfb.observe_us(ttfb_us);
     conn.log.status = rhead.status;
     conn.log.ttfb_us = Some(ttfb_us);
-    if rhead.status == 200 && rhead.event_stream {
+    let class = metrics::status_class(rhead.status);
+    let path = &conn.cbuf[head.target.0..head.target.1];
+    let endpoint = path.split(|&b| b == b'?').next().unwrap_or(path);
+    // A chat or completions stream's first event is its first token (a Responses or Messages
+    // stream may open with events sent before the prefill): a calibration sample.
+    if rhead.status == 200
+        && rhead.event_stream
+        && matches!(endpoint, b"/v1/chat/completions" | b"/v1/completions")
+    {
         in_flight.streamed();
     }
-    let class = metrics::status_class(rhead.status);
 
     // A Responses API answer names the response the replica stored: learned on the way.
-    let path = &conn.cbuf[head.target.0..head.target.1];
-    let creates_response = head.method == Method::Post
-        && path.split(|&b| b == b'?').next() == Some(&b"/v1/responses"[..]);
+    let creates_response = head.method == Method::Post && endpoint == b"/v1/responses";
     let mut ids = IdWatch::new((rhead.status == 200 && creates_response).then_some(routed.epoch));
     let result = relay_body(
         w,
@@ -195,6 +200,7 @@ pub(super) async fn forward(
     if matches!(result, Relayed::Complete { .. }) {
         ids.finish(w, replica);
     }
+    conn.log.first_byte_us = in_flight.first_byte_us();
     if let Relayed::Unsent(f) = result {
         // Nothing reached the client: it gets kvlb's 502 instead of a head and no body. Not
         // retried: the replica has taken the request and may have acted on it.

@@ -22,6 +22,10 @@ pub(super) struct LogState {
     pub(super) cut: Option<&'static str>,
     /// The request's model label, once its model was looked up (counted by model then).
     pub(super) model: Option<u16>,
+    /// Microseconds from the request received to the replica's first response body byte.
+    pub(super) first_byte_us: Option<u64>,
+    /// What cache_aware expected: its estimate there, the queue wait in it, the runner-up's.
+    pub(super) estimate: Option<crate::access_log::Estimated>,
 }
 
 /// Write the current request's access log line, when the access log is on, and count its
@@ -74,6 +78,8 @@ pub(super) fn log_request(
         matched_tokens: conn.log.matched_tokens,
         bytes_in,
         ttfb_us: conn.log.ttfb_us,
+        first_byte_us: conn.log.first_byte_us,
+        estimate: conn.log.estimate,
         total_us: crate::rt::now()
             .saturating_duration_since(received_at)
             .as_micros() as u64,

@@ -293,6 +293,12 @@ pub(super) fn route(
         explain_len = write_decision(&mut conn.explain, &d, choice.prompt_tokens);
     }
     conn.log.reason = choice.decision.map(|d| d.reason.as_str());
+    conn.log.estimate = choice.decision.map(|d| crate::access_log::Estimated {
+        ttft_ms: (d.ttft_s * 1e3) as f32,
+        wait_ms: (d.wait.waited_at(d.pace) * 1e3) as f32,
+        runner_up_ms: (d.runner_up_ttft_s * 1e3) as f32,
+        spilled: d.spilled,
+    });
     conn.log.matched_tokens = choice.decision.map_or(0, |d| d.matched_tokens);
     conn.log.prompt_tokens = choice.prompt_tokens;
     if tried.is_empty() {

@@ -51,6 +51,7 @@ pub(crate) struct InFlight<'a> {
     /// The answer is a successful event stream: its first byte is its first token, and its
     /// time a calibration sample.
     measured: bool,
+    first_byte_us: Option<u64>,
     /// The request's model label (`ModelClass::label`).
     model_label: u16,
     /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
@@ -87,9 +88,15 @@ impl<'a> InFlight<'a> {
             expected,
             epoch: w.shared.fleet.slot(replica).epoch.load(Relaxed),
             measured: false,
+            first_byte_us: None,
             model_label,
             lora,
         }
+    }
+
+    /// Microseconds from the request received to its first response body byte, once it came.
+    pub(crate) fn first_byte_us(&self) -> Option<u64> {
+        self.first_byte_us
     }
 
     /// Whether the replica has answered (its first byte arrived).
@@ -108,6 +115,7 @@ impl<'a> InFlight<'a> {
         if !self.decoding {
             let stats = self.w.stats();
             let observed = crate::rt::now().saturating_duration_since(self.received_at);
+            self.first_byte_us = Some(observed.as_micros() as u64);
             stats.first_token.observe_us(observed.as_micros() as u64);
             stats
                 .model(self.model_label)
