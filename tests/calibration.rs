@@ -15,13 +15,14 @@ use std::time::Duration;
 use support::fleet::{replicas_json, serve_subscribed, ReplicaFleet};
 use support::Kvlb;
 
-/// A streamed chat request with a prompt of about `words` words no other request shares.
-fn chat(words: usize, salt: usize) -> Vec<u8> {
+/// A streamed chat request with a prompt of about `words` words no other request shares,
+/// answered in `max_tokens` tokens.
+fn chat(words: usize, salt: usize, max_tokens: u32) -> Vec<u8> {
     let text: String = (0..words).map(|i| format!("w{salt}x{i} ")).collect();
     serde_json::json!({
         "model": "m",
         "messages": [{"role": "user", "content": text}],
-        "max_tokens": 4,
+        "max_tokens": max_tokens,
         "stream": true,
     })
     .to_string()
@@ -37,13 +38,25 @@ fn send(
     parallel: usize,
     salt: usize,
 ) -> Vec<usize> {
+    send_answered(kvlb, reps, n, parallel, salt, 4)
+}
+
+/// As `send`, each answered in `max_tokens` tokens.
+fn send_answered(
+    kvlb: SocketAddr,
+    reps: &ReplicaFleet,
+    n: usize,
+    parallel: usize,
+    salt: usize,
+    max_tokens: u32,
+) -> Vec<usize> {
     let urls: Vec<String> = reps.http.iter().map(|h| format!("http://{h}")).collect();
     let mut counts = vec![0; urls.len()];
     for round in 0..n.div_ceil(parallel) {
         let answers: Vec<client::Streamed> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..parallel)
                 .map(|k| {
-                    let body = chat(6000, salt + round * parallel + k);
+                    let body = chat(6000, salt + round * parallel + k, max_tokens);
                     s.spawn(move || {
                         client::stream(
                             kvlb,
@@ -110,6 +123,16 @@ fn a_mixed_fleet_is_measured_and_each_replica_priced_at_its_pace() {
     // One at a time now: an idle fast replica beats an idle slow one on every request.
     let idle = send(kvlb.listen, &reps, 6, 1, 1000);
     assert_eq!(idle, vec![6, 0], "{:?}", calibration(&kvlb));
+    // Longer answers: their event spacing measures the decode steps too.
+    send_answered(kvlb.listen, &reps, 4, 2, 2000, 64);
+    assert!(support::wait_until(Duration::from_secs(5), || {
+        calibration(&kvlb)[0]["decode_samples"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    }));
+    let d = calibration(&kvlb)[0]["decode_pace"].as_f64().unwrap();
+    assert!(d > 0.0 && d < 1.0, "{:?}", calibration(&kvlb));
     // /metrics carries the same figures.
     let metrics = kvlb.admin_get("/metrics").body_text();
     for family in [

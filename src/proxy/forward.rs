@@ -199,6 +199,7 @@ pub(super) async fn forward(
     .await;
     if matches!(result, Relayed::Complete { .. }) {
         ids.finish(w, replica);
+        in_flight.finished();
     }
     conn.log.first_byte_us = in_flight.first_byte_us();
     if let Relayed::Unsent(f) = result {

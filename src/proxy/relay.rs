@@ -226,6 +226,7 @@ pub(super) async fn relay_body(
         ResponseBody::Length(n) => {
             let first = ((avail_end - avail_start) as u64).min(n) as usize;
             ids.feed(w, replica, &conn.ubuf[avail_start..avail_start + first]);
+            in_flight.events(&conn.ubuf[avail_start..avail_start + first]);
             conn.obuf
                 .extend_from_slice(&conn.ubuf[avail_start..avail_start + first]);
             let mut reusable = avail_end - avail_start == first;
@@ -252,6 +253,7 @@ pub(super) async fn relay_body(
                     reusable = false;
                 }
                 ids.feed(w, replica, &conn.ubuf[..take]);
+                in_flight.events(&conn.ubuf[..take]);
                 let (r, b) = op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, take).await;
                 conn.ubuf = b;
                 if let Err(e) = r {
@@ -284,6 +286,7 @@ pub(super) async fn relay_body(
                     };
                     for &(s, e) in spans.iter() {
                         ids.feed(w, replica, &conn.ubuf[start + s..start + e]);
+                        in_flight.events(&conn.ubuf[start + s..start + e]);
                     }
                     if dechunk {
                         for &(s, e) in spans.iter() {
@@ -322,6 +325,7 @@ pub(super) async fn relay_body(
         }
         ResponseBody::UntilClose => {
             ids.feed(w, replica, &conn.ubuf[avail_start..avail_end]);
+            in_flight.events(&conn.ubuf[avail_start..avail_end]);
             conn.obuf
                 .extend_from_slice(&conn.ubuf[avail_start..avail_end]);
             if let Err(e) = flush_obuf(conn).await {
@@ -333,6 +337,7 @@ pub(super) async fn relay_body(
                         in_flight.first_byte();
                         metrics::add(&rc.bytes_from_replica, got as u64);
                         ids.feed(w, replica, &conn.ubuf[..got]);
+                        in_flight.events(&conn.ubuf[..got]);
                         let (r, b) =
                             op::send_all(conn.fd, std::mem::take(&mut conn.ubuf), 0, got).await;
                         conn.ubuf = b;

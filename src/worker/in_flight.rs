@@ -19,6 +19,8 @@ pub struct Expected {
     pub fixed_s: f64,
     /// The replica's pace it was priced at.
     pub pace: crate::estimate::Pace,
+    /// Seconds of one decode step there at the configured speed, as the policy priced it.
+    pub decode_step_s: f64,
 }
 
 impl Expected {
@@ -52,6 +54,11 @@ pub(crate) struct InFlight<'a> {
     /// time a calibration sample.
     measured: bool,
     first_byte_us: Option<u64>,
+    /// Server-sent events relayed so far (a measured stream's), the time of the last, and
+    /// whether the bytes so far ended with a line feed (an event's end may straddle two reads).
+    events: u32,
+    last_event: Option<Instant>,
+    trailing_lf: bool,
     /// The request's model label (`ModelClass::label`).
     model_label: u16,
     /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
@@ -89,6 +96,9 @@ impl<'a> InFlight<'a> {
             epoch: w.shared.fleet.slot(replica).epoch.load(Relaxed),
             measured: false,
             first_byte_us: None,
+            events: 0,
+            last_event: None,
+            trailing_lf: false,
             model_label,
             lora,
         }
@@ -139,7 +149,54 @@ impl<'a> InFlight<'a> {
     }
 }
 
+/// A stream of fewer events says too little of the replica's decode steps (its last events,
+/// the finish reason and usage, come with its last token).
+const MIN_DECODE_EVENTS: u32 = 32;
+
 impl InFlight<'_> {
+    /// Body bytes of the answer as relayed (de-chunked): a measured stream's events are
+    /// counted, each at its end (a blank line), for the decode sample `finished` takes.
+    pub(crate) fn events(&mut self, bytes: &[u8]) {
+        if !self.measured || bytes.is_empty() {
+            return;
+        }
+        let mut n = memchr::memmem::find_iter(bytes, b"\n\n").count() as u32;
+        if self.trailing_lf && bytes[0] == b'\n' {
+            n += 1;
+        }
+        self.trailing_lf = bytes[bytes.len() - 1] == b'\n';
+        if n > 0 {
+            self.events += n;
+            self.last_event = Some(crate::rt::now());
+        }
+    }
+
+    /// The answer was relayed whole: a measured stream's event spacing is a decode sample
+    /// (its first event at the first byte, its last, `[DONE]`, not a token).
+    pub(crate) fn finished(&self) {
+        use crate::estimate::calibrate::{DecodeSample, Sample};
+        let (Some(first_us), Some(last)) = (self.first_byte_us, self.last_event) else {
+            return;
+        };
+        if self.events < MIN_DECODE_EVENTS || self.expected.decode_step_s <= 0.0 {
+            return;
+        }
+        let elapsed = last
+            .saturating_duration_since(self.received_at)
+            .as_secs_f64()
+            - first_us as f64 * 1e-6;
+        if elapsed <= 0.0 {
+            return;
+        }
+        self.w.shared.samples.push(Sample::Decode(DecodeSample {
+            replica: self.replica as u32,
+            epoch: self.epoch,
+            steps: self.events - 2,
+            step_s: self.expected.decode_step_s as f32,
+            elapsed_s: elapsed as f32,
+        }));
+    }
+
     /// Hand the first byte's time to the calibration (dropped and counted when its queue is
     /// full).
     fn sample(&self, observed_s: f64) {

@@ -895,6 +895,7 @@ impl Choice {
             .map(|d| crate::worker::Expected {
                 wait: d.wait,
                 prefill: d.prefill,
+                decode_step_s: d.decode_step_s,
                 fixed_s: d.fixed_s,
                 pace: d.pace,
             })

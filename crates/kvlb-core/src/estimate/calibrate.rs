@@ -24,28 +24,32 @@
 //!
 //! # The estimator
 //!
-//! Per replica, a weighted least-squares fit of `y = observed - fixed - decode_pace * decode
-//! parts` on `x1 = prefill.prefill` and `x2 = wait.prefill`, with exponential forgetting in time
-//! ([`HALF_LIFE_MS`]) so that it follows a replica whose speed changes, regularised by priors
-//! worth [`PRIOR_WEIGHT`] each: the prefill pace towards the fleet's, the queue pace towards
-//! the replica's prefill pace. So a replica seen only idle has a queue pace equal to its prefill
-//! pace, and queue errors show in the queue pace, not in the speed:
+//! Two levels, each a weighted least-squares fit with exponential forgetting in time
+//! ([`HALF_LIFE_MS`], never below a floor of evidence, so a replica measured once keeps its
+//! pace until new samples come):
 //!
-//! ```text
-//! minimise  Σ (y - p·x1 - q·x2)² + W0·(p - fleet)² + W0·(q - p)²
-//! ```
+//! - **The fleet** (every replica's samples together): `y = observed - fixed - decode_pace *
+//!   decode parts` on `x1 = prefill.prefill` and `x2 = wait.prefill`, regularised by priors
+//!   worth [`PRIOR_WEIGHT`] each (its prefill pace towards the configured speed, its queue pace
+//!   towards its prefill pace). It gives the fleet's prefill and queue paces, so their ratio:
+//!   how the fleet's queues run against what the model counts of them.
+//! - **Each replica**: one level, its prefill pace, fit on `x = x1 + shape * x2` (`shape` the
+//!   fleet's queue over prefill pace when the sample came), shrunk towards the fleet's prefill
+//!   pace by a prior worth [`PRIOR_SAMPLES`] of its own mean sample (and at least
+//!   `PRIOR_WEIGHT`). Its queue pace is its level times the fleet's shape. One parameter per
+//!   replica, the premise of the model (a GPU k times slower is k times slower in everything),
+//!   is what a few samples can carry: fitting each replica's queue pace apart let a prior on
+//!   its speed push its queue pace the other way (to 0.05 on a real fleet of two).
 //!
-//! (two normal equations, solved in closed form). Squared errors in seconds let long
-//! prefills, whose times say the most about the replica's speed, carry the fit, and short ones
-//! (a cache hit, dominated by network and scheduling noise) little. Outliers are winsorised:
-//! once the fit holds some evidence, an observation is clamped to within [`OUTLIER_RATIO`] of
-//! the fit's prediction before it is added, and counted. A replica no request has measured yet
-//! is priced at the fleet's pace: the median of the measured replicas', or the configured
-//! speed when none is.
+//! Squared errors in seconds let long prefills, whose times say the most about a replica's
+//! speed, carry the fits, and short ones (a cache hit, dominated by network and scheduling
+//! noise) little. Outliers are winsorised: once a fit holds some evidence, an observation is
+//! clamped to within [`OUTLIER_RATIO`] of its prediction before it is added, and counted. A
+//! replica no request has measured yet is priced at the fleet's pace.
 //!
-//! Decode: a one-variable fit of the same kind. While no stream has measured a replica's decode
-//! steps, its decode pace follows its prefill pace (a GPU k times slower is k times slower in
-//! both, the model's premise).
+//! Decode: a one-variable fit per replica, towards the fleet's pooled decode pace. While no
+//! stream has measured a replica's decode steps, its decode pace is the fleet's scaled by its
+//! level.
 //!
 //! # Publication
 //!
@@ -332,19 +336,12 @@ impl Fit2 {
         }
     }
 
-    /// As `Fit::weight`.
-    fn weight(&self) -> f64 {
-        shrinkage(self.evidence(), self.n)
-    }
-
     fn evidence(&self) -> f64 {
         self.s11 + self.s22
     }
 
-    /// (p, q) regularised with weight `w`: `p` towards `p0`, `q` towards `r·p`. The fleet's
-    /// fit takes `r = 1` (a queue never seen is priced at the fleet's speed); a replica's
-    /// takes the fleet's pace (`p0`, and `r` its queue over its prefill pace), so that a prior
-    /// that pulls its prefill pace pulls its queue pace along instead of against it.
+    /// (p, q) regularised with weight `w`: `p` towards `p0`, `q` towards `r·p` (the fleet's
+    /// fit takes `p0 = r = 1`: a queue never seen is priced at the fleet's speed).
     fn solve(&self, p0: f64, r: f64, w: f64) -> (f64, f64) {
         let (a11, a12, a22) = (self.s11 + w + w * r * r, self.s12 - w * r, self.s22 + w);
         let (b1, b2) = (self.s1y + w * p0, self.s2y);
@@ -381,7 +378,9 @@ impl Fit2 {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct ReplicaFit {
     epoch: u64,
-    prefill: Fit2,
+    /// The replica's prefill pace: its observed times on the configured price of the same
+    /// work, the queue part weighed at the fleet's queue over prefill pace.
+    level: Fit,
     decode: Fit,
     /// ln(observed / estimated), moving average; `errors` samples in it.
     log_error: f64,
@@ -393,30 +392,32 @@ struct ReplicaFit {
 
 impl ReplicaFit {
     fn measured(&self) -> bool {
-        self.prefill.evidence() > 0.0
+        self.level.evidence() > 0.0
+    }
+
+    /// The replica's speed over the fleet's (1 until measured).
+    fn scale(&self, fleet: Pace) -> f64 {
+        if self.measured() {
+            let p = fleet.prefill as f64;
+            self.level.value(p, self.level.weight()) / p
+        } else {
+            1.0
+        }
     }
 
     fn pace(&self, fleet: Pace) -> Pace {
-        let (prefill, queue) = if self.measured() {
-            let w = self.prefill.weight();
-            let p0 = fleet.prefill as f64;
-            self.prefill.solve(p0, fleet.queue as f64 / p0, w)
-        } else {
-            (fleet.prefill as f64, fleet.queue as f64)
-        };
+        let s = self.scale(fleet);
+        let clamp = |v: f64| v.clamp(MIN_PACE, MAX_PACE) as f32;
         let decode = if self.decode.evidence() > 0.0 {
             self.decode.value(fleet.decode as f64, self.decode.weight())
-        } else if self.measured() {
-            // Not measured: as much slower than the fleet's decode as its prefill is.
-            (fleet.decode as f64 * prefill / fleet.prefill.max(1e-6) as f64)
-                .clamp(MIN_PACE, MAX_PACE)
         } else {
-            fleet.decode as f64
+            // Not measured: as much slower than the fleet's decode as its prefill is.
+            s * fleet.decode as f64
         };
         Pace {
-            prefill: prefill as f32,
-            decode: decode as f32,
-            queue: queue as f32,
+            prefill: clamp(s * fleet.prefill as f64),
+            decode: clamp(decode),
+            queue: clamp(s * fleet.queue as f64),
         }
     }
 }
@@ -482,14 +483,18 @@ impl Calibration {
                     f.errors += 1;
                 }
                 let pace = f.pace(fleet);
-                f.prefill.forget(now_ms);
                 let decode = t.wait.decode + t.prefill.decode;
                 let y = observed - t.fixed_s as f64 - pace.decode as f64 * decode;
                 let (x1, x2) = (t.prefill.prefill, t.wait.prefill);
-                let at = (pace.prefill as f64, pace.queue as f64);
-                if f.prefill.add(x1, x2, y, at) {
+                // The replica's level: its time against the configured price of the same work,
+                // its queue part weighed as the fleet's queues run.
+                f.level.forget(now_ms);
+                let shape = fleet.queue as f64 / fleet.prefill as f64;
+                let (x, w) = (x1 + shape * x2, f.level.weight());
+                if f.level.add(x, y, fleet.prefill as f64, w) {
                     f.outliers += 1;
                 }
+                // The fleet: every replica's samples together.
                 self.pooled_prefill.forget(now_ms);
                 let at = self.pooled_prefill.solve(1.0, 1.0, PRIOR_WEIGHT);
                 self.pooled_prefill.add(x1, x2, y, at);
@@ -590,6 +595,12 @@ mod tests {
         })
     }
 
+    /// `observe`, then the fleet's pace updated, as `kvlb serve` publishes every 100 ms.
+    fn learn(c: &mut Calibration, s: &Sample, now_ms: u64) {
+        c.observe(s, now_ms);
+        c.update_fleet();
+    }
+
     fn published(c: &mut Calibration) -> Vec<ReplicaPace> {
         let cells: Vec<ReplicaPace> = (0..c.replicas.len())
             .map(|_| ReplicaPace::default())
@@ -601,7 +612,7 @@ mod tests {
     #[test]
     fn the_first_long_prefill_sets_the_fleets_pace_and_more_converge() {
         let mut c = Calibration::new(2);
-        c.observe(&ttft(1, 0.3, 0.0, 0.9), 0);
+        learn(&mut c, &ttft(1, 0.3, 0.0, 0.9), 0);
         let cells = published(&mut c);
         // The fleet's pace is that one 0.3 s prefill (evidence 0.09) against the prior (one
         // 0.1 s prefill at the configured speed): 2.8.
@@ -616,7 +627,8 @@ mod tests {
         assert!(!cells[0].measured() && cells[1].measured());
         // Many samples: the pace converges on the truth.
         for i in 0..50 {
-            c.observe(
+            learn(
+                &mut c,
                 &ttft(1, 0.1 + 0.01 * i as f64, 0.0, 3.0 * (0.1 + 0.01 * i as f64)),
                 0,
             );
@@ -630,16 +642,16 @@ mod tests {
     fn one_slow_request_does_not_make_a_slow_replica() {
         let mut c = Calibration::new(2);
         for _ in 0..30 {
-            c.observe(&ttft(0, 0.3, 0.0, 0.3), 0);
+            learn(&mut c, &ttft(0, 0.3, 0.0, 0.3), 0);
         }
-        c.observe(&ttft(1, 0.3, 0.0, 0.9), 0);
+        learn(&mut c, &ttft(1, 0.3, 0.0, 0.9), 0);
         c.update_fleet();
         // The fleet's 1.06, and replica 1's one 3x sample against 4 of the fleet's: 1.45.
         let p = c.pace(1).prefill;
         assert!((p - 1.45).abs() < 0.01, "{p}");
         // Forty more: it is slow.
         for _ in 0..40 {
-            c.observe(&ttft(1, 0.3, 0.0, 0.9), 0);
+            learn(&mut c, &ttft(1, 0.3, 0.0, 0.9), 0);
         }
         c.update_fleet();
         let p = c.pace(1).prefill;
@@ -654,7 +666,8 @@ mod tests {
         // (another client's work): prefills of 0.1-0.28 s behind waits of 0-0.36 s.
         for i in 0..40 {
             let (prefill, wait) = (0.1 + 0.02 * (i * 7 % 10) as f64, 0.04 * (i % 10) as f64);
-            c.observe(
+            learn(
+                &mut c,
                 &Sample::Ttft(TtftSample {
                     replica: 0,
                     epoch: 0,
@@ -675,12 +688,14 @@ mod tests {
         }
         c.update_fleet();
         let p = c.pace(0);
-        assert!((p.prefill - 1.0).abs() < 0.05, "{p:?}");
-        assert!((p.queue - 2.0).abs() < 0.05, "{p:?}");
+        // The replica's level is fit at the fleet's queue-over-prefill shape as it stood when
+        // each sample came (1 at first): a little above 1.
+        assert!((p.prefill - 1.0).abs() < 0.12, "{p:?}");
+        assert!((p.queue - 2.0).abs() < 0.1, "{p:?}");
         // A replica seen only idle: its queue pace is its prefill pace.
         let mut c = Calibration::new(1);
         for _ in 0..10 {
-            c.observe(&ttft(0, 0.3, 0.0, 0.9), 0);
+            learn(&mut c, &ttft(0, 0.3, 0.0, 0.9), 0);
         }
         c.update_fleet();
         let p = c.pace(0);
@@ -695,7 +710,8 @@ mod tests {
         let mut c = Calibration::new(1);
         // Decode measured at 2x.
         for _ in 0..20 {
-            c.observe(
+            learn(
+                &mut c,
                 &Sample::Decode(DecodeSample {
                     replica: 0,
                     epoch: 0,
@@ -710,7 +726,7 @@ mod tests {
         assert!((c.pace(0).decode - 2.0).abs() < 0.01, "{:?}", c.pace(0));
         // TTFT of 0.2 s prefill at 1.5x plus 0.1 s decode at 2x.
         for _ in 0..20 {
-            c.observe(&ttft(0, 0.2, 0.1, 0.2 * 1.5 + 0.1 * 2.0), 0);
+            learn(&mut c, &ttft(0, 0.2, 0.1, 0.2 * 1.5 + 0.1 * 2.0), 0);
         }
         c.update_fleet();
         assert!((c.pace(0).prefill - 1.5).abs() < 0.02, "{:?}", c.pace(0));
@@ -720,17 +736,17 @@ mod tests {
     fn outliers_are_clamped_and_counted() {
         let mut c = Calibration::new(1);
         for _ in 0..20 {
-            c.observe(&ttft(0, 0.2, 0.0, 0.2), 0);
+            learn(&mut c, &ttft(0, 0.2, 0.0, 0.2), 0);
         }
         // One stall of 20 s: taken as 0.6 s, not 20.
-        c.observe(&ttft(0, 0.2, 0.0, 20.0), 0);
+        learn(&mut c, &ttft(0, 0.2, 0.0, 20.0), 0);
         let cells = published(&mut c);
         assert_eq!(cells[0].outliers.load(Relaxed), 1);
         let p = c.pace(0).prefill;
         assert!(p < 1.1, "{p}");
         // A replica that really became 3x slower gets there over a few samples.
         for _ in 0..100 {
-            c.observe(&ttft(0, 0.2, 0.0, 0.6), 0);
+            learn(&mut c, &ttft(0, 0.2, 0.0, 0.6), 0);
         }
         assert!(c.pace(0).prefill > 2.5, "{:?}", c.pace(0));
     }
@@ -739,12 +755,12 @@ mod tests {
     fn forgetting_follows_a_change_but_keeps_a_floor_of_evidence() {
         let mut c = Calibration::new(1);
         for _ in 0..100 {
-            c.observe(&ttft(0, 0.3, 0.0, 0.9), 0);
+            learn(&mut c, &ttft(0, 0.3, 0.0, 0.9), 0);
         }
-        let f = c.replicas[0].prefill;
+        let f = c.replicas[0].level;
         // Ten half-lives later the evidence is down to the floor, the pace kept.
-        c.observe(&ttft(0, 0.3, 0.0, 0.3), 10 * HALF_LIFE_MS);
-        let after = c.replicas[0].prefill;
+        learn(&mut c, &ttft(0, 0.3, 0.0, 0.3), 10 * HALF_LIFE_MS);
+        let after = c.replicas[0].level;
         assert!(after.evidence() < f.evidence() / 10.0);
         assert!(after.evidence() >= KEPT_PRIORS * PRIOR_WEIGHT);
         let p = c.pace(0).prefill;
@@ -756,7 +772,7 @@ mod tests {
     fn a_reused_slot_starts_over_and_late_samples_of_its_old_replica_are_dropped() {
         let mut c = Calibration::new(1);
         for _ in 0..20 {
-            c.observe(&ttft(0, 0.3, 0.0, 0.9), 0);
+            learn(&mut c, &ttft(0, 0.3, 0.0, 0.9), 0);
         }
         c.update_fleet();
         assert!(c.pace(0).prefill > 2.9);
@@ -768,14 +784,14 @@ mod tests {
             }
             s
         };
-        c.observe(&at_epoch(1, 0.3), 0);
+        learn(&mut c, &at_epoch(1, 0.3), 0);
         assert_eq!(c.replicas[0].ttft_samples, 1);
-        c.observe(&at_epoch(0, 0.9), 0);
+        learn(&mut c, &at_epoch(0, 0.9), 0);
         assert_eq!((c.stale(), c.replicas[0].ttft_samples), (1, 1));
         // Told by the fleet first: the same, and priced at the fleet's pace meanwhile.
         c.forget(0, 2);
         assert_eq!(c.pace(0), c.fleet());
-        c.observe(&at_epoch(1, 0.9), 0);
+        learn(&mut c, &at_epoch(1, 0.9), 0);
         assert_eq!((c.stale(), c.replicas[0].ttft_samples), (2, 0));
     }
 
@@ -784,7 +800,7 @@ mod tests {
         let mut c = Calibration::new(5);
         for (r, k) in [(0, 1.0), (1, 2.0), (2, 3.0)] {
             for _ in 0..20 {
-                c.observe(&ttft(r, 0.3, 0.0, 0.3 * k), 0);
+                learn(&mut c, &ttft(r, 0.3, 0.0, 0.3 * k), 0);
             }
         }
         let cells = published(&mut c);
@@ -820,10 +836,10 @@ mod tests {
     #[test]
     fn nonsense_samples_change_nothing() {
         let mut c = Calibration::new(1);
-        c.observe(&ttft(0, 0.0, 0.0, 1.0), 0);
-        c.observe(&ttft(0, f64::NAN, 0.0, 1.0), 0);
-        c.observe(&ttft(0, 0.2, 0.0, f64::INFINITY), 0);
-        c.observe(&ttft(7, 0.2, 0.0, 1.0), 0);
+        learn(&mut c, &ttft(0, 0.0, 0.0, 1.0), 0);
+        learn(&mut c, &ttft(0, f64::NAN, 0.0, 1.0), 0);
+        learn(&mut c, &ttft(0, 0.2, 0.0, f64::INFINITY), 0);
+        learn(&mut c, &ttft(7, 0.2, 0.0, 1.0), 0);
         assert_eq!(c.pace(0), Pace::CONFIGURED);
         assert!(!c.replicas[0].measured());
     }

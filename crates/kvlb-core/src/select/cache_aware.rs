@@ -367,6 +367,9 @@ pub struct Decision {
     pub prefill: Seconds,
     pub fixed_s: f64,
     pub pace: Pace,
+    /// Seconds of one decode step on the chosen replica at the configured speed, with the
+    /// sequences decoding there now (what its streams' event spacing is measured against).
+    pub decode_step_s: f64,
     /// The best estimate among the other candidates (infinite with a single candidate).
     pub runner_up_ttft_s: f64,
     pub reason: Reason,
@@ -760,6 +763,7 @@ impl Policy for CacheAware {
             prefill: e.prefill_parts,
             fixed_s: e.fixed,
             pace: e.pace,
+            decode_step_s: cfg.model.decode_step_seconds(e.decoding + 1),
             runner_up_ttft_s: runner_up,
             reason: if !with_prefix {
                 Reason::Fallback

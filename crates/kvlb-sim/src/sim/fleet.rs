@@ -39,7 +39,7 @@
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest, Speed};
-use crate::estimate::calibrate::{Calibration, Sample, TtftSample};
+use crate::estimate::calibrate::{Calibration, DecodeSample, Sample, TtftSample};
 use crate::estimate::{ReportedLoad, TtftModel};
 use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
@@ -549,6 +549,8 @@ pub fn simulate_serving(
     let mut stalled = 0u32;
     // What each request's estimate was made of (cache_aware), until its first token.
     let mut expected: Vec<Option<TtftSample>> = vec![None; trace.requests.len()];
+    // The decode step the policy priced each request's replica at (0: none).
+    let mut decode_step = vec![0f32; trace.requests.len()];
     let mut calibration = Calibration::new(replicas);
     let mut next_publish = 0.0f64;
 
@@ -600,12 +602,31 @@ pub fn simulate_serving(
                         &mut loads,
                         &mut replica_prefill_tokens,
                     );
-                    // A first token is a calibration sample, as a stream's first byte is.
-                    if let EngineOutput::FirstToken { id, .. } = *out {
-                        if let Some(mut sample) = expected[id as usize].take() {
-                            sample.observed_s = records[id as usize].ttft_s as f32;
-                            calibration.observe(&Sample::Ttft(sample), (s * 1e3) as u64);
+                    // A first token is a calibration sample, as a stream's first byte is; a
+                    // finished answer's token spacing too, as a stream's event spacing is.
+                    match *out {
+                        EngineOutput::FirstToken { id, .. } => {
+                            if let Some(mut sample) = expected[id as usize].take() {
+                                sample.observed_s = records[id as usize].ttft_s as f32;
+                                calibration.observe(&Sample::Ttft(sample), (s * 1e3) as u64);
+                            }
                         }
+                        EngineOutput::Finished { id, .. } => {
+                            let rec = &records[id as usize];
+                            let tokens = trace.requests[id as usize].output_tokens;
+                            let elapsed = rec.e2e_s - rec.ttft_s;
+                            if decode_step[id as usize] > 0.0 && tokens >= 32 && elapsed > 0.0 {
+                                let sample = DecodeSample {
+                                    replica: i as u32,
+                                    epoch: 0,
+                                    steps: tokens - 1,
+                                    step_s: decode_step[id as usize],
+                                    elapsed_s: elapsed as f32,
+                                };
+                                calibration.observe(&Sample::Decode(sample), (s * 1e3) as u64);
+                            }
+                        }
+                        _ => {}
                     }
                 }
                 if s >= next_publish {
@@ -684,19 +705,17 @@ pub fn simulate_serving(
                 }
                 let pick = policy.select(&view, &candidates, rng.next_u64());
                 let r = candidates[pick.min(candidates.len() - 1)].replica;
-                expected[k] = policy
-                    .policy
-                    .decision()
-                    .filter(|_| policy.calibrate)
-                    .map(|d| TtftSample {
-                        replica: r as u32,
-                        epoch: 0,
-                        wait: d.wait,
-                        prefill: d.prefill,
-                        fixed_s: d.fixed_s as f32,
-                        pace: d.pace,
-                        observed_s: 0.0,
-                    });
+                let decision = policy.policy.decision().filter(|_| policy.calibrate);
+                decode_step[k] = decision.map_or(0.0, |d| d.decode_step_s as f32);
+                expected[k] = decision.map(|d| TtftSample {
+                    replica: r as u32,
+                    epoch: 0,
+                    wait: d.wait,
+                    prefill: d.prefill,
+                    fixed_s: d.fixed_s as f32,
+                    pace: d.pace,
+                    observed_s: 0.0,
+                });
                 let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
                 trace::prompt_tokens(req, &mut prompt);
                 policy.learn_prompt(&prompt, &req.block_ids, engine);
