@@ -82,6 +82,28 @@ pub const OUTLIER_RATIO: f64 = 3.0;
 /// faster than real time, or a large model on a small GPU priced with the defaults.
 pub const MIN_PACE: f64 = 0.001;
 pub const MAX_PACE: f64 = 1000.0;
+/// The share of a fit's sums that forgetting leaves `dt_ms` later: half every
+/// [`HALF_LIFE_MS`], never below [`KEPT_PRIORS`] priors of `evidence` by forgetting alone.
+fn kept(evidence: f64, dt_ms: u64) -> f64 {
+    if dt_ms == 0 || evidence <= 0.0 {
+        return 1.0;
+    }
+    let k = 0.5f64.powf(dt_ms as f64 / HALF_LIFE_MS as f64);
+    k.max((KEPT_PRIORS * PRIOR_WEIGHT / evidence).min(1.0))
+}
+
+/// `y` observed for work of `x` seconds at the configured speed, clamped: within
+/// [`OUTLIER_RATIO`] of the prediction `pred` once the fit holds `KEPT_PRIORS` priors of
+/// `evidence` (and then counted as an outlier when clamped), within the pace bounds before.
+fn winsorise(y: f64, pred: f64, x: f64, evidence: f64) -> (f64, bool) {
+    if evidence >= KEPT_PRIORS * PRIOR_WEIGHT {
+        let clamped = y.clamp(pred / OUTLIER_RATIO, pred * OUTLIER_RATIO);
+        (clamped, clamped != y)
+    } else {
+        (y.clamp(MIN_PACE * x, MAX_PACE * x), false)
+    }
+}
+
 /// The weight of a replica's prior given its fit's `evidence` from `n` samples.
 fn shrinkage(evidence: f64, n: f64) -> f64 {
     if n > 0.0 {
@@ -253,15 +275,8 @@ struct Fit {
 
 impl Fit {
     fn forget(&mut self, now_ms: u64) {
-        let dt = now_ms.saturating_sub(self.at_ms);
+        let k = kept(self.sxx, now_ms.saturating_sub(self.at_ms));
         self.at_ms = self.at_ms.max(now_ms);
-        if dt == 0 || self.sxx <= 0.0 {
-            return;
-        }
-        let keep = KEPT_PRIORS * PRIOR_WEIGHT;
-        let k = 0.5f64.powf(dt as f64 / HALF_LIFE_MS as f64);
-        // Never below KEPT_PRIORS priors of evidence by forgetting alone.
-        let k = k.max((keep / self.sxx).min(1.0));
         self.sxx *= k;
         self.sxy *= k;
         self.n *= k;
@@ -286,17 +301,11 @@ impl Fit {
         if !(x > 0.0 && x.is_finite() && y.is_finite()) {
             return false;
         }
-        let (lo, hi, outlier_if_clamped) = if self.sxx >= KEPT_PRIORS * PRIOR_WEIGHT {
-            let pred = self.value(prior, w) * x;
-            (pred / OUTLIER_RATIO, pred * OUTLIER_RATIO, true)
-        } else {
-            (MIN_PACE * x, MAX_PACE * x, false)
-        };
-        let clamped = y.clamp(lo, hi);
+        let (y, outlier) = winsorise(y, self.value(prior, w) * x, x, self.sxx);
         self.sxx += x * x;
-        self.sxy += x * clamped;
+        self.sxy += x * y;
         self.n += 1.0;
-        outlier_if_clamped && clamped != y
+        outlier
     }
 }
 
@@ -309,28 +318,19 @@ struct Fit2 {
     s22: f64,
     s1y: f64,
     s2y: f64,
-    n: f64,
     at_ms: u64,
 }
 
 impl Fit2 {
     fn forget(&mut self, now_ms: u64) {
-        let dt = now_ms.saturating_sub(self.at_ms);
+        let k = kept(self.evidence(), now_ms.saturating_sub(self.at_ms));
         self.at_ms = self.at_ms.max(now_ms);
-        let evidence = self.evidence();
-        if dt == 0 || evidence <= 0.0 {
-            return;
-        }
-        let k = 0.5f64.powf(dt as f64 / HALF_LIFE_MS as f64);
-        // Never below KEPT_PRIORS priors of evidence by forgetting alone.
-        let k = k.max((KEPT_PRIORS * PRIOR_WEIGHT / evidence).min(1.0));
         for v in [
             &mut self.s11,
             &mut self.s12,
             &mut self.s22,
             &mut self.s1y,
             &mut self.s2y,
-            &mut self.n,
         ] {
             *v *= k;
         }
@@ -358,20 +358,13 @@ impl Fit2 {
         if !(x1 >= 0.0 && x2 >= 0.0 && x > 0.0 && x.is_finite() && y.is_finite()) {
             return false;
         }
-        let (lo, hi, counted) = if self.evidence() >= KEPT_PRIORS * PRIOR_WEIGHT {
-            let pred = p * x1 + q * x2;
-            (pred / OUTLIER_RATIO, pred * OUTLIER_RATIO, true)
-        } else {
-            (MIN_PACE * x, MAX_PACE * x, false)
-        };
-        let y2 = y.clamp(lo, hi);
+        let (y, outlier) = winsorise(y, p * x1 + q * x2, x, self.evidence());
         self.s11 += x1 * x1;
         self.s12 += x1 * x2;
         self.s22 += x2 * x2;
-        self.s1y += x1 * y2;
-        self.s2y += x2 * y2;
-        self.n += 1.0;
-        counted && y2 != y
+        self.s1y += x1 * y;
+        self.s2y += x2 * y;
+        outlier
     }
 }
 
@@ -528,7 +521,7 @@ impl Calibration {
         }
     }
 
-    /// The fleet's pace: the median of the measured replicas' paces (configured: none).
+    /// The fleet's pace: the fit of every replica's samples together (configured: none).
     pub fn fleet(&self) -> Pace {
         self.fleet
     }
