@@ -1049,3 +1049,44 @@ fn a_warm_replica_whose_lora_slots_are_full_loses_its_hit() {
     c[1].lora_slot_busy = true;
     assert_eq!(p.select(&req(&prompt, 2048, 0), &c, 0), 0);
 }
+
+/// Cold start: a burst of requests sharing a long preamble, all arriving before any has its
+/// first token, on a fleet nobody has sent to yet. Each one queued on a replica makes that
+/// replica's wait, and the preamble it now holds saves less than that wait: the burst
+/// spreads over every replica rather than piling on the first holder.
+#[test]
+fn a_cold_start_burst_spreads_over_the_fleet() {
+    let (idx, mut w) = fleet(4);
+    let log = w.routing_log(4096);
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default())
+        .unwrap()
+        .with_routing_log(log);
+    let preamble = blocks(128); // 8192 tokens
+    let mut queued = [0u64; 4];
+    let mut routed = [0u64; 4];
+    let mut rng = Rng::new(7);
+    for k in 0..8u64 {
+        let mut b = preamble.clone();
+        for j in 0..8 {
+            b.push(chain(1000 + k, j));
+        }
+        let c: Vec<Candidate> = (0..4)
+            .map(|r| Candidate {
+                replica: r,
+                in_flight: (queued[r] > 0) as u32,
+                queued_prefill_tokens: queued[r],
+                routed: routed[r],
+                ..Default::default()
+            })
+            .collect();
+        let view = req(&b, b.len() as u32 * BT, 1000 * k);
+        let r = c[p.select(&view, &c, rng.next_u64())].replica;
+        let d = p.last_decision();
+        queued[r] += (b.len() as u32 * BT - d.matched_tokens) as u64;
+        routed[r] += 1;
+        // The writer applies the routing log at once (the live writer within a millisecond).
+        w.drain(1000 * k);
+    }
+    assert!(routed.iter().all(|&n| n >= 1), "{routed:?}");
+    assert!(routed.iter().all(|&n| n <= 3), "{routed:?}");
+}
