@@ -274,6 +274,9 @@ fn agent_api_prompts_hash_to_the_engines_blocks() {
     let system = "You are a coding agent. Read the code before changing it, run the tests after \
         every change and explain what you did in one sentence. "
         .repeat(20);
+    // Each API its own instructions: a replica that served one holds nothing of the other's
+    // prompt (a few shared blocks would leave the two replicas within a tie of each other).
+    let messages_system = format!("Anthropic. {system}");
     let responses = |input: &str| -> Value {
         json!({"model": "Qwen/Qwen3-8B", "instructions": system, "max_output_tokens": 1,
             "tools": [{"type": "function", "name": "read_file", "description": "Read a file.",
@@ -283,7 +286,7 @@ fn agent_api_prompts_hash_to_the_engines_blocks() {
     let messages = |input: &str| -> Value {
         json!({"model": "Qwen/Qwen3-8B", "max_tokens": 1,
             "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=7f3a;"},
-                       {"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+                       {"type": "text", "text": messages_system, "cache_control": {"type": "ephemeral"}}],
             "messages": [{"role": "user", "content": input}]})
     };
     for (path, served_by, first, second) in [
