@@ -550,6 +550,26 @@ mod tests {
         (addr, server)
     }
 
+    /// `stream` of an agent API's answer served as `first`, `text` 60 ms later, then `last`
+    /// cut at byte `cut` with 10 ms between its two halves.
+    fn stream_split(
+        path: &str,
+        api: Api,
+        (first, text, last): (&str, &str, &str),
+        cut: usize,
+    ) -> Streamed {
+        let (a, b) = last.split_at(cut);
+        let (addr, server) = serve_stream(vec![
+            (0, first.to_string()),
+            (60, text.to_string()),
+            (0, a.to_string()),
+            (10, b.to_string()),
+        ]);
+        let r = stream(addr, path, b"{}", api, Duration::from_secs(5), false).unwrap();
+        server.join().unwrap();
+        r
+    }
+
     fn sse(kind: &str, data: &str) -> String {
         format!("event: {kind}\ndata: {data}\n\n")
     }
@@ -592,23 +612,8 @@ mod tests {
     fn responses_streams_time_the_first_text_delta_and_end_at_the_final_event() {
         let (first, text, last) = responses_events("response.incomplete");
         // The final event split mid-way across chunks.
-        let (a, b) = last.split_at(last.len() / 2);
-        let (addr, server) = serve_stream(vec![
-            (0, first),
-            (60, text),
-            (0, a.to_string()),
-            (10, b.to_string()),
-        ]);
-        let r = stream(
-            addr,
-            "/v1/responses",
-            b"{}",
-            Api::Responses,
-            Duration::from_secs(5),
-            false,
-        )
-        .unwrap();
-        server.join().unwrap();
+        let parts = (first.as_str(), text.as_str(), last.as_str());
+        let r = stream_split("/v1/responses", Api::Responses, parts, last.len() / 2);
         assert_eq!(r.status, 200);
         assert!(
             r.ttft_s.unwrap() >= 0.05,
@@ -678,23 +683,8 @@ mod tests {
     #[test]
     fn messages_streams_time_the_first_text_delta_and_end_at_message_stop() {
         let (first, text, last) = messages_events();
-        let (a, b) = last.split_at(last.len() - 10);
-        let (addr, server) = serve_stream(vec![
-            (0, first.clone()),
-            (60, text.clone()),
-            (0, a.to_string()),
-            (10, b.to_string()),
-        ]);
-        let r = stream(
-            addr,
-            "/v1/messages",
-            b"{}",
-            Api::Messages,
-            Duration::from_secs(5),
-            false,
-        )
-        .unwrap();
-        server.join().unwrap();
+        let parts = (first.as_str(), text.as_str(), last.as_str());
+        let r = stream_split("/v1/messages", Api::Messages, parts, last.len() - 10);
         assert!(
             r.ttft_s.unwrap() >= 0.05,
             "TTFT at the first text delta, not message_start: {:?}",
