@@ -163,6 +163,20 @@ fn replay_through_kvlb_measures_ttft_and_the_replicas_hit_rate() {
         "{computed} of {prompt}"
     );
     assert!(num(&s, "max_mean_load") >= 1.0);
+    let min = num(&s, "min_mean_load");
+    assert!((0.0..=1.0).contains(&min), "{min}");
+    // The replicas' queue gauges were read all along: moments of the fleet, each replica's
+    // idle-while-another-queued count among them.
+    let occ = &s["occupancy"];
+    let moments = num(occ, "samples");
+    assert!(moments >= 3.0, "{occ}");
+    let per = occ["idle_while_other_queued"]
+        .as_array()
+        .expect("per replica");
+    assert_eq!(per.len(), 2, "{occ}");
+    assert!(per.iter().all(|n| n.as_f64().unwrap() <= moments), "{occ}");
+    let share = num(&s, "idle_while_queued");
+    assert!((0.0..=1.0).contains(&share), "{share}");
 
     // The report reads the summary back, compares and draws it.
     let svg = dir.file("plot.svg");

@@ -6,7 +6,7 @@
 #![forbid(unsafe_code)]
 
 use super::client;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 /// What one replica's engine counted: requests, prompt tokens, prefix-cache lookups and hits
@@ -75,6 +75,84 @@ impl EngineCounters {
     }
 }
 
+/// A replica's queue as its `/metrics` gauges tell it: requests running and waiting
+/// (`vllm:num_requests_running`, `vllm:num_requests_waiting`, summed over label sets).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct QueueGauges {
+    pub running: f64,
+    pub waiting: f64,
+}
+
+impl QueueGauges {
+    pub fn parse(text: &str) -> QueueGauges {
+        let mut g = QueueGauges::default();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+            let v = line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| v.is_finite())
+                .unwrap_or(0.0);
+            match &line[..name_end] {
+                "vllm:num_requests_running" => g.running += v,
+                "vllm:num_requests_waiting" => g.waiting += v,
+                _ => {}
+            }
+        }
+        g
+    }
+
+    /// Neither running nor waiting anything.
+    pub fn idle(&self) -> bool {
+        self.running < 0.5 && self.waiting < 0.5
+    }
+}
+
+/// How often, over a replay, a replica sat idle while another had a queue: the fleet's queue
+/// gauges sampled at a fixed interval, each sample a moment of the fleet.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Occupancy {
+    /// Moments sampled (every replica answered).
+    pub samples: u64,
+    /// Moments with a replica idle while another had requests waiting.
+    pub idle_while_queued: u64,
+    /// Per replica (in `--replica` order): moments it was idle while another had requests
+    /// waiting.
+    pub idle_while_other_queued: Vec<u64>,
+}
+
+impl Occupancy {
+    pub fn new(replicas: usize) -> Occupancy {
+        Occupancy {
+            idle_while_other_queued: vec![0; replicas],
+            ..Occupancy::default()
+        }
+    }
+
+    /// One moment of the fleet: each replica's gauges.
+    pub fn add(&mut self, fleet: &[QueueGauges]) {
+        self.samples += 1;
+        let queued = fleet.iter().filter(|g| g.waiting >= 0.5).count();
+        let mut any = false;
+        for (i, g) in fleet.iter().enumerate() {
+            // An idle replica waits for nothing, so any queue is another's.
+            if g.idle() && queued > 0 {
+                any = true;
+                if let Some(n) = self.idle_while_other_queued.get_mut(i) {
+                    *n += 1;
+                }
+            }
+        }
+        self.idle_while_queued += any as u64;
+    }
+
+    /// The share of moments with a replica idle while another queued (None: no moment).
+    pub fn share(&self) -> Option<f64> {
+        (self.samples > 0).then(|| self.idle_while_queued as f64 / self.samples as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,5 +177,41 @@ mod tests {
             EngineCounters::parse("garbage\n{ 1"),
             EngineCounters::default()
         );
+    }
+
+    #[test]
+    fn a_replica_idle_while_another_queues_is_counted() {
+        let g = QueueGauges::parse(
+            "vllm:num_requests_running{engine=\"0\"} 2\n\
+             vllm:num_requests_running{engine=\"1\"} 1\n\
+             vllm:num_requests_waiting{engine=\"0\"} 3\n\
+             vllm:num_requests_waiting_extra 9\n",
+        );
+        assert_eq!(
+            g,
+            QueueGauges {
+                running: 3.0,
+                waiting: 3.0
+            }
+        );
+        let idle = QueueGauges::default();
+        let busy = QueueGauges {
+            running: 4.0,
+            waiting: 0.0,
+        };
+        let queued = QueueGauges {
+            running: 4.0,
+            waiting: 2.0,
+        };
+        let mut o = Occupancy::new(3);
+        o.add(&[idle, busy, busy]); // busy, nobody waits: fine
+        o.add(&[idle, queued, busy]); // idle while replica 1 queues
+        o.add(&[busy, queued, queued]); // queues everywhere, nobody idle: fine
+        o.add(&[idle, idle, queued]);
+        assert_eq!(o.samples, 4);
+        assert_eq!(o.idle_while_queued, 2);
+        assert_eq!(o.idle_while_other_queued, vec![2, 1, 0]);
+        assert_eq!(o.share(), Some(0.5));
+        assert_eq!(Occupancy::new(2).share(), None);
     }
 }

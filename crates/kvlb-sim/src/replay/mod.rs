@@ -23,7 +23,7 @@ pub mod counters;
 pub mod summary;
 
 use crate::sim::trace::{self, TraceRequest};
-use counters::EngineCounters;
+use counters::{EngineCounters, Occupancy, QueueGauges};
 use std::net::SocketAddr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -307,6 +307,7 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
     }
     let timeout = Duration::from_secs_f64(o.timeout_s);
     let (tx, rx) = mpsc::channel::<RequestRecord>();
+    let sampler = OccupancySampler::start(&replicas);
     let started = Instant::now();
     let mut last_progress = started;
     let mut records = Vec::with_capacity(total);
@@ -359,6 +360,7 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
         }
     }
     let wall_s = started.elapsed().as_secs_f64();
+    let occupancy = sampler.finish();
     let after = fetch_all(&replicas)?;
     let per_replica: Vec<(String, EngineCounters)> = replicas
         .iter()
@@ -379,7 +381,61 @@ pub fn run(o: &Options) -> Result<ReplaySummary, String> {
         &requests,
         &records,
         &per_replica,
+        occupancy,
     ))
+}
+
+/// The replicas' queue gauges, read every [`OCCUPANCY_EVERY`] while a replay runs.
+const OCCUPANCY_EVERY: Duration = Duration::from_millis(100);
+
+/// A thread reading every `--replica`'s queue gauges at a fixed interval, so the summary can
+/// tell how often a replica sat idle while another had a queue.
+struct OccupancySampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Occupancy>>,
+}
+
+impl OccupancySampler {
+    fn start(replicas: &[(String, SocketAddr)]) -> OccupancySampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let addrs: Vec<SocketAddr> = replicas.iter().map(|(_, a)| *a).collect();
+        let flag = stop.clone();
+        let thread = (!addrs.is_empty())
+            .then(|| {
+                std::thread::Builder::new()
+                    .name("replay-occupancy".into())
+                    .spawn(move || {
+                        let mut o = Occupancy::new(addrs.len());
+                        let mut fleet = Vec::with_capacity(addrs.len());
+                        let mut next = Instant::now();
+                        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                            fleet.clear();
+                            for a in &addrs {
+                                match client::http(*a, "GET", "/metrics", b"") {
+                                    Ok((200, body)) => fleet
+                                        .push(QueueGauges::parse(&String::from_utf8_lossy(&body))),
+                                    _ => break,
+                                }
+                            }
+                            // A moment counts only when every replica answered.
+                            if fleet.len() == addrs.len() {
+                                o.add(&fleet);
+                            }
+                            next += OCCUPANCY_EVERY;
+                            std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                        }
+                        o
+                    })
+                    .ok()
+            })
+            .flatten();
+        OccupancySampler { stop, thread }
+    }
+
+    fn finish(mut self) -> Option<Occupancy> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().and_then(|t| t.join().ok())
+    }
 }
 
 /// CPU seconds (user + system) this process used so far.

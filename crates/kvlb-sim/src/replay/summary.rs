@@ -163,6 +163,17 @@ pub struct ReplaySummary {
     pub max_mean_load: Option<f64>,
     /// Busiest replica's request count over the mean.
     pub max_mean_requests: Option<f64>,
+    /// Idlest replica's computed prompt tokens over the mean (0 = a replica did none).
+    #[serde(default)]
+    pub min_mean_load: Option<f64>,
+    /// The share of the run's moments (the replicas' queue gauges read every 100 ms) with a
+    /// replica idle while another had requests waiting.
+    #[serde(default)]
+    pub idle_while_queued: Option<f64>,
+    /// The sampled moments behind `idle_while_queued`, and per replica how many of them it
+    /// sat idle while another queued.
+    #[serde(default)]
+    pub occupancy: Option<crate::replay::counters::Occupancy>,
     pub replicas: Vec<ReplicaShare>,
     /// Per model named, by name (summaries written before it read back as none).
     #[serde(default)]
@@ -179,6 +190,12 @@ fn max_over_mean(v: &[f64]) -> Option<f64> {
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
     let max = v.iter().copied().fold(0.0, f64::max);
     (mean > 0.0).then(|| max / mean)
+}
+
+fn min_over_mean(v: &[f64]) -> Option<f64> {
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+    (mean > 0.0).then(|| min / mean)
 }
 
 /// The figures of `records` (one model's or all), times scaled by `scale`.
@@ -233,6 +250,7 @@ pub fn summarize(
     requests: &[TraceRequest],
     records: &[RequestRecord],
     replicas: &[(String, EngineCounters)],
+    occupancy: Option<crate::replay::counters::Occupancy>,
 ) -> ReplaySummary {
     let scale = info.time_scale;
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
@@ -297,6 +315,9 @@ pub fn summarize(
         prefill_tokens: have.then(|| computed.iter().sum()),
         max_mean_load: if have { max_over_mean(&computed) } else { None },
         max_mean_requests: if have { max_over_mean(&reqs) } else { None },
+        min_mean_load: if have { min_over_mean(&computed) } else { None },
+        idle_while_queued: occupancy.as_ref().and_then(|o| o.share()),
+        occupancy,
         replicas: shares,
         models: per_model(requests, records, scale),
         ttfts_s: ttfts,
@@ -326,7 +347,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
         .max(8);
     let _ = writeln!(
         s,
-        "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8}  requests per replica",
+        "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8} {:>8} {:>6}  {:>7}  requests per replica",
         "balancer",
         "requests",
         "errors",
@@ -335,7 +356,10 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
         "ttft_p99",
         "e2e_p99",
         "hit_rate",
-        "max/mean"
+        "max/mean",
+        "min/mean",
+        "idle_q",
+        "late_ms"
     );
     for x in summaries {
         let per: Vec<String> = x
@@ -345,7 +369,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8}  {:>8.1}  {}",
+            "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8} {:>8} {:>6}  {:>7.1}  {}",
             x.label,
             x.requests,
             x.errors,
@@ -355,6 +379,8 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
             secs(x.e2e_p99_s),
             pct(x.hit_rate),
             ratio(x.max_mean_load),
+            ratio(x.min_mean_load),
+            pct(x.idle_while_queued),
             x.send_late_p99_wall_s * 1000.0,
             if per.is_empty() {
                 "-".into()
@@ -720,6 +746,11 @@ mod tests {
                 ("a".into(), c(2.0, 100.0, hits)),
                 ("b".into(), c(0.0, 0.0, 0.0)),
             ],
+            Some(crate::replay::counters::Occupancy {
+                samples: 4,
+                idle_while_queued: 1,
+                idle_while_other_queued: vec![0, 1],
+            }),
         )
     }
 
@@ -732,7 +763,14 @@ mod tests {
         assert_eq!(s.hit_rate, Some(0.4));
         assert_eq!(s.prefill_tokens, Some(60.0));
         assert_eq!(s.max_mean_load, Some(2.0));
+        assert_eq!(s.min_mean_load, Some(0.0));
+        assert_eq!(s.idle_while_queued, Some(0.25));
         assert!(s.error_samples[0].contains("refused"));
+        let t = table(std::slice::from_ref(&s));
+        let head = t.lines().next().unwrap();
+        assert!(head.contains("max/mean min/mean idle_q  late_ms"), "{t}");
+        let row = t.lines().nth(1).unwrap();
+        assert!(row.contains("    2.00     0.00  25.0%"), "{t}");
         let back: ReplaySummary =
             serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
         assert_eq!(back, s);
@@ -803,6 +841,7 @@ mod tests {
             &reqs,
             &records,
             &[],
+            None,
         );
         let names: Vec<&str> = s.models.iter().map(|m| m.model.as_str()).collect();
         assert_eq!(names, ["base", "lora"]);
