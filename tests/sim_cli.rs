@@ -185,6 +185,73 @@ fn simulate_policy_subset_table_and_plot() {
     );
 }
 
+/// `--decisions`: a line per request and policy, what cache_aware estimated beside what
+/// happened, so a tail can be read request by request.
+#[test]
+fn simulate_writes_each_decision_against_what_happened() {
+    let dir = std::env::temp_dir().join(format!("kvlb-sim-decisions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("decisions.jsonl");
+    let out = kvlb(&[
+        "--trace",
+        "gen:agent-sessions",
+        "--limit",
+        "200",
+        "--speeds",
+        "1,0.333",
+        "--replicas",
+        "2",
+        "--policies",
+        "round_robin,cache_aware",
+        "--decisions",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&path).expect("decisions written");
+    let _ = std::fs::remove_dir_all(&dir);
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 400, "200 requests, two policies");
+    let (rr, ca): (Vec<&Value>, Vec<&Value>) =
+        lines.iter().partition(|l| l["policy"] == "round_robin");
+    assert_eq!((rr.len(), ca.len()), (200, 200));
+    // Round-robin makes no estimate; cache_aware says what it expected of each request.
+    assert!(rr.iter().all(|l| l.get("estimate_s").is_none()));
+    for l in &ca {
+        let (est, ttft) = (num(l, "estimate_s"), num(l, "ttft_s"));
+        assert!(est > 0.0 && ttft > 0.0, "{l}");
+        assert!(num(l, "wait_s") >= 0.0 && num(l, "prefill_s") > 0.0, "{l}");
+        assert!(
+            ["cache", "load"].contains(&l["reason"].as_str().unwrap()),
+            "{l}"
+        );
+        assert!(num(l, "cached_tokens") <= num(l, "prompt_tokens"), "{l}");
+        assert!(num(l, "idle_replicas") <= 2.0, "{l}");
+    }
+    // The first request found an idle fleet; the slow replica is learned as slow.
+    assert_eq!(num(ca[0], "idle_replicas"), 2.0);
+    let slow: Vec<f64> = ca
+        .iter()
+        .filter(|l| l["replica"] == 1)
+        .map(|l| num(l, "pace_prefill"))
+        .collect();
+    assert!(slow.last().is_some_and(|p| *p > 1.5), "{slow:?}");
+    // Estimates track what happened: the median error is within a factor of two.
+    let mut err: Vec<f64> = ca
+        .iter()
+        .map(|l| num(l, "ttft_s") / num(l, "estimate_s"))
+        .collect();
+    err.sort_by(f64::total_cmp);
+    let median = err[err.len() / 2];
+    assert!((0.5..2.0).contains(&median), "{median}");
+}
+
 #[test]
 fn simulate_azure_trace_shares_nothing() {
     let t = trace("azure_llm_2023_code.csv");

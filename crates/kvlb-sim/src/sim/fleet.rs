@@ -45,8 +45,8 @@ use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
 use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use crate::select::{
-    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, LeastLoaded, Policy, PowerOfTwo,
-    Random, RequestView, Rng, RoundRobin, SglangCacheAware,
+    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, Decision, LeastLoaded, Policy,
+    PowerOfTwo, Random, RequestView, Rng, RoundRobin, SglangCacheAware,
 };
 use std::collections::HashMap;
 use std::time::Duration;
@@ -415,6 +415,23 @@ pub struct RequestRecord {
     /// The engine refused it (prompt over the context limit, empty prompt), or no replica
     /// serves its model (`replica` is then 0).
     pub rejected: bool,
+    /// What a cache_aware policy saw and estimated when it chose the replica.
+    pub decision: Option<Decision>,
+    /// The fleet when it arrived, as the engines saw it: per replica, requests running and
+    /// waiting (the chosen replica's and the others').
+    pub at_arrival: ArrivalState,
+}
+
+/// The engines' queues when a request arrived, before it was submitted.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ArrivalState {
+    /// The chosen replica's requests running and waiting.
+    pub running: u32,
+    pub waiting: u32,
+    /// Replicas with nothing running or waiting.
+    pub idle_replicas: u32,
+    /// The fewest requests waiting on any replica.
+    pub min_waiting: u32,
 }
 
 /// One policy's run over one trace.
@@ -705,7 +722,22 @@ pub fn simulate_serving(
                 }
                 let pick = policy.select(&view, &candidates, rng.next_u64());
                 let r = candidates[pick.min(candidates.len() - 1)].replica;
-                let decision = policy.policy.decision().filter(|_| policy.calibrate);
+                let mut at = ArrivalState {
+                    min_waiting: u32::MAX,
+                    ..ArrivalState::default()
+                };
+                for (i, e) in engines.iter().enumerate() {
+                    let s = e.stats();
+                    if i == r {
+                        (at.running, at.waiting) = (s.num_requests_running, s.num_requests_waiting);
+                    }
+                    at.idle_replicas +=
+                        (s.num_requests_running + s.num_requests_waiting == 0) as u32;
+                    at.min_waiting = at.min_waiting.min(s.num_requests_waiting);
+                }
+                records[k].at_arrival = at;
+                records[k].decision = policy.policy.decision();
+                let decision = records[k].decision.filter(|_| policy.calibrate);
                 decode_step[k] = decision.map_or(0.0, |d| d.decode_step_s as f32);
                 expected[k] = decision.map(|d| TtftSample {
                     replica: r as u32,

@@ -106,6 +106,11 @@ pub struct Options {
     /// Write the TTFT CDF and per-replica prefill work as an SVG
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<String>,
+    /// Write one JSON line per request and policy: what the policy saw and estimated when it
+    /// chose (cache_aware: estimate, wait, runner-up, match, spill, pace) against what happened
+    /// (time to first token, tokens the engine found cached, the engines' queues at arrival)
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub decisions: Option<String>,
     /// What cache_aware learns residency from
     #[arg(long, value_name = "SOURCE", default_value = "routing", value_parser = residency())]
     pub residency: fleet::ResidencySource,
@@ -355,9 +360,20 @@ pub fn run(o: &Options) -> Result<Runs, String> {
     let mut ttfts = Vec::new();
     let mut host_hit_rates = Vec::new();
     let mut models = Vec::new();
+    let mut decisions = match &o.decisions {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .map_err(|e| format!("--decisions {path:?}: cannot write: {e}"))?,
+        )),
+        None => None,
+    };
     for name in &o.policies {
         let started = Instant::now();
         let run = simulate_policy(o, &setup, name)?;
+        if let (Some(out), Some(path)) = (&mut decisions, &o.decisions) {
+            write_decisions(out, &run)
+                .map_err(|e| format!("--decisions {path:?}: cannot write: {e}"))?;
+        }
         eprintln!(
             "kvlb simulate: {name}: {} requests in {:.2} s wall",
             run.records.len(),
@@ -378,6 +394,48 @@ pub fn run(o: &Options) -> Result<Runs, String> {
         host_hit_rates,
         models,
     })
+}
+
+/// `--decisions`: one JSON line per request of `run`.
+fn write_decisions(out: &mut impl std::io::Write, run: &fleet::Run) -> std::io::Result<()> {
+    let num = |v: f64| v.is_finite().then_some(v);
+    for (i, r) in run.records.iter().enumerate() {
+        let mut line = serde_json::json!({
+            "policy": run.policy,
+            "index": i,
+            "arrival_s": r.arrival_s,
+            "replica": r.replica,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "estimated_cached_tokens": r.estimated_cached_tokens,
+            "ttft_s": num(r.ttft_s),
+            "e2e_s": num(r.e2e_s),
+            "rejected": r.rejected,
+            "running": r.at_arrival.running,
+            "waiting": r.at_arrival.waiting,
+            "idle_replicas": r.at_arrival.idle_replicas,
+            "min_waiting": r.at_arrival.min_waiting,
+        });
+        if let Some(d) = r.decision {
+            let extra = serde_json::json!({
+                "reason": d.reason.as_str(),
+                "matched_tokens": d.matched_tokens,
+                "estimate_s": num(d.ttft_s),
+                "wait_s": num(d.wait.waited_at(d.pace) + d.fixed_s),
+                "prefill_s": num(d.prefill.at(d.pace)),
+                "runner_up_s": num(d.runner_up_ttft_s),
+                "spilled": d.spilled,
+                "pace_prefill": d.pace.prefill,
+                "pace_queue": d.pace.queue,
+            });
+            if let (Some(o), serde_json::Value::Object(e)) = (line.as_object_mut(), extra) {
+                o.extend(e);
+            }
+        }
+        serde_json::to_writer(&mut *out, &line)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()
 }
 
 pub fn main(args: Vec<String>) -> i32 {
