@@ -12,11 +12,15 @@
 #
 # Balancers (BALANCERS, in this order by default):
 #   kvlb                     kvlb serve --policy cache_aware, subscribed to the replicas' KV events
+#   kvlb-matched             the same, also given KVLB_MATCHED_ARGS (not by default: for timing
+#                            constants that match the fleet, e.g. "--prefill-s-per-token 0.00009
+#                            --decode-step-s 0.024" for SPEEDS=0.333)
 #   kvlb-round_robin         kvlb serve --policy round_robin (the reference)
 #   sglang-router            sglang-router (PyPI sglang-router), --policy cache_aware
 #   vllm-router-cache_aware  vllm-router (PyPI vllm-router), --policy cache_aware
 #   vllm-router-kv_aware     vllm-router --policy kv_aware --kv-event-source per replica
 #   nginx                    nginx, round-robin upstream, proxy_buffering off
+#   nginx-least_conn         the same with least_conn (fewest open connections)
 #
 # Time: the replicas run TIME_SCALE times faster than a real GPU; the trace's arrivals are
 # compressed by LOAD in engine time, so by LOAD * TIME_SCALE in wall time. Reported times are
@@ -36,15 +40,27 @@
 # keys out (as vLLM 0.33 writes them: KV_EVENTS_FORMAT=map) and positional arrays
 # (KV_EVENTS_FORMAT=array); kvlb reads all three.
 #
+# Mixed fleets: SPEEDS gives each replica a speed (`kvlb replica --speed`: one factor for all or
+# one per replica, X or PxD, e.g. 1,1,0.333,0.333 for two replicas at a third of the prefill and
+# decode speed), TIMING_SPREAD jitters every engine step (`--timing-spread`). Every balancer is
+# told nothing of either: kvlb prices the replicas with its default timing and learns the rest.
+#
+# Balance: the replayer reads each replica's queue gauges every 100 ms; `idle_q` is the share of
+# those moments with a replica idle while another had requests waiting, `min/mean` the idlest
+# replica's computed prompt tokens over the mean.
+#
 # Environment: TRACE (traces/mooncake_conversation_trace.jsonl; a relative path is taken from
-# the checkout's root), START (0), DURATION (75), LOAD (1), TIME_SCALE (5), REPLICAS (4),
+# the checkout's root; gen:agent-sessions for the generated agent sessions), START (0),
+# DURATION (75), LOAD (1), TIME_SCALE (5), REPLICAS (4), SPEEDS (1), TIMING_SPREAD (0),
 # MAX_OUTPUT (cap output tokens; default the trace's),
 # BALANCERS (all six), ROUNDS (1), WARMUP (15: wall seconds of warm-up traffic through the fresh
 # fleet before any measurement, from trace second WARMUP_START, 3000), PIN (1), FLEET_CORE (1), BALANCER_CORE (0), KVLB_BIN (a kvlb binary to
 # use instead of building target/release/kvlb), RESULTS_NAME (e2e-peers), KVLB_ARGS (more
 # `kvlb serve` flags for both kvlb balancers, e.g. "--config cost.toml"), KVLB_REPLICA_OPTS
 # (appended to each of their --replica specs, e.g. ",metrics=off"), KVLB_EVENTS (1; 0: the
-# kvlb balancers do not subscribe to the KV events and learn residency from routing alone).
+# kvlb balancers do not subscribe to the KV events and learn residency from routing alone),
+# KVLB_MATCHED_ARGS (kvlb-matched's own flags), ACCESS_LOGS (a directory: the kvlb balancers
+# write their access logs there, one file per balancer and round, for a tail analysis).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -63,6 +79,10 @@ TIME_SCALE=${TIME_SCALE:-5}
 REPLICAS=${REPLICAS:-4}
 MAX_OUTPUT=${MAX_OUTPUT:-}
 BALANCERS=${BALANCERS:-kvlb kvlb-round_robin sglang-router vllm-router-cache_aware vllm-router-kv_aware nginx}
+SPEEDS=${SPEEDS:-1}
+TIMING_SPREAD=${TIMING_SPREAD:-0}
+KVLB_MATCHED_ARGS=${KVLB_MATCHED_ARGS:-}
+ACCESS_LOGS=${ACCESS_LOGS:-}
 ROUNDS=${ROUNDS:-1}
 WARMUP=${WARMUP:-15}
 WARMUP=${WARMUP%s}
@@ -79,9 +99,9 @@ VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
 num_re='^[0-9]+([.][0-9]+)?$'
-for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$WARMUP_START"; do
+for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$WARMUP_START" "$TIMING_SPREAD"; do
     if ! [[ $v =~ $num_re ]]; then
-        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, WARMUP_START must be numbers (got '$v')" >&2
+        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, WARMUP_START, TIMING_SPREAD must be numbers (got '$v')" >&2
         exit 2
     fi
 done
@@ -101,15 +121,25 @@ if [ "$(echo "$BALANCERS" | tr ' ' '\n' | grep -c .)" -ne "$(echo "$BALANCERS" |
 fi
 for b in $BALANCERS; do
     case $b in
-    kvlb | kvlb-round_robin | sglang-router | vllm-router-cache_aware | vllm-router-kv_aware | nginx) ;;
+    kvlb | kvlb-round_robin | sglang-router | vllm-router-cache_aware | vllm-router-kv_aware | nginx | nginx-least_conn) ;;
+    kvlb-matched)
+        if [ -z "$KVLB_MATCHED_ARGS" ]; then
+            echo "error: kvlb-matched needs KVLB_MATCHED_ARGS (its timing flags)" >&2
+            exit 2
+        fi
+        ;;
     *)
-        echo "error: unknown balancer '$b' in BALANCERS (known: kvlb kvlb-round_robin" \
-            "sglang-router vllm-router-cache_aware vllm-router-kv_aware nginx)" >&2
+        echo "error: unknown balancer '$b' in BALANCERS (known: kvlb kvlb-matched kvlb-round_robin" \
+            "sglang-router vllm-router-cache_aware vllm-router-kv_aware nginx nginx-least_conn)" >&2
         exit 2
         ;;
     esac
 done
-if [ ! -r "$TRACE" ]; then
+if [ -n "$ACCESS_LOGS" ]; then
+    mkdir -p "$ACCESS_LOGS"
+    ACCESS_LOGS=$(cd "$ACCESS_LOGS" && pwd)
+fi
+if [[ $TRACE != gen:* ]] && [ ! -r "$TRACE" ]; then
     echo "error: TRACE=$TRACE is not readable (see traces/README.md)" >&2
     exit 2
 fi
@@ -157,7 +187,7 @@ free_port() { python3 "$LIB/procstat.py" ports 1; }
 # --- the fleet ---------------------------------------------------------------------------
 on_core "$FLEET_CORE" "$KVLB" replica --listen 127.0.0.1:0 --count "$REPLICAS" \
     --time-scale "$TIME_SCALE" --model sim --kv-events tcp://127.0.0.1:0 \
-    --kv-events-format "$KV_EVENTS_FORMAT" \
+    --kv-events-format "$KV_EVENTS_FORMAT" --speed "$SPEEDS" --timing-spread "$TIMING_SPREAD" \
     2>"$TMP/fleet.log" &
 FLEET_PID=$!
 for _ in $(seq 150); do
@@ -172,7 +202,7 @@ if ! grep -q '^kvlb replica: ready' "$TMP/fleet.log"; then
 fi
 REPLICA_URLS=()
 REPLICA_EVENTS=()
-while read -r _ _ _ _ _ addr events; do
+while read -r _ _ _ _ _ addr events _; do
     REPLICA_URLS+=("http://$addr")
     REPLICA_EVENTS+=("${events#kv_events=}")
 done < <(grep '^kvlb replica: replica ' "$TMP/fleet.log")
@@ -187,6 +217,9 @@ SLICE=$(python3 -c "print($DURATION * $LOAD * $TIME_SCALE)")
 say "# kvlb end to end against the peers ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, $(uname -r))"
 say "trace: $(basename "$TRACE"), trace seconds $START..$(python3 -c "print($START + $SLICE)"), load x$LOAD (engine time)"
 say "fleet: $REPLICAS x kvlb replica (8B model on H100 timing, 400k KV tokens each), time scale $TIME_SCALE, KV events on"
+[ "$SPEEDS" = 1 ] || say "speeds: $SPEEDS (kvlb replica --speed; the balancers are not told)"
+[ "$TIMING_SPREAD" = 0 ] || say "timing spread: $TIMING_SPREAD (each engine step's time jittered)"
+[ -n "$KVLB_MATCHED_ARGS" ] && say "kvlb-matched: kvlb given '$KVLB_MATCHED_ARGS'"
 say "rounds: $ROUNDS (order reversed every other round; with more than one, the table shows each balancer's run with the lowest p99 TTFT)"
 [ -n "$KVLB_ARGS$KVLB_REPLICA_OPTS" ] && say "kvlb extra: flags '$KVLB_ARGS', replica options '$KVLB_REPLICA_OPTS'"
 [ "$KVLB_EVENTS" = 1 ] || say "kvlb: not subscribed to the KV events (KVLB_EVENTS=0): residency learned from routing alone"
@@ -205,9 +238,12 @@ say ""
 start_balancer() {
     local name=$1 port=$2 mport=$3 args=() i
     case $name in
-    kvlb | kvlb-round_robin)
-        local policy=cache_aware
+    kvlb | kvlb-matched | kvlb-round_robin)
+        local policy=cache_aware extra=()
         [ "$name" = kvlb-round_robin ] && policy=round_robin
+        # shellcheck disable=SC2206 # KVLB_MATCHED_ARGS is a list of flags
+        [ "$name" = kvlb-matched ] && extra=($KVLB_MATCHED_ARGS)
+        [ -n "$ACCESS_LOGS" ] && extra+=(--access-log "$ACCESS_LOGS/$name.r$round.jsonl")
         for i in "${!REPLICA_URLS[@]}"; do
             if [ "$KVLB_EVENTS" = 1 ]; then
                 args+=(--replica "${REPLICA_URLS[$i]},kv_events=${REPLICA_EVENTS[$i]}$KVLB_REPLICA_OPTS")
@@ -218,7 +254,7 @@ start_balancer() {
         # shellcheck disable=SC2086 # KVLB_ARGS is a list of flags
         on_core "$BALANCER_CORE" "$KVLB" serve --listen "127.0.0.1:$port" \
             --admin "127.0.0.1:$mport" --workers 1 --cores "$BALANCER_CORE" \
-            --policy "$policy" "${args[@]}" $KVLB_ARGS >"$TMP/$name.log" 2>&1 &
+            --policy "$policy" "${args[@]}" $KVLB_ARGS "${extra[@]}" >"$TMP/$name.log" 2>&1 &
         ;;
     sglang-router)
         on_core "$BALANCER_CORE" "$VENV/bin/python" -m sglang_router.launch_router \
@@ -242,7 +278,7 @@ start_balancer() {
             --prometheus-host 127.0.0.1 --prometheus-port "$mport" \
             --log-level warning >"$TMP/$name.log" 2>&1 &
         ;;
-    nginx)
+    nginx | nginx-least_conn)
         {
             echo "worker_processes 1; daemon off; pid $TMP/nginx.pid;"
             echo "error_log $TMP/nginx-error.log warn;"
@@ -253,6 +289,7 @@ start_balancer() {
             echo "  client_body_temp_path $TMP/nginx-body; proxy_temp_path $TMP/nginx-proxy;"
             echo "  fastcgi_temp_path $TMP/nginx-fcgi; uwsgi_temp_path $TMP/nginx-uwsgi; scgi_temp_path $TMP/nginx-scgi;"
             echo "  upstream replicas {"
+            [ "$name" = nginx-least_conn ] && echo "    least_conn;"
             for u in "${REPLICA_URLS[@]}"; do echo "    server ${u#http://};"; done
             echo "    keepalive 256;"
             echo "  }"
@@ -409,6 +446,7 @@ if [ "$START" = 0 ] && [ "${#SUMMARIES[@]}" -gt 0 ]; then
     say ""
     say "kvlb simulate on the same $n requests (no live noise; engine seconds):"
     "$KVLB" simulate --trace "$TRACE" --replicas "$REPLICAS" --speedup "$LOAD" --limit "$n" \
+        --speeds "$SPEEDS" --timing-spread "$TIMING_SPREAD" \
         --policies round_robin,sglang_cache_aware,cache_aware 2>/dev/null | tail -n +2 | head -n 4 |
         tee -a "$RESULTS_TXT"
 fi
