@@ -3,7 +3,8 @@
 //! requests over HTTP. kvlb was told nothing of the speeds (nor of `--time-scale`): it must
 //! learn each replica's pace from the streams' times to first token, show it in /replicas
 //! and /metrics, and price the replicas by it; with `--calibrate=false` it still measures but
-//! prices at the configured figures.
+//! prices at the configured figures. The replicas' own /metrics are a source too: prefills
+//! of requests sent to them directly, not through kvlb, set their paces.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -12,7 +13,9 @@ use kvlb::replay::{client, Api};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::time::Duration;
-use support::fleet::{replicas_json, serve_subscribed, ReplicaFleet};
+use support::fleet::{
+    completion_body, post, replicas_json, serve_subscribed, token_prompt, ReplicaFleet,
+};
 use support::Kvlb;
 
 /// A streamed chat request with a prompt of about `words` words no other request shares,
@@ -158,4 +161,61 @@ fn with_calibration_off_the_paces_are_measured_but_not_priced() {
     // Idle, the two replicas are priced alike (the configured figures): both get requests.
     let idle = send(kvlb.listen, &reps, 16, 1, 1000);
     assert!(idle.iter().all(|&n| n > 0), "{idle:?}");
+}
+
+#[test]
+fn the_replicas_own_metrics_measure_traffic_kvlb_never_saw() {
+    // Three times slower prefill on the second replica. kvlb polls the replicas' /metrics
+    // every 200 ms; every request goes to the replicas directly, so nothing kvlb timed itself
+    // comes in. The replicas report wall seconds, as GPUs four times faster would.
+    let reps = ReplicaFleet::start(2, &["--speed", "1,0.333", "--time-scale", "4"]);
+    let kvlb = serve_subscribed(&reps, "", &["--metrics-interval", "200ms"]);
+    // One request at a time per replica (prefills that share no steps), each a fresh prompt
+    // of 6000 tokens: 0.2 engine seconds of prefill at speed 1, 0.6 at 0.333.
+    std::thread::scope(|s| {
+        for (r, addr) in reps.http.iter().enumerate() {
+            s.spawn(move || {
+                for k in 0..24 {
+                    let body = completion_body(&token_prompt(6000, 100 * r as u32 + k));
+                    let a = post(*addr, "/v1/completions", &body);
+                    assert_eq!(a.status, 200, "{}", a.describe());
+                }
+            });
+        }
+    });
+    // The last requests' reports come with the next scrapes: wait for the slow replica to be
+    // priced well above the fast one (it never is without the replicas' reports).
+    let apart =
+        |c: &[Value]| c.iter().all(|c| c["measured"] == true) && pace(&c[1]) / pace(&c[0]) > 2.0;
+    assert!(
+        support::wait_until(Duration::from_secs(10), || apart(&calibration(&kvlb))),
+        "{:?}",
+        calibration(&kvlb)
+    );
+    let c = calibration(&kvlb);
+    for c in &c {
+        // kvlb relayed nothing: its own samples are none, the estimate error unknown.
+        assert_eq!(c["ttft_samples"], 0, "{c:?}");
+        assert_eq!(c["ttft_observed_over_estimated"], Value::Null, "{c:?}");
+        assert!(c["metrics_samples"].as_u64().unwrap() > 0, "{c:?}");
+        assert_eq!(c["metrics_skipped"]["reset"], 0, "{c:?}");
+    }
+    let (fast, slow) = (pace(&c[0]), pace(&c[1]));
+    // Against the same model the simulated engine runs, four times faster: about 0.25 and
+    // 0.75, each shrunk a little towards the fleet's pace by its prior.
+    assert!(fast > 0.12 && fast < 0.4, "{c:?}");
+    assert!(slow / fast < 4.5, "{c:?}");
+    let metrics = kvlb.admin_get("/metrics").body_text();
+    let line = format!(
+        "kvlb_replica_calibration_samples_total{{replica=\"http://{}\",kind=\"metrics\"}} ",
+        reps.http[1]
+    );
+    let n: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .unwrap_or_else(|| panic!("no {line} in\n{metrics}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(n > 0, "{n}");
 }

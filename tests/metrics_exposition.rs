@@ -98,6 +98,7 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_replica_queue_pace", "gauge"),
     ("kvlb_replica_ttft_observed_over_estimated", "gauge"),
     ("kvlb_replica_calibration_samples_total", "counter"),
+    ("kvlb_replica_calibration_metrics_skipped_total", "counter"),
     ("kvlb_replica_calibration_outliers_total", "counter"),
     ("kvlb_calibration_samples_dropped_total", "counter"),
     ("kvlb_lora_adapters_known", "gauge"),

@@ -1,6 +1,7 @@
 //! A mixed fleet in one `kvlb replica` process: `--speed 1,0.25` makes the second replica
-//! prefill four times slower, as seen over HTTP; the startup lines name the speed, and a
-//! speed list that fits neither one nor every replica is a command-line error (exit 2).
+//! prefill four times slower, as seen over HTTP and in the prefill seconds its /metrics
+//! reports; the startup lines name the speed, and a speed list that fits neither one nor every
+//! replica is a command-line error (exit 2).
 
 #[path = "support/mod.rs"]
 mod support;
@@ -41,6 +42,32 @@ fn a_replica_at_a_quarter_speed_answers_a_long_prompt_about_4x_slower() {
         ratio > 2.0 && ratio < 8.0,
         "speed 1: {fast:.3} s, speed 0.25: {slow:.3} s, ratio {ratio:.2} (about 4 expected)"
     );
+    // Its /metrics, in wall seconds (a GPU 100 times faster), engine time underneath: the
+    // same three prefills of 48k computed tokens, four times the seconds.
+    let reported = |r: usize| {
+        let text = support::client::get(reps.http[r], "/metrics").body_text();
+        let value = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+                .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        };
+        let count = value("vllm:request_prefill_time_seconds_count");
+        let computed = value("vllm:request_prefill_kv_computed_tokens_sum");
+        assert_eq!((count, computed), (3.0, 3.0 * tokens as f64), "{text}");
+        // The wait before the first step is the queue's, not the prefill's.
+        assert!(
+            value("vllm:request_queue_time_seconds_count") == 3.0,
+            "{text}"
+        );
+        value("vllm:request_prefill_time_seconds_sum")
+    };
+    let (fast, slow) = (reported(0), reported(1));
+    // At speed 1, each what kvlb's default cost model prices (the engine's own timing), over
+    // the time scale.
+    let model = kvlb::estimate::TtftModel::default().prefill_seconds(0, tokens, 0) / 100.0;
+    assert!((fast / 3.0 / model - 1.0).abs() < 0.01, "{fast} {model}");
+    assert!((slow / fast - 4.0).abs() < 0.01, "{fast} {slow}");
 }
 
 #[test]

@@ -563,19 +563,27 @@ fn get(path: &str, admin: &Admin) -> Reply {
             }
         }
         "/replicas" => {
-            let calibration_json = |p: &crate::estimate::calibrate::ReplicaPace| {
-                let pace = p.load();
-                serde_json::json!({
-                    "prefill_pace": pace.prefill,
-                    "decode_pace": pace.decode,
-                    "queue_pace": pace.queue,
-                    "measured": p.measured(),
-                    "ttft_samples": p.ttft_samples.load(Relaxed),
-                    "decode_samples": p.decode_samples.load(Relaxed),
-                    "outliers": p.outliers.load(Relaxed),
-                    "ttft_observed_over_estimated": p.observed_over_estimated(),
-                })
-            };
+            let calibration_json =
+                |p: &crate::estimate::calibrate::ReplicaPace,
+                 t: &crate::telemetry::ReplicaTelemetry| {
+                    let pace = p.load();
+                    serde_json::json!({
+                        "prefill_pace": pace.prefill,
+                        "decode_pace": pace.decode,
+                        "queue_pace": pace.queue,
+                        "measured": p.measured(),
+                        "ttft_samples": p.ttft_samples.load(Relaxed),
+                        "decode_samples": p.decode_samples.load(Relaxed),
+                        "metrics_samples": p.metrics_samples.load(Relaxed),
+                        "metrics_skipped": {
+                            "reset": t.prefill_skipped_reset.load(Relaxed),
+                            "no_work": t.prefill_skipped_no_work.load(Relaxed),
+                            "own_samples": t.prefill_skipped_own.load(Relaxed),
+                        },
+                        "outliers": p.outliers.load(Relaxed),
+                        "ttft_observed_over_estimated": p.observed_over_estimated(),
+                    })
+                };
             let now = shared.now_ms();
             let models = shared.models.load();
             let list: Vec<serde_json::Value> = shared
@@ -614,7 +622,7 @@ fn get(path: &str, admin: &Admin) -> Reply {
                             .then(|| models.names_of(i))
                             .flatten(),
                         "telemetry": shared.telemetry[i].to_json(now),
-                        "calibration": calibration_json(&shared.pace[i]),
+                        "calibration": calibration_json(&shared.pace[i], &shared.telemetry[i]),
                     })
                 })
                 .collect();

@@ -401,7 +401,7 @@ pub static REPLICA_KV_EVENT_SKIPPED: Family = Family::counter(
 pub static REPLICA_PREFILL_PACE: Family = Family::gauge(
     "kvlb_replica_prefill_pace",
     &["replica"],
-    "The replica's prefill time over what the configured cost model prices (1: as configured, 3: three times slower), learned from the times to first token of the streams kvlb sent there; the fleet's median while it has none.",
+    "The replica's prefill time over what the configured cost model prices (1: as configured, 3: three times slower), learned from the times to first token of the streams kvlb sent there and the prefill times a vLLM replica reports in its /metrics; the fleet's pace while it has none.",
 );
 pub static REPLICA_DECODE_PACE: Family = Family::gauge(
     "kvlb_replica_decode_pace",
@@ -421,7 +421,12 @@ pub static REPLICA_TTFT_OBSERVED_OVER_ESTIMATED: Family = Family::gauge(
 pub static REPLICA_CALIBRATION_SAMPLES: Family = Family::counter(
     "kvlb_replica_calibration_samples_total",
     &["replica", "kind"],
-    "Samples the replica's pace was learned from: ttft (a stream's first byte against its estimate), decode (a stream's event spacing).",
+    "Samples the replica's pace was learned from: ttft (a stream's first byte against its estimate), decode (a stream's event spacing), metrics (the prefills the replica's own /metrics reported between two scrapes, vLLM's vllm:request_prefill_time_seconds: one sample per scrape that saw prefills finish).",
+);
+pub static REPLICA_CALIBRATION_METRICS_SKIPPED: Family = Family::counter(
+    "kvlb_replica_calibration_metrics_skipped_total",
+    &["replica", "reason"],
+    "The replica's prefill reports between two scrapes not learned from: reset (a counter went backwards: the replica restarted), no_work (requests finished without computed tokens or seconds reported), own_samples (kvlb's own streams to the replica measured it in the same interval: they time what routing prices, while a replica's prefill times read high when prefills share its steps).",
 );
 pub static REPLICA_CALIBRATION_OUTLIERS: Family = Family::counter(
     "kvlb_replica_calibration_outliers_total",
@@ -564,6 +569,7 @@ pub static ALL: &[&Family] = &[
     &REPLICA_QUEUE_PACE,
     &REPLICA_TTFT_OBSERVED_OVER_ESTIMATED,
     &REPLICA_CALIBRATION_SAMPLES,
+    &REPLICA_CALIBRATION_METRICS_SKIPPED,
     &REPLICA_CALIBRATION_OUTLIERS,
     &CALIBRATION_SAMPLES_DROPPED,
     &LORA_ADAPTERS,

@@ -357,6 +357,21 @@ fn encode_calibration(shared: &Shared, enc: &mut DescriptorEncoder<'_>) -> std::
             &[spec.url.as_str(), "decode"],
             p.decode_samples.load(Relaxed),
         )?;
+        samples.counter(
+            &[spec.url.as_str(), "metrics"],
+            p.metrics_samples.load(Relaxed),
+        )?;
+    }
+    let mut samples = families::REPLICA_CALIBRATION_METRICS_SKIPPED.describe(enc)?;
+    for (r, spec) in replicas() {
+        let t = &shared.telemetry[r];
+        for (reason, v) in [
+            ("reset", &t.prefill_skipped_reset),
+            ("no_work", &t.prefill_skipped_no_work),
+            ("own_samples", &t.prefill_skipped_own),
+        ] {
+            samples.counter(&[spec.url.as_str(), reason], v.load(Relaxed))?;
+        }
     }
     let mut samples = families::REPLICA_CALIBRATION_OUTLIERS.describe(enc)?;
     for (r, spec) in replicas() {

@@ -17,9 +17,26 @@
 //!
 //! Each scrape also publishes `ReplicaTelemetry::reported` for the cost model: the replica's
 //! queue less this instance's requests there when it asked (`estimate::reported`).
+//!
+//! Prefill reports, for the calibration (`estimate::calibrate::PrefillSample`): vLLM's
+//! `vllm:request_prefill_time_seconds` (`_count`, `_sum`), with the computed tokens of the
+//! same requests from `vllm:request_prefill_kv_computed_tokens_sum` where exported (newer
+//! vLLM), else `vllm:prompt_tokens_total` less `vllm:prefix_cache_hits_total`. Each is summed
+//! over the replica's series (engines, models); for a `dp_size` replica a rank takes its own
+//! series, or all of them when they carry no rank label. Between two scrapes that saw requests
+//! finish, the deltas are one sample, priced with the cost model of the replica's
+//! `[[model]]` table if it serves one (else `[cost_model]`), the replica's running requests
+//! (mean of the two scrapes) sharing the steps; a delta across a counter reset (a restart) or
+//! with requests but no computed tokens is skipped and counted. So is a delta of an interval in
+//! which kvlb's own streams to the replica gave calibration samples: those time what routing
+//! prices (the whole wait, as the router sees it), while the replica's prefill times read high
+//! when prefills share its steps, so its reports fill in where kvlb's own samples are thin (a
+//! replica it sends little to, traffic other senders put there). SGLang has no such histogram:
+//! its replicas give no such samples.
 
 #![forbid(unsafe_code)]
 
+use crate::estimate::calibrate::{PrefillBase, PrefillDelta, PrefillSample, PrefillTotals, Sample};
 use crate::estimate::{LoraReport, ReportedLoad};
 use crate::fleet::StopSignal;
 use crate::worker::Shared;
@@ -41,6 +58,29 @@ pub struct MetricsSample {
     pub kv_usage: Option<f64>,
     /// LoRA batch slots and the adapters with requests there.
     pub lora: Option<LoraReport>,
+    /// The prefills the replica reports (vLLM's prefill time histogram and token counters).
+    pub prefill: Option<PrefillTotals>,
+}
+
+/// The series of a replica's prefill reports (module header), in `prefill_totals` order.
+const PREFILL_SERIES: [&str; 5] = [
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_kv_computed_tokens_sum",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_hits_total",
+];
+
+/// The prefill totals of the sums of `PREFILL_SERIES` (`sum(i)`); None without the prefill
+/// time histogram.
+fn prefill_totals(sum: impl Fn(usize) -> Option<f64>) -> Option<PrefillTotals> {
+    Some(PrefillTotals {
+        requests: sum(0)?,
+        seconds: sum(1)?,
+        computed: sum(2),
+        prompt: sum(3),
+        hits: sum(4),
+    })
 }
 
 /// The newest `vllm:lora_requests_info` sample of a scrape (module header).
@@ -189,10 +229,11 @@ pub fn label_value<'a>(labels: &'a str, name: &str) -> Option<std::borrow::Cow<'
 /// `parse_metrics` split over `n` data-parallel ranks by each series' rank label
 /// (`label_rank`): rank r's sample from its series, a series of a rank beyond `n` ignored. A
 /// series without the label is the whole engine's, shared: its request counts divided evenly
-/// among the ranks, its KV usage each rank's.
+/// among the ranks, its KV usage and prefill reports each rank's (when it has none of its own).
 pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
-    let mut ranks: Vec<[Acc; 4]> = (0..n).map(|_| Default::default()).collect();
-    let mut shared: [Acc; 4] = Default::default();
+    const P: usize = 4;
+    let mut ranks: Vec<[Acc; P + 5]> = (0..n).map(|_| Default::default()).collect();
+    let mut shared: [Acc; P + 5] = Default::default();
     let mut lora = LoraInfo::default();
     for line in text.lines() {
         let Some((name, labels, v)) = labeled_sample(line) else {
@@ -207,7 +248,10 @@ pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => 1,
             "vllm:kv_cache_usage_perc" | "sglang:token_usage" => 2,
             "vllm:gpu_cache_usage_perc" => 3,
-            _ => continue,
+            _ => match PREFILL_SERIES.iter().position(|s| *s == name) {
+                Some(k) => P + k,
+                None => continue,
+            },
         };
         match label_rank(labels) {
             Some(r) => {
@@ -230,11 +274,17 @@ pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
                 .or(shared[2].mean())
                 .or(acc[3].mean())
                 .or(shared[3].mean());
+            let own = acc[P..].iter().any(|a| a.n > 0);
+            let prefill = prefill_totals(|k| match own {
+                true => acc[P + k].sum(),
+                false => shared[P + k].sum(),
+            });
             MetricsSample {
                 running: share(&acc[0], &shared[0]),
                 waiting: share(&acc[1], &shared[1]),
                 kv_usage: usage.map(|u| u.clamp(0.0, 1.0)),
                 lora: lora.report,
+                prefill,
             }
         })
         .collect()
@@ -247,6 +297,7 @@ const LORA_INFO: &str = "vllm:lora_requests_info";
 pub fn parse_metrics(text: &str) -> MetricsSample {
     let (mut running, mut waiting) = (Acc::default(), Acc::default());
     let (mut usage, mut usage_old) = (Acc::default(), Acc::default());
+    let mut prefill: [Acc; PREFILL_SERIES.len()] = Default::default();
     let mut lora = LoraInfo::default();
     for line in text.lines() {
         let Some((name, labels, v)) = labeled_sample(line) else {
@@ -258,7 +309,11 @@ pub fn parse_metrics(text: &str) -> MetricsSample {
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => waiting.add(v),
             "vllm:kv_cache_usage_perc" | "sglang:token_usage" => usage.add(v),
             "vllm:gpu_cache_usage_perc" => usage_old.add(v),
-            _ => {}
+            _ => {
+                if let Some(k) = PREFILL_SERIES.iter().position(|s| *s == name) {
+                    prefill[k].add(v);
+                }
+            }
         }
     }
     MetricsSample {
@@ -266,6 +321,7 @@ pub fn parse_metrics(text: &str) -> MetricsSample {
         waiting: waiting.sum(),
         kv_usage: usage.mean().or(usage_old.mean()).map(|u| u.clamp(0.0, 1.0)),
         lora: lora.report,
+        prefill: prefill_totals(|k| prefill[k].sum()),
     }
 }
 
@@ -422,6 +478,74 @@ fn publish(shared: &Shared, r: usize, m: &MetricsSample, own: (u64, u64), interv
     tel.scrapes.fetch_add(1, Relaxed);
 }
 
+/// One replica's (or rank's) prefill reports between scrapes.
+#[derive(Default)]
+pub(super) struct PrefillReports {
+    base: PrefillBase,
+    /// Its running requests at the base's scrape.
+    running: f64,
+    /// kvlb's own TTFT samples of the slot at the last scrape (`ReplicaPace::ttft_samples`).
+    own: u64,
+}
+
+/// The cost model slot `r`'s prefills are priced with: its `[[model]]` table's if it serves a
+/// model of one, else `[cost_model]`'s.
+fn cost_model_of(shared: &Shared, r: usize) -> crate::estimate::TtftModel {
+    let cfg = shared.cfg();
+    let models = shared.models.load();
+    let table = models
+        .names_of(r)
+        .unwrap_or_default()
+        .iter()
+        .map(|n| models.class_of(n).table)
+        .find(|t| *t > 0)
+        .and_then(|t| cfg.model(t));
+    table
+        .map_or(&cfg.cost_model, |m| &m.cost_model)
+        .policy_config()
+        .model
+}
+
+/// Hand the prefills slot `r`'s scrape `m` reports since the last one to the calibration
+/// (module header), or count why not.
+pub(super) fn calibrate_prefill(
+    shared: &Shared,
+    r: usize,
+    m: &MetricsSample,
+    reports: &mut PrefillReports,
+) {
+    let Some(totals) = m.prefill else { return };
+    let running = m.running.unwrap_or(0.0).max(0.0);
+    let own = shared
+        .pace
+        .get(r)
+        .map_or(0, |p| p.ttft_samples.load(Relaxed));
+    let measured_here = std::mem::replace(&mut reports.own, own) != own;
+    let delta = reports.base.advance(totals);
+    let tel = &shared.telemetry[r];
+    match delta {
+        PrefillDelta::Idle => return,
+        PrefillDelta::Reset => {
+            tel.prefill_skipped_reset.fetch_add(1, Relaxed);
+        }
+        PrefillDelta::NoWork => {
+            tel.prefill_skipped_no_work.fetch_add(1, Relaxed);
+        }
+        PrefillDelta::Prefills { .. } if measured_here => {
+            tel.prefill_skipped_own.fetch_add(1, Relaxed);
+        }
+        PrefillDelta::Prefills { .. } => {
+            let epoch = shared.fleet.slot(r).epoch.load(Relaxed);
+            let decoding = ((reports.running + running) / 2.0).round() as u32;
+            let model = cost_model_of(shared, r);
+            if let Some(s) = PrefillSample::priced(r as u32, epoch, &delta, &model, decoding) {
+                shared.samples.push(Sample::Prefill(s));
+            }
+        }
+    }
+    reports.running = running;
+}
+
 /// The scrape thread of replica `r`: every `metrics_interval` until `stop`. For rank 0 of a
 /// data-parallel engine it scrapes once for all ranks and publishes each rank's share in the
 /// slot of that rank (`URL#r`).
@@ -440,6 +564,7 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
     };
     let mut slots: Vec<Option<usize>> = vec![Some(r)];
     let mut own: Vec<(u64, u64)> = Vec::new();
+    let mut prefills: Vec<PrefillReports> = (0..ranks).map(|_| Default::default()).collect();
     let mut next = Instant::now();
     while !stop.is_stopped() {
         let now = Instant::now();
@@ -471,7 +596,8 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
                 } else {
                     parse_metrics_ranks(&text, ranks)
                 };
-                for ((slot, m), own) in slots.iter().zip(&samples).zip(&own) {
+                let each = slots.iter().zip(&samples).zip(&own).zip(&mut prefills);
+                for (((slot, m), own), reports) in each {
                     let Some(i) = *slot else { continue };
                     if *m == MetricsSample::default() {
                         // A /metrics without any series we know: not a replica's telemetry.
@@ -479,6 +605,7 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
                         continue;
                     }
                     publish(&shared, i, m, *own, interval);
+                    calibrate_prefill(&shared, i, m, reports);
                 }
             }
             Err(_) => {

@@ -345,6 +345,7 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="x"} 1.
             waiting: Some(9.0),
             kv_usage: Some(0.5),
             lora: None,
+            prefill: None,
         }
     );
     // Hostile input: nothing known, no panic.
@@ -357,6 +358,125 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="x"} 1.
     ] {
         assert_eq!(parse_metrics(junk), MetricsSample::default(), "{junk:?}");
     }
+}
+
+/// One engine's prefill report: (rank, requests, seconds, computed tokens, prompt tokens,
+/// cached tokens); computed None: without the newer computed-tokens histogram.
+type EngineReport = (u32, f64, f64, Option<f64>, f64, f64);
+
+/// A vLLM /metrics page with the prefill reports of `engines`.
+fn prefill_page(engines: &[EngineReport]) -> String {
+    let mut text = String::new();
+    for &(e, n, s, computed, prompt, hits) in engines {
+        let l = format!("engine=\"{e}\",model_name=\"m\"");
+        text += &format!("vllm:num_requests_running{{{l}}} 1.0\n");
+        text += &format!("vllm:prompt_tokens_total{{{l}}} {prompt}\n");
+        text += &format!("vllm:prefix_cache_hits_total{{{l}}} {hits}\n");
+        text += &format!("vllm:request_prefill_time_seconds_bucket{{engine=\"{e}\",le=\"+Inf\",model_name=\"m\"}} {n}\n");
+        text += &format!("vllm:request_prefill_time_seconds_count{{{l}}} {n}\n");
+        text += &format!("vllm:request_prefill_time_seconds_sum{{{l}}} {s}\n");
+        if let Some(c) = computed {
+            text += &format!("vllm:request_prefill_kv_computed_tokens_sum{{{l}}} {c}\n");
+        }
+    }
+    text
+}
+
+#[test]
+fn prefill_reports_are_summed_over_engines_and_split_by_rank() {
+    use crate::estimate::calibrate::PrefillTotals;
+    let text = prefill_page(&[
+        (0, 4.0, 2.0, Some(8000.0), 10_000.0, 2000.0),
+        (1, 6.0, 1.0, Some(3000.0), 5000.0, 2000.0),
+    ]);
+    assert_eq!(
+        parse_metrics(&text).prefill,
+        Some(PrefillTotals {
+            requests: 10.0,
+            seconds: 3.0,
+            computed: Some(11_000.0),
+            prompt: Some(15_000.0),
+            hits: Some(4000.0),
+        })
+    );
+    let ranks = crate::telemetry::scrape::parse_metrics_ranks(&text, 2);
+    assert_eq!(
+        ranks[1].prefill.map(|p| (p.requests, p.seconds)),
+        Some((6.0, 1.0))
+    );
+    assert_eq!(ranks[0].prefill.and_then(|p| p.computed), Some(8000.0));
+    // Series without a rank label are the whole engine's: each rank gets them.
+    let unlabeled = text
+        .replace("engine=\"1\",", "")
+        .replace("engine=\"0\",", "");
+    let ranks = crate::telemetry::scrape::parse_metrics_ranks(&unlabeled, 2);
+    assert!(ranks
+        .iter()
+        .all(|r| r.prefill.map(|p| p.requests) == Some(10.0)));
+    // Older vLLM: no computed-tokens histogram, the counters only.
+    let older = prefill_page(&[(0, 4.0, 2.0, None, 10_000.0, 2000.0)]);
+    let p = parse_metrics(&older).prefill.unwrap();
+    assert_eq!(
+        (p.computed, p.prompt, p.hits),
+        (None, Some(10_000.0), Some(2000.0))
+    );
+    // No prefill time histogram (SGLang, older engines): no prefill reports.
+    let none = "vllm:num_requests_running 1\nvllm:prompt_tokens_total 5\nvllm:request_prefill_time_seconds_sum 2\n";
+    assert_eq!(parse_metrics(none).prefill, None);
+}
+
+#[test]
+fn scraped_prefills_become_calibration_samples_and_resets_are_counted() {
+    use crate::estimate::calibrate::Sample;
+    use crate::telemetry::scrape::{calibrate_prefill, PrefillReports};
+    let shared = shared_with(2);
+    let mut reports = PrefillReports::default();
+    let scrape = |engines| {
+        let m = parse_metrics(&prefill_page(engines));
+        assert!(m.prefill.is_some());
+        m
+    };
+    // The first scrape is a base; an idle one gives nothing.
+    for _ in 0..2 {
+        let m = scrape(&[(0, 10.0, 2.0, Some(20_000.0), 30_000.0, 10_000.0)]);
+        calibrate_prefill(&shared, 1, &m, &mut reports);
+        assert_eq!(shared.samples.pop(), None);
+    }
+    // Four prefills of 2000 computed tokens each, 1.6 s in all.
+    let m = scrape(&[(0, 14.0, 3.6, Some(28_000.0), 40_000.0, 12_000.0)]);
+    calibrate_prefill(&shared, 1, &m, &mut reports);
+    let Some(Sample::Prefill(s)) = shared.samples.pop() else {
+        panic!("no prefill sample")
+    };
+    let model = shared.cfg().cost_model.policy_config().model;
+    let epoch = shared.fleet.slot(1).epoch.load(Relaxed);
+    assert_eq!((s.replica, s.epoch, s.requests), (1, epoch, 4));
+    assert!((s.observed_s - 1.6).abs() < 1e-6, "{s:?}");
+    // 500 tokens found cached each; one running request at both scrapes.
+    assert_eq!(s.prefill, model.prefill_parts(500, 2500, 1));
+    // The replica restarted: no sample across it, counted; then measured from the restart.
+    let m = scrape(&[(0, 1.0, 0.3, Some(1000.0), 1000.0, 0.0)]);
+    calibrate_prefill(&shared, 1, &m, &mut reports);
+    assert_eq!(shared.samples.pop(), None);
+    let tel = &shared.telemetry[1];
+    assert_eq!(tel.prefill_skipped_reset.load(Relaxed), 1);
+    let m = scrape(&[(0, 2.0, 0.6, Some(1000.0), 1000.0, 0.0)]);
+    calibrate_prefill(&shared, 1, &m, &mut reports);
+    assert_eq!(shared.samples.pop(), None);
+    assert_eq!(tel.prefill_skipped_no_work.load(Relaxed), 1);
+    let m = scrape(&[(0, 3.0, 0.9, Some(2000.0), 2000.0, 0.0)]);
+    calibrate_prefill(&shared, 1, &m, &mut reports);
+    assert!(matches!(shared.samples.pop(), Some(Sample::Prefill(s)) if s.requests == 1));
+    // kvlb's own streams measured the replica in this interval: they are the better measure,
+    // the report is counted and left out; the next quiet interval's is taken again.
+    shared.pace[1].ttft_samples.fetch_add(3, Relaxed);
+    let m = scrape(&[(0, 4.0, 1.2, Some(3000.0), 3000.0, 0.0)]);
+    calibrate_prefill(&shared, 1, &m, &mut reports);
+    assert_eq!(shared.samples.pop(), None);
+    assert_eq!(tel.prefill_skipped_own.load(Relaxed), 1);
+    let m = scrape(&[(0, 5.0, 1.5, Some(4000.0), 4000.0, 0.0)]);
+    calibrate_prefill(&shared, 1, &m, &mut reports);
+    assert!(matches!(shared.samples.pop(), Some(Sample::Prefill(s)) if s.requests == 1));
 }
 
 #[test]

@@ -85,6 +85,12 @@ pub struct ReplicaTelemetry {
     pub replay_failures: AtomicU64,
     /// Attempts to connect to the replica's KV event endpoint that failed.
     pub connect_failures: AtomicU64,
+    /// The replica's prefill reports between two scrapes not taken for calibration: across a
+    /// counter reset (a restart), or requests without computed tokens or seconds, or while
+    /// kvlb's own samples measured the replica (`telemetry::scrape`).
+    pub prefill_skipped_reset: AtomicU64,
+    pub prefill_skipped_no_work: AtomicU64,
+    pub prefill_skipped_own: AtomicU64,
 }
 
 impl Default for ReplicaTelemetry {
@@ -125,6 +131,9 @@ impl Default for ReplicaTelemetry {
             skipped_undecodable: AtomicU64::new(0),
             replay_failures: AtomicU64::new(0),
             connect_failures: AtomicU64::new(0),
+            prefill_skipped_reset: AtomicU64::new(0),
+            prefill_skipped_no_work: AtomicU64::new(0),
+            prefill_skipped_own: AtomicU64::new(0),
         }
     }
 }
@@ -170,7 +179,10 @@ impl ReplicaTelemetry {
             engine_block_size,
             skipped_undecodable,
             replay_failures,
-            connect_failures
+            connect_failures,
+            prefill_skipped_reset,
+            prefill_skipped_no_work,
+            prefill_skipped_own
         );
         self.reported.clear();
     }

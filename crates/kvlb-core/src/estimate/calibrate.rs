@@ -1,7 +1,8 @@
 //! Online calibration: each replica's [`Pace`] (its prefill, queue and decode time over what
-//! the model prices), learned from the requests kvlb sends there. The configured timing
-//! becomes a prior, not the truth: a fleet of GPUs three times slower than configured, or a mix
-//! of generations, is priced by what each replica is measured to do.
+//! the model prices), learned from the requests kvlb sends there and from what the replica
+//! reports of all its traffic. The configured timing becomes a prior, not the truth: a fleet
+//! of GPUs three times slower than configured, or a mix of generations, is priced by what each
+//! replica is measured to do.
 //!
 //! # What is measured
 //!
@@ -22,6 +23,17 @@
 //! stream's spacing between its events gives the decode time of its steps directly
 //! ([`DecodeSample`]): `elapsed ≈ decode_pace * steps * step_s`.
 //!
+//! A vLLM replica also reports every request's prefill itself, whoever sent it (other kvlb
+//! instances, direct clients): `vllm:request_prefill_time_seconds`, first scheduling to first
+//! token. Between two scrapes of its /metrics, N requests prefilled C computed tokens in S
+//! seconds; the scraper prices the mean one (C / N tokens, the replica's running requests
+//! sharing its steps) with the model: a [`PrefillSample`], a time to first token with no
+//! queue wait, N requests' worth of it:
+//!
+//! ```text
+//! S / N ≈ prefill_pace * prefill.prefill + decode_pace * prefill.decode
+//! ```
+//!
 //! # The estimator
 //!
 //! Two levels, each a weighted least-squares fit with exponential forgetting in time
@@ -41,6 +53,9 @@
 //!   is what a few samples can carry: fitting each replica's queue pace apart let a prior on
 //!   its speed push its queue pace the other way (to 0.05 on a real fleet of two).
 //!
+//! A [`PrefillSample`] of N requests enters both fits as N samples of its mean request, its
+//! queue part 0: it weighs what N streams of that prefill would.
+//!
 //! Squared errors in seconds let long prefills, whose times say the most about a replica's
 //! speed, carry the fits, and short ones (a cache hit, dominated by network and scheduling
 //! noise) little. Outliers are winsorised: once a fit holds some evidence, an observation is
@@ -54,9 +69,9 @@
 //! # Publication
 //!
 //! One thread (the residency writer's tick in `kvlb serve`) owns [`Calibration`] and drains
-//! the samples the workers push into a bounded lock-free queue ([`Samples`]); it publishes each
-//! replica's pace into a [`ReplicaPace`] cell, atomic words the workers load per candidate.
-//! No lock, no allocation on either side once started.
+//! the samples the workers (and the /metrics scrapers) push into a bounded lock-free queue
+//! ([`Samples`]); it publishes each replica's pace into a [`ReplicaPace`] cell, atomic words
+//! the workers load per candidate. No lock, no allocation on either side once started.
 
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
@@ -152,10 +167,157 @@ pub struct DecodeSample {
     pub elapsed_s: f32,
 }
 
+/// What a replica's own /metrics said of the prefills it finished between two scrapes:
+/// `requests` of them took `observed_s` seconds in all (each from its first scheduling to its
+/// first token), while the model priced the mean one (its computed tokens, the decoders
+/// sharing its steps) at `prefill`, at the configured speed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillSample {
+    pub replica: u32,
+    pub epoch: u64,
+    pub requests: u32,
+    pub prefill: Seconds,
+    pub observed_s: f32,
+}
+
+/// A replica's prefill counters as one scrape of its /metrics read them (each the sum over the
+/// replica's series, or one rank's).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefillTotals {
+    /// `vllm:request_prefill_time_seconds` `_count` and `_sum`: requests recorded (vLLM
+    /// records a request when it finishes) and the seconds of their prefills.
+    pub requests: f64,
+    pub seconds: f64,
+    /// `vllm:request_prefill_kv_computed_tokens_sum` (newer vLLM): the prompt tokens those
+    /// same requests computed (not found cached). None: not exported.
+    pub computed: Option<f64>,
+    /// `vllm:prompt_tokens_total` and `vllm:prefix_cache_hits_total` (tokens found cached):
+    /// the computed tokens where the histogram above is not exported.
+    pub prompt: Option<f64>,
+    pub hits: Option<f64>,
+}
+
+/// What two scrapes' [`PrefillTotals`] say.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PrefillDelta {
+    /// No request recorded between them: keep the earlier scrape as the base (the token
+    /// counters of requests still decoding are matched with their requests when they finish).
+    Idle,
+    /// A counter went backwards or a series came or went (the replica restarted): start over
+    /// from the later scrape.
+    Reset,
+    /// Requests recorded, but no computed tokens or no seconds to go with them.
+    NoWork,
+    /// `requests` prefills of `computed_tokens` computed tokens in all (`matched_tokens` found
+    /// cached, when known) took `seconds` in all.
+    Prefills {
+        requests: u32,
+        computed_tokens: f64,
+        matched_tokens: f64,
+        seconds: f64,
+    },
+}
+
+impl PrefillTotals {
+    /// What happened between the scrape `before` and this one.
+    pub fn since(&self, before: &PrefillTotals) -> PrefillDelta {
+        // Backwards, or not a number.
+        let back = |now: f64, then: f64| now < then || now.is_nan() || then.is_nan();
+        let gone = |now: Option<f64>, then: Option<f64>| match (now, then) {
+            (Some(now), Some(then)) => back(now, then),
+            (None, None) => false,
+            _ => true,
+        };
+        if back(self.requests, before.requests)
+            || back(self.seconds, before.seconds)
+            || gone(self.computed, before.computed)
+            || gone(self.prompt, before.prompt)
+            || gone(self.hits, before.hits)
+        {
+            return PrefillDelta::Reset;
+        }
+        let requests = (self.requests - before.requests).round();
+        if requests < 1.0 {
+            return PrefillDelta::Idle;
+        }
+        let delta = |now: Option<f64>, then: Option<f64>| Some(now? - then?);
+        let hits = delta(self.hits, before.hits);
+        let computed = delta(self.computed, before.computed)
+            .or_else(|| Some(delta(self.prompt, before.prompt)? - hits?));
+        let seconds = self.seconds - before.seconds;
+        match computed {
+            Some(c) if c > 0.0 && seconds > 0.0 && seconds.is_finite() && c.is_finite() => {
+                PrefillDelta::Prefills {
+                    requests: requests.min(u32::MAX as f64) as u32,
+                    computed_tokens: c,
+                    matched_tokens: hits.unwrap_or(0.0).max(0.0),
+                    seconds,
+                }
+            }
+            _ => PrefillDelta::NoWork,
+        }
+    }
+}
+
+/// One replica's prefill reports from scrape to scrape: the scrape the next delta is measured
+/// from.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefillBase(Option<PrefillTotals>);
+
+impl PrefillBase {
+    /// What happened from the base to the scrape `now`, which becomes the base unless nothing
+    /// did. The first scrape is only a base (`Idle`).
+    pub fn advance(&mut self, now: PrefillTotals) -> PrefillDelta {
+        let Some(base) = self.0 else {
+            self.0 = Some(now);
+            return PrefillDelta::Idle;
+        };
+        let d = now.since(&base);
+        if d != PrefillDelta::Idle {
+            self.0 = Some(now);
+        }
+        d
+    }
+}
+
+impl PrefillSample {
+    /// The sample of `requests` prefills of `computed_tokens` tokens in all (`matched_tokens`
+    /// cached) that took `seconds` in all on slot `replica` (of `epoch`), with about
+    /// `decoding` sequences sharing their steps: the mean request priced by `model`.
+    pub fn priced(
+        replica: u32,
+        epoch: u64,
+        delta: &PrefillDelta,
+        model: &super::TtftModel,
+        decoding: u32,
+    ) -> Option<PrefillSample> {
+        let PrefillDelta::Prefills {
+            requests,
+            computed_tokens,
+            matched_tokens,
+            seconds,
+        } = *delta
+        else {
+            return None;
+        };
+        let n = requests.max(1) as f64;
+        let tokens = |t: f64| (t / n).round().clamp(0.0, u32::MAX as f64 / 2.0) as u32;
+        let (computed, matched) = (tokens(computed_tokens).max(1), tokens(matched_tokens));
+        Some(PrefillSample {
+            replica,
+            epoch,
+            requests,
+            prefill: model.prefill_parts(matched, matched + computed, decoding),
+            observed_s: seconds as f32,
+        })
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Sample {
     Ttft(TtftSample),
     Decode(DecodeSample),
+    Prefill(PrefillSample),
 }
 
 /// The workers' samples on their way to the calibration: bounded, lock-free; a sample that
@@ -201,10 +363,12 @@ pub struct ReplicaPace {
     /// publication before the other, which prices one candidate with a pace 0.1 s old.
     pace: AtomicU64,
     queue: std::sync::atomic::AtomicU32,
-    /// What the pace was learned from: TTFT samples and decode samples taken, outliers among
-    /// them clamped.
+    /// What the pace was learned from: TTFT samples, decode samples and the replica's own
+    /// prefill reports ([`PrefillSample`], one per scrape that saw prefills) taken, outliers
+    /// among them clamped.
     pub ttft_samples: AtomicU64,
     pub decode_samples: AtomicU64,
+    pub metrics_samples: AtomicU64,
     pub outliers: AtomicU64,
     /// Observed over estimated TTFT of the requests routed there (geometric moving average,
     /// f64 bits; 0 before the first sample).
@@ -254,6 +418,7 @@ impl ReplicaPace {
             &self.pace,
             &self.ttft_samples,
             &self.decode_samples,
+            &self.metrics_samples,
             &self.outliers,
             &self.error,
             &self.measured,
@@ -298,13 +463,18 @@ impl Fit {
 
     /// Add `y` observed for `x`; returns whether it was clamped as an outlier.
     fn add(&mut self, x: f64, y: f64, prior: f64, w: f64) -> bool {
-        if !(x > 0.0 && x.is_finite() && y.is_finite()) {
+        self.add_n(x, y, prior, w, 1.0)
+    }
+
+    /// Add `n` samples of `y` observed for `x`.
+    fn add_n(&mut self, x: f64, y: f64, prior: f64, w: f64, n: f64) -> bool {
+        if !(x > 0.0 && x.is_finite() && y.is_finite() && n > 0.0 && n.is_finite()) {
             return false;
         }
         let (y, outlier) = winsorise(y, self.value(prior, w) * x, x, self.sxx);
-        self.sxx += x * x;
-        self.sxy += x * y;
-        self.n += 1.0;
+        self.sxx += n * x * x;
+        self.sxy += n * x * y;
+        self.n += n;
         outlier
     }
 }
@@ -353,17 +523,23 @@ impl Fit2 {
     }
 
     /// The prediction is made at `(p, q)`.
-    fn add(&mut self, x1: f64, x2: f64, y: f64, (p, q): (f64, f64)) -> bool {
+    fn add(&mut self, x1: f64, x2: f64, y: f64, at: (f64, f64)) -> bool {
+        self.add_n(x1, x2, y, at, 1.0)
+    }
+
+    /// Add `n` samples of `y` observed for `(x1, x2)`.
+    fn add_n(&mut self, x1: f64, x2: f64, y: f64, (p, q): (f64, f64), n: f64) -> bool {
         let x = x1 + x2;
-        if !(x1 >= 0.0 && x2 >= 0.0 && x > 0.0 && x.is_finite() && y.is_finite()) {
+        let sane = n > 0.0 && n.is_finite() && x.is_finite() && y.is_finite();
+        if !(x1 >= 0.0 && x2 >= 0.0 && x > 0.0 && sane) {
             return false;
         }
         let (y, outlier) = winsorise(y, p * x1 + q * x2, x, self.evidence());
-        self.s11 += x1 * x1;
-        self.s12 += x1 * x2;
-        self.s22 += x2 * x2;
-        self.s1y += x1 * y;
-        self.s2y += x2 * y;
+        self.s11 += n * x1 * x1;
+        self.s12 += n * x1 * x2;
+        self.s22 += n * x2 * x2;
+        self.s1y += n * x1 * y;
+        self.s2y += n * x2 * y;
         outlier
     }
 }
@@ -380,6 +556,7 @@ struct ReplicaFit {
     errors: u64,
     ttft_samples: u64,
     decode_samples: u64,
+    metrics_samples: u64,
     outliers: u64,
 }
 
@@ -507,6 +684,29 @@ impl Calibration {
                 self.pooled_decode
                     .add(x, d.elapsed_s as f64, 1.0, PRIOR_WEIGHT);
             }
+            Sample::Prefill(p) => {
+                let Some(f) = self.fit(p.replica, p.epoch) else {
+                    return;
+                };
+                f.metrics_samples += 1;
+                let n = p.requests as f64;
+                if n < 1.0 {
+                    return;
+                }
+                // The mean request, as a time to first token with no queue wait: its decode
+                // part taken out at the replica's decode pace, as a TTFT sample's.
+                let decode = f.pace(fleet).decode as f64 * p.prefill.decode;
+                let y = p.observed_s as f64 / n - decode;
+                let x = p.prefill.prefill;
+                f.level.forget(now_ms);
+                let w = f.level.weight();
+                if f.level.add_n(x, y, fleet.prefill as f64, w, n) {
+                    f.outliers += 1;
+                }
+                self.pooled_prefill.forget(now_ms);
+                let at = self.pooled_prefill.solve(1.0, 1.0, PRIOR_WEIGHT);
+                self.pooled_prefill.add_n(x, 0.0, y, at, n);
+            }
         }
     }
 
@@ -545,6 +745,7 @@ impl Calibration {
             cell.store(f.pace(self.fleet));
             cell.ttft_samples.store(f.ttft_samples, Relaxed);
             cell.decode_samples.store(f.decode_samples, Relaxed);
+            cell.metrics_samples.store(f.metrics_samples, Relaxed);
             cell.outliers.store(f.outliers, Relaxed);
             cell.measured.store(f.measured() as u64, Relaxed);
             if f.errors > 0 {
@@ -824,6 +1025,232 @@ mod tests {
         assert!(q.push(s) && q.push(s) && !q.push(s));
         assert_eq!(q.dropped(), 1);
         assert_eq!(q.pop(), Some(s));
+    }
+
+    fn prefill(replica: u32, requests: u32, each: f64, observed_each: f64) -> Sample {
+        Sample::Prefill(PrefillSample {
+            replica,
+            epoch: 0,
+            requests,
+            prefill: Seconds {
+                prefill: each,
+                decode: 0.0,
+            },
+            observed_s: (requests as f64 * observed_each) as f32,
+        })
+    }
+
+    #[test]
+    fn a_replica_whose_metrics_say_3x_slower_converges_to_3() {
+        let mut c = Calibration::new(2);
+        // Ten scrapes each: 5 prefills of 0.1-0.28 s, replica 1 three times slower.
+        for i in 0..10 {
+            let each = 0.1 + 0.02 * i as f64;
+            learn(&mut c, &prefill(0, 5, each, each), 0);
+            learn(&mut c, &prefill(1, 5, each, 3.0 * each), 0);
+        }
+        let cells = published(&mut c);
+        let (fast, slow) = (cells[0].load().prefill, cells[1].load().prefill);
+        // Fifty requests each against a prior of four, towards the fleet's 2.
+        assert!((fast - 1.0).abs() < 0.1, "{fast}");
+        assert!((slow - 3.0).abs() < 0.1, "{slow}");
+        assert!(cells.iter().all(|c| c.measured()));
+        for cell in &cells {
+            assert_eq!(cell.metrics_samples.load(Relaxed), 10);
+            assert_eq!(cell.ttft_samples.load(Relaxed), 0);
+            // Not an estimate kvlb routed on: no observed-over-estimated error.
+            assert_eq!(cell.observed_over_estimated(), None);
+        }
+    }
+
+    #[test]
+    fn a_report_of_n_prefills_weighs_as_n_streams() {
+        let mut reported = Calibration::new(1);
+        learn(&mut reported, &prefill(0, 20, 0.2, 0.6), 0);
+        let mut streamed = Calibration::new(1);
+        for _ in 0..20 {
+            learn(&mut streamed, &ttft(0, 0.2, 0.0, 0.6), 0);
+        }
+        let (a, b) = (reported.pace(0), streamed.pace(0));
+        assert!((a.prefill - b.prefill).abs() < 1e-4, "{a:?} {b:?}");
+        assert!((reported.fleet().prefill - streamed.fleet().prefill).abs() < 1e-4);
+        // One request's report weighs as one stream: shrunk towards the fleet's pace.
+        let mut one = Calibration::new(2);
+        learn(&mut one, &prefill(1, 1, 0.3, 0.9), 0);
+        let mut first = Calibration::new(2);
+        learn(&mut first, &ttft(1, 0.3, 0.0, 0.9), 0);
+        assert!((one.pace(1).prefill - first.pace(1).prefill).abs() < 1e-4);
+    }
+
+    #[test]
+    fn a_reports_decode_part_is_taken_out_at_the_decode_pace() {
+        let mut c = Calibration::new(1);
+        for _ in 0..20 {
+            learn(
+                &mut c,
+                &Sample::Decode(DecodeSample {
+                    replica: 0,
+                    epoch: 0,
+                    steps: 100,
+                    step_s: 0.01,
+                    elapsed_s: 2.0,
+                }),
+                0,
+            );
+        }
+        // 8 prefills of 0.2 s sharing steps with 0.1 s of decoders: 1.5x and 2x.
+        for _ in 0..10 {
+            let s = PrefillSample {
+                replica: 0,
+                epoch: 0,
+                requests: 8,
+                prefill: Seconds {
+                    prefill: 0.2,
+                    decode: 0.1,
+                },
+                observed_s: 8.0 * (0.2 * 1.5 + 0.1 * 2.0),
+            };
+            learn(&mut c, &Sample::Prefill(s), 0);
+        }
+        assert!((c.pace(0).prefill - 1.5).abs() < 0.02, "{:?}", c.pace(0));
+    }
+
+    fn totals(requests: f64, seconds: f64, computed: f64) -> PrefillTotals {
+        PrefillTotals {
+            requests,
+            seconds,
+            computed: Some(computed),
+            prompt: None,
+            hits: None,
+        }
+    }
+
+    #[test]
+    fn scrape_deltas_count_the_prefills_between_them() {
+        let base = totals(10.0, 5.0, 20_000.0);
+        assert_eq!(base.since(&base), PrefillDelta::Idle);
+        assert_eq!(
+            totals(14.0, 7.0, 28_000.0).since(&base),
+            PrefillDelta::Prefills {
+                requests: 4,
+                computed_tokens: 8000.0,
+                matched_tokens: 0.0,
+                seconds: 2.0,
+            }
+        );
+        // Requests without computed tokens or seconds.
+        assert_eq!(
+            totals(12.0, 6.0, 20_000.0).since(&base),
+            PrefillDelta::NoWork
+        );
+        assert_eq!(
+            totals(12.0, 5.0, 24_000.0).since(&base),
+            PrefillDelta::NoWork
+        );
+        // Without the computed-tokens histogram: prompt tokens less those found cached.
+        let counters = |requests, seconds, prompt, hits| PrefillTotals {
+            requests,
+            seconds,
+            computed: None,
+            prompt: Some(prompt),
+            hits: Some(hits),
+        };
+        let d =
+            counters(14.0, 7.0, 70_000.0, 14_000.0).since(&counters(10.0, 5.0, 50_000.0, 10_000.0));
+        assert_eq!(
+            d,
+            PrefillDelta::Prefills {
+                requests: 4,
+                computed_tokens: 16_000.0,
+                matched_tokens: 4000.0,
+                seconds: 2.0,
+            }
+        );
+        // The mean request priced: 4000 tokens after 1000 cached.
+        let m = crate::estimate::TtftModel::default();
+        let s = PrefillSample::priced(1, 7, &d, &m, 3).unwrap();
+        assert_eq!((s.replica, s.epoch, s.requests), (1, 7, 4));
+        assert_eq!(s.prefill, m.prefill_parts(1000, 5000, 3));
+        assert_eq!(s.observed_s, 2.0);
+        assert_eq!(
+            PrefillSample::priced(1, 7, &PrefillDelta::Reset, &m, 3),
+            None
+        );
+        // Everything cached (hits counted before the prompt tokens): no computed tokens.
+        let d =
+            counters(11.0, 5.5, 50_000.0, 11_000.0).since(&counters(10.0, 5.0, 50_000.0, 10_000.0));
+        assert_eq!(d, PrefillDelta::NoWork);
+        // Hits without prompt tokens: nothing to compute them from.
+        let mut partial = counters(14.0, 7.0, 0.0, 14_000.0);
+        partial.prompt = None;
+        let mut before = counters(10.0, 5.0, 0.0, 10_000.0);
+        before.prompt = None;
+        assert_eq!(partial.since(&before), PrefillDelta::NoWork);
+    }
+
+    #[test]
+    fn a_counter_reset_is_ignored() {
+        let base = totals(10.0, 5.0, 20_000.0);
+        // A restarted replica: its counters start over.
+        assert_eq!(totals(2.0, 0.4, 3000.0).since(&base), PrefillDelta::Reset);
+        assert_eq!(
+            totals(12.0, 4.0, 30_000.0).since(&base),
+            PrefillDelta::Reset
+        );
+        assert_eq!(totals(12.0, 6.0, 1000.0).since(&base), PrefillDelta::Reset);
+        // A series that appeared or went, and nonsense.
+        let mut upgraded = totals(12.0, 6.0, 0.0);
+        upgraded.computed = None;
+        assert_eq!(upgraded.since(&base), PrefillDelta::Reset);
+        assert_eq!(
+            totals(f64::NAN, 6.0, 30_000.0).since(&base),
+            PrefillDelta::Reset
+        );
+        // Scrape by scrape, a 3x slower replica restarted halfway: the delta across the
+        // restart is dropped, the next measured from it, and the pace is the replica's.
+        let m = crate::estimate::TtftModel::default();
+        let price = m.prefill_parts(0, 4000, 0).prefill;
+        let mut c = Calibration::new(1);
+        let mut reports = PrefillBase::default();
+        let (mut resets, mut samples) = (0, 0);
+        let mut requests = 0.0;
+        for scrape in 0..20 {
+            if scrape == 10 {
+                requests = 0.0;
+            }
+            requests += 3.0;
+            // Idle scrapes between them: the base stays.
+            for now in [0, 1] {
+                let t = totals(requests, requests * 3.0 * price, requests * 4000.0);
+                let d = reports.advance(t);
+                if now == 1 {
+                    assert_eq!(d, PrefillDelta::Idle);
+                }
+                if d == PrefillDelta::Reset {
+                    resets += 1;
+                }
+                if let Some(s) = PrefillSample::priced(0, 0, &d, &m, 0) {
+                    samples += 1;
+                    learn(&mut c, &Sample::Prefill(s), 0);
+                }
+            }
+        }
+        // The first scrape and the restart's are bases; 18 deltas.
+        assert_eq!((resets, samples), (1, 18));
+        assert!((c.pace(0).prefill - 3.0).abs() < 0.1, "{:?}", c.pace(0));
+    }
+
+    #[test]
+    fn nonsense_prefill_reports_change_nothing() {
+        let mut c = Calibration::new(1);
+        learn(&mut c, &prefill(0, 0, 0.2, 0.6), 0);
+        learn(&mut c, &prefill(0, 5, f64::NAN, 0.6), 0);
+        learn(&mut c, &prefill(0, 5, 0.2, f64::INFINITY), 0);
+        learn(&mut c, &prefill(0, 5, 0.0, 0.6), 0);
+        learn(&mut c, &prefill(3, 5, 0.2, 0.6), 0);
+        assert_eq!(c.pace(0), Pace::CONFIGURED);
+        assert!(!c.replicas[0].measured());
+        assert_eq!(c.replicas[0].metrics_samples, 4);
     }
 
     #[test]

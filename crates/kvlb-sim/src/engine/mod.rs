@@ -51,7 +51,8 @@
 //!   BlockRemoved; `reset_prefix_cache` emits AllBlocksCleared. With a host tier, blocks new
 //!   to it follow their GPU BlockStored in a BlockStored with medium CPU, and host LRU
 //!   evictions are a BlockRemoved with medium CPU; AllBlocksCleared clears both tiers.
-//! * **Outputs.** The step that computes a request's last prompt token emits FirstToken;
+//! * **Outputs.** The step that computes a request's last prompt token emits FirstToken (with
+//!   the start of the first step the request was admitted into: vLLM's `scheduled_ts`);
 //!   each later step one Token; the step producing token `max_tokens` also emits Finished
 //!   with reason Length (the simulated model never stops early). Generated ids are a hash of
 //!   the request id and position: deterministic, text ids only.
@@ -188,12 +189,14 @@ pub enum FinishReason {
 /// What a step produced, in order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineOutput {
-    /// The prompt is fully prefilled and the first output token exists at time `t`.
+    /// The prompt is fully prefilled and the first output token exists at time `t`; the
+    /// request was first scheduled (admitted into a step) at `scheduled`.
     FirstToken {
         id: RequestId,
         t: f64,
         token: u32,
         cached_tokens: u32,
+        scheduled: f64,
     },
     /// A further output token at time `t`.
     Token { id: RequestId, t: f64, token: u32 },
@@ -259,6 +262,9 @@ struct Request {
     cached_tokens: u32,
     admitted: bool,
     arrival: f64,
+    /// Start of the first step it was admitted into (None until then; a re-admission after
+    /// preemption keeps it, as vLLM's `scheduled_ts`).
+    scheduled_at: Option<f64>,
     phase: Phase,
 }
 
@@ -479,6 +485,7 @@ impl Engine {
             cached_tokens: 0,
             admitted: false,
             arrival: now,
+            scheduled_at: None,
             phase: Phase::Waiting,
         };
         request.hash_blocks(prompt_tokens as usize / bs, bs);
@@ -801,6 +808,7 @@ impl Engine {
                 .request
                 .as_mut()
                 .expect("admitted request");
+            r.scheduled_at.get_or_insert(start);
             let remaining = r.tokens.len() as u32 - computed;
             let new = remaining.min(budget);
             r.store_full_blocks(kv, computed + new, bs);
@@ -986,6 +994,7 @@ impl Engine {
                     t,
                     token,
                     cached_tokens: r.cached_tokens,
+                    scheduled: r.scheduled_at.unwrap_or(t),
                 });
                 self.counters.prompt_tokens_total += r.prompt_len as u64;
             } else {
@@ -1164,6 +1173,33 @@ mod tests {
         let s = e.stats();
         assert_eq!((s.num_requests_running, s.num_requests_waiting), (0, 0));
         assert_eq!(s.kv_cache_usage, 0.0);
+    }
+
+    #[test]
+    fn first_token_says_when_the_request_was_first_scheduled() {
+        let scheduled = |out: &[EngineOutput], id| {
+            out.iter()
+                .find_map(|o| match *o {
+                    EngineOutput::FirstToken {
+                        id: i, scheduled, ..
+                    } if i == id => Some(scheduled),
+                    _ => None,
+                })
+                .expect("a first token")
+        };
+        // One sequence at a time: the second request waits for the first to finish.
+        let mut e = Engine::new(EngineConfig {
+            max_num_seqs: 1,
+            ..small(1000)
+        });
+        e.submit(1.0, request(1, &tokens(0, 10), 2)).unwrap();
+        e.submit(1.0, request(2, &tokens(100, 10), 2)).unwrap();
+        let out = run(&mut e);
+        assert_eq!(scheduled(&out, 1), 1.0);
+        // Request 1: a 20 ms prefill step and a 5 ms decode step; request 2 starts then.
+        assert!((scheduled(&out, 2) - 1.025).abs() < 1e-12, "{out:?}");
+        let (t2, _) = first_token(&out, 2);
+        assert!((t2 - scheduled(&out, 2) - 0.020).abs() < 1e-12);
     }
 
     #[test]

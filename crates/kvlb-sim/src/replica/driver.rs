@@ -63,6 +63,9 @@ struct Route {
     lora: Option<Arc<str>>,
     /// It produced an output, so `vllm:lora_requests_info` lists its adapter until it ends.
     listed: bool,
+    /// Engine seconds from its arrival to its first scheduling, and from then to its first
+    /// token, once it has one (recorded in /metrics when it finishes, as vLLM does).
+    phases: Option<(f64, f64)>,
 }
 
 struct ReplicaState {
@@ -127,7 +130,7 @@ impl Replica {
             state: Mutex::new(ReplicaState {
                 engine,
                 routes: HashMap::new(),
-                counters: RequestCounters::default(),
+                counters: RequestCounters::new(max_model_len, time_scale),
                 steps_seen: 0,
             }),
             wake_tx,
@@ -206,6 +209,7 @@ impl Replica {
                     cancelled: false,
                     lora,
                     listed: false,
+                    phases: None,
                 },
             );
             accepted.push(id);
@@ -335,15 +339,31 @@ fn route_outputs(
     let mut lora_info = lora_info.map(|m| m.lock().unwrap_or_else(|p| p.into_inner()));
     for out in outputs.drain(..) {
         let id = match &out {
-            EngineOutput::FirstToken { id, t, .. } => {
-                if let Some(r) = routes.get(id) {
+            EngineOutput::FirstToken {
+                id, t, scheduled, ..
+            } => {
+                if let Some(r) = routes.get_mut(id) {
                     counters.ttft.observe(t - r.submitted_at);
+                    r.phases = Some((scheduled - r.submitted_at, t - scheduled));
                 }
                 *id
             }
             EngineOutput::Token { id, .. } => *id,
-            EngineOutput::Finished { id, reason, .. } => {
+            EngineOutput::Finished {
+                id,
+                reason,
+                prompt_tokens,
+                cached_tokens,
+                ..
+            } => {
                 counters.finished(*reason);
+                if let Some((queue_s, prefill_s)) = routes.get(id).and_then(|r| r.phases) {
+                    counters.request_done(
+                        queue_s,
+                        prefill_s,
+                        prompt_tokens.saturating_sub(*cached_tokens),
+                    );
+                }
                 *id
             }
         };

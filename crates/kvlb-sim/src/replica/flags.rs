@@ -23,7 +23,10 @@ With --enable-lora, /metrics adds vLLM's vllm:lora_requests_info: after every en
 sample {max_lora, waiting_lora_adapters, running_lora_adapters} set to the Unix time, both
 adapter labels naming every adapter with a request between its first token and its end; the
 last 32 label sets stay, the current one has the largest value.
-/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale).
+/metrics reports vllm:time_to_first_token_seconds in engine seconds (wall seconds * time scale)
+and, as each request finishes, vllm:request_queue_time_seconds (arrival to first scheduling),
+vllm:request_prefill_time_seconds (first scheduling to first token) in wall seconds, as a GPU
+time-scale times faster would, and vllm:request_prefill_kv_computed_tokens.
 Besides /v1/completions and /v1/chat/completions it serves the agent APIs as vLLM does: the
 Responses API (/v1/responses, stored in memory per port, the last 10000, for
 previous_response_id and GET /v1/responses/ID) and Anthropic's /v1/messages (and

@@ -2,11 +2,18 @@
 //! replica-interfaces.md section 2): the gauges and counters of `EngineStats` (with a host KV
 //! tier also vllm:external_prefix_cache_queries_total / _hits_total, the pair vLLM reports
 //! for a KV connector such as CPU offloading or LMCache), request
-//! successes by finish reason and the time-to-first-token histogram. Pure rendering; the
-//! driver feeds the counters.
+//! successes by finish reason, the time-to-first-token histogram, and the per-request
+//! histograms vLLM records when a request finishes: vllm:request_queue_time_seconds (arrival
+//! to first scheduling), vllm:request_prefill_time_seconds (first scheduling to first token)
+//! and vllm:request_prefill_kv_computed_tokens (prompt tokens not found cached). Pure
+//! rendering; the driver feeds the counters.
 //!
-//! The histogram holds ENGINE seconds (what a real GPU would report): wall seconds times the
-//! replica's time scale.
+//! The time-to-first-token histogram holds ENGINE seconds (what the engine model's GPU would
+//! report): wall seconds times the replica's time scale. The queue and prefill histograms hold
+//! wall seconds, as a GPU time-scale times faster would report them, because `kvlb serve`
+//! calibrates on them beside its own wall-clock samples. A replica at `--speed 0.333` reports
+//! three times the prefill seconds for the same computed tokens (its step terms are divided by
+//! its speed).
 //!
 //! With LoRA on, `LoraRequestsInfo` keeps vLLM's `vllm:lora_requests_info` gauge, one per HTTP
 //! port (the ranks of a data-parallel replica share it, as they share vLLM's one output
@@ -37,38 +44,110 @@ pub const TTFT_BUCKETS_S: [f64; 22] = [
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// A Prometheus histogram with vLLM's TTFT buckets (non-cumulative counts; rendered cumulative).
-#[derive(Debug, Clone, Default)]
-pub struct TtftHistogram {
-    counts: [u64; TTFT_BUCKETS_S.len()],
+/// vLLM v1's bucket bounds for its per-request phase histograms (`request_latency_buckets`:
+/// vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds, ...).
+pub const REQUEST_LATENCY_BUCKETS_S: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// vLLM's `build_1_2_5_buckets(max)`: 1, 2, 5, 10, 20, 50, ... up to `max` (the bounds of
+/// vllm:request_prefill_kv_computed_tokens, up to `max_model_len`).
+pub fn buckets_1_2_5(max: u32) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut scale = 1u64;
+    loop {
+        for m in [1u64, 2, 5] {
+            if m * scale > max as u64 {
+                return out;
+            }
+            out.push((m * scale) as f64);
+        }
+        scale *= 10;
+    }
+}
+
+/// A Prometheus histogram (non-cumulative counts; rendered cumulative).
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: Vec<f64>,
+    counts: Vec<u64>,
     over: u64,
     sum: f64,
 }
 
-impl TtftHistogram {
-    pub fn observe(&mut self, seconds: f64) {
-        let s = if seconds.is_finite() && seconds > 0.0 {
-            seconds
-        } else {
-            0.0
-        };
-        match TTFT_BUCKETS_S.iter().position(|&le| s <= le) {
+impl Histogram {
+    pub fn new(bounds: &[f64]) -> Histogram {
+        Histogram {
+            bounds: bounds.to_vec(),
+            counts: vec![0; bounds.len()],
+            over: 0,
+            sum: 0.0,
+        }
+    }
+
+    /// vLLM's vllm:time_to_first_token_seconds buckets.
+    pub fn ttft() -> Histogram {
+        Histogram::new(&TTFT_BUCKETS_S)
+    }
+
+    /// vLLM's per-request phase buckets (`REQUEST_LATENCY_BUCKETS_S`).
+    pub fn request_latency() -> Histogram {
+        Histogram::new(&REQUEST_LATENCY_BUCKETS_S)
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        let v = if v.is_finite() && v > 0.0 { v } else { 0.0 };
+        match self.bounds.iter().position(|&le| v <= le) {
             Some(i) => self.counts[i] += 1,
             None => self.over += 1,
         }
-        self.sum += s;
+        self.sum += v;
     }
 
     pub fn count(&self) -> u64 {
         self.counts.iter().sum::<u64>() + self.over
     }
+
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
+    /// Append the family `name` (HELP, TYPE, buckets, count and sum) of engine `engine`
+    /// serving `model` (escaped).
+    fn render(&self, out: &mut String, name: &str, help: &str, engine: u32, model: &str) {
+        let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} histogram\n");
+        let mut cumulative = 0u64;
+        let les = self.bounds.iter().map(|le| go_float(*le));
+        for (le, n) in les
+            .chain(["+Inf".to_string()])
+            .zip(self.counts.iter().chain(std::iter::once(&self.over)))
+        {
+            cumulative += n;
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{engine=\"{engine}\",le=\"{le}\",model_name=\"{model}\"}} {}",
+                num(cumulative as f64)
+            );
+        }
+        let labels = format!("engine=\"{engine}\",model_name=\"{model}\"");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", num(cumulative as f64));
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", num(self.sum));
+    }
 }
 
-/// The requests the replica served: how each finished and its time to first token. The driver
-/// keeps these beside the engine's own counters.
-#[derive(Debug, Clone, Default)]
+/// The requests the replica served: how each finished, its time to first token and, once
+/// finished, its phases as vLLM's front end records them (`RequestCounters::request_done`).
+/// The driver keeps these beside the engine's own counters.
+#[derive(Debug, Clone)]
 pub struct RequestCounters {
-    pub ttft: TtftHistogram,
+    pub ttft: Histogram,
+    /// Seconds from arrival to first scheduling (vllm:request_queue_time_seconds).
+    pub queue_time: Histogram,
+    /// Seconds from first scheduling to the first token (vllm:request_prefill_time_seconds).
+    pub prefill_time: Histogram,
+    /// Prompt tokens not found cached (vllm:request_prefill_kv_computed_tokens).
+    pub prefill_kv_computed: Histogram,
     pub finished_stop: u64,
     pub finished_length: u64,
     pub finished_abort: u64,
@@ -76,15 +155,52 @@ pub struct RequestCounters {
     pub preemptions_total: u64,
     /// The engine has a host KV tier: render the external prefix-cache counters.
     pub host_kv_tier: bool,
+    /// The replicas' --time-scale: the queue and prefill times are recorded in wall seconds.
+    pub time_scale: f64,
 }
 
 impl RequestCounters {
+    /// Counters of an engine taking prompts of up to `max_model_len` tokens.
+    pub fn new(max_model_len: u32, time_scale: f64) -> RequestCounters {
+        RequestCounters {
+            ttft: Histogram::ttft(),
+            queue_time: Histogram::request_latency(),
+            prefill_time: Histogram::request_latency(),
+            prefill_kv_computed: Histogram::new(&buckets_1_2_5(max_model_len)),
+            finished_stop: 0,
+            finished_length: 0,
+            finished_abort: 0,
+            preemptions_total: 0,
+            host_kv_tier: false,
+            time_scale,
+        }
+    }
+
     pub fn finished(&mut self, reason: FinishReason) {
         match reason {
             FinishReason::Stop => self.finished_stop += 1,
             FinishReason::Length => self.finished_length += 1,
             FinishReason::Abort => self.finished_abort += 1,
         }
+    }
+
+    /// A request that had its first token finished: as vLLM's front end does then, record
+    /// its queue time (arrival to first scheduling), its prefill time (first scheduling to
+    /// first token: its own prefill under whatever batch it shared, preemptions included) and
+    /// the prompt tokens it computed (`prompt_tokens - cached_tokens`). The times come in
+    /// engine seconds and are recorded in wall seconds, as a GPU `time_scale` times faster
+    /// reports them: kvlb calibrates from them beside its own wall-clock samples.
+    pub fn request_done(&mut self, queue_s: f64, prefill_s: f64, computed_tokens: u32) {
+        let wall = |s: f64| s / self.time_scale.max(f64::MIN_POSITIVE);
+        self.queue_time.observe(wall(queue_s));
+        self.prefill_time.observe(wall(prefill_s));
+        self.prefill_kv_computed.observe(computed_tokens as f64);
+    }
+}
+
+impl Default for RequestCounters {
+    fn default() -> RequestCounters {
+        RequestCounters::new(crate::engine::EngineConfig::default().max_model_len, 1.0)
     }
 }
 
@@ -310,30 +426,34 @@ pub fn render(model: &str, engine: u32, stats: &EngineStats, counters: &RequestC
             num(n as f64)
         );
     }
-    let name = "vllm:time_to_first_token_seconds";
-    let _ = write!(
-        out,
-        "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram\n"
+    counters.ttft.render(
+        &mut out,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        engine,
+        &m,
     );
-    let h = &counters.ttft;
-    let mut cumulative = 0u64;
-    for (i, le) in TTFT_BUCKETS_S.iter().enumerate() {
-        cumulative += h.counts[i];
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{engine=\"{engine}\",le=\"{}\",model_name=\"{m}\"}} {}",
-            num(*le),
-            num(cumulative as f64)
-        );
-    }
-    cumulative += h.over;
-    let _ = writeln!(
-        out,
-        "{name}_bucket{{engine=\"{engine}\",le=\"+Inf\",model_name=\"{m}\"}} {}",
-        num(cumulative as f64)
+    counters.queue_time.render(
+        &mut out,
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        engine,
+        &m,
     );
-    let _ = writeln!(out, "{name}_count{{{labels}}} {}", num(cumulative as f64));
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", num(h.sum));
+    counters.prefill_time.render(
+        &mut out,
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        engine,
+        &m,
+    );
+    counters.prefill_kv_computed.render(
+        &mut out,
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        engine,
+        &m,
+    );
     out
 }
 
@@ -471,6 +591,33 @@ mod tests {
         }
         assert_eq!(c.ttft.count(), 3);
         assert!(!text.contains("external_prefix_cache"), "no host tier");
+        // The per-request phases, recorded as requests finish.
+        c.request_done(0.01, 0.4, 3000);
+        c.request_done(0.0, 1.2, 16);
+        let text = render("Qwen/Qwen3-8B", 0, &stats, &c);
+        for line in [
+            "# TYPE vllm:request_prefill_time_seconds histogram",
+            "vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"0.3\",model_name=\"Qwen/Qwen3-8B\"} 0.0",
+            "vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"0.5\",model_name=\"Qwen/Qwen3-8B\"} 1.0",
+            "vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"1.5\",model_name=\"Qwen/Qwen3-8B\"} 2.0",
+            "vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"7680.0\",model_name=\"Qwen/Qwen3-8B\"} 2.0",
+            "vllm:request_prefill_time_seconds_count{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 2.0",
+            "vllm:request_prefill_time_seconds_sum{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1.6",
+            "# TYPE vllm:request_queue_time_seconds histogram",
+            "vllm:request_queue_time_seconds_bucket{engine=\"0\",le=\"0.3\",model_name=\"Qwen/Qwen3-8B\"} 2.0",
+            "vllm:request_queue_time_seconds_sum{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 0.01",
+            "# TYPE vllm:request_prefill_kv_computed_tokens histogram",
+            "vllm:request_prefill_kv_computed_tokens_bucket{engine=\"0\",le=\"20.0\",model_name=\"Qwen/Qwen3-8B\"} 1.0",
+            "vllm:request_prefill_kv_computed_tokens_bucket{engine=\"0\",le=\"5000.0\",model_name=\"Qwen/Qwen3-8B\"} 2.0",
+            "vllm:request_prefill_kv_computed_tokens_sum{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 3016.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        // Its token buckets go up to the engine's max_model_len, as vLLM's.
+        assert_eq!(buckets_1_2_5(12), [1.0, 2.0, 5.0, 10.0]);
+        let max = EngineStats::default();
+        let wide = render("m", 0, &max, &RequestCounters::new(2_000_000, 1.0));
+        assert!(wide.contains("vllm:request_prefill_kv_computed_tokens_bucket{engine=\"0\",le=\"2e+06\",model_name=\"m\"} 0.0"), "{wide}");
         c.host_kv_tier = true;
         let text = render("Qwen/Qwen3-8B", 0, &stats, &c);
         for line in [
