@@ -899,23 +899,24 @@ mod tests {
         );
     }
 
+    /// Twenty streams of replica 0 whose 100 decode steps of 0.01 s took 2 s: decode at 2x.
+    fn decode_measured_at_2x(c: &mut Calibration) {
+        for _ in 0..20 {
+            let d = DecodeSample {
+                replica: 0,
+                epoch: 0,
+                steps: 100,
+                step_s: 0.01,
+                elapsed_s: 2.0,
+            };
+            learn(c, &Sample::Decode(d), 0);
+        }
+    }
+
     #[test]
     fn the_decode_part_is_taken_out_before_the_prefill_fit() {
         let mut c = Calibration::new(1);
-        // Decode measured at 2x.
-        for _ in 0..20 {
-            learn(
-                &mut c,
-                &Sample::Decode(DecodeSample {
-                    replica: 0,
-                    epoch: 0,
-                    steps: 100,
-                    step_s: 0.01,
-                    elapsed_s: 2.0,
-                }),
-                0,
-            );
-        }
+        decode_measured_at_2x(&mut c);
         c.update_fleet();
         assert!((c.pace(0).decode - 2.0).abs() < 0.01, "{:?}", c.pace(0));
         // TTFT of 0.2 s prefill at 1.5x plus 0.1 s decode at 2x.
@@ -1085,19 +1086,7 @@ mod tests {
     #[test]
     fn a_reports_decode_part_is_taken_out_at_the_decode_pace() {
         let mut c = Calibration::new(1);
-        for _ in 0..20 {
-            learn(
-                &mut c,
-                &Sample::Decode(DecodeSample {
-                    replica: 0,
-                    epoch: 0,
-                    steps: 100,
-                    step_s: 0.01,
-                    elapsed_s: 2.0,
-                }),
-                0,
-            );
-        }
+        decode_measured_at_2x(&mut c);
         // 8 prefills of 0.2 s sharing steps with 0.1 s of decoders: 1.5x and 2x.
         for _ in 0..10 {
             let s = PrefillSample {
