@@ -18,6 +18,23 @@ fn kvlb(args: &[&str]) -> Output {
         .expect("run kvlb simulate")
 }
 
+/// A directory of this test under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(label: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("kvlb-sim-{label}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A trace's path; it is part of the checkout, so a missing one fails the test.
 fn trace(name: &str) -> String {
     let p = PathBuf::from(TRACES).join(name);
@@ -139,16 +156,8 @@ fn simulate_generators_are_deterministic() {
 
 #[test]
 fn simulate_policy_subset_table_and_plot() {
-    let dir = std::env::temp_dir().join(format!("kvlb-sim-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    struct Cleanup(PathBuf);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _cleanup = Cleanup(dir.clone());
-    let svg = dir.join("ttft.svg");
+    let dir = TempDir::new("plot");
+    let svg = dir.0.join("ttft.svg");
     let out = kvlb(&[
         "--trace",
         "gen:agent-sessions",
@@ -189,9 +198,8 @@ fn simulate_policy_subset_table_and_plot() {
 /// happened, so a tail can be read request by request.
 #[test]
 fn simulate_writes_each_decision_against_what_happened() {
-    let dir = std::env::temp_dir().join(format!("kvlb-sim-decisions-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("decisions.jsonl");
+    let dir = TempDir::new("decisions");
+    let path = dir.0.join("decisions.jsonl");
     let out = kvlb(&[
         "--trace",
         "gen:agent-sessions",
@@ -212,7 +220,6 @@ fn simulate_writes_each_decision_against_what_happened() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = std::fs::read_to_string(&path).expect("decisions written");
-    let _ = std::fs::remove_dir_all(&dir);
     let lines: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -273,9 +280,8 @@ fn simulate_azure_trace_shares_nothing() {
 
 #[test]
 fn simulate_rejects_bad_input_with_a_message() {
-    let dir = std::env::temp_dir().join(format!("kvlb-sim-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let bad = dir.join("bad.jsonl");
+    let dir = TempDir::new("bad");
+    let bad = dir.0.join("bad.jsonl");
     std::fs::write(
         &bad,
         "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n{\"timestamp\": 5, \"input_length\": 2000, \"output_length\": 1, \"hash_ids\": [1]}\n",
@@ -347,7 +353,7 @@ fn simulate_rejects_bad_input_with_a_message() {
         assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     let help = kvlb(&["--help"]);
     assert!(help.status.success());
     assert!(String::from_utf8_lossy(&help.stdout).contains("--speedup"));
