@@ -22,18 +22,23 @@ pub(super) fn send_error(
     err: &ApiError,
     keep_alive: bool,
 ) -> io::Result<()> {
-    conn.write_all(&http::response(
-        err.status,
-        Some("application/json"),
-        err.body().as_bytes(),
-        keep_alive,
-    ))
+    send_json_status(conn, err.status, &err.body(), keep_alive)
 }
 
 /// A 200 with a JSON body.
 pub(super) fn send_json(conn: &mut Connection, body: &str, keep_alive: bool) -> io::Result<()> {
+    send_json_status(conn, 200, body, keep_alive)
+}
+
+/// A JSON body with `status`.
+pub(super) fn send_json_status(
+    conn: &mut Connection,
+    status: u16,
+    body: &str,
+    keep_alive: bool,
+) -> io::Result<()> {
     conn.write_all(&http::response(
-        200,
+        status,
         Some("application/json"),
         body.as_bytes(),
         keep_alive,

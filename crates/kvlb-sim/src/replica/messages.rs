@@ -64,12 +64,7 @@ pub(super) fn send_error(
     err: &ApiError,
     keep_alive: bool,
 ) -> io::Result<()> {
-    conn.write_all(&http::response(
-        err.status,
-        Some("application/json"),
-        error_body(err).as_bytes(),
-        keep_alive,
-    ))
+    super::answer::send_json_status(conn, err.status, &error_body(err), keep_alive)
 }
 
 /// A body that is not a JSON object of the Messages API's shape.
