@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::Duration;
 use support::client::HttpConn;
-use support::fleet::{decision, ReplicaFleet};
+use support::fleet::{decision, replicas_json, ReplicaFleet};
 use support::{wait_until, Kvlb};
 
 const T: Duration = Duration::from_secs(20);
@@ -63,6 +63,35 @@ fn instructions() -> String {
     s
 }
 
+/// Each replica's blocks in kvlb's residency index.
+fn resident(kvlb: &Kvlb) -> Vec<u64> {
+    replicas_json(kvlb)
+        .iter()
+        .map(|r| r["resident_blocks"].as_u64().unwrap_or(0))
+        .collect()
+}
+
+/// Waits until kvlb's index holds as many blocks on replica `served` as the prompt of its
+/// answer `r` has whole blocks (less one for rounding). The residency writer applies routed
+/// prompts within a few milliseconds; a client sending its next turn the instant an answer
+/// of two tokens comes back can beat it on a busy machine, where an agent's next turn waits
+/// for its tool call.
+fn learned(kvlb: &Kvlb, served: usize, r: &support::Response) {
+    let header = r.header("x-kvlb-decision").unwrap_or("");
+    let prompt: usize = header
+        .split(';')
+        .find_map(|p| p.trim().strip_prefix("prompt_tokens="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no prompt_tokens in {header:?}"));
+    // Text mode: four canonical bytes a token.
+    let blocks = (prompt * 4 / kvlb::prefix::BLOCK_BYTES).saturating_sub(1) as u64;
+    assert!(
+        wait_until(Duration::from_secs(5), || resident(kvlb)[served] >= blocks),
+        "replica {served} never held the {blocks} blocks of {header:?} in kvlb's index: {:?}",
+        replicas_json(kvlb)
+    );
+}
+
 /// The input items of turn `turn` of session `session` (the whole history, resent).
 fn responses_items(session: usize, turn: usize) -> Vec<Value> {
     let mut items = Vec::new();
@@ -98,6 +127,7 @@ fn responses_and_messages_sessions_route_on_their_prompt() {
             assert_eq!(r.status, 200, "{}", r.describe());
             let (reason, matched) = decision(&r);
             let served = reps.served_by(&r);
+            learned(&kvlb, served, &r);
             if turn == 0 {
                 assert_ne!(reason, "fallback", "the prompt was read: {}", r.describe());
                 home = Some(served);
@@ -146,6 +176,7 @@ fn responses_and_messages_sessions_route_on_their_prompt() {
         assert_eq!(v["type"], "message", "{v}");
         let (reason, matched) = decision(&r);
         let served = reps.served_by(&r);
+        learned(&kvlb, served, &r);
         if turn == 0 {
             assert_ne!(reason, "fallback");
             home = Some(served);
