@@ -522,12 +522,7 @@ impl Fit2 {
         (p.clamp(MIN_PACE, MAX_PACE), q.clamp(MIN_PACE, MAX_PACE))
     }
 
-    /// The prediction is made at `(p, q)`.
-    fn add(&mut self, x1: f64, x2: f64, y: f64, at: (f64, f64)) -> bool {
-        self.add_n(x1, x2, y, at, 1.0)
-    }
-
-    /// Add `n` samples of `y` observed for `(x1, x2)`.
+    /// Add `n` samples of `y` observed for `(x1, x2)`; the prediction is made at `(p, q)`.
     fn add_n(&mut self, x1: f64, x2: f64, y: f64, (p, q): (f64, f64), n: f64) -> bool {
         let x = x1 + x2;
         let sane = n > 0.0 && n.is_finite() && x.is_finite() && y.is_finite();
@@ -655,19 +650,8 @@ impl Calibration {
                 let pace = f.pace(fleet);
                 let decode = t.wait.decode + t.prefill.decode;
                 let y = observed - t.fixed_s as f64 - pace.decode as f64 * decode;
-                let (x1, x2) = (t.prefill.prefill, t.wait.prefill);
-                // The replica's level: its time against the configured price of the same work,
-                // its queue part weighed as the fleet's queues run.
-                f.level.forget(now_ms);
-                let shape = fleet.queue as f64 / fleet.prefill as f64;
-                let (x, w) = (x1 + shape * x2, f.level.weight());
-                if f.level.add(x, y, fleet.prefill as f64, w) {
-                    f.outliers += 1;
-                }
-                // The fleet: every replica's samples together.
-                self.pooled_prefill.forget(now_ms);
-                let at = self.pooled_prefill.solve(1.0, 1.0, PRIOR_WEIGHT);
-                self.pooled_prefill.add(x1, x2, y, at);
+                let x = (t.prefill.prefill, t.wait.prefill);
+                self.learn_prefill(t.replica as usize, x, y, 1.0, now_ms);
             }
             Sample::Decode(d) => {
                 let Some(f) = self.fit(d.replica, d.epoch) else {
@@ -697,17 +681,29 @@ impl Calibration {
                 // part taken out at the replica's decode pace, as a TTFT sample's.
                 let decode = f.pace(fleet).decode as f64 * p.prefill.decode;
                 let y = p.observed_s as f64 / n - decode;
-                let x = p.prefill.prefill;
-                f.level.forget(now_ms);
-                let w = f.level.weight();
-                if f.level.add_n(x, y, fleet.prefill as f64, w, n) {
-                    f.outliers += 1;
-                }
-                self.pooled_prefill.forget(now_ms);
-                let at = self.pooled_prefill.solve(1.0, 1.0, PRIOR_WEIGHT);
-                self.pooled_prefill.add_n(x, 0.0, y, at, n);
+                self.learn_prefill(p.replica as usize, (p.prefill.prefill, 0.0), y, n, now_ms);
             }
         }
+    }
+
+    /// Learn `n` observations of `y` seconds (the decode part taken out) for slot `r`'s work
+    /// of `x1` seconds of own prefill and `x2` of queued prefill at the configured speed: its
+    /// level, the queue part weighed as the fleet's queues run, and the fleet's fit.
+    fn learn_prefill(&mut self, r: usize, (x1, x2): (f64, f64), y: f64, n: f64, now_ms: u64) {
+        let fleet = self.fleet;
+        let Some(f) = self.replicas.get_mut(r) else {
+            return;
+        };
+        f.level.forget(now_ms);
+        let shape = fleet.queue as f64 / fleet.prefill as f64;
+        let (x, w) = (x1 + shape * x2, f.level.weight());
+        if f.level.add_n(x, y, fleet.prefill as f64, w, n) {
+            f.outliers += 1;
+        }
+        // The fleet: every replica's samples together.
+        self.pooled_prefill.forget(now_ms);
+        let at = self.pooled_prefill.solve(1.0, 1.0, PRIOR_WEIGHT);
+        self.pooled_prefill.add_n(x1, x2, y, at, n);
     }
 
     /// Slot `r` took another replica, of slot epoch `epoch`: back to the fleet's pace, and
