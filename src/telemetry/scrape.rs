@@ -231,9 +231,11 @@ pub fn label_value<'a>(labels: &'a str, name: &str) -> Option<std::borrow::Cow<'
 /// series without the label is the whole engine's, shared: its request counts divided evenly
 /// among the ranks, its KV usage and prefill reports each rank's (when it has none of its own).
 pub fn parse_metrics_ranks(text: &str, n: usize) -> Vec<MetricsSample> {
+    // The four gauges, then PREFILL_SERIES.
     const P: usize = 4;
-    let mut ranks: Vec<[Acc; P + 5]> = (0..n).map(|_| Default::default()).collect();
-    let mut shared: [Acc; P + 5] = Default::default();
+    const N: usize = P + PREFILL_SERIES.len();
+    let mut ranks: Vec<[Acc; N]> = (0..n).map(|_| Default::default()).collect();
+    let mut shared: [Acc; N] = Default::default();
     let mut lora = LoraInfo::default();
     for line in text.lines() {
         let Some((name, labels, v)) = labeled_sample(line) else {
