@@ -109,10 +109,6 @@ impl Histogram {
         self.counts.iter().sum::<u64>() + self.over
     }
 
-    pub fn sum(&self) -> f64 {
-        self.sum
-    }
-
     /// Append the family `name` (HELP, TYPE, buckets, count and sum) of engine `engine`
     /// serving `model` (escaped).
     fn render(&self, out: &mut String, name: &str, help: &str, engine: u32, model: &str) {
