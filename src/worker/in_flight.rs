@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+use crate::estimate::calibrate::MIN_DECODE_EVENTS;
 use crate::worker::Worker;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
@@ -148,10 +149,6 @@ impl<'a> InFlight<'a> {
         }
     }
 }
-
-/// A stream of fewer events says too little of the replica's decode steps (its last events,
-/// the finish reason and usage, come with its last token).
-const MIN_DECODE_EVENTS: u32 = 32;
 
 impl InFlight<'_> {
     /// Body bytes of the answer as relayed (de-chunked): a measured stream's events are

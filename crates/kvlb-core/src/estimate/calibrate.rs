@@ -97,6 +97,9 @@ pub const OUTLIER_RATIO: f64 = 3.0;
 /// faster than real time, or a large model on a small GPU priced with the defaults.
 pub const MIN_PACE: f64 = 0.001;
 pub const MAX_PACE: f64 = 1000.0;
+/// A stream of fewer events (tokens) says too little of the replica's decode steps to be a
+/// [`DecodeSample`] (its last events, the finish reason and usage, come with its last token).
+pub const MIN_DECODE_EVENTS: u32 = 32;
 /// The share of a fit's sums that forgetting leaves `dt_ms` later: half every
 /// [`HALF_LIFE_MS`], never below [`KEPT_PRIORS`] priors of `evidence` by forgetting alone.
 fn kept(evidence: f64, dt_ms: u64) -> f64 {

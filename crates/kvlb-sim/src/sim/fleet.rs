@@ -39,7 +39,9 @@
 use super::routed::RoutedBlocks;
 use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
 use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest, Speed};
-use crate::estimate::calibrate::{Calibration, DecodeSample, Sample, TtftSample};
+use crate::estimate::calibrate::{
+    Calibration, DecodeSample, Sample, TtftSample, MIN_DECODE_EVENTS,
+};
 use crate::estimate::{ReportedLoad, TtftModel};
 use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
@@ -632,7 +634,10 @@ pub fn simulate_serving(
                             let rec = &records[id as usize];
                             let tokens = trace.requests[id as usize].output_tokens;
                             let elapsed = rec.e2e_s - rec.ttft_s;
-                            if decode_step[id as usize] > 0.0 && tokens >= 32 && elapsed > 0.0 {
+                            if decode_step[id as usize] > 0.0
+                                && tokens >= MIN_DECODE_EVENTS
+                                && elapsed > 0.0
+                            {
                                 let sample = DecodeSample {
                                     replica: i as u32,
                                     epoch: 0,
