@@ -12,6 +12,7 @@
 //! - `http`: HTTP/1.1 request and response heads, chunked bodies.
 //! - `kv_events`: vLLM's and SGLang's KV cache events (msgpack), decoded and encoded.
 //! - `models`: which replica serves which model (and LoRA adapter), read per request.
+//! - `pd`: the two legs' bodies of a prefill/decode disaggregated request.
 //! - `affinity`: which replica stored a Responses API response (`previous_response_id`).
 //! - `lru`, `rng`: an intrusive LRU list and the policies' xorshift generator.
 //!
@@ -26,6 +27,7 @@ pub mod http;
 pub mod kv_events;
 pub mod lru;
 pub mod models;
+pub mod pd;
 pub mod prefix;
 pub mod prompt;
 pub mod residency;

@@ -416,6 +416,35 @@ pub fn top_level_string(body: &[u8], key: &[u8], emit: &mut impl FnMut(&[u8])) {
     }
 }
 
+/// Calls `visit(key, member, value)` for each member of the JSON object `body`, in order:
+/// `member` is the bytes from after the `{` or `,` before it to the end of its value (its
+/// whitespace, key, colon and value), `value` the value's. Values are skimmed, not validated
+/// (as [`top_level_string`]). Returns false when `body` is no object or breaks off; `visit` may
+/// have been called for the members before that point.
+pub fn top_level_members(
+    body: &[u8],
+    visit: &mut impl FnMut(&[u8], std::ops::Range<usize>, std::ops::Range<usize>),
+) -> bool {
+    let mut c = Cursor::new(body, 0);
+    if !matches!(c.peek_token(), Ok(b'{')) {
+        return false;
+    }
+    let mut start = c.pos + 1;
+    let whole = c.object(0, |c, k| {
+        c.peek_token()?;
+        let from = c.pos;
+        c.skim_fast()?;
+        visit(k, start..c.pos, from..c.pos);
+        // The next member starts after the comma that follows (if one does).
+        let mut next = Cursor::new(c.buf, c.pos);
+        if next.peek_token()? == b',' {
+            start = next.pos + 1;
+        }
+        Ok(())
+    });
+    whole.is_ok() && body[c.pos..].iter().all(u8::is_ascii_whitespace)
+}
+
 /// Streams the canonical prefix of `body` into `sink` and says which form it took.
 ///
 /// On `Err`, some pieces may already have been emitted: the sink must discard them.
