@@ -45,6 +45,17 @@
 //!   every step that runs them); the step that first runs an adapter not in a GPU slot takes
 //!   `lora_switch_s` longer per such adapter (its weights copied from host memory), evicting
 //!   the least recently run one.
+//! * **Disaggregated prefill** (`KvTransfer`, given with `submit_with`; vLLM's NixlConnector).
+//!   A prefill for a remote decode keeps its blocks referenced when it finishes: unevictable,
+//!   counted in the cache usage and out of preemption's reach, until `release_held` (the
+//!   decode instance pulled them) or its hold times out (`advance` releases it then and counts
+//!   it). An aborted one frees them at once, as vLLM returns no KV for it. Requests that do not
+//!   fit for held blocks wait; the engine tries again only when blocks come back (a release,
+//!   a timeout) or the queue's head leaves, and `next_event_time` names the next timeout. A
+//!   decode whose prompt KV arrived from a prefill instance is admitted with it as computed,
+//!   past its own GPU hit, but for the last prompt token: its first step computes that one
+//!   token. The transfer's time is the caller's (`kvlb replica` waits it out before
+//!   submitting). Its blocks are registered and announced like computed ones.
 //! * **KV events.** Blocks are registered and announced (BlockStored) when the step that
 //!   fills them is scheduled, as vLLM does; one event covers the consecutive blocks one
 //!   request fills in one step. Reused blocks announce nothing; every eviction is one
@@ -61,9 +72,11 @@
 //!   count at the first token; finished requests include aborts. As in vLLM with a KV
 //!   connector (CPU offloading, LMCache), `prefix_cache_*` are the GPU cache's own lookups and
 //!   the host tier has its own pair (`vllm:external_prefix_cache_queries_total` / `_hits_`):
-//!   queried are the prompt tokens past the GPU hit, hit the tokens loaded from host. A
-//!   request's `cached_tokens` (the OpenAI usage `prompt_tokens_details.cached_tokens`) is
-//!   the GPU hit plus the host hit, as vLLM's `num_cached_tokens` counts both.
+//!   queried are the prompt tokens past the GPU hit, hit the tokens loaded from host (or
+//!   received from a prefill instance; `set_kv_connector` counts the pair without a host
+//!   tier). A request's `cached_tokens` (the OpenAI usage
+//!   `prompt_tokens_details.cached_tokens`) is the GPU hit plus the external one, as vLLM's
+//!   `num_cached_tokens` counts both.
 //!
 //! Cost per step is O(running requests) plus the blocks that change hands; admission costs
 //! O(prompt blocks) once per request. Nothing allocates per token except the KV events
@@ -83,7 +96,7 @@ pub use speed::{timing_spread, Speed, SpeedList};
 use crate::kv_events::KvEvent;
 use crate::select::Rng;
 use kv_cache::KvCache;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use timing::StepWork;
 
 pub type RequestId = u64;
@@ -128,6 +141,9 @@ pub struct EngineConfig {
     pub timing_spread: f64,
     /// Seed of the jitter's random numbers (give each replica its own).
     pub timing_seed: u64,
+    /// KV cache bytes per token (all layers, K and V): what moving a request's KV to another
+    /// instance transfers per token (disaggregated prefill). The engine itself does not use it.
+    pub kv_bytes_per_token: u64,
 }
 
 /// A request handed to the engine.
@@ -141,6 +157,33 @@ pub struct EngineRequest {
     pub cache_salt: Option<u64>,
     /// The LoRA adapter it runs under: its KV events name it.
     pub lora: Option<LoraRef>,
+}
+
+/// A request's part in disaggregated prefill, as vLLM's KV connectors (NixlConnector) play it
+/// from `kv_transfer_params`. Given with [`Engine::submit_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum KvTransfer {
+    /// An ordinary request.
+    #[default]
+    None,
+    /// A prefill for a remote decode (`do_remote_decode`): when it finishes (not when it is
+    /// aborted) its blocks stay held, unevictable and counted in the cache usage, until
+    /// [`Engine::release_held`] (the decode instance pulled them) or for `hold_s` engine
+    /// seconds (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT), whichever comes first.
+    Hold { hold_s: f64 },
+    /// A decode whose first `tokens` prompt tokens arrived as KV from a prefill instance
+    /// (`do_remote_prefill`): its first admission treats them as computed, like a prefix hit
+    /// past the GPU's own, except the last prompt token, which it computes for its logits.
+    Received { tokens: u32 },
+}
+
+/// The KV a finished [`KvTransfer::Hold`] request held, as `release_held` hands it over.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldKv {
+    /// Tokens whose KV the blocks hold (the prompt, plus all but the last generated token).
+    pub tokens: u32,
+    /// The physical blocks, in sequence order (free again once released).
+    pub blocks: Vec<u32>,
 }
 
 /// A LoRA adapter as vLLM's KV events name it (`lora_id`, `lora_name`).
@@ -229,6 +272,12 @@ pub struct EngineStats {
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     pub requests_finished_total: u64,
+    /// Finished requests whose blocks are held for a remote decode (`KvTransfer::Hold`).
+    pub kv_held_requests: u32,
+    /// Their blocks (a block two holds share counts twice).
+    pub kv_held_blocks: u64,
+    /// Holds that ended by their timeout, not by a pull (vllm:nixl_num_kv_expired_reqs).
+    pub kv_holds_expired: u64,
 }
 
 /// Where a request is.
@@ -266,6 +315,8 @@ struct Request {
     /// preemption keeps it, as vLLM's `scheduled_ts`).
     scheduled_at: Option<f64>,
     phase: Phase,
+    /// Its part in disaggregated prefill.
+    transfer: KvTransfer,
 }
 
 impl Request {
@@ -324,6 +375,32 @@ struct Slot {
     request: Option<Request>,
 }
 
+/// The blocks of a finished `KvTransfer::Hold` request, waiting for their pull.
+struct Held {
+    blocks: Vec<u32>,
+    tokens: u32,
+    /// Engine time its hold times out.
+    expires: f64,
+}
+
+/// An engine time ordered as a key (by `total_cmp`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Deadline(f64);
+
+impl Eq for Deadline {}
+
+impl PartialOrd for Deadline {
+    fn partial_cmp(&self, other: &Deadline) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Deadline {
+    fn cmp(&self, other: &Deadline) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
 /// One request's share of the step in progress.
 #[derive(Debug, Clone, Copy)]
 struct Scheduled {
@@ -371,6 +448,15 @@ pub struct Engine {
     gpu_loras: Vec<(i64, u64)>,
     /// The step-time jitter's random numbers (`timing_spread`, seeded by `timing_seed`).
     jitter: Rng,
+    /// Finished requests' blocks held for a remote decode, and their timeouts in order.
+    held: HashMap<RequestId, Held>,
+    hold_deadlines: BTreeSet<(Deadline, RequestId)>,
+    /// Idle with requests waiting that did not fit: held blocks fill the cache, and only a
+    /// hold ending (or the queue's head leaving) changes that. No step is tried until then.
+    stalled: bool,
+    /// Count external prefix-cache lookups for every request, as vLLM does with a KV connector
+    /// (a host tier, or disaggregated prefill).
+    kv_connector: bool,
 }
 
 /// Deterministic "model output": a text token from the request id and position.
@@ -422,6 +508,10 @@ impl Engine {
             step_loras: Vec::new(),
             gpu_loras: Vec::new(),
             jitter: Rng::new(timing_seed),
+            held: HashMap::new(),
+            hold_deadlines: BTreeSet::new(),
+            stalled: false,
+            kv_connector: false,
         }
     }
 
@@ -450,14 +540,35 @@ impl Engine {
         self.kv.set_events_enabled(enabled);
     }
 
+    /// Count the external prefix-cache pair (`external_prefix_cache_*`) for every request, as
+    /// vLLM does with a KV connector: tokens past the GPU hit are queried, those loaded from
+    /// the host tier or received from a prefill instance hit. On by itself with a host tier.
+    pub fn set_kv_connector(&mut self, on: bool) {
+        self.kv_connector = on;
+    }
+
+    fn counts_external(&self) -> bool {
+        self.kv_connector || self.kv.host_enabled()
+    }
+
     /// Queue a request at time `now`. Rejects prompts over the context limit.
     /// `max_tokens` 0 is served as 1 (every request produces a first token).
     pub fn submit(&mut self, now: f64, req: EngineRequest) -> Result<(), EngineError> {
+        self.submit_with(now, req, KvTransfer::None)
+    }
+
+    /// `submit` for a request with a part in disaggregated prefill (`KvTransfer`).
+    pub fn submit_with(
+        &mut self,
+        now: f64,
+        req: EngineRequest,
+        transfer: KvTransfer,
+    ) -> Result<(), EngineError> {
         let now = self.sane_time(now);
         if req.prompt_tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        if self.by_id.contains_key(&req.id) {
+        if self.by_id.contains_key(&req.id) || self.held.contains_key(&req.id) {
             return Err(EngineError::DuplicateId(req.id));
         }
         let prompt_tokens = u32::try_from(req.prompt_tokens.len()).unwrap_or(u32::MAX);
@@ -487,6 +598,7 @@ impl Engine {
             arrival: now,
             scheduled_at: None,
             phase: Phase::Waiting,
+            transfer,
         };
         request.hash_blocks(prompt_tokens as usize / bs, bs);
         let slot = match self.free_slots.pop() {
@@ -504,8 +616,11 @@ impl Engine {
         };
         self.by_id.insert(req.id, slot);
         self.waiting.push_back(slot);
-        if self.step_end.is_none() {
-            self.plan_step(self.clock.max(now));
+        if self.step_end.is_none() && !self.stalled {
+            let start = self.clock.max(now);
+            self.expire_holds(start);
+            self.plan_step(start);
+            self.note_stall(start);
         }
         Ok(())
     }
@@ -523,7 +638,11 @@ impl Engine {
                 self.running.retain(|&s| s != slot);
                 request.release_blocks(&mut self.kv);
             }
-            Phase::Waiting => self.waiting.retain(|&s| s != slot),
+            Phase::Waiting => {
+                self.waiting.retain(|&s| s != slot);
+                // The queue's head may have changed: try again from now.
+                self.unstall(now);
+            }
         }
         self.counters.requests_finished_total += 1;
         self.pending.push(EngineOutput::Finished {
@@ -539,16 +658,93 @@ impl Engine {
 
     /// Engine time at which the step in progress ends, or None when idle with nothing queued.
     /// (When a caller submitted while a finished step was not yet advanced past, the engine
-    /// may be idle with requests queued: then it is the time the next step can start.)
+    /// may be idle with requests queued: then it is the time the next step can start.) When
+    /// idle, the first hold timeout counts too; requests that did not fit for held blocks wait
+    /// for it (or for `release_held`).
     pub fn next_event_time(&self) -> Option<f64> {
         if let Some(end) = self.step_end {
             return Some(end);
         }
-        let slot = *self.waiting.front()?;
-        Some(self.clock.max(self.request(slot).arrival))
+        let expiry = self.next_hold_deadline();
+        let queued = match (self.stalled, self.waiting.front()) {
+            (false, Some(&slot)) => Some(self.clock.max(self.request(slot).arrival)),
+            _ => None,
+        };
+        match (queued, expiry) {
+            (Some(q), Some(x)) => Some(q.min(x)),
+            (q, x) => q.or(x),
+        }
     }
 
-    /// Run every step that ends at or before `now`, appending what they produced.
+    /// Blocks held for the remote decode of finished request `id` (`KvTransfer::Hold`), in
+    /// sequence order; None if it holds none (unknown, not finished, released or expired).
+    pub fn held_blocks(&self, id: RequestId) -> Option<&[u32]> {
+        self.held.get(&id).map(|h| h.blocks.as_slice())
+    }
+
+    /// The remote decode pulled request `id`'s KV at time `now`: release its held blocks
+    /// (they stay cached until evicted) and say what they held. None if it holds none.
+    pub fn release_held(&mut self, now: f64, id: RequestId) -> Option<HeldKv> {
+        let now = self.sane_time(now);
+        let held = self.held.remove(&id)?;
+        self.hold_deadlines.remove(&(Deadline(held.expires), id));
+        Some(self.free_held(held, now))
+    }
+
+    fn next_hold_deadline(&self) -> Option<f64> {
+        self.hold_deadlines.first().map(|(d, _)| d.0)
+    }
+
+    /// Release the holds timing out at or before `upto`, first to last.
+    fn expire_holds(&mut self, upto: f64) {
+        while let Some(&(deadline, id)) = self.hold_deadlines.first() {
+            if deadline.0 > upto {
+                break;
+            }
+            self.hold_deadlines.pop_first();
+            if let Some(held) = self.held.remove(&id) {
+                self.counters.kv_holds_expired += 1;
+                self.free_held(held, deadline.0);
+            }
+        }
+    }
+
+    /// Give back a hold's blocks at time `at` (tail first, as a finishing request does).
+    fn free_held(&mut self, held: Held, at: f64) -> HeldKv {
+        for &block in held.blocks.iter().rev() {
+            self.kv.release(block);
+        }
+        self.counters.kv_held_requests -= 1;
+        self.counters.kv_held_blocks -= held.blocks.len() as u64;
+        self.unstall(at);
+        HeldKv {
+            tokens: held.tokens,
+            blocks: held.blocks,
+        }
+    }
+
+    /// After planning at `start`: no step although the queue's head had arrived means its
+    /// blocks did not fit, which only held blocks cause (with none held, every block is free
+    /// or evictable when nothing runs).
+    fn note_stall(&mut self, start: f64) {
+        self.stalled = self.step_end.is_none()
+            && !self.held.is_empty()
+            && self
+                .waiting
+                .front()
+                .is_some_and(|&slot| self.request(slot).arrival <= start);
+    }
+
+    /// Blocks came back or the queue changed at `at`: a stalled engine tries again, from then.
+    fn unstall(&mut self, at: f64) {
+        if self.stalled {
+            self.stalled = false;
+            self.clock = self.clock.max(at);
+        }
+    }
+
+    /// Run every step that ends at or before `now`, appending what they produced; release the
+    /// holds timing out by then.
     pub fn advance(&mut self, now: f64, out: &mut Vec<EngineOutput>) {
         out.append(&mut self.pending);
         loop {
@@ -557,6 +753,7 @@ impl Engine {
                     self.step_end = None;
                     self.clock = end;
                     self.finish_step(end, out);
+                    self.expire_holds(end);
                     self.plan_step(end);
                 }
                 Some(_) => break,
@@ -564,23 +761,37 @@ impl Engine {
                     let Some(&slot) = self.waiting.front() else {
                         break;
                     };
+                    if self.stalled {
+                        // Nothing fit when last tried: only a hold ending frees blocks.
+                        match self.next_hold_deadline() {
+                            Some(x) if x <= now => {
+                                self.expire_holds(x);
+                                continue;
+                            }
+                            _ => break,
+                        }
+                    }
                     let start = self.clock.max(self.request(slot).arrival);
                     if start > now {
                         break;
                     }
+                    self.expire_holds(start);
                     self.plan_step(start);
                     if self.step_end.is_none() {
+                        self.note_stall(start);
                         break;
                     }
                 }
             }
         }
+        self.expire_holds(now);
     }
 
     /// Drop every cached block no running request holds (POST /reset_prefix_cache). Emits
-    /// AllBlocksCleared. Returns false (and does nothing) while requests are running, as vLLM does.
+    /// AllBlocksCleared. Returns false (and does nothing) while requests are running or blocks
+    /// are held for a remote decode, as vLLM does while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if !self.running.is_empty() {
+        if !self.running.is_empty() || !self.held.is_empty() {
             return false;
         }
         self.kv.clear();
@@ -888,11 +1099,15 @@ impl Engine {
 
     /// Give the waiting request in `slot` its blocks: the cached prefix (a prefix hit, at most
     /// all but the last token, in whole blocks: the GPU run, then its continuation in the host
-    /// tier) plus fresh blocks for the rest of its tokens, host hits included. Returns the
-    /// tokens already computed (GPU and host hits) and those of them loaded from host, or None
-    /// (nothing changed) when the blocks do not fit.
+    /// tier) plus fresh blocks for the rest of its tokens, host hits included. On its first
+    /// admission, KV received from a prefill instance (`KvTransfer::Received`) counts as
+    /// computed too, up to all but the last prompt token (vLLM recomputes that one for its
+    /// logits); its blocks are registered with the first step's, as host hits are. Returns the
+    /// tokens already computed (GPU, host and received) and those of them loaded from host, or
+    /// None (nothing changed) when the blocks do not fit.
     fn admit(&mut self, slot: u32) -> Option<(u32, u32)> {
         let bs = self.cfg.block_size;
+        let counts_external = self.counts_external();
         let Engine {
             kv,
             slots,
@@ -935,23 +1150,33 @@ impl Engine {
                 kv.host_touch(hash);
             }
         }
-        // Host hits are registered on the GPU with the blocks the first step computes.
+        // KV from a prefill instance arrives once: a re-admission after preemption finds
+        // what of it was registered in the prefix cache, like any other request.
+        let received = match r.transfer {
+            KvTransfer::Received { tokens } if !r.admitted => tokens.min(r.prompt_len - 1),
+            _ => 0,
+        };
+        let local = (hits + host_hits) * bs;
+        // Host blocks the received KV covers need no loading.
+        let loaded = local.saturating_sub(received.max(hits * bs));
+        // Host hits and received blocks are registered on the GPU with the blocks the first
+        // step computes.
         r.num_stored = hits;
-        r.computed = (hits + host_hits) * bs;
+        r.computed = local.max(received);
         r.phase = Phase::Running;
         if !r.admitted {
             // vLLM counts a request's lookup once; re-admissions after preemption are
             // counted apart (not in these counters).
             r.admitted = true;
-            r.cached_tokens = (hits + host_hits) * bs;
+            r.cached_tokens = r.computed;
             counters.prefix_cache_queries_tokens += r.prompt_len as u64;
             counters.prefix_cache_hits_tokens += (hits * bs) as u64;
-            if kv.host_enabled() {
+            if counts_external {
                 counters.external_prefix_cache_queries_tokens += (r.prompt_len - hits * bs) as u64;
-                counters.external_prefix_cache_hits_tokens += (host_hits * bs) as u64;
+                counters.external_prefix_cache_hits_tokens += (r.computed - hits * bs) as u64;
             }
         }
-        Some((r.computed, host_hits * bs))
+        Some((r.computed, loaded))
     }
 
     /// Send a running request (already out of `running`) back to the front of the queue; it
@@ -967,6 +1192,22 @@ impl Engine {
         r.phase = Phase::Waiting;
         self.waiting.push_front(slot);
         self.preemptions += 1;
+    }
+
+    /// Keep the blocks of `request`, just finished, for its remote decode until `expires`.
+    fn hold(&mut self, mut request: Request, expires: f64) {
+        let blocks = std::mem::take(&mut request.blocks);
+        self.counters.kv_held_requests += 1;
+        self.counters.kv_held_blocks += blocks.len() as u64;
+        self.hold_deadlines.insert((Deadline(expires), request.id));
+        self.held.insert(
+            request.id,
+            Held {
+                blocks,
+                tokens: request.computed,
+                expires,
+            },
+        );
     }
 
     /// Apply the step that ended at `t`: every request whose known tokens are now all in the
@@ -1016,7 +1257,10 @@ impl Engine {
             });
             self.counters.requests_finished_total += 1;
             let mut request = self.take_slot(s.slot);
-            request.release_blocks(&mut self.kv);
+            match request.transfer {
+                KvTransfer::Hold { hold_s } => self.hold(request, t + hold_s),
+                _ => request.release_blocks(&mut self.kv),
+            }
             any_finished = true;
         }
         if any_finished {
@@ -1053,6 +1297,7 @@ mod tests {
             lora_switch_s: 0.0,
             timing_spread: 0.0,
             timing_seed: 0,
+            kv_bytes_per_token: 1024,
         }
     }
 
@@ -2284,5 +2529,193 @@ mod tests {
             ..EngineConfig::default()
         };
         assert!(bad.validate().unwrap_err().contains("timing_spread"));
+    }
+
+    fn hold(hold_s: f64) -> KvTransfer {
+        KvTransfer::Hold { hold_s }
+    }
+
+    #[test]
+    fn a_prefill_for_a_remote_decode_holds_its_blocks_until_pulled() {
+        let mut e = Engine::new(small(1000)); // 250 blocks of 4 tokens
+        let prompt = tokens(0, 18); // 4 full blocks + 2 tokens: 5 blocks
+        e.submit_with(0.0, request(1, &prompt, 1), hold(100.0))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(1.0, &mut out);
+        assert_eq!(finished(&out, 1), (FinishReason::Length, 1, 0));
+        let blocks = e.held_blocks(1).expect("held").to_vec();
+        assert_eq!(blocks.len(), 5);
+        let s = e.stats();
+        assert_eq!((s.kv_held_requests, s.kv_held_blocks), (1, 5));
+        assert_eq!(s.kv_cache_usage, 5.0 / 250.0, "held blocks are in use");
+        assert!(!e.reset_prefix_cache(), "no reset while blocks are held");
+        // The next hold timeout is the engine's next event, idle as it is.
+        assert_eq!(e.next_event_time(), Some(out_time(&out) + 100.0));
+        // Its full blocks are cached for others meanwhile.
+        assert_eq!(e.cached_prefix_tokens(&prompt, None), 16);
+        e.submit(2.0, request(2, &prompt, 1)).unwrap();
+        e.advance(3.0, &mut out);
+        assert_eq!(first_token(&out, 2).1, 16);
+        assert_eq!(
+            e.stats().kv_held_blocks,
+            5,
+            "a prefix hit does not free the hold"
+        );
+        // The pull releases them, once.
+        let pulled = e.release_held(4.0, 1).expect("held");
+        assert_eq!(pulled, HeldKv { tokens: 18, blocks });
+        assert_eq!(e.release_held(4.0, 1), None);
+        assert_eq!(e.held_blocks(1), None);
+        let s = e.stats();
+        assert_eq!((s.kv_held_requests, s.kv_held_blocks), (0, 0));
+        assert_eq!((s.kv_cache_usage, s.kv_holds_expired), (0.0, 0));
+        assert_eq!(e.next_event_time(), None);
+        assert_eq!(e.cached_prefix_tokens(&prompt, None), 16, "still cached");
+        assert!(e.reset_prefix_cache());
+        // A held id is not reused while held; a finished plain request's id is free.
+        e.submit_with(5.0, request(3, &prompt, 1), hold(100.0))
+            .unwrap();
+        e.advance(6.0, &mut out);
+        assert_eq!(
+            e.submit(6.0, request(3, &prompt, 1)),
+            Err(EngineError::DuplicateId(3))
+        );
+    }
+
+    fn out_time(out: &[EngineOutput]) -> f64 {
+        out.iter()
+            .find_map(|o| match *o {
+                EngineOutput::Finished { t, .. } => Some(t),
+                _ => None,
+            })
+            .expect("a finish")
+    }
+
+    #[test]
+    fn a_hold_times_out_and_counts() {
+        let mut e = Engine::new(small(1000));
+        e.submit_with(0.0, request(1, &tokens(0, 10), 1), hold(5.0))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(1.0, &mut out);
+        let done = out_time(&out);
+        assert_eq!(e.stats().kv_held_blocks, 3);
+        e.advance(done + 4.9, &mut out);
+        assert!(e.held_blocks(1).is_some());
+        e.advance(done + 5.0, &mut out);
+        assert_eq!(e.held_blocks(1), None);
+        let s = e.stats();
+        assert_eq!((s.kv_held_blocks, s.kv_holds_expired), (0, 1));
+        assert_eq!(s.kv_cache_usage, 0.0);
+        assert_eq!(e.release_held(10.0, 1), None, "expired: nothing to pull");
+        assert_eq!(e.next_event_time(), None);
+        // Aborted before it finished: nothing is held.
+        e.submit_with(20.0, request(2, &tokens(0, 10), 5), hold(5.0))
+            .unwrap();
+        assert!(e.cancel(20.001, 2));
+        e.advance(21.0, &mut out);
+        assert_eq!(e.held_blocks(2), None);
+        assert_eq!(e.stats().kv_cache_usage, 0.0);
+        assert_eq!(e.stats().kv_holds_expired, 1);
+    }
+
+    #[test]
+    fn requests_wait_for_held_blocks_without_spinning() {
+        // 10 blocks; a hold of 5 leaves 5, and a 25-token prompt needs 7.
+        let mut e = Engine::new(small(40));
+        e.submit_with(0.0, request(1, &tokens(0, 18), 1), hold(50.0))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(1.0, &mut out);
+        let expires = out_time(&out) + 50.0;
+        e.submit(2.0, request(2, &tokens(500, 25), 1)).unwrap();
+        let s = e.stats();
+        assert_eq!((s.num_requests_running, s.num_requests_waiting), (0, 1));
+        // Nothing to do until the hold ends: the next event is its timeout, not now.
+        assert_eq!(e.next_event_time(), Some(expires));
+        e.advance(expires - 1.0, &mut out);
+        assert_eq!(e.stats().num_requests_waiting, 1);
+        let out = run(&mut e);
+        let (t, _) = first_token(&out, 2);
+        assert!(
+            (t - (expires + 0.010 + 0.025)).abs() < 1e-9,
+            "{t} vs {expires}"
+        );
+        assert_eq!(e.stats().kv_holds_expired, 1);
+        // A pull frees them as well, and the waiting request starts then.
+        let mut e = Engine::new(small(40));
+        e.submit_with(0.0, request(1, &tokens(0, 18), 1), hold(50.0))
+            .unwrap();
+        let mut out = vec![];
+        e.advance(1.0, &mut out);
+        e.submit(2.0, request(2, &tokens(500, 25), 1)).unwrap();
+        assert!(e.release_held(3.0, 1).is_some());
+        assert_eq!(e.next_event_time(), Some(3.0));
+        let (t, _) = first_token(&run(&mut e), 2);
+        assert!((t - 3.035).abs() < 1e-9, "{t}");
+        assert_eq!(e.stats().kv_holds_expired, 0);
+    }
+
+    #[test]
+    fn received_kv_is_admitted_as_computed_but_the_last_token() {
+        let prompt = tokens(0, 18);
+        let received = |tokens| KvTransfer::Received { tokens };
+        let mut e = Engine::new(small(1000));
+        e.set_kv_connector(true);
+        e.submit_with(1.0, request(1, &prompt, 3), received(18))
+            .unwrap();
+        // One step prefills the last prompt token alone.
+        assert!((e.next_event_time().unwrap() - (1.0 + 0.010 + 0.001)).abs() < 1e-12);
+        let out = run(&mut e);
+        assert_eq!(first_token(&out, 1).1, 17);
+        assert_eq!(finished(&out, 1), (FinishReason::Length, 3, 17));
+        // Its blocks are registered and announced as computed ones.
+        let ev = events(&mut e);
+        let st = stored(&ev);
+        assert_eq!(
+            st.len(),
+            2,
+            "the prompt's blocks, then the one decoding fills"
+        );
+        assert_eq!(st[0].0.len(), 4);
+        assert_eq!(st[0].2, tokens(0, 16));
+        assert_eq!(e.cached_prefix_tokens(&prompt, None), 16);
+        let s = e.stats();
+        assert_eq!(
+            (s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens),
+            (18, 0)
+        );
+        assert_eq!(
+            (
+                s.external_prefix_cache_queries_tokens,
+                s.external_prefix_cache_hits_tokens
+            ),
+            (18, 17)
+        );
+        assert_eq!(s.prompt_tokens_total, 18);
+        // The GPU's own hit comes first; the transfer covers the rest.
+        e.submit_with(10.0, request(2, &prompt, 1), received(18))
+            .unwrap();
+        assert_eq!(first_token(&run(&mut e), 2).1, 17);
+        let s = e.stats();
+        assert_eq!(s.prefix_cache_hits_tokens, 16);
+        assert_eq!(s.external_prefix_cache_queries_tokens, 18 + 2);
+        assert_eq!(s.external_prefix_cache_hits_tokens, 17 + 1);
+        // Less KV than prompt: the rest is computed; more: capped at the prompt.
+        let mut e = Engine::new(small(1000));
+        e.submit_with(0.0, request(1, &prompt, 1), received(8))
+            .unwrap();
+        assert!((e.next_event_time().unwrap() - (0.010 + 0.010)).abs() < 1e-12);
+        assert_eq!(first_token(&run(&mut e), 1).1, 8);
+        assert_eq!(
+            e.stats().external_prefix_cache_queries_tokens,
+            0,
+            "no connector: no external counters"
+        );
+        let mut e = Engine::new(small(1000));
+        e.submit_with(0.0, request(1, &tokens(0, 5), 1), received(500))
+            .unwrap();
+        assert_eq!(first_token(&run(&mut e), 1).1, 4);
     }
 }

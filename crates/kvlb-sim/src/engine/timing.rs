@@ -241,6 +241,8 @@ impl EngineConfig {
 ///   (14 MB on q and v only). Over PCIe at about 30 GB/s that is 3 ms, plus vLLM's per-module
 ///   work from Python (a slot reset and copies of A and B in each of the 128 wrapped layers:
 ///   qkv, o, gate_up and down of 32 blocks): about 10 ms in all.
+/// * `kv_bytes_per_token` 131,072: the 128 KiB above, what a KV transfer between a prefill and
+///   a decode instance moves per token (`kvlb replica --role`).
 /// * `timing_spread` 0 (and `timing_seed` 0): every step takes exactly its modelled time.
 ///   `--timing-spread` turns on the jitter real GPUs show.
 ///
@@ -268,6 +270,7 @@ impl Default for EngineConfig {
             lora_switch_s: 0.01,
             timing_spread: 0.0,
             timing_seed: 0,
+            kv_bytes_per_token: 131_072,
         }
     }
 }

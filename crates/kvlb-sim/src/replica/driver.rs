@@ -7,16 +7,24 @@
 //! Connections submit and cancel under the same mutex and wake the driver through a one-slot
 //! channel, so a request arriving at an idle engine starts at once.
 //!
+//! With `--role prefill|decode` the replica also keeps its part in disaggregated prefill
+//! (`Disagg`): the engine holds prefills' KV for their decodes (`held_blocks`, `release_held`,
+//! which the side channel calls), and the transfer counters of /metrics.
+//!
 //! With LoRA on, the replicas behind one port share one `LoraRequestsInfo`: each reports its
 //! requests' first outputs and ends to it and sets it after each engine step, as vLLM's front
 //! end does for `vllm:lora_requests_info`.
 
-use super::metrics::{self, LoraRequestsInfo, RequestCounters};
-use crate::engine::{Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, RequestId};
+use super::metrics::{self, LoraRequestsInfo, RequestCounters, TransferCounters};
+use super::pd::{LocalPrefill, Role};
+use crate::engine::{
+    Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, HeldKv, KvTransfer, RequestId,
+};
 use crate::kv_events::publisher::KvEventPublisher;
 use crate::kv_events::{KvEvent, KvEventBatch};
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -74,6 +82,29 @@ struct ReplicaState {
     counters: RequestCounters,
     /// Engine steps already accounted in `vllm:lora_requests_info`.
     steps_seen: u64,
+    /// When a local prefill of a decode replica was last logged, and those not logged since.
+    local_prefill_log: (Option<Instant>, u64),
+}
+
+/// Least time between two log lines about decode requests prefilled locally.
+const LOCAL_PREFILL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A replica's part in disaggregated prefill (`--role`), fixed at start.
+#[derive(Debug, Clone, Default)]
+pub struct Disagg {
+    pub role: Role,
+    /// Its engine's id, the `remote_engine_id` of its prefill answers (vLLM's
+    /// kv_transfer_config.engine_id; a data-parallel rank's ends `_dp{rank}`).
+    pub engine_id: String,
+    /// Its side channel as decode replicas reach it (prefill role).
+    pub side_channel: Option<SocketAddr>,
+    /// Engine seconds a prefill's KV stays held for its decode (--kv-hold-timeout x
+    /// --time-scale: the timeout is in wall seconds).
+    pub hold_s: f64,
+    /// KV bytes per token, and the wall seconds a pull's transfer takes per token
+    /// (--kv-bytes-per-token / --kv-link-gbps).
+    pub kv_bytes_per_token: u64,
+    pub transfer_s_per_token: f64,
 }
 
 /// One simulated replica: engine, clock, routes, counters and event publisher.
@@ -95,6 +126,8 @@ pub struct Replica {
     pub dp_rank: Option<u32>,
     /// `vllm:lora_requests_info` of its port, shared with the other ranks (LoRA on only).
     lora_info: Option<Arc<Mutex<LoraRequestsInfo>>>,
+    /// Its part in disaggregated prefill.
+    disagg: Disagg,
 }
 
 fn unix_now() -> f64 {
@@ -115,12 +148,18 @@ impl Replica {
         publisher: Option<KvEventPublisher>,
         dp_rank: Option<u32>,
         lora_info: Option<Arc<Mutex<LoraRequestsInfo>>>,
+        disagg: Disagg,
     ) -> Arc<Replica> {
         let (wake_tx, wake_rx) = channel::bounded(1);
         let max_model_len = cfg.max_model_len;
         let mut engine = Engine::new(cfg);
         // Without a publisher nobody reads the events: don't record them.
         engine.set_kv_events_enabled(publisher.is_some());
+        // Both roles run vLLM's KV connector, which counts external prefix-cache lookups.
+        let transfers = disagg.role != Role::Both;
+        engine.set_kv_connector(transfers);
+        let mut counters = RequestCounters::new(max_model_len, time_scale);
+        counters.transfers = transfers.then(TransferCounters::new);
         Arc::new(Replica {
             index,
             model,
@@ -130,8 +169,9 @@ impl Replica {
             state: Mutex::new(ReplicaState {
                 engine,
                 routes: HashMap::new(),
-                counters: RequestCounters::new(max_model_len, time_scale),
+                counters,
                 steps_seen: 0,
+                local_prefill_log: (None, 0),
             }),
             wake_tx,
             wake_rx,
@@ -140,7 +180,18 @@ impl Replica {
             publisher,
             dp_rank,
             lora_info,
+            disagg,
         })
+    }
+
+    /// Its part in disaggregated prefill.
+    pub fn disagg(&self) -> &Disagg {
+        &self.disagg
+    }
+
+    /// Tokens per KV block of its engine.
+    pub fn block_size(&self) -> u32 {
+        self.lock().engine.config().block_size
     }
 
     pub fn publisher(&self) -> Option<&KvEventPublisher> {
@@ -182,13 +233,29 @@ impl Replica {
         stream: bool,
         tx: &Sender<Vec<EngineOutput>>,
     ) -> Result<(), EngineError> {
+        self.submit_with(requests, stream, tx, KvTransfer::None, None)
+    }
+
+    /// `submit`, each request with its part in disaggregated prefill; `arrived`: when the
+    /// request reached the replica, if earlier than now (a decode that first pulled its KV:
+    /// vLLM's decode instance queues it before the transfer, so its time to first token and
+    /// queue time include the transfer).
+    pub fn submit_with(
+        &self,
+        requests: Vec<EngineRequest>,
+        stream: bool,
+        tx: &Sender<Vec<EngineOutput>>,
+        transfer: KvTransfer,
+        arrived: Option<Instant>,
+    ) -> Result<(), EngineError> {
         let mut st = self.lock();
         let now = self.clock.engine_time(Instant::now());
+        let submitted_at = arrived.map_or(now, |at| self.clock.engine_time(at).min(now));
         let mut accepted: Vec<RequestId> = Vec::with_capacity(requests.len());
         for req in requests {
             let id = req.id;
             let lora = req.lora.as_ref().map(|l| l.name.clone());
-            if let Err(e) = st.engine.submit(now, req) {
+            if let Err(e) = st.engine.submit_with(now, req, transfer) {
                 for id in accepted {
                     st.engine.cancel(now, id);
                     if let Some(r) = st.routes.get_mut(&id) {
@@ -205,7 +272,7 @@ impl Replica {
                     tx: tx.clone(),
                     stream,
                     pending: Vec::new(),
-                    submitted_at: now,
+                    submitted_at,
                     cancelled: false,
                     lora,
                     listed: false,
@@ -240,6 +307,64 @@ impl Replica {
         }
         drop(st);
         self.wake();
+    }
+
+    /// The blocks held for the remote decode of finished request `id` (prefill role).
+    pub fn held_blocks(&self, id: RequestId) -> Option<Vec<u32>> {
+        self.lock().engine.held_blocks(id).map(<[u32]>::to_vec)
+    }
+
+    /// A decode replica pulled request `id`'s held KV: release it and count the transfer.
+    /// None if nothing is held for it (unknown, already pulled or expired).
+    pub fn release_held(&self, id: RequestId) -> Option<HeldKv> {
+        let mut st = self.lock();
+        let now = self.clock.engine_time(Instant::now());
+        let held = st.engine.release_held(now, id)?;
+        if let Some(t) = st.counters.transfers.as_mut() {
+            t.served += 1;
+            t.served_tokens += held.tokens as u64;
+        }
+        drop(st);
+        // Freed blocks may let waiting requests in.
+        self.wake();
+        Some(held)
+    }
+
+    /// A pull brought `tokens` tokens of KV (`bytes` bytes, moving for `seconds` wall seconds).
+    pub fn kv_pulled(&self, tokens: u32, bytes: u64, seconds: f64) {
+        if let Some(t) = self.lock().counters.transfers.as_mut() {
+            t.pulled(tokens, bytes, seconds);
+        }
+    }
+
+    /// A decode request is prefilled here for `reason` (`why` says more): count it, and log
+    /// it unless a log line went out less than 10 s ago (then count it for the next line). A
+    /// plain request is a decode replica's normal business: counted, never logged.
+    pub fn local_prefill(&self, reason: LocalPrefill, why: &str) {
+        let mut st = self.lock();
+        if let Some(t) = st.counters.transfers.as_mut() {
+            t.local_prefill(reason);
+        }
+        if reason == LocalPrefill::NoParams {
+            return;
+        }
+        let now = Instant::now();
+        let (last, quiet) = st.local_prefill_log;
+        if last.is_some_and(|at| now.duration_since(at) < LOCAL_PREFILL_LOG_INTERVAL) {
+            st.local_prefill_log.1 += 1;
+            return;
+        }
+        st.local_prefill_log = (Some(now), 0);
+        drop(st);
+        let more = match quiet {
+            0 => String::new(),
+            n => format!(" ({n} more since the last message)"),
+        };
+        eprintln!(
+            "kvlb replica: replica {}: prefilling locally ({}): {why}{more}",
+            self.index,
+            reason.label()
+        );
     }
 
     pub fn reset_prefix_cache(&self) -> bool {
@@ -334,6 +459,7 @@ fn route_outputs(
         routes,
         counters,
         steps_seen,
+        ..
     } = st;
     // Taken after the replica's state: nobody holding it takes a replica's.
     let mut lora_info = lora_info.map(|m| m.lock().unwrap_or_else(|p| p.into_inner()));

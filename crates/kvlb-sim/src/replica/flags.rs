@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+use super::pd::Role;
 use crate::cli;
 use crate::engine::{EngineConfig, SpeedList};
 use crate::kv_events::EventFormat;
@@ -14,8 +15,9 @@ use std::net::SocketAddr;
 
 const AFTER_HELP: &str = "\
 On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
-(plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled, and ` speed=X` or ` speed=PxD`
-for a replica not at --speed 1), then `kvlb replica: ready`.
+(plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled, ` speed=X` or ` speed=PxD`
+for a replica not at --speed 1, and ` role=prefill side_channel=HOST:PORT` or ` role=decode`
+with --role), then `kvlb replica: ready`.
 Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
 With a host KV tier every computed block is also kept in host memory (KV events with medium
 CPU) and a prefix the GPU evicted is loaded back instead of recomputed.
@@ -31,7 +33,17 @@ Besides /v1/completions and /v1/chat/completions it serves the agent APIs as vLL
 Responses API (/v1/responses, stored in memory per port, the last 10000, for
 previous_response_id and GET /v1/responses/ID) and Anthropic's /v1/messages (and
 /count_tokens), both rendered with the chat template; /v1/embeddings, /rerank, /score and
-/detokenize answer at once, without the engine.";
+/detokenize answer at once, without the engine.
+Prefill/decode roles speak vLLM's disaggregated prefill (NixlConnector, as vLLM's proxy and
+vllm-router drive it). --role prefill: a completion whose kv_transfer_params has
+do_remote_decode true is prefilled and answered with kv_transfer_params {do_remote_prefill,
+remote_block_ids, remote_engine_id, remote_request_id, remote_host, remote_port, tp_size};
+its KV blocks stay held (unevictable, in vllm:kv_cache_usage_perc) until a decode replica
+pulls them from the side channel (POST /kv/pull {remote_engine_id, remote_request_id}) or
+--kv-hold-timeout passes. --role decode: a request whose kv_transfer_params are such an
+answer pulls the KV, waits the transfer out (tokens x --kv-bytes-per-token / --kv-link-gbps)
+and computes the last prompt token only; without valid params, or when the pull fails, it
+prefills locally. Both roles add the vllm:nixl_* and kvlb_replica_kv_* families to /metrics.";
 
 /// Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV
 /// events).
@@ -63,6 +75,25 @@ pub struct ReplicaFlags {
     /// its data_parallel_rank, metrics with engine="rank" (needs --count 1)
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, 64>)]
     pub dp_size: u32,
+    /// Its part in disaggregated prefill, as vLLM's kv_role with NixlConnector (every replica
+    /// of --count alike)
+    #[arg(long, value_name = "ROLE", default_value = "both", value_parser = role())]
+    pub role: Role,
+    /// (--role prefill) Port of replica 0's KV side channel, where decode replicas pull held
+    /// KV, on the --listen host; replica i's on port + i; 0 = ephemeral (the startup line
+    /// names it, as do the prefill answers' remote_port)
+    #[arg(long, value_name = "PORT", default_value_t = 0, value_parser = cli::int::<u16, 0, 65535>)]
+    pub side_channel_port: u16,
+    /// (--role prefill) Wall seconds a prefill's KV stays held for its decode's pull before it
+    /// is freed and counted in vllm:nixl_num_kv_expired_reqs (vLLM's
+    /// VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+    #[arg(long, value_name = "SECONDS", default_value_t = 480.0, value_parser = cli::positive)]
+    pub kv_hold_timeout: f64,
+    /// (--role decode) KV link bandwidth from the prefill replicas in GB/s (10^9 bytes per
+    /// second, not gigabits): a pull of N tokens takes N x --kv-bytes-per-token / (X x 10^9)
+    /// wall seconds, not scaled by --time-scale
+    #[arg(long, value_name = "X", default_value_t = 25.0, value_parser = cli::positive)]
+    pub kv_link_gbps: f64,
     /// Publish KV cache events (ZeroMQ PUB) on ADDR, port shifted per replica (tcp://*:PORT
     /// binds all interfaces)
     #[arg(long, value_name = "tcp://ADDR", value_parser = tcp_endpoint)]
@@ -184,6 +215,11 @@ pub struct EngineFlags {
     #[arg(long, value_name = "X", default_value_t = EngineConfig::default().lora_switch_s,
           value_parser = cli::non_negative)]
     pub lora_switch_s: f64,
+    /// KV cache bytes per token (all layers, K and V; 128 KiB for the 8B model): what a KV
+    /// transfer of --role decode moves per token
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().kv_bytes_per_token,
+          value_parser = cli::int::<u64, 0, { u32::MAX as u64 }>)]
+    pub kv_bytes_per_token: u64,
     /// Step-time jitter: each engine step's duration is multiplied by a random lognormal
     /// factor of mean 1, exp(X * N(0,1) - X^2/2), seeded by --seed and the replica (and rank);
     /// 0 = every step takes its modelled time
@@ -211,6 +247,7 @@ impl EngineFlags {
             host_load_s_per_token: self.host_load_s_per_token,
             lora_switch_s: self.lora_switch_s,
             timing_spread: self.timing_spread,
+            kv_bytes_per_token: self.kv_bytes_per_token,
             ..EngineConfig::default()
         }
     }
@@ -258,6 +295,13 @@ impl ReplicaFlags {
             max_loras: if self.enable_lora { self.max_loras } else { 0 },
             ..self.engine.config()
         }
+    }
+
+    /// Where replica 0's KV side channel listens (--role prefill): the --listen host, at
+    /// --side-channel-port.
+    pub fn side_channel(&self) -> Option<SocketAddr> {
+        (self.role == Role::Prefill)
+            .then(|| SocketAddr::new(self.listen.ip(), self.side_channel_port))
     }
 
     /// The checks across flags; the error names the flags.
@@ -327,6 +371,7 @@ impl ReplicaFlags {
             ("--listen", Some(self.listen)),
             ("--kv-events", self.kv_events),
             ("--kv-replay", self.kv_replay),
+            ("--side-channel-port", self.side_channel()),
         ];
         for (name, addr) in runs {
             if let Some(a) = addr {
@@ -369,6 +414,24 @@ fn names_field(message: &str, field: &str) -> bool {
     message.match_indices(field).any(|(at, _)| {
         let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
         !message[..at].ends_with(word) && !message[at + field.len()..].starts_with(word)
+    })
+}
+
+/// `--role`: the roles, each with its help.
+fn role() -> impl TypedValueParser<Value = Role> {
+    PossibleValuesParser::new([
+        PossibleValue::new("both")
+            .help("whole requests; kv_transfer_params is ignored (no KV connector)"),
+        PossibleValue::new("prefill")
+            .help("do_remote_decode: prefill, answer kv_transfer_params, hold the KV for the pull"),
+        PossibleValue::new("decode").help(
+            "do_remote_prefill: pull the KV from the prefill replica's side channel, then decode",
+        ),
+    ])
+    .map(|name| match name.as_str() {
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        _ => Role::Both,
     })
 }
 
@@ -639,6 +702,88 @@ mod tests {
         assert!(e.contains("--kv-replay needs --kv-events"), "{e}");
         let e = run(&["--listen", "127.0.0.1:0", "stray"]).unwrap_err();
         assert!(e.contains("stray"), "{e}");
+    }
+
+    #[test]
+    fn prefill_decode_roles() {
+        let f = run(&["--listen", "127.0.0.1:8000"]).unwrap();
+        assert_eq!(f.role, Role::Both);
+        assert_eq!(f.side_channel(), None);
+        assert_eq!((f.side_channel_port, f.kv_hold_timeout), (0, 480.0));
+        assert_eq!(f.kv_link_gbps, 25.0);
+        assert_eq!(f.engine_config().kv_bytes_per_token, 128 * 1024);
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--role",
+            "prefill",
+            "--side-channel-port",
+            "5600",
+            "--kv-hold-timeout=30",
+            "--kv-bytes-per-token",
+            "147456",
+        ])
+        .unwrap();
+        assert_eq!(f.role, Role::Prefill);
+        assert_eq!(f.side_channel(), Some("127.0.0.1:5600".parse().unwrap()));
+        assert_eq!(f.kv_hold_timeout, 30.0);
+        assert_eq!(f.engine_config().kv_bytes_per_token, 147_456);
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--role=decode",
+            "--kv-link-gbps",
+            "12.5",
+        ])
+        .unwrap();
+        assert_eq!((f.role, f.kv_link_gbps), (Role::Decode, 12.5));
+        assert_eq!(
+            f.side_channel(),
+            None,
+            "a decode replica serves no side channel"
+        );
+        for (bad, flag, value) in [
+            (&["--role", "router"][..], "--role", "router"),
+            (
+                &["--side-channel-port", "70000"],
+                "--side-channel-port",
+                "70000",
+            ),
+            (&["--kv-hold-timeout", "0"], "--kv-hold-timeout", "0"),
+            (&["--kv-link-gbps", "-1"], "--kv-link-gbps", "-1"),
+            (&["--kv-bytes-per-token", "x"], "--kv-bytes-per-token", "x"),
+        ] {
+            let mut a = vec!["--listen", "127.0.0.1:0"];
+            a.extend_from_slice(bad);
+            let e = run(&a).unwrap_err();
+            assert!(e.contains(flag) && e.contains(value), "{bad:?}: {e}");
+        }
+        // Replica i's side channel is on port + i: its run must not cross the HTTP ports'.
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--count",
+            "2",
+            "--role",
+            "prefill",
+            "--side-channel-port",
+            "8001",
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("--side-channel-port") && e.contains("overlap"),
+            "{e}"
+        );
+        let h = help();
+        for flag in [
+            "--role",
+            "--side-channel-port",
+            "--kv-hold-timeout",
+            "--kv-link-gbps",
+        ] {
+            assert!(h.contains(flag), "{flag}");
+        }
+        assert!(h.contains("--kv-bytes-per-token") && h.contains("POST /kv/pull"));
     }
 
     #[test]

@@ -15,6 +15,17 @@
 //! three times the prefill seconds for the same computed tokens (its step terms are divided by
 //! its speed).
 //!
+//! With `--role prefill|decode`, `TransferCounters` adds the KV transfers of disaggregated
+//! prefill, both roles alike (vLLM's NixlConnector exposes its families on both instances):
+//! vLLM's `vllm:nixl_xfer_time_seconds` (wall seconds of each pull's transfer),
+//! `vllm:nixl_bytes_transferred`, `vllm:nixl_num_failed_transfers` (decode side) and
+//! `vllm:nixl_num_kv_expired_reqs` (prefill side), and kvlb's own
+//! `kvlb_replica_kv_transfers_served_total` / `_transfer_tokens_served_total` (prefill side),
+//! `kvlb_replica_kv_transfers_pulled_total` / `_transfer_tokens_pulled_total` and
+//! `kvlb_replica_kv_local_prefills_total{reason}` (decode side), and the gauges
+//! `kvlb_replica_kv_held_requests` / `kvlb_replica_kv_held_blocks` (prefill side). The
+//! external prefix-cache pair is then rendered too, as vLLM does with a KV connector.
+//!
 //! With LoRA on, `LoraRequestsInfo` keeps vLLM's `vllm:lora_requests_info` gauge, one per HTTP
 //! port (the ranks of a data-parallel replica share it, as they share vLLM's one output
 //! processor). vLLM fills it as follows, quirks included:
@@ -34,6 +45,7 @@
 
 #![forbid(unsafe_code)]
 
+use super::pd::LocalPrefill;
 use crate::engine::{EngineStats, FinishReason};
 use std::fmt::Write;
 use std::sync::Arc;
@@ -65,6 +77,19 @@ pub fn buckets_1_2_5(max: u32) -> Vec<f64> {
         }
         scale *= 10;
     }
+}
+
+/// vLLM's bucket bounds for vllm:nixl_xfer_time_seconds (NixlPromMetrics).
+pub const NIXL_XFER_TIME_BUCKETS_S: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
+];
+
+/// vLLM's bucket bounds for vllm:nixl_bytes_transferred: 2^11, 2^13, ... 2^33 bytes.
+pub fn nixl_bytes_buckets() -> Vec<f64> {
+    (1..25)
+        .step_by(2)
+        .map(|i| (1u64 << (10 + i)) as f64)
+        .collect()
 }
 
 /// A Prometheus histogram (non-cumulative counts; rendered cumulative).
@@ -151,6 +176,9 @@ pub struct RequestCounters {
     pub preemptions_total: u64,
     /// The engine has a host KV tier: render the external prefix-cache counters.
     pub host_kv_tier: bool,
+    /// KV transfers of disaggregated prefill (`--role prefill|decode`; None for the default
+    /// role, whose page has none of their families).
+    pub transfers: Option<TransferCounters>,
     /// The replicas' --time-scale: the queue and prefill times are recorded in wall seconds.
     pub time_scale: f64,
 }
@@ -168,6 +196,7 @@ impl RequestCounters {
             finished_abort: 0,
             preemptions_total: 0,
             host_kv_tier: false,
+            transfers: None,
             time_scale,
         }
     }
@@ -191,6 +220,160 @@ impl RequestCounters {
         self.queue_time.observe(wall(queue_s));
         self.prefill_time.observe(wall(prefill_s));
         self.prefill_kv_computed.observe(computed_tokens as f64);
+    }
+}
+
+/// The KV transfers of a replica of `--role prefill|decode` (see the module header).
+#[derive(Debug, Clone)]
+pub struct TransferCounters {
+    /// Prefill side: pulls answered, and the tokens of KV they handed over.
+    pub served: u64,
+    pub served_tokens: u64,
+    /// Decode side: pulls that brought KV, and its tokens.
+    pub pulled: u64,
+    pub pulled_tokens: u64,
+    /// Decode side: pulls that failed (then the request prefilled locally).
+    pub failed: u64,
+    /// Decode side: requests prefilled locally, by reason (`LocalPrefill::ALL` order).
+    pub local_prefills: [u64; 3],
+    /// Decode side: wall seconds and bytes of each transfer.
+    pub xfer_time: Histogram,
+    pub bytes: Histogram,
+}
+
+impl TransferCounters {
+    pub fn new() -> TransferCounters {
+        TransferCounters {
+            served: 0,
+            served_tokens: 0,
+            pulled: 0,
+            pulled_tokens: 0,
+            failed: 0,
+            local_prefills: [0; 3],
+            xfer_time: Histogram::new(&NIXL_XFER_TIME_BUCKETS_S),
+            bytes: Histogram::new(&nixl_bytes_buckets()),
+        }
+    }
+
+    /// A decode request prefilled locally for `reason`.
+    pub fn local_prefill(&mut self, reason: LocalPrefill) {
+        if reason == LocalPrefill::PullFailed {
+            self.failed += 1;
+        }
+        let i = LocalPrefill::ALL
+            .iter()
+            .position(|&r| r == reason)
+            .unwrap_or(0);
+        self.local_prefills[i] += 1;
+    }
+
+    /// A pull brought `tokens` tokens of KV, `bytes` bytes moving for `seconds` wall seconds.
+    pub fn pulled(&mut self, tokens: u32, bytes: u64, seconds: f64) {
+        self.pulled += 1;
+        self.pulled_tokens += tokens as u64;
+        self.xfer_time.observe(seconds);
+        self.bytes.observe(bytes as f64);
+    }
+
+    /// Append the families (after the others), with the engine's held blocks and expiries.
+    fn render(&self, out: &mut String, engine: u32, m: &str, stats: &EngineStats) {
+        let labels = format!("engine=\"{engine}\",model_name=\"{m}\"");
+        let family = |out: &mut String, name: &str, kind: &str, help: &str, value: f64| {
+            let _ = write!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {}\n",
+                num(value)
+            );
+        };
+        self.xfer_time.render(
+            out,
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            engine,
+            m,
+        );
+        self.bytes.render(
+            out,
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            engine,
+            m,
+        );
+        family(
+            out,
+            "vllm:nixl_num_failed_transfers_total",
+            "counter",
+            "Number of failed NIXL KV Cache transfers.",
+            self.failed as f64,
+        );
+        family(
+            out,
+            "vllm:nixl_num_kv_expired_reqs_total",
+            "counter",
+            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
+            stats.kv_holds_expired as f64,
+        );
+        family(
+            out,
+            "kvlb_replica_kv_transfers_served_total",
+            "counter",
+            "KV transfers served to decode replicas over the side channel (prefill role).",
+            self.served as f64,
+        );
+        family(
+            out,
+            "kvlb_replica_kv_transfer_tokens_served_total",
+            "counter",
+            "Tokens of KV served to decode replicas (prefill role).",
+            self.served_tokens as f64,
+        );
+        family(
+            out,
+            "kvlb_replica_kv_transfers_pulled_total",
+            "counter",
+            "KV transfers pulled from prefill replicas (decode role).",
+            self.pulled as f64,
+        );
+        family(
+            out,
+            "kvlb_replica_kv_transfer_tokens_pulled_total",
+            "counter",
+            "Tokens of KV pulled from prefill replicas: prompt tokens not prefilled here (decode role).",
+            self.pulled_tokens as f64,
+        );
+        family(
+            out,
+            "kvlb_replica_kv_held_requests",
+            "gauge",
+            "Finished prefills whose KV blocks are held for a remote decode (prefill role).",
+            stats.kv_held_requests as f64,
+        );
+        family(
+            out,
+            "kvlb_replica_kv_held_blocks",
+            "gauge",
+            "KV blocks held for remote decodes until pulled or expired (prefill role).",
+            stats.kv_held_blocks as f64,
+        );
+        let name = "kvlb_replica_kv_local_prefills_total";
+        let _ = write!(
+            out,
+            "# HELP {name} Requests prefilled locally, without KV from a prefill replica, by reason (decode role).\n# TYPE {name} counter\n"
+        );
+        for (reason, n) in LocalPrefill::ALL.iter().zip(self.local_prefills) {
+            let _ = writeln!(
+                out,
+                "{name}{{engine=\"{engine}\",model_name=\"{m}\",reason=\"{}\"}} {}",
+                reason.label(),
+                num(n as f64)
+            );
+        }
+    }
+}
+
+impl Default for TransferCounters {
+    fn default() -> TransferCounters {
+        TransferCounters::new()
     }
 }
 
@@ -370,7 +553,7 @@ pub fn render(model: &str, engine: u32, stats: &EngineStats, counters: &RequestC
         "Prefix cache hits, in terms of number of cached tokens.",
         stats.prefix_cache_hits_tokens as f64,
     );
-    if counters.host_kv_tier {
+    if counters.host_kv_tier || counters.transfers.is_some() {
         family(
             &mut out,
             "vllm:external_prefix_cache_queries_total",
@@ -450,6 +633,9 @@ pub fn render(model: &str, engine: u32, stats: &EngineStats, counters: &RequestC
         engine,
         &m,
     );
+    if let Some(t) = &counters.transfers {
+        t.render(&mut out, engine, &m, stats);
+    }
     out
 }
 
@@ -563,6 +749,7 @@ mod tests {
             prompt_tokens_total: 100,
             generation_tokens_total: 7,
             requests_finished_total: 2,
+            ..EngineStats::default()
         };
         let mut c = RequestCounters::default();
         c.ttft.observe(0.003);
@@ -619,6 +806,54 @@ mod tests {
         for line in [
             "vllm:external_prefix_cache_queries_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 77824.0",
             "vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1024.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn renders_kv_transfers_of_the_pd_roles() {
+        let stats = EngineStats {
+            kv_held_requests: 2,
+            kv_held_blocks: 70,
+            kv_holds_expired: 3,
+            ..EngineStats::default()
+        };
+        let mut c = RequestCounters::default();
+        let plain = render("m", 0, &stats, &c);
+        assert!(!plain.contains("nixl") && !plain.contains("kvlb_replica_kv_"));
+        let mut t = TransferCounters::new();
+        t.served = 4;
+        t.served_tokens = 4000;
+        t.pulled(1000, 1000 * 131_072, 0.0052);
+        t.local_prefill(LocalPrefill::PullFailed);
+        t.local_prefill(LocalPrefill::NoParams);
+        t.local_prefill(LocalPrefill::NoParams);
+        c.transfers = Some(t);
+        let text = render("m", 0, &stats, &c);
+        assert!(text.starts_with(&plain[..plain.find("# HELP vllm:prompt_tokens").unwrap()]));
+        for line in [
+            "# TYPE vllm:external_prefix_cache_hits_total counter",
+            "vllm:nixl_xfer_time_seconds_bucket{engine=\"0\",le=\"0.005\",model_name=\"m\"} 0.0",
+            "vllm:nixl_xfer_time_seconds_bucket{engine=\"0\",le=\"0.01\",model_name=\"m\"} 1.0",
+            "vllm:nixl_xfer_time_seconds_sum{engine=\"0\",model_name=\"m\"} 0.0052",
+            "vllm:nixl_bytes_transferred_bucket{engine=\"0\",le=\"2048.0\",model_name=\"m\"} 0.0",
+            "vllm:nixl_bytes_transferred_bucket{engine=\"0\",le=\"5.36870912e+08\",model_name=\"m\"} 1.0",
+            "vllm:nixl_bytes_transferred_bucket{engine=\"0\",le=\"8.589934592e+09\",model_name=\"m\"} 1.0",
+            "vllm:nixl_bytes_transferred_count{engine=\"0\",model_name=\"m\"} 1.0",
+            "# TYPE vllm:nixl_num_failed_transfers_total counter",
+            "vllm:nixl_num_failed_transfers_total{engine=\"0\",model_name=\"m\"} 1.0",
+            "vllm:nixl_num_kv_expired_reqs_total{engine=\"0\",model_name=\"m\"} 3.0",
+            "kvlb_replica_kv_transfers_served_total{engine=\"0\",model_name=\"m\"} 4.0",
+            "kvlb_replica_kv_transfer_tokens_served_total{engine=\"0\",model_name=\"m\"} 4000.0",
+            "kvlb_replica_kv_transfers_pulled_total{engine=\"0\",model_name=\"m\"} 1.0",
+            "kvlb_replica_kv_transfer_tokens_pulled_total{engine=\"0\",model_name=\"m\"} 1000.0",
+            "# TYPE kvlb_replica_kv_held_blocks gauge",
+            "kvlb_replica_kv_held_blocks{engine=\"0\",model_name=\"m\"} 70.0",
+            "kvlb_replica_kv_held_requests{engine=\"0\",model_name=\"m\"} 2.0",
+            "kvlb_replica_kv_local_prefills_total{engine=\"0\",model_name=\"m\",reason=\"no_params\"} 2.0",
+            "kvlb_replica_kv_local_prefills_total{engine=\"0\",model_name=\"m\",reason=\"invalid_params\"} 0.0",
+            "kvlb_replica_kv_local_prefills_total{engine=\"0\",model_name=\"m\",reason=\"pull_failed\"} 1.0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

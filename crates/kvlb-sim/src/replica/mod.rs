@@ -6,7 +6,11 @@
 //! answers and errors, one prompt on the engine), `responses` (the Responses API and
 //! its store), `messages` (Anthropic's Messages API), `pooling` (embeddings, rerank, score,
 //! detokenize), `driver` (engine in wall time, output routing, KV event publishing), `metrics`
-//! (Prometheus text).
+//! (Prometheus text), `pd` (disaggregated prefill: what `--role prefill|decode` makes of
+//! `kv_transfer_params`) and `side_channel` (where decode replicas pull a prefill's KV).
+//!
+//! [`start`] starts the replicas of some flags in this process (tests start them so) and says
+//! where each listens; [`main`] prints that and serves until killed.
 
 pub mod answer;
 pub mod driver;
@@ -16,13 +20,20 @@ pub mod messages;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod pd;
 pub mod pooling;
 pub mod responses;
 pub mod server;
+pub mod side_channel;
+
+#[cfg(test)]
+mod pd_tests;
 
 use crate::kv_events::publisher::KvEventPublisher;
-use driver::Replica;
-use std::net::{SocketAddr, TcpListener};
+use driver::{Disagg, Replica};
+use flags::ReplicaFlags;
+use pd::Role;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex};
 
 /// The address of replica `i`: `base` with its port shifted by `i` (0 stays 0, ephemeral).
@@ -52,14 +63,67 @@ pub fn main(args: Vec<String>) -> i32 {
             }
         }
     }
-    let mut started = Vec::with_capacity(flags.count as usize);
+    let started = match start(&flags) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return 1;
+        }
+    };
+    for replica in &started {
+        eprintln!("{}", replica.line);
+    }
+    eprintln!("kvlb replica: ready");
+    loop {
+        std::thread::park();
+    }
+}
+
+/// One replica [`start`] started.
+#[derive(Clone)]
+pub struct Started {
+    pub index: u32,
+    /// Its HTTP address.
+    pub addr: SocketAddr,
+    /// Its KV side channel (`--role prefill`), as decode replicas reach it.
+    pub side_channel: Option<SocketAddr>,
+    /// Its engines (one, or the ranks of `--dp-size`).
+    pub engines: Vec<Arc<Replica>>,
+    /// Its startup line, `kvlb replica: replica I on HOST:PORT ...`.
+    pub line: String,
+}
+
+/// The address decode replicas reach a side channel bound at `bound` on: itself, or loopback
+/// when bound to every interface (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to localhost).
+fn reachable(bound: SocketAddr) -> SocketAddr {
+    let ip = match bound.ip() {
+        IpAddr::V4(a) if a.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, bound.port())
+}
+
+/// Start the replicas of `flags` in this process: bind their sockets, start their engine
+/// drivers and HTTP (and side channel) threads, which run for the life of the process.
+/// `--tokenizer` is the caller's (`main` loads it). The error is the message to print.
+pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
+    let mut bound = Vec::with_capacity(flags.count as usize);
     for i in 0..flags.count {
         let addr = shifted(flags.listen, i);
-        let listener = match TcpListener::bind(addr) {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("kvlb replica: replica {i}: cannot listen on {addr}: {e}");
-                return 1;
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| format!("kvlb replica: replica {i}: cannot listen on {addr}: {e}"))?;
+        let side_channel = match flags.side_channel() {
+            None => None,
+            Some(base) => {
+                let at = shifted(base, i);
+                let l = TcpListener::bind(at).map_err(|e| {
+                    format!("kvlb replica: replica {i}: cannot listen on {at} (--side-channel-port): {e}")
+                })?;
+                let local = l.local_addr().map_err(|e| {
+                    format!("kvlb replica: replica {i}: side channel has no local address: {e}")
+                })?;
+                Some((l, reachable(local)))
             }
         };
         let mut engines = Vec::with_capacity(flags.dp_size as usize);
@@ -77,21 +141,19 @@ pub fn main(args: Vec<String>) -> i32 {
                     let replay_addr = flags
                         .kv_replay
                         .map(|r| format!("tcp://{}", shifted(r, shift)));
-                    match KvEventPublisher::bind(
+                    let p = KvEventPublisher::bind(
                         &pub_addr,
                         replay_addr.as_deref(),
                         &flags.kv_events_topic,
                         flags.kv_events_format,
-                    ) {
-                        Ok(p) => Some(p),
-                        Err(e) => {
-                            eprintln!(
-                                "kvlb replica: replica {i}: cannot bind KV events on {pub_addr} (replay {}): {e}",
-                                replay_addr.as_deref().unwrap_or("none")
-                            );
-                            return 1;
-                        }
-                    }
+                    )
+                    .map_err(|e| {
+                        format!(
+                            "kvlb replica: replica {i}: cannot bind KV events on {pub_addr} (replay {}): {e}",
+                            replay_addr.as_deref().unwrap_or("none")
+                        )
+                    })?;
+                    Some(p)
                 }
             };
             // Replica i at its --speed; every rank of it alike.
@@ -103,6 +165,7 @@ pub fn main(args: Vec<String>) -> i32 {
             let id_seed =
                 xxhash_rust::xxh3::xxh3_64_with_seed(b"response-ids", flags.seed ^ shift as u64);
             let dp_rank = (flags.dp_size > 1).then_some(rank);
+            let disagg = disagg(flags, &engine, side_channel.as_ref().map(|s| s.1), dp_rank);
             engines.push(Replica::new(
                 i,
                 flags.model.clone(),
@@ -112,22 +175,21 @@ pub fn main(args: Vec<String>) -> i32 {
                 publisher,
                 dp_rank,
                 lora_info.clone(),
+                disagg,
             ));
         }
-        started.push((listener, engines));
+        bound.push((listener, side_channel, engines));
     }
-    for (listener, engines) in started {
+    let mut started = Vec::with_capacity(bound.len());
+    for (listener, side_channel, engines) in bound {
         let replica = engines[0].clone();
-        let mut line = match listener.local_addr() {
-            Ok(a) => format!("kvlb replica: replica {} on {a}", replica.index),
-            Err(e) => {
-                eprintln!(
-                    "kvlb replica: replica {}: no local address: {e}",
-                    replica.index
-                );
-                return 1;
-            }
-        };
+        let addr = listener.local_addr().map_err(|e| {
+            format!(
+                "kvlb replica: replica {}: no local address: {e}",
+                replica.index
+            )
+        })?;
+        let mut line = format!("kvlb replica: replica {} on {addr}", replica.index);
         for e in &engines {
             let Some(p) = e.publisher() else { continue };
             let (pub_addr, replay) = p.local_addrs();
@@ -140,15 +202,20 @@ pub fn main(args: Vec<String>) -> i32 {
         if !speed.is_one() {
             line.push_str(&format!(" speed={speed}"));
         }
-        eprintln!("{line}");
-        let mut spawned = Ok(());
+        if flags.role != Role::Both {
+            line.push_str(&format!(" role={}", flags.role.name()));
+        }
+        if let Some((_, at)) = &side_channel {
+            line.push_str(&format!(" side_channel={at}"));
+        }
+        let cannot = |e: std::io::Error| format!("kvlb replica: cannot start threads: {e}");
         for e in &engines {
             let driven = e.clone();
             let name = match e.dp_rank {
                 Some(r) => format!("replica{}-rank{r}-driver", e.index),
                 None => format!("replica{}-driver", e.index),
             };
-            spawned = std::thread::Builder::new()
+            std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
                     // An engine failure must not leave clients waiting forever on a dead replica.
@@ -162,10 +229,15 @@ pub fn main(args: Vec<String>) -> i32 {
                         std::process::exit(70);
                     }
                 })
-                .map(|_| ());
-            if spawned.is_err() {
-                break;
-            }
+                .map_err(cannot)?;
+        }
+        let side_channel_addr = side_channel.as_ref().map(|s| s.1);
+        if let Some((l, _)) = side_channel {
+            let ranks = engines.clone();
+            std::thread::Builder::new()
+                .name(format!("replica{}-kv-side-channel", replica.index))
+                .spawn(move || side_channel::serve(l, ranks))
+                .map_err(cannot)?;
         }
         let served = models::Served::new(
             &flags.model,
@@ -174,20 +246,54 @@ pub fn main(args: Vec<String>) -> i32 {
             &flags.lora_modules,
             flags.time_scale,
         );
-        let ranks = server::Ranks::new(engines, served);
-        let spawned = spawned.and_then(|_| {
-            let index = replica.index;
-            std::thread::Builder::new()
-                .name(format!("replica{index}-accept"))
-                .spawn(move || server::serve(listener, ranks))
+        let ranks = server::Ranks::new(engines.clone(), served);
+        let index = replica.index;
+        std::thread::Builder::new()
+            .name(format!("replica{index}-accept"))
+            .spawn(move || server::serve(listener, ranks))
+            .map_err(cannot)?;
+        started.push(Started {
+            index,
+            addr,
+            side_channel: side_channel_addr,
+            engines,
+            line,
         });
-        if let Err(e) = spawned {
-            eprintln!("kvlb replica: cannot start threads: {e}");
-            return 1;
-        }
     }
-    eprintln!("kvlb replica: ready");
-    loop {
-        std::thread::park();
+    Ok(started)
+}
+
+/// The part in disaggregated prefill of a replica (rank `dp_rank`) running `engine`, its side
+/// channel reached at `side_channel`.
+fn disagg(
+    flags: &ReplicaFlags,
+    engine: &crate::engine::EngineConfig,
+    side_channel: Option<SocketAddr>,
+    dp_rank: Option<u32>,
+) -> Disagg {
+    if flags.role == Role::Both {
+        return Disagg::default();
+    }
+    // Unique per process and engine, as vLLM's uuid4 engine ids are: decode replicas check it.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut key = [0u8; 16];
+    key[..4].copy_from_slice(&std::process::id().to_le_bytes());
+    key[4..8].copy_from_slice(&(engine.hash_seed as u32).to_le_bytes());
+    key[8..].copy_from_slice(&nanos.to_le_bytes());
+    let id = xxhash_rust::xxh3::xxh3_128_with_seed(&key, engine.hash_seed);
+    let engine_id = match dp_rank {
+        Some(r) => format!("{id:032x}_dp{r}"),
+        None => format!("{id:032x}"),
+    };
+    Disagg {
+        role: flags.role,
+        engine_id,
+        side_channel,
+        hold_s: flags.kv_hold_timeout * flags.time_scale,
+        kv_bytes_per_token: engine.kv_bytes_per_token,
+        transfer_s_per_token: engine.kv_bytes_per_token as f64 / (flags.kv_link_gbps * 1e9),
     }
 }

@@ -100,6 +100,9 @@ pub struct GenerationRequest {
     pub cache_salt: Option<u64>,
     /// The `model` named (None: the base model).
     pub model: Option<String>,
+    /// `kv_transfer_params` as sent (disaggregated prefill; null is None), checked by the
+    /// replica's role (`pd::leg`): a replica of the default role ignores it, as before.
+    pub kv_transfer_params: Option<Value>,
 }
 
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -197,6 +200,10 @@ fn common(
         include_usage,
         cache_salt,
         model,
+        kv_transfer_params: m
+            .get("kv_transfer_params")
+            .filter(|v| !v.is_null())
+            .cloned(),
     })
 }
 
@@ -491,8 +498,14 @@ pub struct ChoiceResult {
     pub finish_reason: Option<FinishReason>,
 }
 
-/// The body of a non-streaming response.
-pub fn full_response(meta: &ResponseMeta, choices: &[ChoiceResult], usage: &Usage) -> String {
+/// The body of a non-streaming response; `kv_transfer_params` is a prefill replica's answer
+/// to `do_remote_decode` (else null).
+pub fn full_response(
+    meta: &ResponseMeta,
+    choices: &[ChoiceResult],
+    usage: &Usage,
+    kv_transfer_params: &Value,
+) -> String {
     let choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -520,7 +533,8 @@ pub fn full_response(meta: &ResponseMeta, choices: &[ChoiceResult], usage: &Usag
     json!({
         "id": meta.id, "object": object, "created": meta.created, "model": meta.model,
         "choices": choices, "service_tier": null, "system_fingerprint": null,
-        "usage": usage.json(), "prompt_logprobs": null, "kv_transfer_params": null,
+        "usage": usage.json(), "prompt_logprobs": null,
+        "kv_transfer_params": kv_transfer_params,
     })
     .to_string()
 }
@@ -655,9 +669,11 @@ mod tests {
                 finish_reason: Some(FinishReason::Length),
             }],
             &usage,
+            &Value::Null,
         ))
         .unwrap();
         assert_eq!(body["object"], "chat.completion");
+        assert!(body["kv_transfer_params"].is_null());
         assert_eq!(body["choices"][0]["message"]["content"], "hi");
         assert_eq!(body["choices"][0]["finish_reason"], "length");
         assert_eq!(body["usage"]["total_tokens"], 12);

@@ -3,9 +3,13 @@
 //! /v1/messages, /v1/models, /health, /tokenize, /detokenize, /v1/embeddings, /rerank, /score,
 //! /reset_prefix_cache, /metrics) onto the replica's engine. Generation answers either one JSON
 //! body or a chunked server-sent-events stream written as the engine produces each token; a
-//! client that goes away cancels its engine requests. The Responses API (`responses`) and
-//! Anthropic's Messages API (`messages`) generate through `answer::Single`; the pooling endpoints
-//! (`pooling`) answer at once, without the engine.
+//! client that goes away cancels its engine requests. With `--role prefill|decode` a
+//! completion's `kv_transfer_params` makes it a leg of disaggregated prefill (`pd`): a
+//! prefill holds its KV and answers where to pull it, a decode pulls it over the prefill
+//! replica's side channel (`side_channel`) before it joins the engine. The Responses API
+//! (`responses`) and Anthropic's Messages API (`messages`) generate through `answer::Single`
+//! (always whole requests); the pooling endpoints (`pooling`) answer at once, without the
+//! engine.
 
 #![forbid(unsafe_code)]
 
@@ -15,15 +19,16 @@ use super::http::{self, Connection, Method, ReadRequestError};
 use super::openai::{
     self, ApiError, ChoiceResult, Endpoint, GenerationRequest, ResponseMeta, Usage,
 };
-use super::{messages, pooling, responses};
+use super::pd::{self, Leg};
+use super::{messages, pooling, responses, side_channel};
 use crate::engine::tokenizer;
-use crate::engine::{EngineOutput, EngineRequest, FinishReason, RequestId};
+use crate::engine::{EngineOutput, EngineRequest, FinishReason, KvTransfer, RequestId};
 use crossbeam::channel::{self, Receiver};
 use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Stack of a connection thread: request handling is shallow (serde_json caps nesting at 128).
 const CONNECTION_STACK_BYTES: usize = 512 * 1024;
@@ -369,6 +374,33 @@ fn generate(
     req: GenerationRequest,
     keep_alive: bool,
 ) -> io::Result<()> {
+    let leg = match pd::leg(
+        replica.disagg().role,
+        req.kv_transfer_params.as_ref(),
+        req.prompts.len(),
+        req.n,
+    ) {
+        Ok(leg) => leg,
+        Err(e) => return send_error(conn, &e, keep_alive),
+    };
+    let mut arrived = None;
+    let transfer = match &leg {
+        Leg::Whole => KvTransfer::None,
+        Leg::Prefill => KvTransfer::Hold {
+            hold_s: replica.disagg().hold_s,
+        },
+        Leg::Local(reason, why) => {
+            replica.local_prefill(*reason, why);
+            KvTransfer::None
+        }
+        Leg::Decode(remote) => {
+            arrived = Some(Instant::now());
+            match side_channel::receive(conn, replica, remote)? {
+                Some(tokens) => KvTransfer::Received { tokens },
+                None => KvTransfer::None,
+            }
+        }
+    };
     let (cache_salt, lora) = engine_identity(&named, req.cache_salt);
     let (tx, rx) = channel::unbounded::<Vec<EngineOutput>>();
     let mut choices: Vec<Choice> = Vec::with_capacity(req.prompts.len() * req.n as usize);
@@ -393,7 +425,7 @@ fn generate(
             });
         }
     }
-    if let Err(e) = replica.submit(engine_requests, req.stream, &tx) {
+    if let Err(e) = replica.submit_with(engine_requests, req.stream, &tx, transfer, arrived) {
         return send_error(conn, &ApiError::bad_request(e.to_string()), keep_alive);
     }
     drop(tx);
@@ -425,9 +457,14 @@ fn generate(
                     finish_reason: c.finish,
                 })
                 .collect();
+            // A prefill for a remote decode says where its KV waits (one choice: `pd::leg`).
+            let kv_params = match (&leg, choices.first()) {
+                (Leg::Prefill, Some(c)) => side_channel::answer_params(replica, &meta.id, c.id),
+                _ => serde_json::Value::Null,
+            };
             send_json(
                 conn,
-                &openai::full_response(&meta, &results, &usage),
+                &openai::full_response(&meta, &results, &usage, &kv_params),
                 keep_alive,
             )
         })
