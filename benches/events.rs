@@ -275,6 +275,7 @@ fn main() {
                     lora_slot_busy: false,
                     pace: shared.pace[r].load(),
                     routed: load.routed.load(Relaxed),
+                    pd: Default::default(),
                 });
             }
             let view = RequestView {

@@ -73,6 +73,9 @@ pub struct Record<'a> {
     pub replica: Option<&'a str>,
     /// Replicas tried (1 unless a connect failure or an immediate 503 was retried).
     pub attempts: u32,
+    /// The prefill replica that computed the prompt of a disaggregated request (`replica`
+    /// then is the decode replica).
+    pub prefill_replica: Option<&'a str>,
     /// Why that replica (`Decision::reason`), and the prefix it was found to hold.
     pub reason: Option<&'a str>,
     pub prompt_tokens: u32,
@@ -223,7 +226,12 @@ pub fn write_line(out: &mut Vec<u8>, now: SystemTime, r: &Record<'_>) {
         Some(url) => json_str(out, url.as_bytes()),
         None => out.extend_from_slice(b"null"),
     }
-    let _ = write!(out, ",\"attempts\":{},\"reason\":", r.attempts);
+    let _ = write!(out, ",\"attempts\":{}", r.attempts);
+    if let Some(url) = r.prefill_replica {
+        out.extend_from_slice(b",\"prefill_replica\":");
+        json_str(out, url.as_bytes());
+    }
+    out.extend_from_slice(b",\"reason\":");
     match r.reason {
         Some(reason) => json_str(out, reason.as_bytes()),
         None => out.extend_from_slice(b"null"),
@@ -349,6 +357,7 @@ mod tests {
             cut: Some("closed"),
             replica: Some("http://10.0.0.5:8000"),
             attempts: 1,
+            prefill_replica: Some("http://10.0.0.6:8000"),
             reason: Some("cache"),
             prompt_tokens: 512,
             matched_tokens: 256,
@@ -374,6 +383,7 @@ mod tests {
         assert_eq!(v["cut"], "closed");
         assert_eq!(v["replica"], "http://10.0.0.5:8000");
         assert_eq!(v["attempts"], 1);
+        assert_eq!(v["prefill_replica"], "http://10.0.0.6:8000");
         assert_eq!(v["reason"], "cache");
         assert_eq!(v["prompt_tokens"], 512);
         assert_eq!(v["matched_tokens"], 256);
@@ -397,6 +407,8 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&local).unwrap();
         assert!(v["client"].is_null() && v["replica"].is_null() && v["ttfb_ms"].is_null());
         assert!(v["estimate_ms"].is_null() && v["first_byte_ms"].is_null());
+        // Only a disaggregated request names a prefill replica.
+        assert!(v.get("prefill_replica").is_none());
         assert_eq!(v["path"].as_str().unwrap().len(), MAX_PATH + 3);
     }
 

@@ -55,6 +55,8 @@ pub struct ReplicaSlot {
     pub telemetry_stop: ArcSwapOption<StopSignal>,
     /// The replica's own concurrency limit (0: the global `max_in_flight`).
     pub max_in_flight: AtomicU32,
+    /// Its `config::Role`, as u8: read per candidate without loading the spec.
+    pub role: AtomicU8,
 }
 
 impl ReplicaSlot {
@@ -72,7 +74,20 @@ impl ReplicaSlot {
             check_passes: AtomicU32::new(0),
             telemetry_stop: ArcSwapOption::empty(),
             max_in_flight: AtomicU32::new(0),
+            role: AtomicU8::new(0),
         }
+    }
+
+    /// The options workers read per request without loading the spec, from `spec`.
+    fn set_options(&self, spec: &ReplicaConfig) {
+        self.max_in_flight
+            .store(spec.max_in_flight.unwrap_or(0), Relaxed);
+        self.role.store(spec.role as u8, Relaxed);
+    }
+
+    /// Its part in prefill/decode disaggregation.
+    pub fn role(&self) -> crate::config::Role {
+        crate::config::Role::from_u8(self.role.load(Relaxed))
     }
 
     pub fn state(&self) -> u8 {
@@ -162,6 +177,13 @@ impl Fleet {
         self.slots.iter().enumerate()
     }
 
+    /// Whether a replica (active or draining) has `role`.
+    pub fn has_role(&self, role: crate::config::Role) -> bool {
+        self.slots
+            .iter()
+            .any(|s| s.state() != EMPTY && s.role() == role)
+    }
+
     /// The slot holding the replica with this URL (active or draining).
     pub fn find(&self, url: &str) -> Option<usize> {
         self.slots.iter().position(|s| {
@@ -188,8 +210,7 @@ impl Fleet {
             let s = &self.slots[i];
             if s.state() == DRAINING {
                 // Re-adding a draining replica takes it back.
-                s.max_in_flight
-                    .store(spec.max_in_flight.unwrap_or(0), Relaxed);
+                s.set_options(&spec);
                 s.spec.store(Some(Arc::new(spec)));
                 s.removing.store(false, Relaxed);
                 s.state.store(ACTIVE, Relaxed);
@@ -209,8 +230,7 @@ impl Fleet {
                 )
             })?;
         let s = &self.slots[i];
-        s.max_in_flight
-            .store(spec.max_in_flight.unwrap_or(0), Relaxed);
+        s.set_options(&spec);
         s.spec.store(Some(Arc::new(spec)));
         s.epoch.fetch_add(1, Relaxed);
         s.consecutive_failures.store(0, Relaxed);
@@ -236,8 +256,7 @@ impl Fleet {
             .load()
             .as_ref()
             .is_none_or(|old| old.addr != spec.addr);
-        s.max_in_flight
-            .store(spec.max_in_flight.unwrap_or(0), Relaxed);
+        s.set_options(&spec);
         s.spec.store(Some(Arc::new(spec)));
         if moved {
             s.epoch.fetch_add(1, Relaxed);

@@ -44,6 +44,7 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_hot_prefix_spills_total", "counter"),
     ("kvlb_lora_slot_waits_total", "counter"),
     ("kvlb_response_affinity_total", "counter"),
+    ("kvlb_pd_requests_total", "counter"),
     ("kvlb_response_ids_total", "counter"),
     ("kvlb_unparsed_prompts_total", "counter"),
     ("kvlb_prompt_truncated_total", "counter"),

@@ -62,7 +62,10 @@ fn backend() -> u16 {
                     let body: &[u8] = match (models, responses) {
                         (true, _) => br#"{"object":"list","data":[{"id":"m","object":"model","parent":null}]}"#,
                         (_, true) => id.as_bytes(),
-                        _ => br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
+                        // With the transfer parameters a prefill replica answers (a decode
+                        // leg's answer, or a whole request's, carries none; kvlb reads them
+                        // only from a prefill leg's).
+                        _ => br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2],"remote_engine_id":"e","remote_request_id":"r","remote_host":"127.0.0.1","remote_port":1,"tp_size":1}}"#,
                     };
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -186,7 +189,34 @@ fn request(s: &mut TcpStream, target: &str, body: &[u8], buf: &mut Vec<u8>) {
 
 #[test]
 fn warm_keep_alive_requests_allocate_nothing() {
-    warm_requests_allocate_nothing(&[]);
+    let _ = warm_requests_allocate_nothing(&[], 1);
+}
+
+/// A model served by prefill and decode replicas: each chat request takes both legs (the
+/// prefill leg's body built, its whole answer read, the decode leg's body put in its place),
+/// the other paths go whole. Still no allocation.
+#[test]
+fn warm_disaggregated_requests_allocate_nothing() {
+    let (prefill, decode) = (backend(), backend());
+    let (p, d) = (
+        format!("http://127.0.0.1:{prefill},role=prefill"),
+        format!("http://127.0.0.1:{decode},role=decode"),
+    );
+    let (_kvlb, admin) = warm_requests_allocate_nothing(
+        &["--replica", &p, "--replica", &d, "--disaggregate", "always"],
+        3,
+    );
+    // Every request to the two chat targets (799 of the 2,400).
+    let disaggregated = metric(admin, "kvlb_pd_requests_total{outcome=\"disaggregated\"}");
+    let others: Vec<u64> = ["no_params", "prefill_failed", "prefill_refused", "direct"]
+        .iter()
+        .map(|o| metric(admin, &format!("kvlb_pd_requests_total{{outcome=\"{o}\"}}")))
+        .collect();
+    assert_eq!(
+        (disaggregated, &others[..]),
+        (799, &[0, 0, 0, 0][..]),
+        "of 2,400 requests"
+    );
 }
 
 /// With the access log on, each request also formats its line into the worker's buffer, and
@@ -196,15 +226,17 @@ fn warm_requests_allocate_nothing_with_the_access_log_on() {
     let dir = std::env::temp_dir().join(format!("kvlb-alloc-log-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("access.log");
-    warm_requests_allocate_nothing(&["--access-log", path.to_str().unwrap()]);
+    let _ = warm_requests_allocate_nothing(&["--access-log", path.to_str().unwrap()], 1);
     let logged = std::fs::read_to_string(&path).unwrap().lines().count();
     assert!(logged >= 2000, "only {logged} lines logged");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-fn warm_requests_allocate_nothing(extra: &[&str]) {
+/// Drives 2,000 warm requests through `kvlb serve` in front of one backend and `extra`'s
+/// replicas (`replicas` serving the model in all); returns kvlb and its admin port.
+fn warm_requests_allocate_nothing(extra: &[&str], replicas: u64) -> (Kill, u16) {
     let be = backend();
-    let (_kvlb, port, admin) = start_kvlb(be, extra);
+    let (kvlb, port, admin) = start_kvlb(be, extra);
     let body = format!(
         r#"{{"model":"m","stream":false,"messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"hi"}}]}}"#,
         "You are a helpful assistant. ".repeat(60)
@@ -236,7 +268,7 @@ fn warm_requests_allocate_nothing(extra: &[&str]) {
             request(c, TARGETS[k], bodies[k].as_bytes(), &mut buf);
         }
     }
-    assert_eq!(metric(admin, "kvlb_model_replicas{model=\"m\"}"), 1);
+    assert_eq!(metric(admin, "kvlb_model_replicas{model=\"m\"}"), replicas);
     let before = metric(admin, "kvlb_worker_allocations_total{worker=\"0\"}");
     let served_before = metric(admin, "kvlb_worker_requests_total{worker=\"0\"}");
     for round in 0..500 {
@@ -260,4 +292,6 @@ fn warm_requests_allocate_nothing(extra: &[&str]) {
         "{} allocations for {served} warm keep-alive requests",
         after - before
     );
+    // Alive while the caller reads /metrics.
+    (kvlb, admin)
 }

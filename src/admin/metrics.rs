@@ -242,6 +242,10 @@ impl Collector for DataPlaneMetrics {
         for (i, label) in metrics::AFFINITY_OUTCOMES.iter().enumerate() {
             s.counter(&[label], sum(&|w| w.affinity[i].load(Relaxed)))?;
         }
+        let mut s = families::PD_REQUESTS.describe(&mut enc)?;
+        for (i, label) in metrics::PD_OUTCOMES.iter().enumerate() {
+            s.counter(&[label], sum(&|w| w.pd[i].load(Relaxed)))?;
+        }
         let mut s = families::RESPONSE_IDS.describe(&mut enc)?;
         for (i, label) in metrics::RESPONSE_ID_OUTCOMES.iter().enumerate() {
             s.counter(&[label], sum(&|w| w.response_ids[i].load(Relaxed)))?;

@@ -606,6 +606,7 @@ fn get(path: &str, admin: &Admin) -> Reply {
                     serde_json::json!({
                         "url": r.url,
                         "rank": r.dp_rank,
+                        "role": r.role.as_str(),
                         "slot": i,
                         "address": r.addr.to_string(),
                         "state": slot.state_name(),

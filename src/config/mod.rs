@@ -43,6 +43,26 @@ impl ListenerMode {
     }
 }
 
+/// Whether a request that may be disaggregated (`Role`) always is (`serve --disaggregate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disaggregate {
+    /// cache_aware prices a prefill replica and the transfer against a decode replica
+    /// computing the prompt itself.
+    Priced,
+    /// Every such request takes both legs.
+    Always,
+}
+
+impl Disaggregate {
+    pub fn parse(key: &str, v: &str) -> Result<Disaggregate, ConfigError> {
+        match v {
+            "priced" => Ok(Disaggregate::Priced),
+            "always" => Ok(Disaggregate::Always),
+            _ => Err(bad(key, v, "expected priced or always")),
+        }
+    }
+}
+
 /// How an L4 connection's bytes move between client and replica once joined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum L4Forwarding {
@@ -101,6 +121,52 @@ pub struct ReplicaConfig {
     /// The model names it serves, as configured (None: asked of the replica, `GET /v1/models`;
     /// see `crate::models`).
     pub models: Option<Vec<String>>,
+    /// What it does in a prefill/decode disaggregated fleet (`crate::proxy::pd`).
+    pub role: Role,
+}
+
+/// A replica's part in prefill/decode disaggregation. A request whose model has replicas of
+/// both roles `prefill` and `decode` is computed on a prefill replica and continued on a decode
+/// replica, its KV cache moved between them; every other request goes to the replicas of role
+/// `both` or `decode` (a decode replica computes a prompt it was not sent the KV of).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum Role {
+    /// Prefill and decode, as a replica without disaggregation does.
+    #[default]
+    Both = 0,
+    /// Computes prompts for decode replicas (vLLM `kv_role` kv_producer, or kv_both used so).
+    Prefill = 1,
+    /// Continues requests from the KV a prefill replica computed (kv_consumer).
+    Decode = 2,
+}
+
+impl Role {
+    pub fn parse(key: &str, v: &str) -> Result<Role, ConfigError> {
+        match v {
+            "both" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            _ => Err(bad(key, v, "expected prefill, decode or both")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// The role stored as `self as u8` (`fleet::ReplicaSlot::role`).
+    pub fn from_u8(v: u8) -> Role {
+        match v {
+            1 => Role::Prefill,
+            2 => Role::Decode,
+            _ => Role::Both,
+        }
+    }
 }
 
 /// A LoRA adapter kvlb loads on a replica when a request names it and no replica has it
@@ -272,6 +338,8 @@ pub struct CostModel {
     /// Seconds a request for an adapter kvlb loads on demand loses on a replica without it
     /// (at least; the loads kvlb timed, when longer).
     pub lora_load_s: f64,
+    /// Seconds to move one prompt token's KV cache from a prefill to a decode replica.
+    pub kv_transfer_s_per_token: f64,
     /// Price replicas at their measured pace (`estimate::calibrate`).
     pub calibrate: bool,
 }
@@ -285,6 +353,7 @@ impl Default for CostModel {
             foreign_request_tokens: p.foreign_request_tokens,
             offload_load_cost: p.offload_load_cost,
             lora_load_s: 0.5,
+            kv_transfer_s_per_token: p.kv_transfer_s_per_token,
             calibrate: p.calibrated,
         }
     }
@@ -299,6 +368,7 @@ impl CostModel {
             model: p.model.scaled(self.prefill_s_per_token, self.decode_step_s),
             foreign_request_tokens: self.foreign_request_tokens,
             offload_load_cost: self.offload_load_cost,
+            kv_transfer_s_per_token: self.kv_transfer_s_per_token,
             calibrated: self.calibrate,
             ..p
         }
@@ -394,6 +464,8 @@ pub struct ServeConfig {
     pub listen_modes: Vec<ListenerMode>,
     /// How L4 listeners forward once a connection is joined.
     pub l4_forwarding: L4Forwarding,
+    /// Prefill/decode disaggregation: priced or always (`proxy::pd`).
+    pub disaggregate: Disaggregate,
     /// L7: a response body of known length with at least this many bytes still to come moves
     /// replica -> client by io_uring splice through a pipe instead of through user space
     /// (0, the default: never; docs/benchmarks/l4.md has the measurements behind that default).
@@ -479,6 +551,11 @@ impl ServeConfig {
         (table as usize)
             .checked_sub(1)
             .and_then(|t| self.models.get(t))
+    }
+
+    /// The routing policy of a request of `table`.
+    pub fn model_policy(&self, table: u16) -> crate::select::PolicyName {
+        self.model(table).map_or(self.policy, |m| m.policy)
     }
 
     /// Most requests in flight per replica for a request of `table`, unless the replica
@@ -645,6 +722,7 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         dp_size: 1,
         dp_rank: None,
         models: None,
+        role: Role::Both,
     })
 }
 
@@ -791,6 +869,7 @@ impl Default for ServeConfig {
             listen: Vec::new(),
             listen_modes: Vec::new(),
             l4_forwarding: L4Forwarding::Splice,
+            disaggregate: Disaggregate::Priced,
             splice_responses_from: 0,
             replicas: Vec::new(),
             policy: PolicyName::CacheAware,

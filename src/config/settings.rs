@@ -12,8 +12,9 @@ use super::values::{
     SizeOrOff, Switch, UrlPath, Whole,
 };
 use super::{
-    bad, check_admin_token, load_token_mode, ApiKeys, ConfigError, L4Forwarding, ListenerMode,
-    PolicyName, ServeConfig, ENV_ADMIN_TOKEN, ENV_API_KEYS, MAX_PROMPT_TOKENS, MIN_PROMPT_TOKENS,
+    bad, check_admin_token, load_token_mode, ApiKeys, ConfigError, Disaggregate, L4Forwarding,
+    ListenerMode, PolicyName, ServeConfig, ENV_ADMIN_TOKEN, ENV_API_KEYS, MAX_PROMPT_TOKENS,
+    MIN_PROMPT_TOKENS,
 };
 use clap::{Args, CommandFactory, Parser};
 use serde::Deserialize;
@@ -76,6 +77,13 @@ pub struct ServeSettings {
     /// (bounded-load hashing of the first block) or random (default: cache_aware).
     #[arg(long, value_name = "NAME")]
     pub policy: Option<PolicyName>,
+
+    /// Models served by prefill and decode replicas (replica option role): priced sends a
+    /// request straight to a decode replica when cache_aware finds that cheaper than a prefill
+    /// replica and the KV transfer (counting the stall of the sequences decoding there);
+    /// always takes both legs (default: priced).
+    #[arg(long, value_name = "priced|always")]
+    pub disaggregate: Option<Disaggregate>,
 
     /// Add x-kvlb-decision to responses: matched tokens, estimates, the reason of the choice
     /// (default: false).
@@ -353,6 +361,12 @@ pub struct CostSettings {
     #[arg(long, value_name = "SECONDS")]
     pub lora_load_s: Option<Seconds>,
 
+    /// Seconds to move one prompt token's KV cache from a prefill replica to a decode replica
+    /// (prefill/decode disaggregation): the model's KV bytes per token over the link's bytes
+    /// per second, e.g. 131072 / 25e9 for an 8B model over 25 GB/s (default: 0.0000052).
+    #[arg(long, value_name = "SECONDS")]
+    pub kv_transfer_s_per_token: Option<Seconds>,
+
     /// Price each replica at the pace kvlb measures from the times to first token of the
     /// streams it sends there (its prefill, queue and decode time over what prefill_s_per_token
     /// and decode_step_s say); false prices every replica at those figures as configured.
@@ -486,6 +500,7 @@ impl ServeSettings {
             splice_responses_from,
             replica,
             policy,
+            disaggregate,
             explain,
             workers,
             cores,
@@ -559,6 +574,7 @@ impl ServeSettings {
             cfg.replicas = replica.into_iter().flat_map(|r| r.0.ranks()).collect();
         }
         set(&mut cfg.policy, policy);
+        set(&mut cfg.disaggregate, disaggregate);
         set(&mut cfg.explain, explain.map(|v| v.0));
         set(&mut cfg.workers, workers.map(|v| v.0 as usize));
         if let Some(c) = cores {
@@ -687,6 +703,7 @@ impl CostSettings {
             foreign_request_tokens,
             offload_load_cost,
             lora_load_s,
+            kv_transfer_s_per_token,
             calibrate,
         } = self;
         set(&mut m.prefill_s_per_token, prefill_s_per_token.map(|v| v.0));
@@ -697,6 +714,10 @@ impl CostSettings {
         );
         set(&mut m.offload_load_cost, offload_load_cost.map(|v| v.0));
         set(&mut m.lora_load_s, lora_load_s.map(|v| v.0));
+        set(
+            &mut m.kv_transfer_s_per_token,
+            kv_transfer_s_per_token.map(|v| v.0),
+        );
         set(&mut m.calibrate, calibrate.map(|v| v.0));
     }
 }

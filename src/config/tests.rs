@@ -523,6 +523,7 @@ fn replica_options_flag_file_help_and_reference_agree() {
         ("max_in_flight", "7"),
         ("dp_size", "2"),
         ("models", "big|small"),
+        ("role", "prefill"),
     ];
     let help = replica_flag_help();
     let reference = reference_markdown();
@@ -617,6 +618,10 @@ fn dp_size_expands_into_ranks() {
             "dp_size = \"65\": expected a whole number from 1 to 64",
         ),
         ("dp_size=two", "dp_size = \"two\""),
+        (
+            "role=primary",
+            "role = \"primary\": expected prefill, decode or both",
+        ),
         (
             "kv_events=tcp://h:65535,dp_size=2",
             "dp_size = \"2\": rank 1 would publish on kv_events port + 1, past 65535",

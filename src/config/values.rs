@@ -8,7 +8,8 @@
 use super::{
     bad, check_dns_server, check_dns_source, parse_addr, parse_cores, parse_duration,
     parse_duration_or_off, parse_probe_path, parse_replica_url, parse_size, parse_switch,
-    parse_zmq_endpoint, ConfigError, L4Forwarding, ListenerMode, ReplicaConfig, MAX_DP_SIZE,
+    parse_zmq_endpoint, ConfigError, Disaggregate, L4Forwarding, ListenerMode, ReplicaConfig, Role,
+    MAX_DP_SIZE,
 };
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -45,6 +46,8 @@ deserialize_from_text!(
     Cores,
     ListenerMode,
     L4Forwarding,
+    Role,
+    Disaggregate,
     ZmqEndpoint,
     LoraAdapterSpec,
     ReplicaUrl,
@@ -213,6 +216,20 @@ impl FromStr for ListenerMode {
     type Err = String;
     fn from_str(s: &str) -> Result<ListenerMode, String> {
         ListenerMode::parse("", s).map_err(why)
+    }
+}
+
+impl FromStr for Disaggregate {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Disaggregate, String> {
+        Disaggregate::parse("", s).map_err(why)
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Role, String> {
+        Role::parse("", s).map_err(why)
     }
 }
 
@@ -389,6 +406,11 @@ replica_options! {
     /// command line, a list in the file); requests naming a model go only to replicas serving
     /// it. Default: what the replica lists in its GET /v1/models, asked every models_refresh
     models: ModelNames = "NAME|NAME";
+    /// its part in prefill/decode disaggregation: prefill (computes prompts and hands their KV
+    /// cache to a decode replica), decode (continues from that KV), or both (default: no
+    /// disaggregation). A model with replicas of both roles prefill and decode is served
+    /// disaggregated (vLLM's kv_transfer_params protocol)
+    role: Role = "prefill|decode|both";
 }
 
 /// A key that is there holds a value (the flag's options are plain text, which has no
@@ -412,6 +434,7 @@ impl ReplicaTable {
             max_in_flight,
             dp_size,
             models,
+            role,
         } = self;
         let mut r = url.0;
         if let Some(n) = kv_capacity_tokens {
@@ -424,6 +447,7 @@ impl ReplicaTable {
         r.max_in_flight = max_in_flight.map(|n| n.0 as u32);
         r.dp_size = dp_size.map_or(1, |n| n.0 as u32);
         r.models = models.map(|m| m.0);
+        r.role = role.unwrap_or_default();
         super::check_replay(key, &r)?;
         super::check_dp_size(key, &r)?;
         Ok(r)

@@ -284,6 +284,7 @@ async fn first_request(
         class,
         adapter,
         pin: None,
+        leg: crate::worker::Leg::Whole,
     };
     let body_len = match head.body {
         BodyFraming::Length(n) => n.min(u32::MAX as u64) as usize,

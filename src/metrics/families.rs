@@ -149,6 +149,11 @@ pub static RESPONSE_AFFINITY: Family = Family::counter(
     &["outcome"],
     "Requests naming a stored response (previous_response_id, /v1/responses/{id}): routed (to the replica that stored it), unknown (not relayed by this kvlb, or expired or evicted: routed by prefix, the engine answers whether it knows the id), unavailable (its replica is gone or unhealthy: routed elsewhere, where the engine answers not found).",
 );
+pub static PD_REQUESTS: Family = Family::counter(
+    "kvlb_pd_requests_total",
+    &["outcome"],
+    "Requests of a model served by prefill and decode replicas: disaggregated (prefilled on a prefill replica, continued from its KV cache on a decode replica), no_params (the prefill answer carried no kv_transfer_params: the decode replica computed the prompt), prefill_failed (every prefill replica tried failed or none could take it: sent whole to a decode replica), prefill_refused (the prefill replica answered 4xx: sent whole, so the client gets the engine's own error), direct (computed on a decode replica, which cache_aware priced sooner than a prefill replica and the transfer, counting the stall of the sequences decoding there).",
+);
 pub static RESPONSE_IDS: Family = Family::counter(
     "kvlb_response_ids_total",
     &["outcome"],
@@ -515,6 +520,7 @@ pub static ALL: &[&Family] = &[
     &HOT_PREFIX_SPILLS,
     &LORA_SLOT_WAITS,
     &RESPONSE_AFFINITY,
+    &PD_REQUESTS,
     &RESPONSE_IDS,
     &UNPARSED_PROMPTS,
     &PROMPT_TRUNCATED,

@@ -99,6 +99,24 @@ impl ValueHistogram {
 
 /// How `cache_aware` decided (index: Reason as usize order cache, load, fallback).
 pub const REASONS: [&str; 4] = ["cache", "load", "fallback", "affinity"];
+/// How a request of a model with prefill and decode replicas went (`proxy::pd`): computed on a
+/// prefill replica and continued from its KV on a decode replica; the prefill answer carried
+/// no KV transfer parameters (the decode replica computed the prompt); every prefill replica
+/// failed or was busy (the request went whole to a decode replica); the prefill replica
+/// refused the request (4xx: sent whole, so the client gets the engine's own answer); computed
+/// on a decode replica directly, as the cost model found better.
+pub const PD_OUTCOMES: [&str; 5] = [
+    "disaggregated",
+    "no_params",
+    "prefill_failed",
+    "prefill_refused",
+    "direct",
+];
+pub const PD_DISAGGREGATED: usize = 0;
+pub const PD_NO_PARAMS: usize = 1;
+pub const PD_PREFILL_FAILED: usize = 2;
+pub const PD_PREFILL_REFUSED: usize = 3;
+pub const PD_DIRECT: usize = 4;
 /// What became of a request naming a stored response (`previous_response_id`, or the id in a
 /// `/v1/responses/{id}` path): sent to the replica that stored it; the id unknown here (another
 /// kvlb relayed it, or it expired or was evicted); its replica gone or unhealthy.
@@ -227,6 +245,8 @@ pub struct WorkerStats {
     pub lora_slot_waits: AtomicU64,
     /// Requests naming a stored response, by `AFFINITY_OUTCOMES`.
     pub affinity: [AtomicU64; 3],
+    /// Disaggregated requests, by `PD_OUTCOMES`.
+    pub pd: [AtomicU64; 5],
     /// Responses API answers relayed, by `RESPONSE_ID_OUTCOMES`.
     pub response_ids: [AtomicU64; 3],
     pub prompt_errors: [AtomicU64; 8],
@@ -263,6 +283,7 @@ impl WorkerStats {
             spills: AtomicU64::new(0),
             lora_slot_waits: AtomicU64::new(0),
             affinity: Default::default(),
+            pd: Default::default(),
             response_ids: Default::default(),
             prompt_errors: Default::default(),
             prompt_truncated: Default::default(),

@@ -286,7 +286,7 @@ async fn send_request(
     Ok(())
 }
 
-async fn read_response_head(
+pub(super) async fn read_response_head(
     w: &Worker,
     conn: &mut Conn,
     up: &mut Upstream,

@@ -26,6 +26,8 @@ pub(super) struct LogState {
     pub(super) first_byte_us: Option<u64>,
     /// What cache_aware expected: its estimate there, the queue wait in it, the runner-up's.
     pub(super) estimate: Option<crate::access_log::Estimated>,
+    /// The prefill replica of a disaggregated request (`proxy::pd`).
+    pub(super) prefill: Option<usize>,
 }
 
 /// Write the current request's access log line, when the access log is on, and count its
@@ -44,6 +46,7 @@ pub(super) fn log_request(
     let log = w.access_log.borrow();
     let Some(log) = log.as_ref() else { return };
     let spec = tried.last().and_then(|&r| w.shared.fleet.slot(r).spec());
+    let prefill = conn.log.prefill.and_then(|r| w.shared.fleet.slot(r).spec());
     // Slices taken with `get`: the request's bytes are still in cbuf here, but a log line
     // must never be able to take a worker down.
     let (method, path, bytes_in): (&[u8], &[u8], usize) = match head {
@@ -73,6 +76,7 @@ pub(super) fn log_request(
         cut: conn.log.cut,
         replica: spec.as_ref().map(|s| s.url.as_str()),
         attempts: tried.len() as u32,
+        prefill_replica: prefill.as_ref().map(|s| s.url.as_str()),
         reason: conn.log.reason,
         prompt_tokens: conn.log.prompt_tokens,
         matched_tokens: conn.log.matched_tokens,

@@ -25,7 +25,7 @@ use crate::http::{ErrorShape, HttpError};
 use crate::metrics;
 use crate::models::ModelKey;
 use crate::rt::op;
-use crate::worker::{InFlight, ModelRoute, RequestModel, Worker};
+use crate::worker::{InFlight, Leg, ModelRoute, RequestModel, Worker};
 use forward::{fail, forward, rebuild_upstream_head, Forwarded};
 use log::{log_request, LogState};
 use read::{
@@ -43,6 +43,7 @@ use watch::ClientWatch;
 
 mod forward;
 mod log;
+mod pd;
 mod read;
 mod relay;
 mod route;
@@ -225,7 +226,6 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             Ok(v) => v,
             Err(end) => return end,
         };
-        let body_len = body_end - head.head_len;
         metrics::add(&w.stats().requests, 1);
 
         w.refresh();
@@ -257,6 +257,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 class,
                 adapter: None,
                 pin: None,
+                leg: Leg::Whole,
             }),
             RequestModel::Adapter(i) => {
                 let route = ModelRoute {
@@ -264,6 +265,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                     class,
                     adapter: Some(i as u16),
                     pin: None,
+                    leg: Leg::Whole,
                 };
                 // No replica holds it or may load it now: say why.
                 match w.fill_candidates(&[], route) {
@@ -312,6 +314,41 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 }
             }
         };
+        // A model with prefill and decode replicas: prefilled on one, continued on the other.
+        let (mut model, mut body_end, mut req_end) = (model, body_end, req_end);
+        // A replica chosen already for the first attempt (`pd::Prefilled::Direct`).
+        let mut preset = None;
+        if w.has_prefill.get() && pd::eligible(conn, &head, parsed) {
+            match pd::prefill(
+                w,
+                conn,
+                &head,
+                head_end,
+                body_end,
+                req_end,
+                parsed,
+                model,
+                received_at,
+            )
+            .await
+            {
+                Ok(pd::Prefilled::Decode {
+                    body_end: b,
+                    req_end: r,
+                    prefill,
+                }) => {
+                    (body_end, req_end) = (b, r);
+                    model.leg = Leg::Decode;
+                    conn.log.prefill = Some(prefill);
+                }
+                Ok(pd::Prefilled::Whole) => {}
+                Ok(pd::Prefilled::Direct(routed, explain_len)) => {
+                    preset = Some((routed, explain_len))
+                }
+                Err(end) => return end,
+            }
+        }
+        let body_len = body_end - head.head_len;
         // Select and forward; a failure at connect time or an immediate 503 is retried on
         // another replica while nothing has reached the client.
         let mut tried = [usize::MAX; MAX_ATTEMPTS];
@@ -322,39 +359,42 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             if attempts > 0 {
                 rebuild_upstream_head(conn, head_end);
             }
-            let (routed, explain_len) =
-                match route(w, conn, &head, body_end, parsed, &tried[..attempts], model) {
-                    Route::To(r, e) => (r, e),
-                    Route::AllBusy => match wait_for_capacity(w, &tried[..attempts], model).await {
-                        Ok(()) => continue,
-                        Err(e) => {
-                            // Logged first: the refusal drops the request's bytes from cbuf.
-                            conn.log.status = e.status();
-                            log_request(w, conn, Some((&head, body_end)), &[], received_at);
-                            match refuse_request(w, conn, e, &head, req_end).await {
-                                true => break Forwarded::Refused,
-                                false => return End::Close,
-                            }
+            let chosen = match preset.take() {
+                Some((routed, explain_len)) => Route::To(routed, explain_len),
+                None => route(w, conn, &head, body_end, parsed, &tried[..attempts], model),
+            };
+            let (routed, explain_len) = match chosen {
+                Route::To(r, e) => (r, e),
+                Route::AllBusy => match wait_for_capacity(w, &tried[..attempts], model).await {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        // Logged first: the refusal drops the request's bytes from cbuf.
+                        conn.log.status = e.status();
+                        log_request(w, conn, Some((&head, body_end)), &[], received_at);
+                        match refuse_request(w, conn, e, &head, req_end).await {
+                            true => break Forwarded::Refused,
+                            false => return End::Close,
                         }
-                    },
-                    Route::NoneLeft => match last_failure.take() {
-                        None => {
-                            let e = HttpError::NoReplica;
-                            w.stats().local_error(e.status());
-                            conn.log.status = e.status();
-                            log_request(
-                                w,
-                                conn,
-                                Some((&head, body_end)),
-                                &tried[..attempts],
-                                received_at,
-                            );
-                            let _ = op::send_static(conn.fd, e.response_in(conn.shape)).await;
-                            return End::Close;
-                        }
-                        Some((r, f)) => break Forwarded::Failed(r, f, false),
-                    },
-                };
+                    }
+                },
+                Route::NoneLeft => match last_failure.take() {
+                    None => {
+                        let e = HttpError::NoReplica;
+                        w.stats().local_error(e.status());
+                        conn.log.status = e.status();
+                        log_request(
+                            w,
+                            conn,
+                            Some((&head, body_end)),
+                            &tried[..attempts],
+                            received_at,
+                        );
+                        let _ = op::send_static(conn.fd, e.response_in(conn.shape)).await;
+                        return End::Close;
+                    }
+                    Some((r, f)) => break Forwarded::Failed(r, f, false),
+                },
+            };
             conn.explain_len = explain_len;
             // The host header falls back to the replica's authority (HTTP/1.0 clients).
             if !head.has_host {

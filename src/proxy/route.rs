@@ -13,7 +13,7 @@ use crate::metrics;
 use crate::models::ModelClass;
 use crate::rt::op;
 use crate::select::Decision;
-use crate::worker::{ModelRoute, Worker};
+use crate::worker::{Leg, ModelRoute, Worker};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -287,6 +287,24 @@ pub(super) fn route(
     if in_flight.fetch_add(1, Relaxed) >= cap && cap > 0 {
         in_flight.fetch_sub(1, Relaxed);
         return Route::AllBusy;
+    }
+    if model.leg == Leg::Decode {
+        // The decode leg of a disaggregated request: the prompt was computed on the prefill
+        // replica, whose decision the log and the explain line keep; the decode replica
+        // computes nothing kvlb could price, and its first byte times the whole request.
+        return Route::To(
+            Routed {
+                replica,
+                epoch,
+                spec,
+                prefill_tokens: 0,
+                expected: crate::worker::Expected::default(),
+                class: model.class,
+                load,
+                lora: model.lora(),
+            },
+            conn.explain_len,
+        );
     }
     let mut explain_len = 0;
     if let (Some(d), true) = (choice.decision, cfg.explain) {

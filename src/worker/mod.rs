@@ -6,7 +6,7 @@ use crate::config::ServeConfig;
 use crate::metrics::{ReplicaGauges, WorkerStats};
 use crate::models::{ModelClass, ModelKey, ModelMap, Resolved};
 use crate::rt::op;
-use crate::select::{self, Candidate, Policy, Rng};
+use crate::select::{self, Candidate, PdPath, Policy, Rng};
 use std::cell::{Cell, RefCell};
 use std::io;
 use std::net::SocketAddr;
@@ -217,6 +217,8 @@ pub struct Worker {
     idle_upstream: RefCell<Vec<Vec<(Upstream, u64)>>>,
     /// The fleet generation this worker's policy was built for.
     generation: Cell<u64>,
+    /// The fleet had a replica of role prefill at `generation`: requests may be disaggregated.
+    pub has_prefill: Cell<bool>,
     /// The configuration in force as of `config_generation`: a worker reads it several times a
     /// request, and a plain pointer is cheaper than an `ArcSwap` load each time.
     /// (An `Rc` around the `Arc` on purpose: cloning it touches only this thread's count, not
@@ -355,6 +357,8 @@ impl Worker {
             return;
         }
         self.generation.set(g);
+        self.has_prefill
+            .set(self.shared.fleet.has_role(crate::config::Role::Prefill));
         let cfg = self.cfg();
         // A reload reopens the access log (log rotation), or turns it on or off; a log that
         // stays on keeps its buffer.
@@ -430,6 +434,9 @@ impl Worker {
         // Whether the replica may take the request, and what it must do first (µs): load an
         // adapter it does not hold.
         let serves = |i: usize, slot: &crate::fleet::ReplicaSlot| -> Option<u32> {
+            if !model.leg.admits(slot.role()) {
+                return None;
+            }
             let epoch = slot.epoch.load(Relaxed);
             match &gate {
                 None => models.allows(model.key, i, epoch).then_some(0),
@@ -464,6 +471,11 @@ impl Worker {
                 lora_slot_busy,
                 pace: self.shared.pace[i].load(),
                 routed: load.routed.load(Relaxed),
+                pd: match (model.leg, self.shared.fleet.slot(i).role()) {
+                    (Leg::Split, crate::config::Role::Prefill) => PdPath::Prefill,
+                    (Leg::Split, _) => PdPath::Direct,
+                    _ => PdPath::Whole,
+                },
             }
         };
         // A conversation's stored response: its replica alone while it may take requests
@@ -842,6 +854,40 @@ pub struct ModelRoute {
     /// The replica that stored the response this request continues: the only candidate
     /// while it is available (`Worker::response_pin`).
     pub pin: Option<Pin>,
+    /// Which replicas it may go to by their role (prefill/decode disaggregation).
+    pub leg: Leg,
+}
+
+/// What part of a request is routed, which decides the replicas' roles (`config::Role`) that
+/// may take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Leg {
+    /// The whole request: replicas of role both, or decode (which compute what they were not
+    /// sent the KV of).
+    #[default]
+    Whole,
+    /// A request that may be disaggregated, before its prefill: replicas of role prefill (the
+    /// disaggregated path) and decode (computed there directly); `Candidate::pd` says which,
+    /// and `cache_aware` prices the two paths against each other.
+    Split,
+    /// The prefill leg of a disaggregated request: replicas of role prefill.
+    Prefill,
+    /// Its decode leg: replicas of role decode.
+    Decode,
+}
+
+impl Leg {
+    #[inline]
+    pub fn admits(self, role: crate::config::Role) -> bool {
+        use crate::config::Role;
+        matches!(
+            (self, role),
+            (Leg::Whole, Role::Both | Role::Decode)
+                | (Leg::Split, Role::Prefill | Role::Decode)
+                | (Leg::Prefill, Role::Prefill)
+                | (Leg::Decode, Role::Decode)
+        )
+    }
 }
 
 /// A replica slot and the low bits of its epoch (`affinity::AffinityTable`).
@@ -1164,6 +1210,7 @@ impl Worker {
             )),
             idle_upstream: RefCell::new((0..n_replicas).map(|_| Vec::new()).collect()),
             generation: Cell::new(generation),
+            has_prefill: Cell::new(shared.fleet.has_role(crate::config::Role::Prefill)),
             config: RefCell::new(Rc::new(shared.config.load_full())),
             config_generation: Cell::new(0),
             bufs: RefCell::new(Vec::new()),

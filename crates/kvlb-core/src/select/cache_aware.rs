@@ -136,7 +136,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::{Candidate, Policy, RequestView};
+use super::{Candidate, PdPath, Policy, RequestView};
 use crate::estimate::reported::{combined_load, hit_keep};
 use crate::estimate::{Pace, ReplicaLoad, Seconds, TtftModel};
 use crate::residency::{ResidencyIndex, RoutingLog};
@@ -181,6 +181,9 @@ pub struct CacheAwareConfig {
     /// Price each replica at its measured pace (`Candidate::pace`); false: at the model's
     /// configured speed.
     pub calibrated: bool,
+    /// Seconds to move one prompt token's KV cache from a prefill replica to a decode replica
+    /// (`PdPath::Prefill`): KV bytes per token over the link's bytes per second.
+    pub kv_transfer_s_per_token: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -200,6 +203,9 @@ impl Default for CacheAwareConfig {
             offload_load_cost: 0.25,
             arrival_window_s: 10.0,
             calibrated: true,
+            // 128 KiB a token (an 8B model: 32 layers x 8 KV heads x 128 x 2 x 2 bytes) over a
+            // 25 GB/s link (RDMA between nodes, as NIXL reaches): 5.24e-6, rounded.
+            kv_transfer_s_per_token: 0.0000052,
         }
     }
 }
@@ -225,6 +231,7 @@ impl CacheAwareConfig {
             ("hot_window_s", self.hot_window_s),
             ("hot_spill_wait_s", self.hot_spill_wait_s),
             ("arrival_window_s", self.arrival_window_s),
+            ("kv_transfer_s_per_token", self.kv_transfer_s_per_token),
         ] {
             if v.is_nan() || v < 0.0 {
                 return Err(format!("cache_aware {name} must be >= 0, got {v}"));
@@ -307,6 +314,7 @@ parameters! {
     "kv_hit_keep_at_full" => real kv_hit_keep_at_full;
     "offload_load_cost" => real offload_load_cost;
     "arrival_window_s" => real arrival_window_s;
+    "kv_transfer_s_per_token" => real kv_transfer_s_per_token;
     "prefill_a_s" => real model.prefill.a;
     "prefill_b_s" => real model.prefill.b;
     "prefill_c_s" => real model.prefill.c;
@@ -625,7 +633,12 @@ impl Policy for CacheAware {
             if c.lora_slot_busy {
                 wait_parts = wait_parts + cfg.model.lora_slot_wait_parts(load.decoding);
             }
-            let fixed = c.setup_us as f64 * 1e-6;
+            // A prefill replica's answer is the KV, which then moves to a decode replica.
+            let transfer = match c.pd {
+                PdPath::Prefill => prompt as f64 * cfg.kv_transfer_s_per_token,
+                _ => 0.0,
+            };
+            let fixed = c.setup_us as f64 * 1e-6 + transfer;
             let pace = if cfg.calibrated {
                 c.pace
             } else {
@@ -686,6 +699,11 @@ impl Policy for CacheAware {
             e.ttft = e.wait + prefill;
             // The requests it holds up meet it as queued work: at the queue's pace.
             e.score = e.ttft + (e.weight - 1.0) * e.prefill_parts.held_up_at(e.pace);
+            if c.pd == PdPath::Direct {
+                // A decode replica computing the prompt stalls each sequence it decodes for
+                // as long (the inter-token latency disaggregation is there to protect).
+                e.score += prefill * e.decoding as f64;
+            }
             if e.score < best {
                 best = e.score;
             }

@@ -68,6 +68,22 @@ pub struct Candidate {
     /// Requests sent to the replica so far, counted over every worker (`cache_aware` reads its
     /// recent rate).
     pub routed: u64,
+    /// How the request would run there when it may be disaggregated.
+    pub pd: PdPath,
+}
+
+/// Where a request that may be disaggregated (prefill and decode replicas serve its model)
+/// would run on a candidate: `cache_aware` prices the two paths against each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PdPath {
+    /// As any request (no disaggregation in question).
+    #[default]
+    Whole,
+    /// Prefilled on this prefill replica, its KV then moved to a decode replica: the transfer
+    /// adds to the time to first token.
+    Prefill,
+    /// Computed on this decode replica itself: its running sequences stall meanwhile.
+    Direct,
 }
 
 pub trait Policy {

@@ -718,6 +718,7 @@ pub fn simulate_serving(
                             lora_slot_busy: false,
                             pace: calibration.pace(r),
                             routed: l.routed,
+                            pd: Default::default(),
                         }),
                 );
                 if candidates.is_empty() {

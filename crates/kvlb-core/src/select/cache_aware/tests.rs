@@ -990,7 +990,7 @@ fn every_parameter_is_settable_by_name() {
         assert!(!seen.contains(&c), "{name} sets the same field as another");
         seen.push(c);
     }
-    assert_eq!(seen.len(), 23);
+    assert_eq!(seen.len(), 24);
     let mut c = d;
     assert!(c
         .set("chunk_tokens", 2.5)
@@ -1089,4 +1089,42 @@ fn a_cold_start_burst_spreads_over_the_fleet() {
     }
     assert!(routed.iter().all(|&n| n >= 1), "{routed:?}");
     assert!(routed.iter().all(|&n| n <= 3), "{routed:?}");
+}
+
+/// A request that may be disaggregated: a prefill replica's estimate carries the KV transfer,
+/// a decode replica's the stall of the sequences it decodes. Idle, the decode replica computes
+/// it; decoding, it is worth the transfer; a prefix resident on the prefill replica only tips
+/// it there sooner.
+#[test]
+fn disaggregation_is_priced_against_computing_on_the_decode_replica() {
+    let (idx, mut w) = fleet(2);
+    let prompt = blocks(64); // 4096 tokens
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    let cands = |decoding: u32| {
+        vec![
+            Candidate {
+                replica: 0,
+                pd: PdPath::Prefill,
+                ..Default::default()
+            },
+            Candidate {
+                replica: 1,
+                decoding,
+                in_flight: decoding,
+                pd: PdPath::Direct,
+                ..Default::default()
+            },
+        ]
+    };
+    // Idle: the same prefill either way, the transfer only on the prefill path.
+    assert_eq!(p.select(&req(&prompt, 4096, 1), &cands(0), 0), 1);
+    let d = p.last_decision();
+    let transfer = 4096.0 * CacheAwareConfig::default().kv_transfer_s_per_token;
+    assert!(close(d.runner_up_ttft_s - d.ttft_s, transfer), "{d:?}");
+    // Eight sequences decoding there: each would stall for the whole prefill.
+    assert_eq!(p.select(&req(&prompt, 4096, 2), &cands(8), 0), 0);
+    // The prefix already on the prefill replica: disaggregated with one sequence decoding.
+    w.insert(0, &prompt[..60], 0).unwrap();
+    assert_eq!(p.select(&req(&prompt, 4096, 3), &cands(1), 0), 0);
+    assert!(p.last_decision().matched_tokens >= 3840);
 }

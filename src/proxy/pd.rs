@@ -1,0 +1,443 @@
+//! Prefill/decode disaggregation: a request whose model has replicas of role `prefill` and
+//! `decode` is computed on a prefill replica and continued on a decode replica from the KV
+//! cache the prefill replica computed, as vLLM's disaggregated serving expects of its proxy
+//! (`kvlb_core::pd` has the bodies):
+//!
+//! 1. the prefill leg, here: the prefill replica is chosen by the policy among the prefill
+//!    replicas (cache_aware: where the prefix is resident and the queue short), sent the body
+//!    asking for one token and the KV kept, and its whole answer read;
+//! 2. the decode leg, by the caller's usual path: the client's body with the prefill answer's
+//!    `kv_transfer_params` replaces the one in `conn.cbuf`, and the request is routed among the
+//!    decode replicas and relayed to the client as any request is (streamed, retried while
+//!    nothing reached the client).
+//!
+//! A prefill replica that fails (connect, a closed connection, a timeout, 5xx) before its
+//! answer is passed over for another, as a whole request would be: nothing reached the client.
+//! When none is left (or every one is at its concurrency limit past `queue_timeout`) the
+//! request goes whole to a decode replica, which computes the prompt itself; so does one the
+//! prefill replica refused (4xx: the decode replica answers the client with the engine's own
+//! error). A client that leaves during the prefill closes the prefill replica's connection
+//! (the engine aborts it). Each outcome is counted in `kvlb_pd_requests_total`.
+//!
+//! What this leaves to the engines: a prefill replica holds the blocks it computed until the
+//! decode replica pulls them, or until its own timeout (vLLM `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
+//! a lease in newer versions) when the decode leg never reaches one; the protocol has no call
+//! for a proxy to release them.
+
+#![forbid(unsafe_code)]
+#![warn(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use super::forward::{read_response_head, rebuild_upstream_head};
+use super::log::log_request;
+use super::route::{route, wait_for_capacity, Route, Routed};
+use super::{remaining, Conn, End, UpstreamFailure, MAX_ATTEMPTS};
+use crate::http::request::{self, Method, RequestHead};
+use crate::http::response::ResponseBody;
+use crate::metrics;
+use crate::rt::op;
+use crate::rt::select::{select, Either};
+use crate::worker::{CountedAs, InFlight, Leg, ModelRoute, Upstream, Worker};
+use std::io;
+use std::time::Instant;
+
+/// Most bytes of a prefill answer (a one-token completion and its transfer parameters).
+const MAX_PREFILL_ANSWER: usize = 1 << 20;
+
+/// What the caller does after the prefill leg.
+pub(super) enum Prefilled {
+    /// Route the request to a decode replica: its body in `conn.cbuf` now ends at `body_end`,
+    /// and the request at `req_end`; `prefill` is the replica that computed it.
+    Decode {
+        body_end: usize,
+        req_end: usize,
+        prefill: usize,
+    },
+    /// Send it whole, as the client sent it.
+    Whole,
+    /// Computed on this decode replica directly (the cost model found it sooner, or kinder to
+    /// the sequences decoding there, than a prefill replica and the transfer): routed already,
+    /// its concurrency slot taken; forward it as the first attempt.
+    Direct(Routed, usize),
+}
+
+/// Whether a request may be disaggregated: a completions or chat completions prompt (the
+/// endpoints whose answers carry the transfer parameters) read by kvlb.
+pub(super) fn eligible(conn: &Conn, head: &RequestHead, parsed: bool) -> bool {
+    if !parsed || head.method != Method::Post {
+        return false;
+    }
+    let target = &conn.cbuf[head.target.0..head.target.1];
+    let path = match memchr::memchr(b'?', target) {
+        Some(q) => &target[..q],
+        None => target,
+    };
+    matches!(path, b"/v1/completions" | b"/v1/chat/completions")
+}
+
+fn count(w: &Worker, outcome: usize) {
+    metrics::add(&w.stats().pd[outcome], 1);
+}
+
+/// The prefill leg of the request in `conn.cbuf` (module header). Err: the connection ends
+/// (the client left; the request was logged).
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn prefill(
+    w: &Worker,
+    conn: &mut Conn,
+    head: &RequestHead,
+    head_end: usize,
+    body_end: usize,
+    req_end: usize,
+    parsed: bool,
+    model: ModelRoute,
+    received_at: Instant,
+) -> Result<Prefilled, End> {
+    // cache_aware chooses between the paths (`--disaggregate priced`): a prefill replica (and
+    // the transfer after it) or a decode replica computing the prompt itself; other policies
+    // always disaggregate.
+    let cfg = w.cfg();
+    let priced = cfg.disaggregate == crate::config::Disaggregate::Priced
+        && cfg.model_policy(model.class.table) == crate::select::PolicyName::CacheAware;
+    let prefill_model = ModelRoute {
+        leg: if priced { Leg::Split } else { Leg::Prefill },
+        ..model
+    };
+    let decode_model = ModelRoute {
+        leg: Leg::Decode,
+        ..model
+    };
+    // Disaggregated only where the model has both roles (its other replicas serve it whole).
+    let has = |m: ModelRoute| {
+        let (free, capped) = w.fill_candidates(&[], m);
+        free + capped > 0
+    };
+    let only_prefill = ModelRoute {
+        leg: Leg::Prefill,
+        ..model
+    };
+    if !has(decode_model) || !has(only_prefill) {
+        return Ok(Prefilled::Whole);
+    }
+    let mut body = w.take_buf();
+    if !kvlb_core::pd::vllm_prefill_body(&conn.cbuf[head.head_len..body_end], &mut body) {
+        // Not a JSON object: the engine answers the client whole.
+        w.give_buf(body);
+        return Ok(Prefilled::Whole);
+    }
+    let max_attempts = (cfg.health.retries as usize + 1).min(MAX_ATTEMPTS);
+    let mut tried = [usize::MAX; MAX_ATTEMPTS];
+    let mut attempts = 0;
+    let outcome = loop {
+        rebuild_upstream_head(conn, head_end);
+        let routed = match route(
+            w,
+            conn,
+            head,
+            body_end,
+            parsed,
+            &tried[..attempts],
+            prefill_model,
+        ) {
+            Route::To(r, explain_len) => {
+                if w.shared.fleet.slot(r.replica).role() != crate::config::Role::Prefill {
+                    w.give_buf(body);
+                    count(w, metrics::PD_DIRECT);
+                    return Ok(Prefilled::Direct(r, explain_len));
+                }
+                conn.explain_len = explain_len;
+                r
+            }
+            Route::AllBusy => match wait_for_capacity(w, &tried[..attempts], prefill_model).await {
+                Ok(()) => continue,
+                Err(_) => break Err(metrics::PD_PREFILL_FAILED),
+            },
+            Route::NoneLeft => break Err(metrics::PD_PREFILL_FAILED),
+        };
+        if !head.has_host {
+            conn.obuf.extend_from_slice(b"host: ");
+            conn.obuf
+                .extend_from_slice(routed.spec.authority.as_bytes());
+            conn.obuf.extend_from_slice(b"\r\n");
+        }
+        if let Some(rank) = routed.spec.dp_rank {
+            request::push_dp_rank(&mut conn.obuf, rank);
+        }
+        request::finish_upstream_head(&mut conn.obuf, Method::Post, body.len());
+        let replica = routed.replica;
+        tried[attempts] = replica;
+        attempts += 1;
+        match exchange(w, conn, &routed, head, &body, received_at).await {
+            Ok(answer) if answer.status == 200 => break Ok((replica, answer.body)),
+            Ok(answer) if (400..500).contains(&answer.status) => {
+                w.give_buf(answer.body);
+                break Err(metrics::PD_PREFILL_REFUSED);
+            }
+            Ok(answer) => {
+                w.give_buf(answer.body);
+                failed(w, &routed, &UpstreamFailure::Unavailable);
+            }
+            Err(UpstreamFailure::ClientGone) => {
+                metrics::add(&w.stats().replicas[replica].client_aborts, 1);
+                w.give_buf(body);
+                conn.log.status = 499;
+                log_request(
+                    w,
+                    conn,
+                    Some((head, body_end)),
+                    &tried[..attempts],
+                    received_at,
+                );
+                return Err(End::Close);
+            }
+            Err(f) => failed(w, &routed, &f),
+        }
+        if attempts >= max_attempts || w.draining.get() {
+            break Err(metrics::PD_PREFILL_FAILED);
+        }
+        metrics::add(&w.stats().replicas[replica].retries, 1);
+    };
+    // The decode leg's head is built again by the caller's path.
+    rebuild_upstream_head(conn, head_end);
+    let (prefill, answer) = match outcome {
+        Ok(v) => v,
+        Err(why) => {
+            w.give_buf(body);
+            count(w, why);
+            if why == metrics::PD_PREFILL_FAILED {
+                if let Some(more) = FALLBACK_LOG.allow() {
+                    eprintln!(
+                        "kvlb: no prefill replica could compute a request ({attempts} tried); sent whole to a decode replica{}",
+                        crate::log_limit::more(more)
+                    );
+                }
+            }
+            return Ok(Prefilled::Whole);
+        }
+    };
+    let Some(params) = kvlb_core::pd::kv_transfer_params(&answer) else {
+        // The decode replica computes the prompt itself (the engine could not keep the KV).
+        count(w, metrics::PD_NO_PARAMS);
+        if let Some(more) = NO_PARAMS_LOG.allow() {
+            eprintln!(
+                "kvlb: a prefill answer carried no kv_transfer_params (is the replica's KV connector configured?); the decode replica computes the prompt{}",
+                crate::log_limit::more(more)
+            );
+        }
+        w.give_buf(answer);
+        w.give_buf(body);
+        return Ok(Prefilled::Decode {
+            body_end,
+            req_end,
+            prefill,
+        });
+    };
+    let ok = kvlb_core::pd::vllm_decode_body(
+        &conn.cbuf[head.head_len..body_end],
+        &answer[params],
+        &mut body,
+    );
+    w.give_buf(answer);
+    debug_assert!(ok, "the prefill body was built from the same object");
+    // The decode leg's body replaces the client's (pipelined bytes after it move along).
+    conn.cbuf
+        .splice(head.head_len..body_end, body.iter().copied());
+    let new_end = head.head_len + body.len();
+    let req_end = (req_end + new_end).saturating_sub(body_end);
+    w.give_buf(body);
+    count(w, metrics::PD_DISAGGREGATED);
+    Ok(Prefilled::Decode {
+        body_end: new_end,
+        req_end,
+        prefill,
+    })
+}
+
+static FALLBACK_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+static NO_PARAMS_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// A prefill replica's failure counts towards its ejection, as a whole request's does.
+fn failed(w: &Worker, routed: &Routed, f: &UpstreamFailure) {
+    let cfg = w.cfg();
+    let slot = w.shared.fleet.slot(routed.replica);
+    if f.counts_against_replica()
+        && slot.record_failure(
+            w.shared.now_ms(),
+            cfg.health.max_fails,
+            cfg.health.fail_timeout.as_millis() as u64,
+        )
+    {
+        eprintln!(
+            "kvlb: replica {}: {} failures in a row; ejected for {:?}",
+            routed.spec.url, cfg.health.max_fails, cfg.health.fail_timeout
+        );
+        metrics::add(&w.stats().replicas[routed.replica].ejections, 1);
+    }
+}
+
+struct Answer {
+    status: u16,
+    /// Its body, de-chunked (a worker buffer: given back by the caller).
+    body: Vec<u8>,
+}
+
+/// Send the head in `conn.obuf` and `body` to the routed replica and read its whole answer,
+/// counting the request in flight there until then.
+async fn exchange(
+    w: &Worker,
+    conn: &mut Conn,
+    routed: &Routed,
+    head: &RequestHead,
+    body: &[u8],
+    received_at: Instant,
+) -> Result<Answer, UpstreamFailure> {
+    let replica = routed.replica;
+    // `route` took the replica's in-flight slot already.
+    let mut in_flight = InFlight::new(
+        w,
+        replica,
+        routed.prefill_tokens,
+        routed.expected,
+        received_at,
+        true,
+        CountedAs {
+            model_label: routed.class.label,
+            lora: routed.lora,
+        },
+    );
+    // Its answer comes after the prompt and one token: a time to first token, as a stream's
+    // first event is (a calibration sample).
+    in_flight.streamed();
+    let rc = &w.stats().replicas[replica];
+    let deadline = crate::rt::now() + w.cfg().upstream_timeout_of(routed.class.table);
+    conn.obuf.extend_from_slice(body);
+    let mut attempt = 0;
+    let (mut up, rhead) = loop {
+        attempt += 1;
+        let (mut up, reused) = match w.pooled_upstream(replica, routed.epoch) {
+            Some(up) if attempt == 1 => {
+                metrics::add(&rc.reuses, 1);
+                (up, true)
+            }
+            pooled => {
+                if let Some(up) = pooled {
+                    up.close();
+                }
+                let fd = w
+                    .connect_replica(routed.spec.addr)
+                    .await
+                    .map_err(UpstreamFailure::Connect)?;
+                metrics::add(&rc.connects, 1);
+                (Upstream::new(fd), false)
+            }
+        };
+        let n = conn.obuf.len();
+        let (r, b) = op::send_all(up.fd, std::mem::take(&mut conn.obuf), 0, n).await;
+        conn.obuf = b;
+        if r.is_err() {
+            up.close();
+            if reused {
+                continue;
+            }
+            return Err(UpstreamFailure::Closed);
+        }
+        metrics::add(&rc.bytes_to_replica, n as u64);
+        // The head read back writes a client head into obuf: the request's is sent by now.
+        match read_response_head(w, conn, &mut up, &routed.spec.url, head, deadline).await {
+            Ok(h) => break (up, h),
+            // A pooled connection the replica had closed: sent again on a fresh one (the
+            // request is still in obuf: a head is written there only once one was read).
+            Err(UpstreamFailure::Closed) if reused && attempt == 1 => {
+                up.close();
+                continue;
+            }
+            Err(f) => {
+                up.close();
+                return Err(f);
+            }
+        }
+    };
+    in_flight.first_byte();
+    let mut out = w.take_buf();
+    out.clear();
+    let mut decoder = kvlb_core::http::chunked::ChunkedDecoder::new();
+    let mut from = rhead.head_len;
+    let mut got = 0u64;
+    let complete = loop {
+        let bytes = &conn.ubuf[from.min(conn.ubuf.len())..];
+        let done = match rhead.body {
+            ResponseBody::None => true,
+            ResponseBody::Length(n) => {
+                let take = (bytes.len() as u64).min(n - got) as usize;
+                out.extend_from_slice(&bytes[..take]);
+                got += take as u64;
+                got == n
+            }
+            ResponseBody::Chunked => {
+                let fed = decoder.feed(bytes, |a, b| out.extend_from_slice(&bytes[a..b]));
+                if fed.is_err() {
+                    w.give_buf(out);
+                    return Err(UpstreamFailure::Invalid);
+                }
+                decoder.is_done()
+            }
+            ResponseBody::UntilClose => {
+                out.extend_from_slice(bytes);
+                false
+            }
+        };
+        if out.len() > MAX_PREFILL_ANSWER {
+            w.give_buf(out);
+            return Err(UpstreamFailure::Invalid);
+        }
+        if done {
+            break true;
+        }
+        conn.ubuf.clear();
+        from = 0;
+        let r = {
+            let recv = std::pin::pin!(op::recv_multi(
+                &mut up.recv,
+                &mut conn.ubuf,
+                Some(remaining(deadline))
+            ));
+            match select(recv, conn.watch.gone()).await {
+                Either::Left(r) => r,
+                Either::Right(()) => {
+                    w.give_buf(out);
+                    return Err(UpstreamFailure::ClientGone);
+                }
+            }
+        };
+        match r {
+            Ok(0) if rhead.body == ResponseBody::UntilClose => break false,
+            Ok(0) => {
+                w.give_buf(out);
+                return Err(UpstreamFailure::Closed);
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                w.give_buf(out);
+                return Err(UpstreamFailure::Timeout);
+            }
+            Err(_) => {
+                w.give_buf(out);
+                return Err(UpstreamFailure::Closed);
+            }
+        }
+    };
+    in_flight.finished();
+    if rhead.status != 503 {
+        w.shared.fleet.slot(replica).record_success();
+    }
+    let class = metrics::status_class(rhead.status);
+    metrics::add(&rc.responses[class], 1);
+    if complete && rhead.reusable {
+        w.return_upstream(replica, up, routed.epoch);
+    } else {
+        up.close();
+    }
+    Ok(Answer {
+        status: rhead.status,
+        body: out,
+    })
+}

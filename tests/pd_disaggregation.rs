@@ -1,0 +1,467 @@
+//! Prefill/decode disaggregation end to end: kvlb in front of `kvlb replica --role prefill`
+//! and `kvlb replica --role decode` processes speaking vLLM's kv_transfer_params protocol (the
+//! decode replica pulls the prompt's KV from the prefill replica over its side channel). The
+//! prefill leg follows the prefix, a failing prefill replica is passed over, none left sends
+//! the request whole, other endpoints go whole, and the official OpenAI client works unchanged.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use serde_json::{json, Value};
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::time::Duration;
+use support::fleet::ReplicaFleet;
+use support::proxy::metric_sum;
+use support::{wait_until, HttpConn, Kvlb, Response, TempDir};
+
+const T: Duration = Duration::from_secs(20);
+
+/// The replicas' own counts of the transfers (`kvlb replica --role`).
+const PULLED: &str = "kvlb_replica_kv_transfers_pulled_total";
+const SERVED: &str = "kvlb_replica_kv_transfers_served_total";
+const HELD: &str = "kvlb_replica_kv_held_blocks";
+const LOCAL_PREFILLS: &str = "kvlb_replica_kv_local_prefills_total";
+
+fn url(a: &SocketAddr) -> String {
+    format!("http://{a}")
+}
+
+/// Two replicas of `role`, each with its KV events.
+fn replicas(role: &str) -> ReplicaFleet {
+    ReplicaFleet::start(2, &["--role", role, "--time-scale", "50"])
+}
+
+/// `kvlb serve --explain --disaggregate always` with an access log at `log`, in front of
+/// `prefill` (given with their KV event streams, role=prefill) and `decode` (role=decode), then
+/// `extra` replica specs.
+fn serve(prefill: &ReplicaFleet, decode: &ReplicaFleet, log: &Path, extra: &[String]) -> Kvlb {
+    serve_with(prefill, decode, log, extra, &["--disaggregate", "always"])
+}
+
+fn serve_with(
+    prefill: &ReplicaFleet,
+    decode: &ReplicaFleet,
+    log: &Path,
+    extra: &[String],
+    args_extra: &[&str],
+) -> Kvlb {
+    let mut specs: Vec<String> = (0..prefill.http.len())
+        .map(|i| {
+            format!(
+                "{},kv_events={},role=prefill",
+                url(&prefill.http[i]),
+                prefill.events[i]
+            )
+        })
+        .collect();
+    specs.extend(
+        decode
+            .http
+            .iter()
+            .map(|a| format!("{},role=decode", url(a))),
+    );
+    specs.extend_from_slice(extra);
+    let mut args = vec![
+        "--explain",
+        "--workers",
+        "1",
+        "--access-log",
+        log.to_str().unwrap(),
+    ];
+    for s in &specs {
+        args.extend_from_slice(&["--replica", s]);
+    }
+    args.extend_from_slice(args_extra);
+    Kvlb::serve(&args)
+}
+
+fn chat(system: &str, user: &str, stream: bool) -> Vec<u8> {
+    json!({
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 8,
+        "stream": stream,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn post(kvlb: &Kvlb, path: &str, body: &[u8]) -> Response {
+    let mut c = HttpConn::connect(kvlb.listen);
+    c.request("POST", path, &[("Content-Type", "application/json")], body)
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
+
+/// The access log's lines, once it holds `n` (workers flush at least once a second).
+fn log_lines(path: &Path, n: usize) -> Vec<Value> {
+    let read = || -> Vec<Value> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    assert!(wait_until(T, || read().len() >= n), "{:?}", read());
+    read()
+}
+
+fn pd_outcome(kvlb: &Kvlb, outcome: &str) -> f64 {
+    kvlb.metric(
+        "kvlb_pd_requests_total",
+        &[&format!("outcome=\"{outcome}\"")],
+    )
+    .unwrap_or(0.0)
+}
+
+/// The sum of `name`'s samples on the replica at `addr`'s /metrics.
+fn replica_metric(addr: SocketAddr, name: &str) -> f64 {
+    let r = support::client::get(addr, "/metrics");
+    metric_sum(&r.body_text(), name, &[]).unwrap_or(0.0)
+}
+
+/// A port nothing listens on (bound once and let go).
+fn dead_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+}
+
+/// A streamed chat completion is prefilled on a prefill replica and streamed by a decode
+/// replica that pulled its KV; the log names both.
+#[test]
+fn a_streamed_chat_takes_both_legs() {
+    let (prefill, decode) = (replicas("prefill"), replicas("decode"));
+    let dir = TempDir::new("pd-stream");
+    let log = dir.file("access.log");
+    let kvlb = serve(&prefill, &decode, &log, &[]);
+    let system = "You are a careful assistant for a large codebase. ".repeat(40);
+    let r = post(
+        &kvlb,
+        "/v1/chat/completions",
+        &chat(&system, "Hello.", true),
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+    let body = r.body_text();
+    assert!(body.contains("data: [DONE]"), "{body}");
+    assert!(
+        body.contains("\"usage\""),
+        "the client's stream_options kept: {body}"
+    );
+    let decoded_on = r.header("x-kvlb-replica").unwrap().to_string();
+    let decode_urls: Vec<String> = decode.http.iter().map(url).collect();
+    let prefill_urls: Vec<String> = prefill.http.iter().map(url).collect();
+    assert!(decode_urls.contains(&decoded_on), "{decoded_on}");
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 1.0);
+    let line = &log_lines(&log, 1)[0];
+    assert_eq!(line["replica"], decoded_on.as_str());
+    let prefilled_on = line["prefill_replica"].as_str().unwrap().to_string();
+    assert!(prefill_urls.contains(&prefilled_on), "{line}");
+    assert!(line["prompt_tokens"].as_u64().unwrap() > 400, "{line}");
+    // The decode replica pulled the prompt from that prefill replica, which let its blocks go.
+    let p = prefill.http[prefill_urls
+        .iter()
+        .position(|u| *u == prefilled_on)
+        .unwrap()];
+    let d = decode.http[decode_urls.iter().position(|u| *u == decoded_on).unwrap()];
+    assert_eq!(replica_metric(d, PULLED), 1.0);
+    assert_eq!(replica_metric(p, SERVED), 1.0);
+    assert!(wait_until(T, || replica_metric(p, HELD) == 0.0));
+    // And the decode replica did not compute the prompt (a local prefill is counted apart).
+    assert_eq!(replica_metric(d, LOCAL_PREFILLS), 0.0);
+}
+
+/// The prefill leg follows the prefix: requests sharing a long system prompt are prefilled
+/// where it is resident, a cache hit in kvlb's decision.
+#[test]
+fn the_prefill_leg_follows_the_prefix() {
+    let (prefill, decode) = (replicas("prefill"), replicas("decode"));
+    let dir = TempDir::new("pd-prefix");
+    let log = dir.file("access.log");
+    let kvlb = serve(&prefill, &decode, &log, &[]);
+    // Subscribed to the prefill replicas' events (the decode replicas are given none).
+    assert!(wait_until(T, || support::fleet::replicas_json(&kvlb)
+        .iter()
+        .filter(|r| r["role"] == "prefill")
+        .all(|r| r["telemetry"]["events_connected"] == true)));
+    std::thread::sleep(Duration::from_millis(300));
+    let system = "Tools: search(query), open(url), run(cmd). Answer tersely. ".repeat(60);
+    let mut decisions = Vec::new();
+    for i in 0..6 {
+        let r = post(
+            &kvlb,
+            "/v1/chat/completions",
+            &chat(&system, &format!("Question {i}."), i % 2 == 0),
+        );
+        assert_eq!(r.status, 200, "{}", r.describe());
+        decisions.push(r.header("x-kvlb-decision").unwrap().to_string());
+        // Let the prefill replica's events land before the next.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let lines = log_lines(&log, 6);
+    let first = &lines[0]["prefill_replica"];
+    for (l, d) in lines.iter().zip(&decisions).skip(1) {
+        assert_eq!(&l["prefill_replica"], first, "{lines:?}");
+        assert!(d.contains("reason=cache"), "{d}");
+    }
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 6.0);
+}
+
+/// A prefill replica that refuses connections is passed over for another (nothing reached the
+/// client); with none left the request goes whole to a decode replica, which computes it.
+#[test]
+fn a_failing_prefill_replica_is_passed_over_and_none_left_goes_whole() {
+    let (prefill, decode) = (replicas("prefill"), replicas("decode"));
+    let dir = TempDir::new("pd-fail");
+    let log = dir.file("access.log");
+    let dead = url(&dead_port());
+    let kvlb = serve(&prefill, &decode, &log, &[format!("{dead},role=prefill")]);
+    for i in 0..8 {
+        let r = post(
+            &kvlb,
+            "/v1/completions",
+            &json!({"model": "m", "prompt": format!("{i} {}", "word ".repeat(300)), "max_tokens": 4})
+                .to_string()
+                .into_bytes(),
+        );
+        assert_eq!(r.status, 200, "{}", r.describe());
+    }
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 8.0);
+    let retries = kvlb
+        .metric("kvlb_retries_total", &[&format!("replica=\"{dead}\"")])
+        .unwrap_or(0.0);
+    assert!(retries >= 1.0, "the dead prefill replica was never tried");
+    drop(kvlb);
+
+    // Only the dead one: every request goes whole.
+    let log2 = dir.file("access2.log");
+    let specs: Vec<String> = std::iter::once(format!("{dead},role=prefill"))
+        .chain(
+            decode
+                .http
+                .iter()
+                .map(|a| format!("{},role=decode", url(a))),
+        )
+        .collect();
+    let mut args = vec![
+        "--workers",
+        "1",
+        "--disaggregate",
+        "always",
+        "--access-log",
+        log2.to_str().unwrap(),
+    ];
+    for s in &specs {
+        args.extend_from_slice(&["--replica", s]);
+    }
+    let kvlb = Kvlb::serve(&args);
+    let r = post(
+        &kvlb,
+        "/v1/chat/completions",
+        &chat("Be brief.", "Hi.", true),
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert!(r.body_text().contains("data: [DONE]"));
+    assert_eq!(pd_outcome(&kvlb, "prefill_failed"), 1.0);
+    let line = &log_lines(&log2, 1)[0];
+    assert!(line.get("prefill_replica").is_none(), "{line}");
+    assert!(kvlb.stderr().contains("no prefill replica could compute"));
+}
+
+/// Endpoints whose answers carry no transfer parameters go whole to a decode replica; a
+/// prefill replica is never sent a request whole.
+#[test]
+fn other_endpoints_go_whole_to_a_decode_replica() {
+    let (prefill, decode) = (replicas("prefill"), replicas("decode"));
+    let dir = TempDir::new("pd-whole");
+    let log = dir.file("access.log");
+    let kvlb = serve(&prefill, &decode, &log, &[]);
+    let decode_urls: Vec<String> = decode.http.iter().map(url).collect();
+    for (path, body) in [
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": "Say hi.", "max_output_tokens": 4}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi."}]}),
+        ),
+        ("/v1/embeddings", json!({"model": "m", "input": "a text"})),
+    ] {
+        let r = post(&kvlb, path, body.to_string().as_bytes());
+        assert_eq!(r.status, 200, "{path}: {}", r.describe());
+        let on = r.header("x-kvlb-replica").unwrap();
+        assert!(decode_urls.iter().any(|u| u == on), "{path} went to {on}");
+    }
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 0.0);
+    let v: Value = serde_json::from_str(&kvlb.admin_get("/replicas").body_text()).unwrap();
+    let roles: Vec<&str> = v["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["prefill", "prefill", "decode", "decode"]);
+}
+
+/// OpenAI's own client, unchanged, streamed and not, chat and completions, through both legs.
+#[test]
+fn the_openai_client_through_both_legs() {
+    let (prefill, decode) = (replicas("prefill"), replicas("decode"));
+    let dir = TempDir::new("pd-openai");
+    let log = dir.file("access.log");
+    let kvlb = serve(&prefill, &decode, &log, &[]);
+    let out = std::process::Command::new(support::backend::python())
+        .arg("-c")
+        .arg(
+            r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="none", max_retries=0, timeout=30)
+system = "You answer questions about the repository. " * 30
+msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is it?"}]
+r = c.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+assert r.choices[0].message.content, r
+assert r.usage.completion_tokens >= 1, r
+chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=6, stream=True,
+    stream_options={"include_usage": True}))
+text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+assert text and chunks[-1].usage is not None, chunks
+r = c.completions.create(model="m", prompt=system + "Q:", max_tokens=5)
+assert r.choices[0].text is not None, r
+s = list(c.completions.create(model="m", prompt=system + "Q2:", max_tokens=5, stream=True))
+assert s, s
+print("ok")
+"#,
+        )
+        .arg(kvlb.url("/v1"))
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ok"),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 4.0);
+    let pulled: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();
+    assert_eq!(pulled, 4.0);
+}
+
+/// A client that leaves during the prefill: the prefill replica's connection is closed, so
+/// the engine aborts the request, and no decode replica is sent anything.
+#[test]
+fn a_client_leaving_during_the_prefill_cancels_it() {
+    // Real time (an 8B model on one H100): 30k tokens take over a second to prefill.
+    let prefill = ReplicaFleet::start(1, &["--role", "prefill", "--time-scale", "1"]);
+    let decode = replicas("decode");
+    let dir = TempDir::new("pd-cancel");
+    let log = dir.file("access.log");
+    let kvlb = serve(&prefill, &decode, &log, &[]);
+    let body = support::fleet::completion_body(&support::fleet::token_prompt(30_000, 7));
+    let mut c = HttpConn::connect(kvlb.listen);
+    c.send_request(
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        &body,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(c);
+    let p = prefill.http[0];
+    let aborted = || {
+        let r = support::client::get(p, "/metrics");
+        metric_sum(
+            &r.body_text(),
+            "vllm:request_success_total",
+            &["finished_reason=\"abort\""],
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(wait_until(T, || aborted() == 1.0), "{}", aborted());
+    let line = &log_lines(&log, 1)[0];
+    assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(line["replica"], url(&p).as_str(), "{line}");
+    let prefill_url = url(&p);
+    assert_eq!(
+        kvlb.metric(
+            "kvlb_client_aborts_total",
+            &[&format!("replica=\"{prefill_url}\"")]
+        ),
+        Some(1.0)
+    );
+    for &d in &decode.http {
+        let r = support::client::get(d, "/metrics");
+        let n = metric_sum(&r.body_text(), "vllm:request_success_total", &[]).unwrap_or(0.0);
+        assert_eq!(n, 0.0, "a decode replica was sent the request");
+    }
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 0.0);
+}
+
+/// `--disaggregate priced` (the default): an idle decode replica computes a prompt itself (no
+/// sequence of its own to stall, no transfer); once every decode replica decodes, the prompt is
+/// computed on a prefill replica and moved.
+#[test]
+fn priced_disaggregation_computes_on_an_idle_decode_replica() {
+    let prefill = replicas("prefill");
+    // Real time: a stream of 400 tokens decodes for about 3 s.
+    let decode = ReplicaFleet::start(2, &["--role", "decode", "--time-scale", "1"]);
+    let dir = TempDir::new("pd-priced");
+    let log = dir.file("access.log");
+    let kvlb = serve_with(&prefill, &decode, &log, &[], &[]);
+    let long = |i: u32| {
+        json!({"model": "m", "prompt": format!("{i} {}", "token ".repeat(400)),
+               "max_tokens": 400, "stream": true})
+        .to_string()
+        .into_bytes()
+    };
+    // Two streams, one on each idle decode replica, computed there.
+    let addr = kvlb.listen;
+    let streams: Vec<_> = (0..2u32)
+        .map(|i| {
+            let body = long(i);
+            std::thread::sleep(Duration::from_millis(300));
+            std::thread::spawn(move || {
+                let mut c = HttpConn::connect(addr);
+                c.request(
+                    "POST",
+                    "/v1/completions",
+                    &[("Content-Type", "application/json")],
+                    &body,
+                )
+                .unwrap()
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(pd_outcome(&kvlb, "direct"), 2.0);
+    // Both decode replicas decode now: the next prompt is disaggregated.
+    let r = post(
+        &kvlb,
+        "/v1/chat/completions",
+        &chat(&"Context. ".repeat(300), "Go.", false),
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 1.0);
+    let served: Vec<String> = streams
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap()
+                .header("x-kvlb-replica")
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_ne!(
+        served[0], served[1],
+        "the two streams shared a decode replica"
+    );
+    let lines = log_lines(&log, 3);
+    let prefilled = lines
+        .iter()
+        .filter(|l| l.get("prefill_replica").is_some())
+        .count();
+    assert_eq!(prefilled, 1, "{lines:?}");
+}
