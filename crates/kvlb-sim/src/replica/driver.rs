@@ -9,14 +9,16 @@
 //!
 //! With `--role prefill|decode` the replica also keeps its part in disaggregated prefill
 //! (`Disagg`): the engine holds prefills' KV for their decodes (`held_blocks`, `release_held`,
-//! which the side channel calls), and the transfer counters of /metrics.
+//! which the side channel or, under SGLang's protocol, the bootstrap server calls), and the
+//! transfer counters of /metrics.
 //!
 //! With LoRA on, the replicas behind one port share one `LoraRequestsInfo`: each reports its
 //! requests' first outputs and ends to it and sets it after each engine step, as vLLM's front
 //! end does for `vllm:lora_requests_info`.
 
+use super::bootstrap::Rooms;
 use super::metrics::{self, LoraRequestsInfo, RequestCounters, TransferCounters};
-use super::pd::{LocalPrefill, Role};
+use super::pd::{LocalPrefill, Protocol, Role, TransferFailure};
 use crate::engine::{
     Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, HeldKv, KvTransfer, RequestId,
 };
@@ -82,17 +84,20 @@ struct ReplicaState {
     counters: RequestCounters,
     /// Engine steps already accounted in `vllm:lora_requests_info`.
     steps_seen: u64,
-    /// When a local prefill of a decode replica was last logged, and those not logged since.
+    /// When a transfer problem (a local prefill or failed fetch of a decode replica) was last
+    /// logged, and those not logged since.
     local_prefill_log: (Option<Instant>, u64),
 }
 
-/// Least time between two log lines about decode requests prefilled locally.
+/// Least time between two log lines about KV transfer problems (`Replica::log_limited`).
 const LOCAL_PREFILL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A replica's part in disaggregated prefill (`--role`), fixed at start.
 #[derive(Debug, Clone, Default)]
 pub struct Disagg {
     pub role: Role,
+    /// The protocol spoken to the router (`--pd-protocol`).
+    pub protocol: Protocol,
     /// Its engine's id, the `remote_engine_id` of its prefill answers (vLLM's
     /// kv_transfer_config.engine_id; a data-parallel rank's ends `_dp{rank}`).
     pub engine_id: String,
@@ -105,6 +110,16 @@ pub struct Disagg {
     /// (--kv-bytes-per-token / --kv-link-gbps).
     pub kv_bytes_per_token: u64,
     pub transfer_s_per_token: f64,
+    /// SGLang's protocol, prefill role: the rooms of its port, shared by its ranks (the
+    /// bootstrap server waits on them), and the wall seconds a room's KV stays held
+    /// (--kv-hold-timeout).
+    pub rooms: Option<Arc<Rooms>>,
+    pub hold_wall_s: f64,
+    /// SGLang's protocol, decode role: the port a null `bootstrap_port` stands for (its
+    /// --disaggregation-bootstrap-port; None when 0), and the wall seconds a fetch waits for
+    /// its room's KV (--kv-wait-timeout).
+    pub null_port: Option<u16>,
+    pub wait_s: f64,
 }
 
 /// One simulated replica: engine, clock, routes, counters and event publisher.
@@ -187,6 +202,12 @@ impl Replica {
     /// Its part in disaggregated prefill.
     pub fn disagg(&self) -> &Disagg {
         &self.disagg
+    }
+
+    /// Longest prompt + completion its engine takes (max_model_len, or less when the KV
+    /// cache is smaller).
+    pub fn context_limit(&self) -> u32 {
+        self.lock().engine.context_limit()
     }
 
     /// Tokens per KV block of its engine.
@@ -337,17 +358,30 @@ impl Replica {
         }
     }
 
+    /// A fetch of remote KV failed for `reason` (both protocols; the caller logs it).
+    pub fn transfer_failed(&self, reason: TransferFailure) {
+        if let Some(t) = self.lock().counters.transfers.as_mut() {
+            t.failed(reason);
+        }
+    }
+
     /// A decode request is prefilled here for `reason` (`why` says more): count it, and log
-    /// it unless a log line went out less than 10 s ago (then count it for the next line). A
-    /// plain request is a decode replica's normal business: counted, never logged.
+    /// it (`log_limited`). A plain request is a decode replica's normal business: counted,
+    /// never logged.
     pub fn local_prefill(&self, reason: LocalPrefill, why: &str) {
-        let mut st = self.lock();
-        if let Some(t) = st.counters.transfers.as_mut() {
+        if let Some(t) = self.lock().counters.transfers.as_mut() {
             t.local_prefill(reason);
         }
         if reason == LocalPrefill::NoParams {
             return;
         }
+        self.log_limited(&format!("prefilling locally ({}): {why}", reason.label()));
+    }
+
+    /// Log a KV transfer problem, unless a line went out less than 10 s ago (then count it
+    /// for the next line).
+    pub fn log_limited(&self, message: &str) {
+        let mut st = self.lock();
         let now = Instant::now();
         let (last, quiet) = st.local_prefill_log;
         if last.is_some_and(|at| now.duration_since(at) < LOCAL_PREFILL_LOG_INTERVAL) {
@@ -360,11 +394,7 @@ impl Replica {
             0 => String::new(),
             n => format!(" ({n} more since the last message)"),
         };
-        eprintln!(
-            "kvlb replica: replica {}: prefilling locally ({}): {why}{more}",
-            self.index,
-            reason.label()
-        );
+        eprintln!("kvlb replica: replica {}: {message}{more}", self.index);
     }
 
     pub fn reset_prefix_cache(&self) -> bool {

@@ -5,7 +5,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::pd::Role;
+use super::pd::{Protocol, Role};
 use crate::cli;
 use crate::engine::{EngineConfig, SpeedList};
 use crate::kv_events::EventFormat;
@@ -17,7 +17,8 @@ const AFTER_HELP: &str = "\
 On start it prints one line per replica to stderr, `kvlb replica: replica I on HOST:PORT`
 (plus ` kv_events=tcp://.. kv_replay=tcp://..` when enabled, ` speed=X` or ` speed=PxD`
 for a replica not at --speed 1, and ` role=prefill side_channel=HOST:PORT` or ` role=decode`
-with --role), then `kvlb replica: ready`.
+with --role; ` role=prefill pd_protocol=sglang bootstrap=HOST:PORT` or ` role=decode
+pd_protocol=sglang` with --pd-protocol sglang), then `kvlb replica: ready`.
 Replica i listens on port + i (likewise the event ports); port 0 gives each its own.
 With a host KV tier every computed block is also kept in host memory (KV events with medium
 CPU) and a prefix the GPU evicted is loaded back instead of recomputed.
@@ -43,7 +44,20 @@ pulls them from the side channel (POST /kv/pull {remote_engine_id, remote_reques
 --kv-hold-timeout passes. --role decode: a request whose kv_transfer_params are such an
 answer pulls the KV, waits the transfer out (tokens x --kv-bytes-per-token / --kv-link-gbps)
 and computes the last prompt token only; without valid params, or when the pull fails, it
-prefills locally. Both roles add the vllm:nixl_* and kvlb_replica_kv_* families to /metrics.";
+prefills locally. Both roles add the vllm:nixl_* and kvlb_replica_kv_* families to /metrics.
+--pd-protocol sglang speaks SGLang's disaggregation instead (sgl-router / SMG, mini_lb: the
+same body, with bootstrap_host, bootstrap_port and bootstrap_room added, sent to both replicas
+at once; kv_transfer_params is then ignored). --role prefill: a request with a bootstrap_room
+is prefilled with one output token, answered as asked (streamed or not), and its KV held for
+the room until the bootstrap server (--disaggregation-bootstrap-port) hands it to the decode
+(POST /kv/pull {bootstrap_room, wait_s}: waits up to wait_s for the room's prefill to finish)
+or --kv-hold-timeout passes. --role decode: a request with a bootstrap_room fetches the room's
+KV from bootstrap_host:bootstrap_port (null: its own --disaggregation-bootstrap-port), waiting
+up to --kv-wait-timeout, waits the transfer out and decodes; if the fetch fails the request
+fails with a 500 before any byte is streamed, counted in
+kvlb_replica_kv_transfer_failures_total{reason}. A batch (several prompts, n > 1, or the
+fields as lists) with a bootstrap_room is refused with a 400; a request without one is served
+whole.";
 
 /// Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV
 /// events).
@@ -75,18 +89,34 @@ pub struct ReplicaFlags {
     /// its data_parallel_rank, metrics with engine="rank" (needs --count 1)
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = cli::int::<u32, 1, 64>)]
     pub dp_size: u32,
-    /// Its part in disaggregated prefill, as vLLM's kv_role with NixlConnector (every replica
-    /// of --count alike)
+    /// Its part in disaggregated prefill, as vLLM's kv_role with NixlConnector (or SGLang's
+    /// --disaggregation-mode, with --pd-protocol sglang; every replica of --count alike)
     #[arg(long, value_name = "ROLE", default_value = "both", value_parser = role())]
     pub role: Role,
-    /// (--role prefill) Port of replica 0's KV side channel, where decode replicas pull held
+    /// (--role prefill|decode) The disaggregation protocol spoken to the router (every replica
+    /// of --count alike)
+    #[arg(long, value_name = "PROTOCOL", default_value = "vllm", value_parser = pd_protocol())]
+    pub pd_protocol: Protocol,
+    /// (--pd-protocol sglang) SGLang's bootstrap port. --role prefill: replica 0's bootstrap
+    /// server, where decode replicas fetch a room's KV, on the --listen host; replica i's on
+    /// port + i; 0 = ephemeral (the startup line names it; SGLang's own default is 8998).
+    /// --role decode: the port a null bootstrap_port stands for (as SGLang fills in its
+    /// server's own); 0 = none, such a request is refused with a 400
+    #[arg(long, value_name = "PORT", default_value_t = 0, value_parser = cli::int::<u16, 0, 65535>)]
+    pub disaggregation_bootstrap_port: u16,
+    /// (--role decode --pd-protocol sglang) Wall seconds a decode waits for its room's KV at
+    /// the prefill replica's bootstrap server (its prefill may not even have arrived yet)
+    /// before failing the request with a 500 (SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT)
+    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = cli::positive)]
+    pub kv_wait_timeout: f64,
+    /// (--role prefill, --pd-protocol vllm) Port of replica 0's KV side channel, where decode replicas pull held
     /// KV, on the --listen host; replica i's on port + i; 0 = ephemeral (the startup line
     /// names it, as do the prefill answers' remote_port)
     #[arg(long, value_name = "PORT", default_value_t = 0, value_parser = cli::int::<u16, 0, 65535>)]
     pub side_channel_port: u16,
     /// (--role prefill) Wall seconds a prefill's KV stays held for its decode's pull before it
     /// is freed and counted in vllm:nixl_num_kv_expired_reqs (vLLM's
-    /// VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+    /// VLLM_NIXL_ABORT_REQUEST_TIMEOUT; with --pd-protocol sglang, until its room's fetch)
     #[arg(long, value_name = "SECONDS", default_value_t = 480.0, value_parser = cli::positive)]
     pub kv_hold_timeout: f64,
     /// (--role decode) KV link bandwidth from the prefill replicas in GB/s (10^9 bytes per
@@ -297,11 +327,18 @@ impl ReplicaFlags {
         }
     }
 
-    /// Where replica 0's KV side channel listens (--role prefill): the --listen host, at
-    /// --side-channel-port.
+    /// Where replica 0's KV side channel listens (--role prefill, vLLM's protocol): the
+    /// --listen host, at --side-channel-port.
     pub fn side_channel(&self) -> Option<SocketAddr> {
-        (self.role == Role::Prefill)
+        (self.role == Role::Prefill && self.pd_protocol == Protocol::Vllm)
             .then(|| SocketAddr::new(self.listen.ip(), self.side_channel_port))
+    }
+
+    /// Where replica 0's bootstrap server listens (--role prefill --pd-protocol sglang): the
+    /// --listen host, at --disaggregation-bootstrap-port.
+    pub fn bootstrap(&self) -> Option<SocketAddr> {
+        (self.role == Role::Prefill && self.pd_protocol == Protocol::Sglang)
+            .then(|| SocketAddr::new(self.listen.ip(), self.disaggregation_bootstrap_port))
     }
 
     /// The checks across flags; the error names the flags.
@@ -372,6 +409,7 @@ impl ReplicaFlags {
             ("--kv-events", self.kv_events),
             ("--kv-replay", self.kv_replay),
             ("--side-channel-port", self.side_channel()),
+            ("--disaggregation-bootstrap-port", self.bootstrap()),
         ];
         for (name, addr) in runs {
             if let Some(a) = addr {
@@ -432,6 +470,22 @@ fn role() -> impl TypedValueParser<Value = Role> {
         "prefill" => Role::Prefill,
         "decode" => Role::Decode,
         _ => Role::Both,
+    })
+}
+
+/// `--pd-protocol`: the protocols, each with its help.
+fn pd_protocol() -> impl TypedValueParser<Value = Protocol> {
+    PossibleValuesParser::new([
+        PossibleValue::new("vllm").help(
+            "vLLM's NixlConnector: kv_transfer_params, the prefill answer's params, the side channel",
+        ),
+        PossibleValue::new("sglang").help(
+            "SGLang's: bootstrap_host/port/room in the one body both legs get, the bootstrap server",
+        ),
+    ])
+    .map(|name| match name.as_str() {
+        "sglang" => Protocol::Sglang,
+        _ => Protocol::Vllm,
     })
 }
 
@@ -784,6 +838,87 @@ mod tests {
             assert!(h.contains(flag), "{flag}");
         }
         assert!(h.contains("--kv-bytes-per-token") && h.contains("POST /kv/pull"));
+    }
+
+    #[test]
+    fn sglang_protocol() {
+        let f = run(&["--listen", "127.0.0.1:8000", "--role", "prefill"]).unwrap();
+        assert_eq!(f.pd_protocol, Protocol::Vllm);
+        assert_eq!(
+            (f.disaggregation_bootstrap_port, f.kv_wait_timeout),
+            (0, 300.0)
+        );
+        assert_eq!(f.bootstrap(), None);
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "sglang",
+            "--disaggregation-bootstrap-port",
+            "8998",
+        ])
+        .unwrap();
+        assert_eq!(f.pd_protocol, Protocol::Sglang);
+        assert_eq!(f.bootstrap(), Some("127.0.0.1:8998".parse().unwrap()));
+        assert_eq!(f.side_channel(), None, "no vLLM side channel with sglang");
+        let f = run(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--role=decode",
+            "--pd-protocol=sglang",
+            "--kv-wait-timeout",
+            "0.5",
+        ])
+        .unwrap();
+        assert_eq!((f.role, f.kv_wait_timeout), (Role::Decode, 0.5));
+        assert_eq!(f.bootstrap(), None, "a decode replica serves no bootstrap");
+        // Meaningless without a role, as the other PD flags: accepted, ignored.
+        let f = run(&["--listen", "127.0.0.1:0", "--pd-protocol", "sglang"]).unwrap();
+        assert_eq!((f.bootstrap(), f.side_channel()), (None, None));
+        for (bad, flag, value) in [
+            (&["--pd-protocol", "trtllm"][..], "--pd-protocol", "trtllm"),
+            (
+                &["--disaggregation-bootstrap-port", "70000"],
+                "--disaggregation-bootstrap-port",
+                "70000",
+            ),
+            (&["--kv-wait-timeout", "0"], "--kv-wait-timeout", "0"),
+        ] {
+            let mut a = vec!["--listen", "127.0.0.1:0"];
+            a.extend_from_slice(bad);
+            let e = run(&a).unwrap_err();
+            assert!(e.contains(flag) && e.contains(value), "{bad:?}: {e}");
+        }
+        // Replica i's bootstrap server is on port + i: its run must not cross the HTTP ports'.
+        let e = run(&[
+            "--listen",
+            "127.0.0.1:8000",
+            "--count",
+            "2",
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "sglang",
+            "--disaggregation-bootstrap-port",
+            "8001",
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("--disaggregation-bootstrap-port") && e.contains("overlap"),
+            "{e}"
+        );
+        let h = help();
+        for word in [
+            "--pd-protocol",
+            "--disaggregation-bootstrap-port",
+            "--kv-wait-timeout",
+            "bootstrap_room",
+            "kvlb_replica_kv_transfer_failures_total",
+        ] {
+            assert!(h.contains(word), "{word}");
+        }
     }
 
     #[test]

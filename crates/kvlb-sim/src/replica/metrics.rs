@@ -21,10 +21,14 @@
 //! `vllm:nixl_bytes_transferred`, `vllm:nixl_num_failed_transfers` (decode side) and
 //! `vllm:nixl_num_kv_expired_reqs` (prefill side), and kvlb's own
 //! `kvlb_replica_kv_transfers_served_total` / `_transfer_tokens_served_total` (prefill side),
-//! `kvlb_replica_kv_transfers_pulled_total` / `_transfer_tokens_pulled_total` and
-//! `kvlb_replica_kv_local_prefills_total{reason}` (decode side), and the gauges
+//! `kvlb_replica_kv_transfers_pulled_total` / `_transfer_tokens_pulled_total`,
+//! `kvlb_replica_kv_local_prefills_total{reason}` and
+//! `kvlb_replica_kv_transfer_failures_total{reason}` (decode side), and the gauges
 //! `kvlb_replica_kv_held_requests` / `kvlb_replica_kv_held_blocks` (prefill side). The
-//! external prefix-cache pair is then rendered too, as vLLM does with a KV connector.
+//! external prefix-cache pair is then rendered too, as vLLM does with a KV connector. Both
+//! protocols (`--pd-protocol vllm|sglang`) count the same way: a fetch over SGLang's bootstrap
+//! server is a pull, a failed one is counted in `vllm:nixl_num_failed_transfers` and by reason
+//! (it fails the request instead of prefilling locally).
 //!
 //! With LoRA on, `LoraRequestsInfo` keeps vLLM's `vllm:lora_requests_info` gauge, one per HTTP
 //! port (the ranks of a data-parallel replica share it, as they share vLLM's one output
@@ -45,7 +49,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::pd::LocalPrefill;
+use super::pd::{LocalPrefill, TransferFailure};
 use crate::engine::{EngineStats, FinishReason};
 use std::fmt::Write;
 use std::sync::Arc;
@@ -232,8 +236,10 @@ pub struct TransferCounters {
     /// Decode side: pulls that brought KV, and its tokens.
     pub pulled: u64,
     pub pulled_tokens: u64,
-    /// Decode side: pulls that failed (then the request prefilled locally).
+    /// Decode side: fetches that failed (vLLM's protocol: then the request prefilled
+    /// locally; SGLang's: the request failed), and by reason (`TransferFailure::ALL` order).
     pub failed: u64,
+    pub failures: [u64; 4],
     /// Decode side: requests prefilled locally, by reason (`LocalPrefill::ALL` order).
     pub local_prefills: [u64; 3],
     /// Decode side: wall seconds and bytes of each transfer.
@@ -249,17 +255,26 @@ impl TransferCounters {
             pulled: 0,
             pulled_tokens: 0,
             failed: 0,
+            failures: [0; 4],
             local_prefills: [0; 3],
             xfer_time: Histogram::new(&NIXL_XFER_TIME_BUCKETS_S),
             bytes: Histogram::new(&nixl_bytes_buckets()),
         }
     }
 
-    /// A decode request prefilled locally for `reason`.
+    /// A fetch of remote KV failed for `reason`.
+    pub fn failed(&mut self, reason: TransferFailure) {
+        self.failed += 1;
+        let i = TransferFailure::ALL
+            .iter()
+            .position(|&r| r == reason)
+            .unwrap_or(0);
+        self.failures[i] += 1;
+    }
+
+    /// A decode request prefilled locally for `reason` (a failed pull is also counted by
+    /// [`TransferCounters::failed`]).
     pub fn local_prefill(&mut self, reason: LocalPrefill) {
-        if reason == LocalPrefill::PullFailed {
-            self.failed += 1;
-        }
         let i = LocalPrefill::ALL
             .iter()
             .position(|&r| r == reason)
@@ -317,7 +332,7 @@ impl TransferCounters {
             out,
             "kvlb_replica_kv_transfers_served_total",
             "counter",
-            "KV transfers served to decode replicas over the side channel (prefill role).",
+            "KV transfers served to decode replicas over the side channel or bootstrap server (prefill role).",
             self.served as f64,
         );
         family(
@@ -361,6 +376,19 @@ impl TransferCounters {
             "# HELP {name} Requests prefilled locally, without KV from a prefill replica, by reason (decode role).\n# TYPE {name} counter\n"
         );
         for (reason, n) in LocalPrefill::ALL.iter().zip(self.local_prefills) {
+            let _ = writeln!(
+                out,
+                "{name}{{engine=\"{engine}\",model_name=\"{m}\",reason=\"{}\"}} {}",
+                reason.label(),
+                num(n as f64)
+            );
+        }
+        let name = "kvlb_replica_kv_transfer_failures_total";
+        let _ = write!(
+            out,
+            "# HELP {name} Failed fetches of KV from prefill replicas, by reason (decode role, both protocols).\n# TYPE {name} counter\n"
+        );
+        for (reason, n) in TransferFailure::ALL.iter().zip(self.failures) {
             let _ = writeln!(
                 out,
                 "{name}{{engine=\"{engine}\",model_name=\"{m}\",reason=\"{}\"}} {}",
@@ -826,6 +854,7 @@ mod tests {
         t.served = 4;
         t.served_tokens = 4000;
         t.pulled(1000, 1000 * 131_072, 0.0052);
+        t.failed(TransferFailure::NotFound);
         t.local_prefill(LocalPrefill::PullFailed);
         t.local_prefill(LocalPrefill::NoParams);
         t.local_prefill(LocalPrefill::NoParams);
@@ -854,6 +883,11 @@ mod tests {
             "kvlb_replica_kv_local_prefills_total{engine=\"0\",model_name=\"m\",reason=\"no_params\"} 2.0",
             "kvlb_replica_kv_local_prefills_total{engine=\"0\",model_name=\"m\",reason=\"invalid_params\"} 0.0",
             "kvlb_replica_kv_local_prefills_total{engine=\"0\",model_name=\"m\",reason=\"pull_failed\"} 1.0",
+            "# TYPE kvlb_replica_kv_transfer_failures_total counter",
+            "kvlb_replica_kv_transfer_failures_total{engine=\"0\",model_name=\"m\",reason=\"unreachable\"} 0.0",
+            "kvlb_replica_kv_transfer_failures_total{engine=\"0\",model_name=\"m\",reason=\"timeout\"} 0.0",
+            "kvlb_replica_kv_transfer_failures_total{engine=\"0\",model_name=\"m\",reason=\"not_found\"} 1.0",
+            "kvlb_replica_kv_transfer_failures_total{engine=\"0\",model_name=\"m\",reason=\"bad_answer\"} 0.0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

@@ -7,12 +7,15 @@
 //! its store), `messages` (Anthropic's Messages API), `pooling` (embeddings, rerank, score,
 //! detokenize), `driver` (engine in wall time, output routing, KV event publishing), `metrics`
 //! (Prometheus text), `pd` (disaggregated prefill: what `--role prefill|decode` makes of
-//! `kv_transfer_params`) and `side_channel` (where decode replicas pull a prefill's KV).
+//! `kv_transfer_params`, or of SGLang's bootstrap fields with `--pd-protocol sglang`),
+//! `side_channel` (where decode replicas pull a prefill's KV) and `bootstrap` (SGLang's
+//! bootstrap server on the same HTTP server: rooms, and the decode side's fetch).
 //!
 //! [`start`] starts the replicas of some flags in this process (tests start them so) and says
 //! where each listens; [`main`] prints that and serves until killed.
 
 pub mod answer;
+pub mod bootstrap;
 pub mod driver;
 pub mod flags;
 pub mod http;
@@ -27,12 +30,14 @@ pub mod server;
 pub mod side_channel;
 
 #[cfg(test)]
+mod pd_sglang_tests;
+#[cfg(test)]
 mod pd_tests;
 
 use crate::kv_events::publisher::KvEventPublisher;
 use driver::{Disagg, Replica};
 use flags::ReplicaFlags;
-use pd::Role;
+use pd::{Protocol, Role};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex};
 
@@ -85,8 +90,11 @@ pub struct Started {
     pub index: u32,
     /// Its HTTP address.
     pub addr: SocketAddr,
-    /// Its KV side channel (`--role prefill`), as decode replicas reach it.
+    /// Its KV side channel (`--role prefill`, vLLM's protocol), as decode replicas reach it.
     pub side_channel: Option<SocketAddr>,
+    /// Its bootstrap server (`--role prefill --pd-protocol sglang`), as decode replicas reach
+    /// it: the port a router injects as `bootstrap_port`.
+    pub bootstrap: Option<SocketAddr>,
     /// Its engines (one, or the ranks of `--dp-size`).
     pub engines: Vec<Arc<Replica>>,
     /// Its startup line, `kvlb replica: replica I on HOST:PORT ...`.
@@ -113,19 +121,27 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
         let addr = shifted(flags.listen, i);
         let listener = TcpListener::bind(addr)
             .map_err(|e| format!("kvlb replica: replica {i}: cannot listen on {addr}: {e}"))?;
-        let side_channel = match flags.side_channel() {
+        // The side channel (vLLM) or the bootstrap server (SGLang): one server, either flag.
+        let kv_server = match (flags.side_channel(), flags.bootstrap()) {
+            (Some(base), _) => Some((base, "--side-channel-port")),
+            (None, Some(base)) => Some((base, "--disaggregation-bootstrap-port")),
+            (None, None) => None,
+        };
+        let side_channel = match kv_server {
             None => None,
-            Some(base) => {
+            Some((base, flag)) => {
                 let at = shifted(base, i);
                 let l = TcpListener::bind(at).map_err(|e| {
-                    format!("kvlb replica: replica {i}: cannot listen on {at} (--side-channel-port): {e}")
+                    format!("kvlb replica: replica {i}: cannot listen on {at} ({flag}): {e}")
                 })?;
                 let local = l.local_addr().map_err(|e| {
-                    format!("kvlb replica: replica {i}: side channel has no local address: {e}")
+                    format!("kvlb replica: replica {i}: {flag} has no local address: {e}")
                 })?;
                 Some((l, reachable(local)))
             }
         };
+        // SGLang's rooms: one set per port, shared by its ranks.
+        let rooms = flags.bootstrap().map(|_| Arc::new(bootstrap::Rooms::new()));
         let mut engines = Vec::with_capacity(flags.dp_size as usize);
         // One vllm:lora_requests_info per port: vLLM's ranks share one front end.
         let lora_info = flags
@@ -165,7 +181,8 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
             let id_seed =
                 xxhash_rust::xxh3::xxh3_64_with_seed(b"response-ids", flags.seed ^ shift as u64);
             let dp_rank = (flags.dp_size > 1).then_some(rank);
-            let disagg = disagg(flags, &engine, side_channel.as_ref().map(|s| s.1), dp_rank);
+            let mut disagg = disagg(flags, &engine, side_channel.as_ref().map(|s| s.1), dp_rank);
+            disagg.rooms = rooms.clone();
             engines.push(Replica::new(
                 i,
                 flags.model.clone(),
@@ -204,9 +221,16 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
         }
         if flags.role != Role::Both {
             line.push_str(&format!(" role={}", flags.role.name()));
+            if flags.pd_protocol != Protocol::Vllm {
+                line.push_str(&format!(" pd_protocol={}", flags.pd_protocol.name()));
+            }
         }
+        let kv_server_name = match flags.pd_protocol {
+            Protocol::Vllm => "side_channel",
+            Protocol::Sglang => "bootstrap",
+        };
         if let Some((_, at)) = &side_channel {
-            line.push_str(&format!(" side_channel={at}"));
+            line.push_str(&format!(" {kv_server_name}={at}"));
         }
         let cannot = |e: std::io::Error| format!("kvlb replica: cannot start threads: {e}");
         for e in &engines {
@@ -231,14 +255,19 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
                 })
                 .map_err(cannot)?;
         }
-        let side_channel_addr = side_channel.as_ref().map(|s| s.1);
+        let kv_server_addr = side_channel.as_ref().map(|s| s.1);
         if let Some((l, _)) = side_channel {
             let ranks = engines.clone();
+            let protocol = flags.pd_protocol;
             std::thread::Builder::new()
                 .name(format!("replica{}-kv-side-channel", replica.index))
-                .spawn(move || side_channel::serve(l, ranks))
+                .spawn(move || side_channel::serve(l, ranks, protocol))
                 .map_err(cannot)?;
         }
+        let (side_channel_addr, bootstrap_addr) = match flags.pd_protocol {
+            Protocol::Vllm => (kv_server_addr, None),
+            Protocol::Sglang => (None, kv_server_addr),
+        };
         let served = models::Served::new(
             &flags.model,
             flags.served_names(),
@@ -256,6 +285,7 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
             index,
             addr,
             side_channel: side_channel_addr,
+            bootstrap: bootstrap_addr,
             engines,
             line,
         });
@@ -264,7 +294,7 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
 }
 
 /// The part in disaggregated prefill of a replica (rank `dp_rank`) running `engine`, its side
-/// channel reached at `side_channel`.
+/// channel (or bootstrap server) reached at `side_channel`; the caller adds SGLang's rooms.
 fn disagg(
     flags: &ReplicaFlags,
     engine: &crate::engine::EngineConfig,
@@ -290,10 +320,16 @@ fn disagg(
     };
     Disagg {
         role: flags.role,
+        protocol: flags.pd_protocol,
         engine_id,
         side_channel,
         hold_s: flags.kv_hold_timeout * flags.time_scale,
         kv_bytes_per_token: engine.kv_bytes_per_token,
         transfer_s_per_token: engine.kv_bytes_per_token as f64 / (flags.kv_link_gbps * 1e9),
+        rooms: None,
+        hold_wall_s: flags.kv_hold_timeout,
+        null_port: (flags.disaggregation_bootstrap_port != 0)
+            .then_some(flags.disaggregation_bootstrap_port),
+        wait_s: flags.kv_wait_timeout,
     }
 }

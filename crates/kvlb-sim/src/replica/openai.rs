@@ -103,6 +103,9 @@ pub struct GenerationRequest {
     /// `kv_transfer_params` as sent (disaggregated prefill; null is None), checked by the
     /// replica's role (`pd::leg`): a replica of the default role ignores it, as before.
     pub kv_transfer_params: Option<Value>,
+    /// SGLang's `bootstrap_host`, `bootstrap_port` and `bootstrap_room` as sent, checked by
+    /// a replica of `--pd-protocol sglang` (`pd::bootstrap_leg`); ignored by the others.
+    pub bootstrap: super::pd::BootstrapFields,
 }
 
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -204,6 +207,11 @@ fn common(
             .get("kv_transfer_params")
             .filter(|v| !v.is_null())
             .cloned(),
+        bootstrap: super::pd::BootstrapFields {
+            host: m.get("bootstrap_host").cloned(),
+            port: m.get("bootstrap_port").cloned(),
+            room: m.get("bootstrap_room").cloned(),
+        },
     })
 }
 

@@ -17,6 +17,18 @@
 //! decode the plain request). A decode leg with several prompts prefills locally.
 //! `remote_block_ids` may be vLLM's flat list or its per-KV-cache-group lists; only its
 //! non-emptiness matters here (the side channel names the blocks again).
+//!
+//! With `--pd-protocol sglang` the legs are SGLang's instead ([`bootstrap_leg`]): its router
+//! (sgl-router / SMG, mini_lb) injects `bootstrap_host`, `bootstrap_port` and `bootstrap_room`
+//! into the client's body and sends that same body to the prefill and the decode replica at
+//! once. A prefill replica computes the prompt and one token, answers it, and holds the KV
+//! for the room ([`Leg::RoomPrefill`]); a decode replica fetches the room's KV from the
+//! prefill replica's bootstrap server ([`Bootstrap`], `bootstrap`) and decodes. Choices:
+//! a batch (the fields as arrays, several prompts, or `n` > 1 with a room) is refused with a
+//! 400, on both roles; a null or absent `bootstrap_port` is the decode replica's own
+//! `--disaggregation-bootstrap-port` (as SGLang's scheduler fills in its server's own), and a
+//! 400 when that is 0; a fetch that fails fails the request (SGLang's decode has no local
+//! fallback).
 
 #![forbid(unsafe_code)]
 
@@ -42,6 +54,67 @@ impl Role {
             Role::Both => "both",
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+        }
+    }
+}
+
+/// The disaggregation protocol of a prefill or decode replica (`--pd-protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// vLLM's NixlConnector: `kv_transfer_params`, the side channel.
+    #[default]
+    Vllm,
+    /// SGLang's: `bootstrap_host` / `bootstrap_port` / `bootstrap_room`, the bootstrap server.
+    Sglang,
+}
+
+impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Vllm => "vllm",
+            Protocol::Sglang => "sglang",
+        }
+    }
+}
+
+/// Why a decode replica's fetch of remote KV failed (the `reason` of
+/// `kvlb_replica_kv_transfer_failures_total`; both protocols).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferFailure {
+    /// No connection to the side channel or bootstrap server (refused, unresolvable, reset).
+    Unreachable,
+    /// No answer in time: the bootstrap server's wait for the room's prefill ran out (its
+    /// 504), or the answer itself did not come.
+    Timeout,
+    /// The KV is not there: unknown, already pulled, expired, or its prefill aborted (404).
+    NotFound,
+    /// Any other answer: another status, or one that is not a pull answer.
+    BadAnswer,
+}
+
+impl TransferFailure {
+    pub const ALL: [TransferFailure; 4] = [
+        TransferFailure::Unreachable,
+        TransferFailure::Timeout,
+        TransferFailure::NotFound,
+        TransferFailure::BadAnswer,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            TransferFailure::Unreachable => "unreachable",
+            TransferFailure::Timeout => "timeout",
+            TransferFailure::NotFound => "not_found",
+            TransferFailure::BadAnswer => "bad_answer",
+        }
+    }
+
+    /// The failure an answer of `status` (not 200) reports.
+    pub fn of_status(status: u16) -> TransferFailure {
+        match status {
+            404 => TransferFailure::NotFound,
+            408 | 504 => TransferFailure::Timeout,
+            _ => TransferFailure::BadAnswer,
         }
     }
 }
@@ -83,6 +156,23 @@ pub struct RemoteKv {
     pub port: u16,
 }
 
+/// Where a decode fetches its prompt's KV under SGLang's protocol: the bootstrap server at
+/// `host:port` (the prefill replica's), the KV of `room`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub host: String,
+    pub port: u16,
+    pub room: u64,
+}
+
+/// SGLang's bootstrap fields as a request sent them: None when absent, `Some(Null)` when null.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BootstrapFields {
+    pub host: Option<Value>,
+    pub port: Option<Value>,
+    pub room: Option<Value>,
+}
+
 /// What a request is to a replica of some role.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Leg {
@@ -94,6 +184,121 @@ pub enum Leg {
     Decode(RemoteKv),
     /// A decode replica prefilling locally, and why (a message for the log).
     Local(LocalPrefill, String),
+    /// SGLang's prefill leg of a room: one token, then hold the KV for the room's fetch.
+    RoomPrefill(u64),
+    /// SGLang's decode leg: fetch the room's KV from the bootstrap server first, or fail.
+    RoomDecode(Bootstrap),
+}
+
+/// The largest `bootstrap_room` (SGLang's routers draw it from [0, 2^63 - 1]).
+pub const MAX_ROOM: u64 = i64::MAX as u64;
+
+/// What SGLang's bootstrap `fields` make of a request to a replica of `role` with `prompts`
+/// prompts of `n` choices each; `null_port` stands for a null or absent `bootstrap_port` (the
+/// decode replica's own --disaggregation-bootstrap-port; None when it is 0). A request without
+/// a room is served whole (a decode replica counts it as a local prefill, `no_params`); a
+/// batch, or fields of the wrong form, is answered 400.
+pub fn bootstrap_leg(
+    role: Role,
+    fields: &BootstrapFields,
+    prompts: usize,
+    n: u32,
+    null_port: Option<u16>,
+) -> Result<Leg, ApiError> {
+    let bad = |param: &'static str, message: String| ApiError {
+        param: Some(param),
+        ..ApiError::bad_request(message)
+    };
+    let room = match (role, &fields.room) {
+        (Role::Both, _) => return Ok(Leg::Whole),
+        (Role::Prefill, None | Some(Value::Null)) => return Ok(Leg::Whole),
+        (Role::Decode, None | Some(Value::Null)) => {
+            return Ok(Leg::Local(
+                LocalPrefill::NoParams,
+                "no bootstrap_room".to_string(),
+            ))
+        }
+        (_, Some(Value::Array(_))) => {
+            return Err(bad(
+                "bootstrap_room",
+                "bootstrap_room: a list (a batch request): batches are not supported by this \
+                 simulator's SGLang disaggregation; send one prompt per request"
+                    .to_string(),
+            ))
+        }
+        (_, Some(Value::Number(r))) => r.as_u64().filter(|&r| r <= MAX_ROOM).ok_or_else(|| {
+            bad(
+                "bootstrap_room",
+                format!("bootstrap_room: expected an integer in 0..={MAX_ROOM}, got {r}"),
+            )
+        })?,
+        (_, Some(v)) => {
+            return Err(bad(
+                "bootstrap_room",
+                format!("bootstrap_room: expected an integer, got {}", type_name(v)),
+            ))
+        }
+    };
+    if prompts != 1 || n != 1 {
+        return Err(bad(
+            "bootstrap_room",
+            format!(
+                "bootstrap_room with {prompts} prompts of n={n} (a batch request): batches are \
+                 not supported by this simulator's SGLang disaggregation; send one prompt per \
+                 request"
+            ),
+        ));
+    }
+    if role == Role::Prefill {
+        return Ok(Leg::RoomPrefill(room));
+    }
+    let host = match &fields.host {
+        Some(Value::String(h)) if !h.is_empty() => h.clone(),
+        Some(v) if !v.is_null() && !v.is_string() => {
+            return Err(bad(
+                "bootstrap_host",
+                format!("bootstrap_host: expected a string, got {}", type_name(v)),
+            ))
+        }
+        _ => {
+            return Err(bad(
+                "bootstrap_host",
+                "bootstrap_host: field required with bootstrap_room".to_string(),
+            ))
+        }
+    };
+    let port = match &fields.port {
+        Some(Value::Number(p)) => p
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|&p| p > 0)
+            .ok_or_else(|| {
+                bad(
+                    "bootstrap_port",
+                    format!("bootstrap_port: {p} is not a port"),
+                )
+            })?,
+        None | Some(Value::Null) => null_port.ok_or_else(|| {
+            bad(
+                "bootstrap_port",
+                "bootstrap_port: null, and this decode replica has no \
+                 --disaggregation-bootstrap-port to stand for it"
+                    .to_string(),
+            )
+        })?,
+        Some(v) => {
+            return Err(bad(
+                "bootstrap_port",
+                format!("bootstrap_port: expected an integer, got {}", type_name(v)),
+            ))
+        }
+    };
+    // mini_lb wraps an IPv6 host in brackets.
+    let host = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(h) => h.to_string(),
+        None => host,
+    };
+    Ok(Leg::RoomDecode(Bootstrap { host, port, room }))
 }
 
 /// What `kv_transfer_params` (as sent; None when absent or null) makes of a request to a
@@ -287,6 +492,104 @@ mod tests {
             leg(Role::Decode, Some(&p), 1, 1),
             Ok(Leg::Decode(_))
         ));
+    }
+
+    fn fields(host: Value, port: Value, room: Value) -> BootstrapFields {
+        BootstrapFields {
+            host: Some(host),
+            port: Some(port),
+            room: Some(room),
+        }
+    }
+
+    #[test]
+    fn bootstrap_fields_make_sglang_legs() {
+        let f = fields(json!("10.0.0.1"), json!(8998), json!(MAX_ROOM));
+        let none = BootstrapFields::default();
+        for f in [&f, &none] {
+            assert_eq!(bootstrap_leg(Role::Both, f, 1, 1, None), Ok(Leg::Whole));
+        }
+        assert_eq!(
+            bootstrap_leg(Role::Prefill, &f, 1, 1, None),
+            Ok(Leg::RoomPrefill(MAX_ROOM))
+        );
+        assert_eq!(
+            bootstrap_leg(Role::Prefill, &none, 3, 2, None),
+            Ok(Leg::Whole)
+        );
+        assert_eq!(
+            bootstrap_leg(Role::Decode, &f, 1, 1, None),
+            Ok(Leg::RoomDecode(Bootstrap {
+                host: "10.0.0.1".into(),
+                port: 8998,
+                room: MAX_ROOM
+            }))
+        );
+        assert!(matches!(
+            bootstrap_leg(Role::Decode, &none, 1, 1, None),
+            Ok(Leg::Local(LocalPrefill::NoParams, _))
+        ));
+        // A null room is no room; a null port is the decode replica's own default.
+        let null_room = fields(json!("h"), json!(1), Value::Null);
+        assert_eq!(
+            bootstrap_leg(Role::Prefill, &null_room, 1, 1, None),
+            Ok(Leg::Whole)
+        );
+        let null_port = fields(json!("[::1]"), Value::Null, json!(7));
+        assert_eq!(
+            bootstrap_leg(Role::Decode, &null_port, 1, 1, Some(9000)),
+            Ok(Leg::RoomDecode(Bootstrap {
+                host: "::1".into(),
+                port: 9000,
+                room: 7
+            }))
+        );
+        let e = bootstrap_leg(Role::Decode, &null_port, 1, 1, None).unwrap_err();
+        assert_eq!((e.status, e.param), (400, Some("bootstrap_port")));
+        // Batches, on both roles.
+        for role in [Role::Prefill, Role::Decode] {
+            let batch = fields(json!(["h", "h"]), json!([1, 1]), json!([1, 2]));
+            for (f, prompts, n) in [(&batch, 2, 1), (&f, 2, 1), (&f, 1, 2)] {
+                let e = bootstrap_leg(role, f, prompts, n, None).unwrap_err();
+                assert_eq!(e.status, 400);
+                assert!(e.message.contains("not supported"), "{}", e.message);
+            }
+        }
+        for (f, says) in [
+            (
+                fields(json!("h"), json!(1), json!(-1)),
+                "bootstrap_room: expected an integer in",
+            ),
+            (
+                fields(json!("h"), json!(1), json!(MAX_ROOM + 1)),
+                "bootstrap_room: expected an integer in",
+            ),
+            (
+                fields(json!("h"), json!(1), json!("5")),
+                "bootstrap_room: expected an integer, got",
+            ),
+            (
+                fields(json!(""), json!(1), json!(5)),
+                "bootstrap_host: field required",
+            ),
+            (
+                fields(json!(3), json!(1), json!(5)),
+                "bootstrap_host: expected a string",
+            ),
+            (fields(json!("h"), json!(0), json!(5)), "not a port"),
+            (fields(json!("h"), json!(70000), json!(5)), "not a port"),
+            (
+                fields(json!("h"), json!("1"), json!(5)),
+                "bootstrap_port: expected an integer",
+            ),
+        ] {
+            let e = bootstrap_leg(Role::Decode, &f, 1, 1, Some(1)).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(e.message.contains(says), "{says}: {}", e.message);
+        }
+        assert_eq!(TransferFailure::of_status(404), TransferFailure::NotFound);
+        assert_eq!(TransferFailure::of_status(504), TransferFailure::Timeout);
+        assert_eq!(TransferFailure::of_status(500), TransferFailure::BadAnswer);
     }
 
     #[test]

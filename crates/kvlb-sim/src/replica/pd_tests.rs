@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 /// One replica of `args` (after `--listen 127.0.0.1:0 --time-scale 100`).
-fn replica(args: &[&str]) -> Started {
+pub(super) fn replica(args: &[&str]) -> Started {
     let mut all: Vec<String> = ["--listen", "127.0.0.1:0", "--time-scale", "100"]
         .iter()
         .map(|s| s.to_string())
@@ -21,7 +21,7 @@ fn replica(args: &[&str]) -> Started {
 }
 
 /// Send one request (closing after it); the status and the body, de-chunked.
-fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+pub(super) fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     write!(
@@ -53,14 +53,14 @@ fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String)
     }
 }
 
-fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+pub(super) fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
     let (status, text) = send(addr, "POST", path, &body.to_string());
     let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
     (status, v)
 }
 
 /// The data events of a server-sent-events body, [DONE] left out.
-fn events(body: &str) -> Vec<Value> {
+pub(super) fn events(body: &str) -> Vec<Value> {
     body.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
@@ -68,14 +68,14 @@ fn events(body: &str) -> Vec<Value> {
         .collect()
 }
 
-fn metrics(addr: SocketAddr) -> String {
+pub(super) fn metrics(addr: SocketAddr) -> String {
     let (status, text) = send(addr, "GET", "/metrics", "");
     assert_eq!(status, 200);
     text
 }
 
 /// The sample of `name` whose labels contain `labels` (the sum if several match).
-fn sample(text: &str, name: &str, labels: &str) -> f64 {
+pub(super) fn sample(text: &str, name: &str, labels: &str) -> f64 {
     let found: Vec<f64> = text
         .lines()
         .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(labels))
@@ -85,12 +85,12 @@ fn sample(text: &str, name: &str, labels: &str) -> f64 {
     found.iter().sum()
 }
 
-fn metric(addr: SocketAddr, name: &str) -> f64 {
+pub(super) fn metric(addr: SocketAddr, name: &str) -> f64 {
     sample(&metrics(addr), name, "")
 }
 
 /// Wait (up to 10 s) for `name` on `addr` to reach `value`.
-fn wait_for(addr: SocketAddr, name: &str, value: f64) {
+pub(super) fn wait_for(addr: SocketAddr, name: &str, value: f64) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while metric(addr, name) != value {
         assert!(Instant::now() < deadline, "{name} never reached {value}");
@@ -99,7 +99,7 @@ fn wait_for(addr: SocketAddr, name: &str, value: f64) {
 }
 
 /// A prompt of `n` token ids.
-fn prompt(n: u32, from: u32) -> Value {
+pub(super) fn prompt(n: u32, from: u32) -> Value {
     json!((from..from + n).collect::<Vec<u32>>())
 }
 
@@ -254,6 +254,14 @@ fn a_decode_pulls_the_prefills_kv_and_skips_its_prefill() {
         1.0
     );
     assert_eq!(sample(&m, "vllm:nixl_num_failed_transfers_total", ""), 1.0);
+    assert_eq!(
+        sample(
+            &m,
+            "kvlb_replica_kv_transfer_failures_total",
+            "reason=\"not_found\""
+        ),
+        1.0
+    );
     assert_eq!(
         sample(&m, "kvlb_replica_kv_transfers_pulled_total", ""),
         1.0

@@ -6,7 +6,10 @@
 //! client that goes away cancels its engine requests. With `--role prefill|decode` a
 //! completion's `kv_transfer_params` makes it a leg of disaggregated prefill (`pd`): a
 //! prefill holds its KV and answers where to pull it, a decode pulls it over the prefill
-//! replica's side channel (`side_channel`) before it joins the engine. The Responses API
+//! replica's side channel (`side_channel`) before it joins the engine. With `--pd-protocol
+//! sglang` a completion's `bootstrap_room` makes it SGLang's leg instead: a prefill computes one
+//! token and holds the room's KV, a decode fetches it from the prefill replica's bootstrap
+//! server (`bootstrap`) or fails with a 500 before answering anything. The Responses API
 //! (`responses`) and Anthropic's Messages API (`messages`) generate through `answer::Single`
 //! (always whole requests); the pooling endpoints (`pooling`) answer at once, without the
 //! engine.
@@ -19,10 +22,12 @@ use super::http::{self, Connection, Method, ReadRequestError};
 use super::openai::{
     self, ApiError, ChoiceResult, Endpoint, GenerationRequest, ResponseMeta, Usage,
 };
-use super::pd::{self, Leg};
-use super::{messages, pooling, responses, side_channel};
+use super::pd::{self, Leg, Protocol};
+use super::{bootstrap, messages, pooling, responses, side_channel};
 use crate::engine::tokenizer;
-use crate::engine::{EngineOutput, EngineRequest, FinishReason, KvTransfer, RequestId};
+use crate::engine::{
+    EngineError, EngineOutput, EngineRequest, FinishReason, KvTransfer, RequestId,
+};
 use crossbeam::channel::{self, Receiver};
 use std::io;
 use std::net::{TcpListener, TcpStream};
@@ -374,21 +379,67 @@ fn generate(
     req: GenerationRequest,
     keep_alive: bool,
 ) -> io::Result<()> {
-    let leg = match pd::leg(
-        replica.disagg().role,
-        req.kv_transfer_params.as_ref(),
-        req.prompts.len(),
-        req.n,
-    ) {
+    let d = replica.disagg();
+    let leg = match d.protocol {
+        Protocol::Vllm => pd::leg(
+            d.role,
+            req.kv_transfer_params.as_ref(),
+            req.prompts.len(),
+            req.n,
+        ),
+        Protocol::Sglang => pd::bootstrap_leg(
+            d.role,
+            &req.bootstrap,
+            req.prompts.len(),
+            req.n,
+            d.null_port,
+        ),
+    };
+    let leg = match leg {
         Ok(leg) => leg,
         Err(e) => return send_error(conn, &e, keep_alive),
     };
     let mut arrived = None;
+    // SGLang's prefill leg: the room it holds KV for (aborted if dropped unfinished).
+    let mut room = None;
+    let mut max_tokens = req.max_tokens;
     let transfer = match &leg {
         Leg::Whole => KvTransfer::None,
-        Leg::Prefill => KvTransfer::Hold {
-            hold_s: replica.disagg().hold_s,
-        },
+        Leg::Prefill => KvTransfer::Hold { hold_s: d.hold_s },
+        Leg::RoomPrefill(r) => {
+            if let Some(rooms) = d.rooms.as_deref() {
+                match rooms.begin(*r) {
+                    Ok(lease) => room = Some(lease),
+                    Err(e) => return send_error(conn, &e, keep_alive),
+                }
+            }
+            // SGLang's prefill server produces the first token and ends the request.
+            max_tokens = 1;
+            KvTransfer::Hold { hold_s: d.hold_s }
+        }
+        Leg::RoomDecode(at) => {
+            // A request the engine will refuse is refused before its KV is fetched, as SGLang
+            // validates a request before its scheduler waits for the KV.
+            let prompt_tokens = req.prompts.first().map_or(0, |p| p.len());
+            let limit = replica.context_limit();
+            if prompt_tokens == 0 {
+                let e = EngineError::EmptyPrompt;
+                return send_error(conn, &ApiError::bad_request(e.to_string()), keep_alive);
+            }
+            if prompt_tokens as u64 + req.max_tokens.max(1) as u64 > limit as u64 {
+                let e = EngineError::ContextTooLong {
+                    prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+                    max_tokens: req.max_tokens,
+                    max_model_len: limit,
+                };
+                return send_error(conn, &ApiError::bad_request(e.to_string()), keep_alive);
+            }
+            arrived = Some(Instant::now());
+            match bootstrap::fetch(conn, replica, at)? {
+                Ok(tokens) => KvTransfer::Received { tokens },
+                Err(e) => return send_error(conn, &e, keep_alive),
+            }
+        }
         Leg::Local(reason, why) => {
             replica.local_prefill(*reason, why);
             KvTransfer::None
@@ -419,7 +470,7 @@ fn generate(
             engine_requests.push(EngineRequest {
                 id,
                 prompt_tokens: prompt.clone(),
-                max_tokens: req.max_tokens,
+                max_tokens,
                 cache_salt,
                 lora: lora.clone(),
             });
@@ -469,6 +520,16 @@ fn generate(
             )
         })
     };
+    // A finished prefill of a room: its KV waits for the room's fetch (held by the engine
+    // whether or not its answer reached the router, as SGLang's prefill holds it).
+    if let (Some(lease), Some(c)) = (room, choices.first()) {
+        if matches!(c.finish, Some(FinishReason::Length | FinishReason::Stop)) {
+            let rank = replica.dp_rank.unwrap_or(0) as usize;
+            // At most a century: the engine's own timeout frees it anyway.
+            let hold = Duration::from_secs_f64(d.hold_wall_s.clamp(0.0, 3.2e9));
+            lease.finished(rank, c.id, replica.held_blocks(c.id).is_some(), hold);
+        }
+    }
     if result.is_err() {
         let open: Vec<RequestId> = choices
             .iter()

@@ -23,14 +23,20 @@
 //! The body may be the prefill answer's whole `kv_transfer_params`; other keys are ignored.
 //! One side channel serves every data-parallel rank behind its HTTP port: the engine id
 //! picks the rank. Keep-alive works as on the API port.
+//!
+//! Under `--pd-protocol sglang` the same server is the prefill replica's bootstrap server
+//! (`--disaggregation-bootstrap-port`): its `POST /kv/pull` names a `bootstrap_room` instead
+//! and may wait for the room's prefill (`bootstrap`). Both clients share [`exchange`] and,
+//! once the KV is theirs, [`transfer`].
 
 #![forbid(unsafe_code)]
 
 use super::answer::{send_error, send_json};
+use super::bootstrap;
 use super::driver::Replica;
 use super::http::{Connection, Method, ReadRequestError};
 use super::openai::{self, type_name, ApiError};
-use super::pd::{self, LocalPrefill, RemoteKv};
+use super::pd::{self, LocalPrefill, Protocol, RemoteKv, TransferFailure};
 use serde_json::{json, Value};
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -47,8 +53,9 @@ const MAX_ANSWER_BYTES: u64 = 16 * 1024 * 1024;
 /// How often a decode waiting out its transfer checks that its client is still there.
 const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(50);
 
-/// Serve pulls forever, a thread per connection, for `engines` (the ranks behind one port).
-pub fn serve(listener: TcpListener, engines: Vec<Arc<Replica>>) {
+/// Serve pulls of `protocol` forever, a thread per connection, for `engines` (the ranks
+/// behind one port; under SGLang's protocol they share the rooms of their `Disagg`).
+pub fn serve(listener: TcpListener, engines: Vec<Arc<Replica>>, protocol: Protocol) {
     let engines = Arc::new(engines);
     loop {
         match listener.accept() {
@@ -57,7 +64,7 @@ pub fn serve(listener: TcpListener, engines: Vec<Arc<Replica>>) {
                 let spawned = std::thread::Builder::new()
                     .name(format!("replica{}-kv-pull", engines[0].index))
                     .stack_size(256 * 1024)
-                    .spawn(move || handle_connection(stream, &for_connection));
+                    .spawn(move || handle_connection(stream, &for_connection, protocol));
                 if spawned.is_err() {
                     std::thread::sleep(Duration::from_millis(10));
                 }
@@ -71,7 +78,7 @@ pub fn serve(listener: TcpListener, engines: Vec<Arc<Replica>>) {
     }
 }
 
-fn handle_connection(stream: TcpStream, engines: &[Arc<Replica>]) {
+fn handle_connection(stream: TcpStream, engines: &[Arc<Replica>], protocol: Protocol) {
     let mut conn = Connection::new(stream);
     loop {
         let req = match conn.read_request() {
@@ -96,7 +103,12 @@ fn handle_connection(stream: TcpStream, engines: &[Arc<Replica>]) {
         let keep_alive = req.keep_alive;
         let path = req.path.trim_end_matches('/');
         let answer = match (path == PULL_PATH, req.method) {
-            (true, Method::Post) => pull_answer(engines, &req.body),
+            (true, Method::Post) => match (protocol, engines[0].disagg().rooms.as_deref()) {
+                (Protocol::Sglang, Some(rooms)) => {
+                    bootstrap::pull_answer(engines, rooms, &req.body, &conn)
+                }
+                _ => pull_answer(engines, &req.body),
+            },
             (true, _) => Err(ApiError::method_not_allowed()),
             (false, _) => Err(ApiError::not_found("Not Found")),
         };
@@ -150,6 +162,103 @@ fn pull_answer(engines: &[Arc<Replica>], body: &[u8]) -> Result<String, ApiError
     .to_string())
 }
 
+/// Why an [`exchange`] brought no answer.
+#[derive(Debug)]
+pub enum ExchangeError {
+    /// No answer: unreachable, cut off, late, or not an HTTP answer with a JSON body.
+    Failed(TransferFailure, String),
+    /// The client of the request waiting on the exchange went away.
+    ClientGone,
+}
+
+/// One `POST /kv/pull` with JSON `body` to `host:port` (`what`: the server, named in
+/// errors): the answer's status and JSON body, within `patience` of sending it. With `client`,
+/// gives up as soon as that connection's peer goes away.
+pub fn exchange(
+    what: &str,
+    host: &str,
+    port: u16,
+    body: &str,
+    patience: Duration,
+    client: Option<&Connection>,
+) -> Result<(u16, Value), ExchangeError> {
+    let unreachable = |e: String| ExchangeError::Failed(TransferFailure::Unreachable, e);
+    let addrs = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| unreachable(format!("{what}: {e}")))?;
+    let mut stream = None;
+    let mut failure = format!("{what}: no address");
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => failure = format!("{what}: {e}"),
+        }
+    }
+    let mut stream = stream.ok_or_else(|| unreachable(failure))?;
+    let failed = |e: io::Error| unreachable(format!("{what}: {e}"));
+    stream
+        .set_write_timeout(Some(ANSWER_TIMEOUT))
+        .map_err(failed)?;
+    let _ = stream.set_nodelay(true);
+    let request = format!(
+        "POST {PULL_PATH} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).map_err(failed)?;
+    let deadline = Instant::now() + patience;
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(ExchangeError::Failed(
+                TransferFailure::Timeout,
+                format!("{what}: no answer within {} s", patience.as_secs_f64()),
+            ));
+        }
+        let mut pause = deadline - now;
+        if client.is_some() {
+            pause = pause.min(CLIENT_CHECK_INTERVAL);
+        }
+        stream
+            .set_read_timeout(Some(pause.max(Duration::from_millis(1))))
+            .map_err(failed)?;
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                answer.extend_from_slice(&chunk[..n]);
+                if answer.len() as u64 > MAX_ANSWER_BYTES {
+                    return Err(ExchangeError::Failed(
+                        TransferFailure::BadAnswer,
+                        format!("{what}: answer over {MAX_ANSWER_BYTES} bytes"),
+                    ));
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) =>
+            {
+                if client.is_some_and(Connection::peer_closed) {
+                    return Err(ExchangeError::ClientGone);
+                }
+            }
+            Err(e) => return Err(failed(e)),
+        }
+    }
+    let bad = |e: String| ExchangeError::Failed(TransferFailure::BadAnswer, format!("{what}: {e}"));
+    let (status, body) = split_answer(&answer).map_err(bad)?;
+    let json: Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("answer {status} is not JSON: {e}")))?;
+    Ok((status, json))
+}
+
 /// What a pull brought.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pulled {
@@ -160,58 +269,41 @@ pub struct Pulled {
 
 /// Pull the KV `remote` names from its prefill replica's side channel. The error says why not
 /// (unreachable, refused with the prefill side's message, a bad answer).
-pub fn pull(remote: &RemoteKv) -> Result<Pulled, String> {
-    let target = format!("{}:{}", remote.host, remote.port);
-    let addrs = (remote.host.as_str(), remote.port)
-        .to_socket_addrs()
-        .map_err(|e| format!("side channel {target}: {e}"))?;
-    let mut stream = None;
-    let mut failure = format!("side channel {target}: no address");
-    for addr in addrs {
-        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
-            Ok(s) => {
-                stream = Some(s);
-                break;
-            }
-            Err(e) => failure = format!("side channel {target}: {e}"),
-        }
-    }
-    let mut stream = stream.ok_or(failure)?;
-    let failed = |e: io::Error| format!("side channel {target}: {e}");
-    stream
-        .set_read_timeout(Some(ANSWER_TIMEOUT))
-        .map_err(failed)?;
-    stream
-        .set_write_timeout(Some(ANSWER_TIMEOUT))
-        .map_err(failed)?;
-    let _ = stream.set_nodelay(true);
+pub fn pull(remote: &RemoteKv) -> Result<Pulled, (TransferFailure, String)> {
+    let target = format!("side channel {}:{}", remote.host, remote.port);
     let body = json!({
         "remote_engine_id": remote.engine_id,
         "remote_request_id": remote.request_id,
     })
     .to_string();
-    let request = format!(
-        "POST {PULL_PATH} HTTP/1.1\r\nhost: {target}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).map_err(failed)?;
-    let mut answer = Vec::new();
-    stream
-        .take(MAX_ANSWER_BYTES)
-        .read_to_end(&mut answer)
-        .map_err(failed)?;
-    let (status, body) =
-        split_answer(&answer).map_err(|e| format!("side channel {target}: {e}"))?;
-    let json: Value = serde_json::from_slice(body)
-        .map_err(|e| format!("side channel {target}: answer {status} is not JSON: {e}"))?;
+    let (status, json) = exchange(
+        &target,
+        &remote.host,
+        remote.port,
+        &body,
+        ANSWER_TIMEOUT,
+        None,
+    )
+    .map_err(|e| match e {
+        ExchangeError::Failed(reason, why) => (reason, why),
+        ExchangeError::ClientGone => (TransferFailure::Unreachable, format!("{target}: gone")),
+    })?;
     if status != 200 {
         let message = json["error"]["message"].as_str().unwrap_or("no message");
-        return Err(format!("side channel {target}: {status}: {message}"));
+        return Err((
+            TransferFailure::of_status(status),
+            format!("{target}: {status}: {message}"),
+        ));
     }
     let tokens = json["num_tokens"]
         .as_u64()
         .and_then(|n| u32::try_from(n).ok())
-        .ok_or_else(|| format!("side channel {target}: answer without num_tokens"))?;
+        .ok_or_else(|| {
+            (
+                TransferFailure::BadAnswer,
+                format!("{target}: answer without num_tokens"),
+            )
+        })?;
     let blocks = json["block_ids"].as_array().map_or(0, Vec::len);
     Ok(Pulled { tokens, blocks })
 }
@@ -257,20 +349,29 @@ fn split_answer(answer: &[u8]) -> Result<(u16, &[u8]), String> {
 pub fn receive(conn: &Connection, replica: &Replica, remote: &RemoteKv) -> io::Result<Option<u32>> {
     let pulled = match pull(remote) {
         Ok(p) => p,
-        Err(why) => {
+        Err((reason, why)) => {
+            replica.transfer_failed(reason);
             replica.local_prefill(LocalPrefill::PullFailed, &why);
             return Ok(None);
         }
     };
+    transfer(conn, replica, pulled.tokens)?;
+    Ok(Some(pulled.tokens))
+}
+
+/// `tokens` tokens of KV are the decode's: count the transfer and wait out the time the link
+/// takes to move them (`--kv-bytes-per-token / --kv-link-gbps`), checking that the client is
+/// still there (an error if it went away).
+pub fn transfer(conn: &Connection, replica: &Replica, tokens: u32) -> io::Result<()> {
     let d = replica.disagg();
-    let bytes = pulled.tokens as u64 * d.kv_bytes_per_token;
-    let seconds = pulled.tokens as f64 * d.transfer_s_per_token;
-    replica.kv_pulled(pulled.tokens, bytes, seconds);
+    let bytes = tokens as u64 * d.kv_bytes_per_token;
+    let seconds = tokens as f64 * d.transfer_s_per_token;
+    replica.kv_pulled(tokens, bytes, seconds);
     let end = Instant::now() + Duration::try_from_secs_f64(seconds).unwrap_or(Duration::ZERO);
     loop {
         let now = Instant::now();
         if now >= end {
-            return Ok(Some(pulled.tokens));
+            return Ok(());
         }
         std::thread::sleep((end - now).min(CLIENT_CHECK_INTERVAL));
         if conn.peer_closed() {
@@ -324,7 +425,8 @@ mod tests {
             host: "127.0.0.1".into(),
             port,
         };
-        let e = pull(&remote).unwrap_err();
+        let (reason, e) = pull(&remote).unwrap_err();
         assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
+        assert_eq!(reason, TransferFailure::Unreachable);
     }
 }
