@@ -106,10 +106,13 @@ pub struct Disagg {
     /// Engine seconds a prefill's KV stays held for its decode (--kv-hold-timeout x
     /// --time-scale: the timeout is in wall seconds).
     pub hold_s: f64,
-    /// KV bytes per token, and the wall seconds a pull's transfer takes per token
-    /// (--kv-bytes-per-token / --kv-link-gbps).
+    /// KV bytes per token, and the engine seconds a pull's transfer takes per token
+    /// (--kv-bytes-per-token / --kv-link-gbps), as every engine time, --time-scale times
+    /// faster in wall time.
     pub kv_bytes_per_token: u64,
     pub transfer_s_per_token: f64,
+    /// --time-scale: engine seconds per wall second.
+    pub time_scale: f64,
     /// SGLang's protocol, prefill role: the rooms of its port, shared by its ranks (the
     /// bootstrap server waits on them), and the wall seconds a room's KV stays held
     /// (--kv-hold-timeout).

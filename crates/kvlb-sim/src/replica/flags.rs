@@ -121,7 +121,7 @@ pub struct ReplicaFlags {
     pub kv_hold_timeout: f64,
     /// (--role decode) KV link bandwidth from the prefill replicas in GB/s (10^9 bytes per
     /// second, not gigabits): a pull of N tokens takes N x --kv-bytes-per-token / (X x 10^9)
-    /// wall seconds, not scaled by --time-scale
+    /// seconds, --time-scale times fewer in wall time as every engine time
     #[arg(long, value_name = "X", default_value_t = 25.0, value_parser = cli::positive)]
     pub kv_link_gbps: f64,
     /// Publish KV cache events (ZeroMQ PUB) on ADDR, port shifted per replica (tcp://*:PORT

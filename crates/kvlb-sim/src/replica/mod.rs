@@ -326,6 +326,7 @@ fn disagg(
         hold_s: flags.kv_hold_timeout * flags.time_scale,
         kv_bytes_per_token: engine.kv_bytes_per_token,
         transfer_s_per_token: engine.kv_bytes_per_token as f64 / (flags.kv_link_gbps * 1e9),
+        time_scale: flags.time_scale,
         rooms: None,
         hold_wall_s: flags.kv_hold_timeout,
         null_port: (flags.disaggregation_bootstrap_port != 0)

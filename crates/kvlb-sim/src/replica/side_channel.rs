@@ -360,14 +360,16 @@ pub fn receive(conn: &Connection, replica: &Replica, remote: &RemoteKv) -> io::R
 }
 
 /// `tokens` tokens of KV are the decode's: count the transfer and wait out the time the link
-/// takes to move them (`--kv-bytes-per-token / --kv-link-gbps`), checking that the client is
-/// still there (an error if it went away).
+/// takes to move them (`--kv-bytes-per-token / --kv-link-gbps` engine seconds, --time-scale
+/// times fewer in wall time, as the engine's steps), checking that the client is still there
+/// (an error if it went away).
 pub fn transfer(conn: &Connection, replica: &Replica, tokens: u32) -> io::Result<()> {
     let d = replica.disagg();
     let bytes = tokens as u64 * d.kv_bytes_per_token;
     let seconds = tokens as f64 * d.transfer_s_per_token;
     replica.kv_pulled(tokens, bytes, seconds);
-    let end = Instant::now() + Duration::try_from_secs_f64(seconds).unwrap_or(Duration::ZERO);
+    let wall = seconds / d.time_scale;
+    let end = Instant::now() + Duration::try_from_secs_f64(wall).unwrap_or(Duration::ZERO);
     loop {
         let now = Instant::now();
         if now >= end {
