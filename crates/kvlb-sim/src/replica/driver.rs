@@ -16,9 +16,9 @@
 //! requests' first outputs and ends to it and sets it after each engine step, as vLLM's front
 //! end does for `vllm:lora_requests_info`.
 
-use super::bootstrap::Rooms;
 use super::metrics::{self, LoraRequestsInfo, RequestCounters, TransferCounters};
 use super::pd::{LocalPrefill, Protocol, Role, TransferFailure};
+use super::rooms::Rooms;
 use crate::engine::{
     Engine, EngineConfig, EngineError, EngineOutput, EngineRequest, HeldKv, KvTransfer, RequestId,
 };

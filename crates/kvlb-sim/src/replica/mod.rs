@@ -26,6 +26,7 @@ pub mod openai;
 pub mod pd;
 pub mod pooling;
 pub mod responses;
+pub mod rooms;
 pub mod server;
 pub mod side_channel;
 
@@ -141,7 +142,7 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
             }
         };
         // SGLang's rooms: one set per port, shared by its ranks.
-        let rooms = flags.bootstrap().map(|_| Arc::new(bootstrap::Rooms::new()));
+        let rooms = flags.bootstrap().map(|_| Arc::new(rooms::Rooms::new()));
         let mut engines = Vec::with_capacity(flags.dp_size as usize);
         // One vllm:lora_requests_info per port: vLLM's ranks share one front end.
         let lora_info = flags

@@ -105,7 +105,7 @@ pub struct GenerationRequest {
     pub kv_transfer_params: Option<Value>,
     /// SGLang's `bootstrap_host`, `bootstrap_port` and `bootstrap_room` as sent, checked by
     /// a replica of `--pd-protocol sglang` (`pd::bootstrap_leg`); ignored by the others.
-    pub bootstrap: super::pd::BootstrapFields,
+    pub bootstrap: BootstrapFields,
 }
 
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -207,7 +207,7 @@ fn common(
             .get("kv_transfer_params")
             .filter(|v| !v.is_null())
             .cloned(),
-        bootstrap: super::pd::BootstrapFields {
+        bootstrap: BootstrapFields {
             host: m.get("bootstrap_host").cloned(),
             port: m.get("bootstrap_port").cloned(),
             room: m.get("bootstrap_room").cloned(),
@@ -591,6 +591,15 @@ pub fn usage_chunk(meta: &ResponseMeta, usage: &Usage) -> String {
     json!({"id": meta.id, "object": object, "created": meta.created, "model": meta.model,
         "choices": [], "usage": usage.json()})
     .to_string()
+}
+
+/// SGLang's bootstrap fields as a request sent them: None when absent, `Some(Null)` when null
+/// (read by `pd::bootstrap_leg`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BootstrapFields {
+    pub host: Option<Value>,
+    pub port: Option<Value>,
+    pub room: Option<Value>,
 }
 
 #[cfg(test)]

@@ -32,7 +32,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::openai::{type_name, ApiError};
+use super::openai::{type_name, ApiError, BootstrapFields};
 use serde_json::{json, Map, Value};
 use std::net::SocketAddr;
 
@@ -163,14 +163,6 @@ pub struct Bootstrap {
     pub host: String,
     pub port: u16,
     pub room: u64,
-}
-
-/// SGLang's bootstrap fields as a request sent them: None when absent, `Some(Null)` when null.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct BootstrapFields {
-    pub host: Option<Value>,
-    pub port: Option<Value>,
-    pub room: Option<Value>,
 }
 
 /// What a request is to a replica of some role.

@@ -32,11 +32,11 @@
 #![forbid(unsafe_code)]
 
 use super::answer::{send_error, send_json};
-use super::bootstrap;
 use super::driver::Replica;
 use super::http::{Connection, Method, ReadRequestError};
 use super::openai::{self, type_name, ApiError};
-use super::pd::{self, LocalPrefill, Protocol, RemoteKv, TransferFailure};
+use super::pd::{self, LocalPrefill, Protocol, RemoteKv, TransferFailure, MAX_ROOM};
+use super::rooms::{Rooms, Taken, DEFAULT_WAIT, MAX_WAIT_S};
 use serde_json::{json, Value};
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -105,7 +105,7 @@ fn handle_connection(stream: TcpStream, engines: &[Arc<Replica>], protocol: Prot
         let answer = match (path == PULL_PATH, req.method) {
             (true, Method::Post) => match (protocol, engines[0].disagg().rooms.as_deref()) {
                 (Protocol::Sglang, Some(rooms)) => {
-                    bootstrap::pull_answer(engines, rooms, &req.body, &conn)
+                    pull_room_answer(engines, rooms, &req.body, &conn)
                 }
                 _ => pull_answer(engines, &req.body),
             },
@@ -397,6 +397,92 @@ pub fn answer_params(replica: &Replica, response_id: &str, id: u64) -> Value {
             addr,
         ),
         _ => Value::Null,
+    }
+}
+
+/// Answer one bootstrap pull on `conn` for the ranks `engines` of a port whose rooms are
+/// `rooms`: hand over (and free) the room's KV, once its prefill finished.
+fn pull_room_answer(
+    engines: &[Arc<Replica>],
+    rooms: &Rooms,
+    body: &[u8],
+    conn: &Connection,
+) -> Result<String, ApiError> {
+    let m = openai::parse_object(body)?;
+    let bad = |param: &'static str, message: String| ApiError {
+        param: Some(param),
+        ..ApiError::bad_request(message)
+    };
+    let room = match m.get("bootstrap_room") {
+        Some(Value::Number(n)) => n.as_u64().filter(|&r| r <= MAX_ROOM).ok_or_else(|| {
+            bad(
+                "bootstrap_room",
+                format!("bootstrap_room: expected an integer in 0..={MAX_ROOM}, got {n}"),
+            )
+        })?,
+        Some(v) if !v.is_null() => {
+            return Err(bad(
+                "bootstrap_room",
+                format!("bootstrap_room: expected an integer, got {}", type_name(v)),
+            ))
+        }
+        _ => {
+            return Err(bad(
+                "bootstrap_room",
+                "bootstrap_room: field required".into(),
+            ))
+        }
+    };
+    let wait = match m.get("wait_s") {
+        None | Some(Value::Null) => DEFAULT_WAIT,
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(s) if s >= 0.0 && s.is_finite() => Duration::from_secs_f64(s.min(MAX_WAIT_S)),
+            _ => {
+                return Err(bad(
+                    "wait_s",
+                    format!("wait_s: expected seconds, not negative, got {n}"),
+                ))
+            }
+        },
+        Some(v) => {
+            return Err(bad(
+                "wait_s",
+                format!("wait_s: expected a number, got {}", type_name(v)),
+            ))
+        }
+    };
+    // Lock order: the rooms, then the replica (the driver never takes the rooms).
+    let release = |rank: usize, id| {
+        let e = engines.get(rank)?;
+        Some((e.release_held(id)?, e.block_size()))
+    };
+    match rooms.take(room, wait, release, || conn.peer_closed()) {
+        Taken::Kv(held, block_size) => Ok(json!({
+            "bootstrap_room": room,
+            "num_tokens": held.tokens,
+            "block_ids": held.blocks,
+            "block_size": block_size,
+        })
+        .to_string()),
+        Taken::Ended(how) => Err(ApiError::not_found(format!(
+            "bootstrap_room {room}: {}",
+            how.says()
+        ))),
+        Taken::TimedOut => Err(ApiError {
+            status: 504,
+            kind: "GatewayTimeoutError",
+            message: format!(
+                "bootstrap_room {room}: no prefill of it finished within {} s",
+                wait.as_secs_f64()
+            ),
+            param: None,
+        }),
+        Taken::Gone => Err(ApiError {
+            status: 499,
+            kind: "ClientClosedRequest",
+            message: "the caller went away".into(),
+            param: None,
+        }),
     }
 }
 
