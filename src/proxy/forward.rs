@@ -7,14 +7,13 @@
 
 use super::relay::{relay_body, IdWatch, Relayed};
 use super::route::Routed;
-use super::{remaining, Conn, InFlight, UpstreamFailure};
+use super::{remaining, Conn, UpstreamFailure};
 use crate::http::request::{self, Method, RequestHead};
 use crate::http::response::{self, ClientFraming, ResponseBody, ResponseError};
 use crate::http::write_error_in;
 use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
-use crate::worker::CountedAs;
 use crate::worker::{Upstream, Worker};
 use std::io;
 use std::os::fd::RawFd;
@@ -55,19 +54,7 @@ pub(super) async fn forward(
     may_retry: bool,
 ) -> Forwarded {
     let replica = routed.replica;
-    // `route` took the replica's in-flight slot already.
-    let mut in_flight = InFlight::new(
-        w,
-        replica,
-        routed.prefill_tokens,
-        routed.expected,
-        received_at,
-        true,
-        CountedAs {
-            model_label: routed.class.label,
-            lora: routed.lora,
-        },
-    );
+    let mut in_flight = routed.in_flight(w, received_at);
     if let Some(i) = routed.load {
         if let Err(why) = w.adapter_loaded(i, replica, routed.epoch).await {
             return Forwarded::Failed(replica, UpstreamFailure::AdapterLoad(why), true);

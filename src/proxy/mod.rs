@@ -396,17 +396,7 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 },
             };
             conn.explain_len = explain_len;
-            // The host header falls back to the replica's authority (HTTP/1.0 clients).
-            if !head.has_host {
-                conn.obuf.extend_from_slice(b"host: ");
-                conn.obuf
-                    .extend_from_slice(routed.spec.authority.as_bytes());
-                conn.obuf.extend_from_slice(b"\r\n");
-            }
-            if let Some(rank) = routed.spec.dp_rank {
-                request::push_dp_rank(&mut conn.obuf, rank);
-            }
-            request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
+            routed.finish_head(conn, &head, body_len);
             let replica = routed.replica;
             tried[attempts] = replica;
             attempts += 1;

@@ -31,12 +31,12 @@ use super::forward::{read_response_head, rebuild_upstream_head};
 use super::log::log_request;
 use super::route::{route, wait_for_capacity, Route, Routed};
 use super::{remaining, Conn, End, UpstreamFailure, MAX_ATTEMPTS};
-use crate::http::request::{self, Method, RequestHead};
+use crate::http::request::{Method, RequestHead};
 use crate::http::response::ResponseBody;
 use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
-use crate::worker::{CountedAs, InFlight, Leg, ModelRoute, Upstream, Worker};
+use crate::worker::{Leg, ModelRoute, Upstream, Worker};
 use std::io;
 use std::time::Instant;
 
@@ -153,16 +153,17 @@ pub(super) async fn prefill(
             },
             Route::NoneLeft => break Err(metrics::PD_PREFILL_FAILED),
         };
-        if !head.has_host {
-            conn.obuf.extend_from_slice(b"host: ");
-            conn.obuf
-                .extend_from_slice(routed.spec.authority.as_bytes());
-            conn.obuf.extend_from_slice(b"\r\n");
+        let mut routed = routed;
+        if priced {
+            // Its estimate included the transfer, which comes after its answer: the answer's
+            // time measures the rest (a calibration sample).
+            let cost = cfg
+                .model(model.class.table)
+                .map_or(&cfg.cost_model, |m| &m.cost_model);
+            let transfer = conn.log.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
+            routed.expected.fixed_s = (routed.expected.fixed_s - transfer).max(0.0);
         }
-        if let Some(rank) = routed.spec.dp_rank {
-            request::push_dp_rank(&mut conn.obuf, rank);
-        }
-        request::finish_upstream_head(&mut conn.obuf, Method::Post, body.len());
+        routed.finish_head(conn, head, body.len());
         let replica = routed.replica;
         tried[attempts] = replica;
         attempts += 1;
@@ -291,19 +292,7 @@ async fn exchange(
     received_at: Instant,
 ) -> Result<Answer, UpstreamFailure> {
     let replica = routed.replica;
-    // `route` took the replica's in-flight slot already.
-    let mut in_flight = InFlight::new(
-        w,
-        replica,
-        routed.prefill_tokens,
-        routed.expected,
-        received_at,
-        true,
-        CountedAs {
-            model_label: routed.class.label,
-            lora: routed.lora,
-        },
-    );
+    let mut in_flight = routed.in_flight(w, received_at);
     // Its answer comes after the prompt and one token: a time to first token, as a stream's
     // first event is (a calibration sample).
     in_flight.streamed();

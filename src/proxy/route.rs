@@ -339,6 +339,43 @@ pub(super) fn route(
     )
 }
 
+impl Routed {
+    /// End the upstream head in `conn.obuf` for this replica: the Host it falls back to
+    /// (HTTP/1.0 clients send none), its data-parallel rank, the body's length.
+    pub(super) fn finish_head(&self, conn: &mut Conn, head: &RequestHead, body_len: usize) {
+        if !head.has_host {
+            conn.obuf.extend_from_slice(b"host: ");
+            conn.obuf.extend_from_slice(self.spec.authority.as_bytes());
+            conn.obuf.extend_from_slice(b"\r\n");
+        }
+        if let Some(rank) = self.spec.dp_rank {
+            crate::http::request::push_dp_rank(&mut conn.obuf, rank);
+        }
+        crate::http::request::finish_upstream_head(&mut conn.obuf, head.method, body_len);
+    }
+
+    /// The request counted in flight there (`route` took its slot already) from now until the
+    /// returned guard drops.
+    pub(super) fn in_flight<'w>(
+        &self,
+        w: &'w Worker,
+        received_at: std::time::Instant,
+    ) -> crate::worker::InFlight<'w> {
+        crate::worker::InFlight::new(
+            w,
+            self.replica,
+            self.prefill_tokens,
+            self.expected,
+            received_at,
+            true,
+            crate::worker::CountedAs {
+                model_label: self.class.label,
+                lora: self.lora,
+            },
+        )
+    }
+}
+
 /// Where a request goes and what kvlb expects of it there.
 pub(super) struct Routed {
     pub(super) replica: usize,
