@@ -74,19 +74,7 @@ pub(super) async fn forward(
     let upstream_deadline = crate::rt::now() + cfg.upstream_timeout_of(routed.class.table);
     let slot = w.shared.fleet.slot(replica);
     let failed = |f: UpstreamFailure, retryable: bool| {
-        if f.counts_against_replica()
-            && slot.record_failure(
-                w.shared.now_ms(),
-                cfg.health.max_fails,
-                cfg.health.fail_timeout.as_millis() as u64,
-            )
-        {
-            eprintln!(
-                "kvlb: replica {url}: {} failures in a row; ejected for {:?}",
-                cfg.health.max_fails, cfg.health.fail_timeout
-            );
-            metrics::add(&rc.ejections, 1);
-        }
+        count_failure(w, &routed, &f);
         Forwarded::Failed(replica, f, retryable)
     };
 
@@ -96,25 +84,11 @@ pub(super) async fn forward(
     let mut attempt = 0;
     let (mut up, rhead) = loop {
         attempt += 1;
-        let (mut up, reused) = match w.pooled_upstream(replica, routed.epoch) {
-            Some(up) if attempt == 1 => {
-                metrics::add(&rc.reuses, 1);
-                (up, true)
-            }
-            pooled => {
-                if let Some(up) = pooled {
-                    up.close();
-                }
-                match w.connect_replica(routed.spec.addr).await {
-                    Ok(fd) => {
-                        metrics::add(&rc.connects, 1);
-                        (Upstream::new(fd), false)
-                    }
-                    Err(e) => {
-                        conn.obuf.truncate(head_len_up);
-                        return failed(UpstreamFailure::Connect(e), true);
-                    }
-                }
+        let (mut up, reused) = match upstream(w, &routed, attempt).await {
+            Ok(v) => v,
+            Err(e) => {
+                conn.obuf.truncate(head_len_up);
+                return failed(UpstreamFailure::Connect(e), true);
             }
         };
         match send_request(conn, up.fd, head, body_end, coalesce).await {
@@ -239,6 +213,50 @@ pub(super) async fn forward(
             Forwarded::Close
         }
         Relayed::Unsent(_) => unreachable!("handled above"),
+    }
+}
+
+/// A connection to the routed replica for the `attempt`-th send of one request: a pooled one
+/// first, a fresh one after (a pooled connection the replica had closed); whether it was pooled.
+pub(super) async fn upstream(
+    w: &Worker,
+    routed: &Routed,
+    attempt: u32,
+) -> io::Result<(Upstream, bool)> {
+    let rc = &w.stats().replicas[routed.replica];
+    match w.pooled_upstream(routed.replica, routed.epoch) {
+        Some(up) if attempt == 1 => {
+            metrics::add(&rc.reuses, 1);
+            Ok((up, true))
+        }
+        pooled => {
+            if let Some(up) = pooled {
+                up.close();
+            }
+            let fd = w.connect_replica(routed.spec.addr).await?;
+            metrics::add(&rc.connects, 1);
+            Ok((Upstream::new(fd), false))
+        }
+    }
+}
+
+/// A failure of the routed replica before its answer: counted towards its ejection (passive
+/// health) unless the client or an adapter load caused it; the ejection logged.
+pub(super) fn count_failure(w: &Worker, routed: &Routed, f: &UpstreamFailure) {
+    let cfg = w.cfg();
+    let slot = w.shared.fleet.slot(routed.replica);
+    if f.counts_against_replica()
+        && slot.record_failure(
+            w.shared.now_ms(),
+            cfg.health.max_fails,
+            cfg.health.fail_timeout.as_millis() as u64,
+        )
+    {
+        eprintln!(
+            "kvlb: replica {}: {} failures in a row; ejected for {:?}",
+            routed.spec.url, cfg.health.max_fails, cfg.health.fail_timeout
+        );
+        metrics::add(&w.stats().replicas[routed.replica].ejections, 1);
     }
 }
 

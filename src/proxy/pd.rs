@@ -27,7 +27,7 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use super::forward::{read_response_head, rebuild_upstream_head};
+use super::forward::{count_failure, read_response_head, rebuild_upstream_head, upstream};
 use super::log::log_request;
 use super::route::{route, wait_for_capacity, Route, Routed};
 use super::{remaining, Conn, End, UpstreamFailure, MAX_ATTEMPTS};
@@ -36,7 +36,7 @@ use crate::http::response::ResponseBody;
 use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
-use crate::worker::{Leg, ModelRoute, Upstream, Worker};
+use crate::worker::{Leg, ModelRoute, Worker};
 use std::io;
 use std::time::Instant;
 
@@ -175,7 +175,7 @@ pub(super) async fn prefill(
             }
             Ok(answer) => {
                 w.give_buf(answer.body);
-                failed(w, &routed, &UpstreamFailure::Unavailable);
+                count_failure(w, &routed, &UpstreamFailure::Unavailable);
             }
             Err(UpstreamFailure::ClientGone) => {
                 metrics::add(&w.stats().replicas[replica].client_aborts, 1);
@@ -190,7 +190,7 @@ pub(super) async fn prefill(
                 );
                 return Err(End::Close);
             }
-            Err(f) => failed(w, &routed, &f),
+            Err(f) => count_failure(w, &routed, &f),
         }
         if attempts >= max_attempts || w.draining.get() {
             break Err(metrics::PD_PREFILL_FAILED);
@@ -256,25 +256,6 @@ pub(super) async fn prefill(
 static FALLBACK_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 static NO_PARAMS_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
-/// A prefill replica's failure counts towards its ejection, as a whole request's does.
-fn failed(w: &Worker, routed: &Routed, f: &UpstreamFailure) {
-    let cfg = w.cfg();
-    let slot = w.shared.fleet.slot(routed.replica);
-    if f.counts_against_replica()
-        && slot.record_failure(
-            w.shared.now_ms(),
-            cfg.health.max_fails,
-            cfg.health.fail_timeout.as_millis() as u64,
-        )
-    {
-        eprintln!(
-            "kvlb: replica {}: {} failures in a row; ejected for {:?}",
-            routed.spec.url, cfg.health.max_fails, cfg.health.fail_timeout
-        );
-        metrics::add(&w.stats().replicas[routed.replica].ejections, 1);
-    }
-}
-
 struct Answer {
     status: u16,
     /// Its body, de-chunked (a worker buffer: given back by the caller).
@@ -302,23 +283,9 @@ async fn exchange(
     let mut attempt = 0;
     let (mut up, rhead) = loop {
         attempt += 1;
-        let (mut up, reused) = match w.pooled_upstream(replica, routed.epoch) {
-            Some(up) if attempt == 1 => {
-                metrics::add(&rc.reuses, 1);
-                (up, true)
-            }
-            pooled => {
-                if let Some(up) = pooled {
-                    up.close();
-                }
-                let fd = w
-                    .connect_replica(routed.spec.addr)
-                    .await
-                    .map_err(UpstreamFailure::Connect)?;
-                metrics::add(&rc.connects, 1);
-                (Upstream::new(fd), false)
-            }
-        };
+        let (mut up, reused) = upstream(w, routed, attempt)
+            .await
+            .map_err(UpstreamFailure::Connect)?;
         let n = conn.obuf.len();
         let (r, b) = op::send_all(up.fd, std::mem::take(&mut conn.obuf), 0, n).await;
         conn.obuf = b;
