@@ -414,22 +414,6 @@ fn the_rest_of_the_surface_is_passed_through() {
     assert!(r.header("x-kvlb-replica").is_some(), "{}", r.describe());
 }
 
-/// Runs a Python script with the official clients against kvlb; it prints "ok".
-fn run_python(script: &str, args: &[&str]) {
-    let out = std::process::Command::new(support::backend::python())
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("ok"),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[test]
 fn the_official_clients_through_kvlb() {
     let reps = four();
@@ -442,7 +426,7 @@ fn the_official_clients_through_kvlb() {
     let replicas = urls.join(",");
     // OpenAI's client: responses.create, streamed and not, a conversation of 6 turns by
     // previous_response_id; every follow-up on the replica that stored the first.
-    run_python(
+    support::backend::run_python(
         r#"
 import sys, openai
 base, replicas = sys.argv[1], sys.argv[2].split(",")
@@ -480,7 +464,7 @@ print("ok")
     );
     // Anthropic's client: messages.create and messages.stream with its x-api-key; the second
     // turn lands where the first ran, with most of it matched.
-    run_python(
+    support::backend::run_python(
         r#"
 import sys, anthropic
 c = anthropic.Anthropic(base_url=sys.argv[1], api_key="sk-test-key", max_retries=0, timeout=30)

@@ -312,10 +312,8 @@ fn the_openai_client_through_both_legs() {
     let dir = TempDir::new("pd-openai");
     let log = dir.file("access.log");
     let kvlb = serve(&prefill, &decode, &log, &[]);
-    let out = std::process::Command::new(support::backend::python())
-        .arg("-c")
-        .arg(
-            r#"
+    support::backend::run_python(
+        r#"
 import sys, openai
 c = openai.OpenAI(base_url=sys.argv[1], api_key="none", max_retries=0, timeout=30)
 system = "You answer questions about the repository. " * 30
@@ -333,15 +331,7 @@ s = list(c.completions.create(model="m", prompt=system + "Q2:", max_tokens=5, st
 assert s, s
 print("ok")
 "#,
-        )
-        .arg(kvlb.url("/v1"))
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("ok"),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
+        &[&kvlb.url("/v1")],
     );
     assert_eq!(pd_outcome(&kvlb, "disaggregated"), 4.0);
     let pulled: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();

@@ -19,6 +19,23 @@ pub fn python() -> String {
     std::env::var("KVLB_PYTHON").unwrap_or_else(|_| "python3".to_string())
 }
 
+/// Runs a Python script (with `python()`: the official clients installed) with `args`; it
+/// must exit 0 and print "ok".
+pub fn run_python(script: &str, args: &[&str]) {
+    let out = std::process::Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ok"),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A running test replica.
 pub struct Backend {
     child: Child,
