@@ -288,20 +288,25 @@ pub(super) fn route(
         in_flight.fetch_sub(1, Relaxed);
         return Route::AllBusy;
     }
+    let routed = Routed {
+        replica,
+        epoch,
+        spec,
+        prefill_tokens: choice.prefill_tokens(),
+        expected: choice.expected(),
+        class: model.class,
+        load,
+        lora: model.lora(),
+    };
     if model.leg == Leg::Decode {
         // The decode leg of a disaggregated request: the prompt was computed on the prefill
         // replica, whose decision the log and the explain line keep; the decode replica
         // computes nothing kvlb could price, and its first byte times the whole request.
         return Route::To(
             Routed {
-                replica,
-                epoch,
-                spec,
                 prefill_tokens: 0,
                 expected: crate::worker::Expected::default(),
-                class: model.class,
-                load,
-                lora: model.lora(),
+                ..routed
             },
             conn.explain_len,
         );
@@ -324,19 +329,7 @@ pub(super) fn route(
         metrics::add(&m.prompt_tokens, choice.prompt_tokens as u64);
         metrics::add(&m.matched_tokens, conn.log.matched_tokens as u64);
     }
-    Route::To(
-        Routed {
-            replica,
-            epoch,
-            spec,
-            prefill_tokens: choice.prefill_tokens(),
-            expected: choice.expected(),
-            class: model.class,
-            load,
-            lora: model.lora(),
-        },
-        explain_len,
-    )
+    Route::To(routed, explain_len)
 }
 
 impl Routed {
