@@ -333,6 +333,15 @@ impl Replica {
         self.wake();
     }
 
+    /// A decode request whose client went away while it waited for its remote KV: counted
+    /// as an aborted request, as the engines' schedulers hold such a request (vLLM's
+    /// WAITING_FOR_REMOTE_KVS, SGLang's transfer queue) and abort it.
+    pub fn aborted_awaiting_kv(&self) {
+        self.lock()
+            .counters
+            .finished(crate::engine::FinishReason::Abort);
+    }
+
     /// The blocks held for the remote decode of finished request `id` (prefill role).
     pub fn held_blocks(&self, id: RequestId) -> Option<Vec<u32>> {
         self.lock().engine.held_blocks(id).map(<[u32]>::to_vec)

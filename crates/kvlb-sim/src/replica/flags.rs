@@ -56,8 +56,8 @@ KV from bootstrap_host:bootstrap_port (null: its own --disaggregation-bootstrap-
 up to --kv-wait-timeout, waits the transfer out and decodes; if the fetch fails the request
 fails with a 500 before any byte is streamed, counted in
 kvlb_replica_kv_transfer_failures_total{reason}. A batch (several prompts, n > 1, or the
-fields as lists) with a bootstrap_room is refused with a 400; a request without one is served
-whole.";
+fields as lists) with a bootstrap_room is refused with a 400, and so is a generation request
+without one, as SGLang refuses it.";
 
 /// Simulated GPU replicas that speak vLLM's interfaces (OpenAI HTTP API, /metrics, ZeroMQ KV
 /// events).

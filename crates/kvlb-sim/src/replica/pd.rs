@@ -24,8 +24,8 @@
 //! once. A prefill replica computes the prompt and one token, answers it, and holds the KV
 //! for the room ([`Leg::RoomPrefill`]); a decode replica fetches the room's KV from the
 //! prefill replica's bootstrap server ([`Bootstrap`], `bootstrap`) and decodes. Choices:
-//! a batch (the fields as arrays, several prompts, or `n` > 1 with a room) is refused with a
-//! 400, on both roles; a null or absent `bootstrap_port` is the decode replica's own
+//! a request without a room (as SGLang's scheduler refuses it) and a batch (the fields as
+//! arrays, several prompts, or `n` > 1 with a room) are refused with a 400, on both roles; a null or absent `bootstrap_port` is the decode replica's own
 //! `--disaggregation-bootstrap-port` (as SGLang's scheduler fills in its server's own), and a
 //! 400 when that is 0; a fetch that fails fails the request (SGLang's decode has no local
 //! fallback).
@@ -188,8 +188,8 @@ pub const MAX_ROOM: u64 = i64::MAX as u64;
 /// What SGLang's bootstrap `fields` make of a request to a replica of `role` with `prompts`
 /// prompts of `n` choices each; `null_port` stands for a null or absent `bootstrap_port` (the
 /// decode replica's own --disaggregation-bootstrap-port; None when it is 0). A request without
-/// a room is served whole (a decode replica counts it as a local prefill, `no_params`); a
-/// batch, or fields of the wrong form, is answered 400.
+/// a room (SGLang's scheduler refuses it in either mode), a batch, or fields of the wrong form,
+/// is answered 400.
 pub fn bootstrap_leg(
     role: Role,
     fields: &BootstrapFields,
@@ -203,11 +203,12 @@ pub fn bootstrap_leg(
     };
     let room = match (role, &fields.room) {
         (Role::Both, _) => return Ok(Leg::Whole),
-        (Role::Prefill, None | Some(Value::Null)) => return Ok(Leg::Whole),
-        (Role::Decode, None | Some(Value::Null)) => {
-            return Ok(Leg::Local(
-                LocalPrefill::NoParams,
-                "no bootstrap_room".to_string(),
+        // As SGLang's scheduler refuses it in either disaggregation mode.
+        (_, None | Some(Value::Null)) => {
+            return Err(bad(
+                "bootstrap_room",
+                "Invalid request: Disaggregated request received without bootstrap room id."
+                    .to_string(),
             ))
         }
         (_, Some(Value::Array(_))) => {
@@ -505,10 +506,11 @@ mod tests {
             bootstrap_leg(Role::Prefill, &f, 1, 1, None),
             Ok(Leg::RoomPrefill(MAX_ROOM))
         );
-        assert_eq!(
-            bootstrap_leg(Role::Prefill, &none, 3, 2, None),
-            Ok(Leg::Whole)
-        );
+        for role in [Role::Prefill, Role::Decode] {
+            let e = bootstrap_leg(role, &none, 1, 1, Some(8998)).unwrap_err();
+            assert_eq!(e.param, Some("bootstrap_room"));
+            assert!(e.message.contains("without bootstrap room id"), "{e:?}");
+        }
         assert_eq!(
             bootstrap_leg(Role::Decode, &f, 1, 1, None),
             Ok(Leg::RoomDecode(Bootstrap {
@@ -517,16 +519,10 @@ mod tests {
                 room: MAX_ROOM
             }))
         );
-        assert!(matches!(
-            bootstrap_leg(Role::Decode, &none, 1, 1, None),
-            Ok(Leg::Local(LocalPrefill::NoParams, _))
-        ));
         // A null room is no room; a null port is the decode replica's own default.
         let null_room = fields(json!("h"), json!(1), Value::Null);
-        assert_eq!(
-            bootstrap_leg(Role::Prefill, &null_room, 1, 1, None),
-            Ok(Leg::Whole)
-        );
+        let e = bootstrap_leg(Role::Prefill, &null_room, 1, 1, None).unwrap_err();
+        assert_eq!((e.status, e.param), (400, Some("bootstrap_room")));
         let null_port = fields(json!("[::1]"), Value::Null, json!(7));
         assert_eq!(
             bootstrap_leg(Role::Decode, &null_port, 1, 1, Some(9000)),

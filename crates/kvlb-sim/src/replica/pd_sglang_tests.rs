@@ -331,27 +331,17 @@ fn plain_batch_and_malformed_requests_under_sglang() {
     let d = sglang("decode", &[]);
     let boot = p.bootstrap.unwrap();
     let body = json!({"prompt": prompt(100, 3), "max_tokens": 3});
-    // Without a room: served whole by both, nothing held, nothing fetched.
-    for r in [&p, &d] {
-        let (status, out) = post(r.addr, "/v1/completions", &body);
-        assert_eq!(status, 200, "{out}");
-        assert_eq!(out["usage"]["completion_tokens"], 3);
-    }
-    assert_eq!(
-        sample(
-            &metrics(d.addr),
-            "kvlb_replica_kv_local_prefills_total",
-            "reason=\"no_params\""
-        ),
-        1.0
-    );
-    // vLLM's params mean nothing to an SGLang prefill replica.
+    // Without a room: refused by both, as SGLang's scheduler refuses it; so are vLLM's
+    // params, which mean nothing to an SGLang replica. Nothing held, nothing fetched.
     let mut vllm = body.clone();
     vllm["kv_transfer_params"] = json!({"do_remote_decode": true});
-    let (status, out) = post(p.addr, "/v1/completions", &vllm);
-    assert_eq!(status, 200);
-    assert_eq!(out["kv_transfer_params"], Value::Null);
-    assert_eq!(out["usage"]["completion_tokens"], 3);
+    for r in [&p, &d] {
+        for b in [&body, &vllm] {
+            let (status, out) = post(r.addr, "/v1/completions", b);
+            assert_eq!(status, 400, "{out}");
+            assert_eq!(out["error"]["param"], "bootstrap_room", "{out}");
+        }
+    }
     assert_eq!(metric(p.addr, "kvlb_replica_kv_held_requests"), 0.0);
     // Batches, as SGLang's router sends them (the fields as lists), or with one room: 400.
     let mut batch = json!({"prompt": [prompt(10, 1), prompt(10, 2)], "max_tokens": 2,

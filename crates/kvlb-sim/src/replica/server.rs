@@ -435,7 +435,11 @@ fn generate(
                 return send_error(conn, &ApiError::bad_request(e.to_string()), keep_alive);
             }
             arrived = Some(Instant::now());
-            match bootstrap::fetch(conn, replica, at)? {
+            let fetched = bootstrap::fetch(conn, replica, at);
+            if fetched.is_err() {
+                replica.aborted_awaiting_kv();
+            }
+            match fetched? {
                 Ok(tokens) => KvTransfer::Received { tokens },
                 Err(e) => return send_error(conn, &e, keep_alive),
             }
@@ -446,7 +450,11 @@ fn generate(
         }
         Leg::Decode(remote) => {
             arrived = Some(Instant::now());
-            match side_channel::receive(conn, replica, remote)? {
+            let received = side_channel::receive(conn, replica, remote);
+            if received.is_err() {
+                replica.aborted_awaiting_kv();
+            }
+            match received? {
                 Some(tokens) => KvTransfer::Received { tokens },
                 None => KvTransfer::None,
             }
