@@ -184,6 +184,19 @@ impl Fleet {
             .any(|s| s.state() != EMPTY && s.role() == role)
     }
 
+    /// Whether a prefill replica (active or draining) speaks SGLang's protocol (has a
+    /// bootstrap server).
+    pub fn has_sglang_prefill(&self) -> bool {
+        self.slots.iter().any(|s| {
+            s.state() != EMPTY
+                && s.role() == crate::config::Role::Prefill
+                && s.spec
+                    .load()
+                    .as_ref()
+                    .is_some_and(|r| r.bootstrap_port.is_some())
+        })
+    }
+
     /// The slot holding the replica with this URL (active or draining).
     pub fn find(&self, url: &str) -> Option<usize> {
         self.slots.iter().position(|s| {

@@ -455,3 +455,253 @@ fn priced_disaggregation_computes_on_an_idle_decode_replica() {
         .count();
     assert_eq!(prefilled, 1, "{lines:?}");
 }
+
+// SGLang's protocol: the same body, with kvlb's bootstrap_host/port/room, to both replicas.
+
+/// Two replicas of `role` speaking SGLang's protocol (prefill replicas with their bootstrap
+/// servers on ephemeral ports).
+fn sglang_replicas(role: &str) -> ReplicaFleet {
+    ReplicaFleet::start(
+        2,
+        &[
+            "--role",
+            role,
+            "--pd-protocol",
+            "sglang",
+            "--time-scale",
+            "50",
+        ],
+    )
+}
+
+/// The `--replica` specs of SGLang prefill replicas (with their bootstrap ports and events)
+/// and decode replicas.
+fn sglang_specs(prefill: &ReplicaFleet, decode: &ReplicaFleet) -> Vec<String> {
+    let mut specs: Vec<String> = (0..prefill.http.len())
+        .map(|i| {
+            let boot = prefill.bootstrap[i].expect("a bootstrap server");
+            format!(
+                "{},kv_events={},role=prefill,bootstrap_port={}",
+                url(&prefill.http[i]),
+                prefill.events[i],
+                boot.port()
+            )
+        })
+        .collect();
+    specs.extend(
+        decode
+            .http
+            .iter()
+            .map(|a| format!("{},role=decode", url(a))),
+    );
+    specs
+}
+
+fn serve_specs(specs: &[String], log: &Path) -> Kvlb {
+    let mut args = vec![
+        "--explain",
+        "--workers",
+        "1",
+        "--access-log",
+        log.to_str().unwrap(),
+    ];
+    for s in specs {
+        args.extend_from_slice(&["--replica", s]);
+    }
+    Kvlb::serve(&args)
+}
+
+/// OpenAI's client through SGLang's legs, streamed and not: the decode replica fetches each
+/// prompt's KV from the prefill replica's bootstrap server, and the prefill leg follows the
+/// prefix. A client's own bootstrap fields are replaced by kvlb's.
+#[test]
+fn sglangs_protocol_through_both_legs_with_the_openai_client() {
+    let (prefill, decode) = (sglang_replicas("prefill"), sglang_replicas("decode"));
+    let dir = TempDir::new("pd-sglang");
+    let log = dir.file("access.log");
+    let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log);
+    assert!(wait_until(T, || support::fleet::replicas_json(&kvlb)
+        .iter()
+        .filter(|r| r["role"] == "prefill")
+        .all(|r| r["telemetry"]["events_connected"] == true)));
+    support::backend::run_python(
+        r#"
+import sys, time, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="none", max_retries=0, timeout=30)
+system = "You answer questions about the repository. " * 40
+for i in range(4):
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}?"}]
+    # A room of the client's own would name another request's transfer: replaced.
+    extra = {"bootstrap_room": 1, "bootstrap_host": "203.0.113.9", "bootstrap_port": 1}
+    if i % 2:
+        r = c.chat.completions.create(model="m", messages=msgs, max_tokens=6, extra_body=extra)
+        assert r.choices[0].message.content and r.usage.completion_tokens >= 1, r
+    else:
+        chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=6,
+            stream=True, stream_options={"include_usage": True}, extra_body=extra))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text and chunks[-1].usage is not None, chunks
+    time.sleep(0.1)
+print("ok")
+"#,
+        &[&kvlb.url("/v1")],
+    );
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 4.0);
+    let pulled: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();
+    let served: f64 = prefill
+        .http
+        .iter()
+        .map(|&a| replica_metric(a, SERVED))
+        .sum();
+    assert_eq!((pulled, served), (4.0, 4.0));
+    let local: f64 = decode
+        .http
+        .iter()
+        .map(|&a| replica_metric(a, LOCAL_PREFILLS))
+        .sum();
+    assert_eq!(local, 0.0);
+    let lines = log_lines(&log, 4);
+    let first = &lines[0]["prefill_replica"];
+    assert!(first.is_string(), "{lines:?}");
+    for l in &lines[1..] {
+        assert_eq!(&l["prefill_replica"], first, "{lines:?}");
+        assert_eq!(l["reason"], "cache", "{lines:?}");
+    }
+    let decode_urls: Vec<String> = decode.http.iter().map(url).collect();
+    assert!(lines
+        .iter()
+        .all(|l| decode_urls.iter().any(|u| l["replica"] == u.as_str())));
+}
+
+/// A prefill replica that fails (500) after the decode leg was sent: the decode leg is
+/// abandoned and both are sent again with another prefill replica and room; with none left
+/// the client gets 503 in OpenAI's error shape (an SGLang decode replica computes nothing
+/// without a room).
+#[test]
+fn a_failing_sglang_prefill_is_retried_with_a_new_room() {
+    let (prefill, decode) = (sglang_replicas("prefill"), sglang_replicas("decode"));
+    let dir = TempDir::new("pd-sglang-fail");
+    let failing = support::backend::Backend::start();
+    let r = support::client::get(failing.addr, "/set_mode?status=500");
+    assert_eq!(r.status, 200);
+    let failing_spec = format!(
+        "{},role=prefill,bootstrap_port={}",
+        failing.url(),
+        dead_port().port()
+    );
+    let mut specs = sglang_specs(&prefill, &decode);
+    specs.push(failing_spec.clone());
+    let kvlb = serve_specs(&specs, &dir.file("access.log"));
+    for i in 0..8 {
+        let body = json!({"model": "m", "prompt": format!("{i} {}", "word ".repeat(300)),
+            "max_tokens": 4, "stream": i % 2 == 0});
+        let r = post(&kvlb, "/v1/completions", body.to_string().as_bytes());
+        assert_eq!(r.status, 200, "{}", r.describe());
+    }
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 8.0);
+    let failing_url = failing.url();
+    let retries = kvlb
+        .metric(
+            "kvlb_retries_total",
+            &[&format!("replica=\"{failing_url}\"")],
+        )
+        .unwrap_or(0.0);
+    assert!(
+        retries >= 1.0,
+        "the failing prefill replica was never tried"
+    );
+    let pulled: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();
+    assert_eq!(pulled, 8.0);
+    drop(kvlb);
+
+    // The failing one alone: 503, and the decode replicas were sent nothing they kept.
+    let specs: Vec<String> = std::iter::once(failing_spec)
+        .chain(
+            decode
+                .http
+                .iter()
+                .map(|a| format!("{},role=decode", url(a))),
+        )
+        .collect();
+    let kvlb = serve_specs(&specs, &dir.file("access2.log"));
+    let r = post(
+        &kvlb,
+        "/v1/chat/completions",
+        &chat("Be brief.", "Hi.", true),
+    );
+    assert_eq!(r.status, 503, "{}", r.describe());
+    let v: Value = serde_json::from_str(&r.body_text()).unwrap();
+    assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+    assert_eq!(pd_outcome(&kvlb, "prefill_failed"), 1.0);
+    assert!(kvlb.stderr().contains("no prefill replica could compute"));
+    let pulled_after: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();
+    assert_eq!(pulled_after, 8.0);
+}
+
+/// A client that leaves while its prompt is prefilled: both legs' connections close, the
+/// prefill engine aborts the request, the decode replica's request ends without its KV (its
+/// client gone, or its room's prefill aborted), and kvlb holds no slot at either.
+#[test]
+fn a_client_leaving_cancels_both_sglang_legs() {
+    let prefill = ReplicaFleet::start(
+        1,
+        &[
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "sglang",
+            "--time-scale",
+            "1",
+        ],
+    );
+    let decode = ReplicaFleet::start(
+        1,
+        &[
+            "--role",
+            "decode",
+            "--pd-protocol",
+            "sglang",
+            "--time-scale",
+            "1",
+        ],
+    );
+    let dir = TempDir::new("pd-sglang-cancel");
+    let log = dir.file("access.log");
+    let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log);
+    let body = support::fleet::completion_body(&support::fleet::token_prompt(30_000, 7));
+    let mut c = HttpConn::connect(kvlb.listen);
+    c.send_request(
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        &body,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(c);
+    let aborted = |a: SocketAddr| {
+        let r = support::client::get(a, "/metrics");
+        metric_sum(
+            &r.body_text(),
+            "vllm:request_success_total",
+            &["finished_reason=\"abort\""],
+        )
+        .unwrap_or(0.0)
+    };
+    let (p, d) = (prefill.http[0], decode.http[0]);
+    let decode_ended = || aborted(d) + replica_metric(d, "kvlb_replica_kv_transfer_failures_total");
+    assert!(
+        wait_until(T, || aborted(p) == 1.0 && decode_ended() == 1.0),
+        "prefill aborted {}, decode ended {}",
+        aborted(p),
+        decode_ended()
+    );
+    let line = &log_lines(&log, 1)[0];
+    assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(replica_metric(d, PULLED), 0.0);
+    let in_flight: Vec<Value> = support::fleet::replicas_json(&kvlb)
+        .iter()
+        .map(|r| r["in_flight"].clone())
+        .collect();
+    assert_eq!(in_flight, [json!(0), json!(0)]);
+}

@@ -219,6 +219,21 @@ fn warm_disaggregated_requests_allocate_nothing() {
     );
 }
 
+/// The same under SGLang's protocol: each chat request's body gets a room, its decode leg is
+/// sent, its prefill leg exchanged, and the decode replica's answer read from the connection
+/// the decode leg went on. Still no allocation.
+#[test]
+fn warm_sglang_disaggregated_requests_allocate_nothing() {
+    let (prefill, decode) = (backend(), backend());
+    let (p, d) = (
+        format!("http://127.0.0.1:{prefill},role=prefill,bootstrap_port=8998"),
+        format!("http://127.0.0.1:{decode},role=decode"),
+    );
+    let (_kvlb, admin) = warm_requests_allocate_nothing(&["--replica", &p, "--replica", &d], 3);
+    let disaggregated = metric(admin, "kvlb_pd_requests_total{outcome=\"disaggregated\"}");
+    assert_eq!(disaggregated, 799, "of 2,400 requests");
+}
+
 /// With the access log on, each request also formats its line into the worker's buffer, and
 /// the buffer is written out (at 32 KiB and every second): still no allocation.
 #[test]

@@ -123,6 +123,9 @@ pub struct ReplicaConfig {
     pub models: Option<Vec<String>>,
     /// What it does in a prefill/decode disaggregated fleet (`crate::proxy::pd`).
     pub role: Role,
+    /// A prefill replica's SGLang bootstrap server port: it speaks SGLang's protocol (None:
+    /// vLLM's).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A replica's part in prefill/decode disaggregation. A request whose model has replicas of
@@ -723,7 +726,20 @@ pub fn parse_replica_url(key: &str, url: &str) -> Result<ReplicaConfig, ConfigEr
         dp_rank: None,
         models: None,
         role: Role::Both,
+        bootstrap_port: None,
     })
+}
+
+/// A bootstrap server is a prefill replica's (SGLang's decode replicas fetch from it).
+fn check_bootstrap_port(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
+    match (r.bootstrap_port, r.role) {
+        (Some(p), Role::Both | Role::Decode) => Err(bad(
+            &format!("{key} bootstrap_port"),
+            &p.to_string(),
+            "only a replica of role=prefill has a bootstrap server",
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn check_replay(key: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {

@@ -524,6 +524,7 @@ fn replica_options_flag_file_help_and_reference_agree() {
         ("dp_size", "2"),
         ("models", "big|small"),
         ("role", "prefill"),
+        ("bootstrap_port", "8998"),
     ];
     let help = replica_flag_help();
     let reference = reference_markdown();
@@ -538,6 +539,8 @@ fn replica_options_flag_file_help_and_reference_agree() {
                 ",kv_events=tcp://127.0.0.1:5557",
                 "kv_events = \"tcp://127.0.0.1:5557\"\n",
             ),
+            // A bootstrap server is a prefill replica's.
+            "bootstrap_port" => (",role=prefill", "role = \"prefill\"\n"),
             _ => ("", ""),
         };
         let flag = parse_replica_flag(
@@ -621,6 +624,14 @@ fn dp_size_expands_into_ranks() {
         (
             "role=primary",
             "role = \"primary\": expected prefill, decode or both",
+        ),
+        (
+            "bootstrap_port=8998",
+            "bootstrap_port = \"8998\": only a replica of role=prefill has a bootstrap server",
+        ),
+        (
+            "role=prefill,bootstrap_port=0",
+            "bootstrap_port = \"0\": expected a whole number from 1 to 65535",
         ),
         (
             "kv_events=tcp://h:65535,dp_size=2",

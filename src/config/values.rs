@@ -409,8 +409,14 @@ replica_options! {
     /// its part in prefill/decode disaggregation: prefill (computes prompts and hands their KV
     /// cache to a decode replica), decode (continues from that KV), or both (default: no
     /// disaggregation). A model with replicas of both roles prefill and decode is served
-    /// disaggregated (vLLM's kv_transfer_params protocol)
+    /// disaggregated: by vLLM's protocol (kv_transfer_params), or SGLang's where the prefill
+    /// replicas name a bootstrap_port
     role: Role = "prefill|decode|both";
+    /// with role=prefill, an SGLang replica's bootstrap server port
+    /// (--disaggregation-bootstrap-port, 8998 by default): the replica speaks SGLang's
+    /// disaggregation (bootstrap_host, bootstrap_port and a bootstrap_room kvlb draws, in the
+    /// body sent to it and to a decode replica at once)
+    bootstrap_port: Whole<1, 65535> = "PORT";
 }
 
 /// A key that is there holds a value (the flag's options are plain text, which has no
@@ -435,6 +441,7 @@ impl ReplicaTable {
             dp_size,
             models,
             role,
+            bootstrap_port,
         } = self;
         let mut r = url.0;
         if let Some(n) = kv_capacity_tokens {
@@ -448,7 +455,9 @@ impl ReplicaTable {
         r.dp_size = dp_size.map_or(1, |n| n.0 as u32);
         r.models = models.map(|m| m.0);
         r.role = role.unwrap_or_default();
+        r.bootstrap_port = bootstrap_port.map(|p| p.0 as u16);
         super::check_replay(key, &r)?;
+        super::check_bootstrap_port(key, &r)?;
         super::check_dp_size(key, &r)?;
         Ok(r)
     }

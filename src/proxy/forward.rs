@@ -44,6 +44,9 @@ pub(super) enum Forwarded {
     Refused,
 }
 
+/// `sent`: the request was sent on this connection already (pooled: true), by SGLang's
+/// disaggregated path (`pd`); its head and body are in `conn` as forward would send them.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn forward(
     w: &Worker,
     conn: &mut Conn,
@@ -52,6 +55,7 @@ pub(super) async fn forward(
     body_end: usize,
     received_at: Instant,
     may_retry: bool,
+    sent: Option<(Upstream, bool)>,
 ) -> Forwarded {
     let replica = routed.replica;
     let mut in_flight = routed.in_flight(w, received_at);
@@ -63,13 +67,8 @@ pub(super) async fn forward(
     let stats = w.stats();
     let rc = &stats.replicas[replica];
     let url: &str = &routed.spec.url;
-    let body_len = body_end - head.head_len;
-    let coalesce = body_len <= COALESCE_BODY;
     let head_len_up = conn.obuf.len();
-    if coalesce {
-        conn.obuf
-            .extend_from_slice(&conn.cbuf[head.head_len..body_end]);
-    }
+    let coalesce = coalesce_body(conn, head, body_end);
     let cfg = w.cfg();
     let upstream_deadline = crate::rt::now() + cfg.upstream_timeout_of(routed.class.table);
     let slot = w.shared.fleet.slot(replica);
@@ -81,29 +80,20 @@ pub(super) async fn forward(
     // Send the request and read the response head; a pooled connection that turns out to be
     // closed is retried once on a fresh connection (nothing has reached the replica's
     // application then).
-    let mut attempt = 0;
+    let mut sent = sent;
+    let mut fresh = false;
     let (mut up, rhead) = loop {
-        attempt += 1;
-        let (mut up, reused) = match upstream(w, &routed, attempt).await {
-            Ok(v) => v,
-            Err(e) => {
-                conn.obuf.truncate(head_len_up);
-                return failed(UpstreamFailure::Connect(e), true);
-            }
+        let (mut up, reused) = match sent.take() {
+            Some(v) => v,
+            None => match send(w, conn, &routed, head, body_end, coalesce, fresh).await {
+                Ok(v) => v,
+                Err(f) => {
+                    conn.obuf.truncate(head_len_up);
+                    let retryable = matches!(f, UpstreamFailure::Connect(_));
+                    return failed(f, retryable);
+                }
+            },
         };
-        match send_request(conn, up.fd, head, body_end, coalesce).await {
-            Ok(()) => {}
-            Err(_) if reused => {
-                up.close();
-                continue;
-            }
-            Err(_) => {
-                up.close();
-                conn.obuf.truncate(head_len_up);
-                return failed(UpstreamFailure::Closed, false);
-            }
-        }
-        metrics::add(&rc.bytes_to_replica, (head_len_up + body_len) as u64);
         match read_response_head(w, conn, &mut up, url, head, upstream_deadline).await {
             Ok(h) if h.status == 503 && may_retry => {
                 // Overloaded or going away, and nothing sent yet: another replica may do.
@@ -111,8 +101,9 @@ pub(super) async fn forward(
                 return failed(UpstreamFailure::Unavailable, true);
             }
             Ok(h) => break (up, h),
-            Err(UpstreamFailure::Closed) if reused && attempt == 1 => {
+            Err(UpstreamFailure::Closed) if reused && !fresh => {
                 up.close();
+                fresh = true;
                 continue;
             }
             Err(f) => {
@@ -268,6 +259,60 @@ fn rhead_framing(h: &response::ResponseHead) -> &'static str {
         ResponseBody::Length(_) => "with content-length",
         ResponseBody::Chunked => "chunked",
         ResponseBody::UntilClose => "until close",
+    }
+}
+
+/// Append the request's body to its upstream head in `conn.obuf` when it is small enough to go
+/// in the same write; whether it was.
+pub(super) fn coalesce_body(conn: &mut Conn, head: &RequestHead, body_end: usize) -> bool {
+    let coalesce = body_end - head.head_len <= COALESCE_BODY;
+    if coalesce {
+        conn.obuf
+            .extend_from_slice(&conn.cbuf[head.head_len..body_end]);
+    }
+    coalesce
+}
+
+/// Connect to the routed replica (a pooled connection first unless `fresh`) and send the
+/// request: its head in `conn.obuf` (the body after it when `coalesce`), its body in
+/// `conn.cbuf` otherwise. A pooled connection the send fails on is replaced by a fresh one
+/// once (the replica had closed it: nothing reached its application). Ok: the connection
+/// and whether it was pooled.
+pub(super) async fn send(
+    w: &Worker,
+    conn: &mut Conn,
+    routed: &Routed,
+    head: &RequestHead,
+    body_end: usize,
+    coalesce: bool,
+    fresh: bool,
+) -> Result<(Upstream, bool), UpstreamFailure> {
+    let mut attempt = if fresh { 2 } else { 1 };
+    loop {
+        let (up, reused) = upstream(w, routed, attempt)
+            .await
+            .map_err(UpstreamFailure::Connect)?;
+        match send_request(conn, up.fd, head, body_end, coalesce).await {
+            Ok(()) => {
+                let body = if coalesce {
+                    0
+                } else {
+                    body_end - head.head_len
+                };
+                metrics::add(
+                    &w.stats().replicas[routed.replica].bytes_to_replica,
+                    (conn.obuf.len() + body) as u64,
+                );
+                return Ok((up, reused));
+            }
+            Err(_) => {
+                up.close();
+                if !reused {
+                    return Err(UpstreamFailure::Closed);
+                }
+                attempt = 2;
+            }
+        }
     }
 }
 

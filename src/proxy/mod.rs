@@ -20,7 +20,7 @@
 
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use crate::http::request::{self, Method};
+use crate::http::request::{self, Method, RequestHead};
 use crate::http::{ErrorShape, HttpError};
 use crate::metrics;
 use crate::models::ModelKey;
@@ -289,26 +289,9 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 ..model
             },
             Err((status, why)) => {
-                w.stats().local_error(status);
-                conn.log.status = status;
-                log_request(w, conn, Some((&head, body_end)), &[], received_at);
-                conn.obuf.clear();
-                if status == 404 {
-                    let name = w.prefix.borrow().model.shown().into_owned();
-                    crate::http::write_model_not_found_in(&mut conn.obuf, conn.shape, &name);
-                } else {
-                    crate::http::write_error_in(
-                        &mut conn.obuf,
-                        conn.shape,
-                        503,
-                        "Service Unavailable",
-                        "service_unavailable",
-                        &why,
-                        None,
-                        false,
-                    );
-                }
-                match send_answer(w, conn, &head, req_end).await {
+                let served =
+                    refuse_unserved(w, conn, &head, body_end, req_end, received_at, status, &why);
+                match served.await {
                     true => continue,
                     false => return End::Close,
                 }
@@ -343,7 +326,28 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                 }
                 Ok(pd::Prefilled::Whole) => {}
                 Ok(pd::Prefilled::Direct(routed, explain_len)) => {
-                    preset = Some((routed, explain_len))
+                    preset = Some((routed, explain_len, None))
+                }
+                Ok(pd::Prefilled::Sent {
+                    routed,
+                    up,
+                    body_end: b,
+                    req_end: r,
+                    prefill,
+                }) => {
+                    (body_end, req_end) = (b, r);
+                    model.leg = Leg::Decode;
+                    conn.log.prefill = Some(prefill);
+                    let explain_len = conn.explain_len;
+                    preset = Some((routed, explain_len, Some(up)));
+                }
+                Ok(pd::Prefilled::Unavailable(why)) => {
+                    let served =
+                        refuse_unserved(w, conn, &head, body_end, req_end, received_at, 503, why);
+                    match served.await {
+                        true => continue,
+                        false => return End::Close,
+                    }
                 }
                 Err(end) => return end,
             }
@@ -359,8 +363,12 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             if attempts > 0 {
                 rebuild_upstream_head(conn, head_end);
             }
+            let mut sent = None;
             let chosen = match preset.take() {
-                Some((routed, explain_len)) => Route::To(routed, explain_len),
+                Some((routed, explain_len, up)) => {
+                    sent = up;
+                    Route::To(routed, explain_len)
+                }
                 None => route(w, conn, &head, body_end, parsed, &tried[..attempts], model),
             };
             let (routed, explain_len) = match chosen {
@@ -401,7 +409,17 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             tried[attempts] = replica;
             attempts += 1;
             let may_retry = attempts < max_attempts && !w.draining.get();
-            match forward(w, conn, routed, &head, body_end, received_at, may_retry).await {
+            let forwarded = forward(
+                w,
+                conn,
+                routed,
+                &head,
+                body_end,
+                received_at,
+                may_retry,
+                sent,
+            );
+            match forwarded.await {
                 Forwarded::Failed(r, f, true) if may_retry => {
                     metrics::add(&w.stats().replicas[r].retries, 1);
                     last_failure = Some((r, f));
@@ -437,6 +455,41 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
             _ => return End::Close,
         }
     }
+}
+
+/// Answer a request no replica may take now: 404 for a model none serves (`status`), 503 with
+/// `why` otherwise; returns whether the connection carries on.
+#[allow(clippy::too_many_arguments)]
+async fn refuse_unserved(
+    w: &Worker,
+    conn: &mut Conn,
+    head: &RequestHead,
+    body_end: usize,
+    req_end: usize,
+    received_at: Instant,
+    status: u16,
+    why: &str,
+) -> bool {
+    w.stats().local_error(status);
+    conn.log.status = status;
+    log_request(w, conn, Some((head, body_end)), &[], received_at);
+    conn.obuf.clear();
+    if status == 404 {
+        let name = w.prefix.borrow().model.shown().into_owned();
+        crate::http::write_model_not_found_in(&mut conn.obuf, conn.shape, &name);
+    } else {
+        crate::http::write_error_in(
+            &mut conn.obuf,
+            conn.shape,
+            503,
+            "Service Unavailable",
+            "service_unavailable",
+            why,
+            None,
+            false,
+        );
+    }
+    send_answer(w, conn, head, req_end).await
 }
 
 /// Send kvlb's own answer to the request ending at `req_end`, written in `conn.obuf` (the

@@ -19,6 +19,15 @@
 //! error). A client that leaves during the prefill closes the prefill replica's connection
 //! (the engine aborts it). Each outcome is counted in `kvlb_pd_requests_total`.
 //!
+//! SGLang's protocol, where the chosen prefill replica has a `bootstrap_port`
+//! (`kvlb_core::pd::sglang_body`): both legs take the same body, the client's with the prefill
+//! replica's bootstrap server and a room kvlb draws. The decode leg is sent first (`Sglang`),
+//! then the prefill leg is exchanged as above; once the prefill answered, the caller's path
+//! reads the decode replica's answer from the connection it was sent on (`Prefilled::Sent`).
+//! A prefill that fails closes the decode leg's connection (the engine aborts it) and both
+//! go again with another prefill replica and room; none left is a 503, since an SGLang
+//! decode replica computes no prompt without a room (and so none is sent one directly).
+//!
 //! What this leaves to the engines: a prefill replica holds the blocks it computed until the
 //! decode replica pulls them, or until its own timeout (vLLM `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
 //! a lease in newer versions) when the decode leg never reaches one; the protocol has no call
@@ -27,7 +36,9 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use super::forward::{count_failure, read_response_head, rebuild_upstream_head, upstream};
+use super::forward::{
+    coalesce_body, count_failure, read_response_head, rebuild_upstream_head, send, upstream,
+};
 use super::log::log_request;
 use super::route::{route, wait_for_capacity, Route, Routed};
 use super::{remaining, Conn, End, UpstreamFailure, MAX_ATTEMPTS};
@@ -36,7 +47,7 @@ use crate::http::response::ResponseBody;
 use crate::metrics;
 use crate::rt::op;
 use crate::rt::select::{select, Either};
-use crate::worker::{Leg, ModelRoute, Worker};
+use crate::worker::{Leg, ModelRoute, Upstream, Worker};
 use std::io;
 use std::time::Instant;
 
@@ -58,6 +69,19 @@ pub(super) enum Prefilled {
     /// the sequences decoding there, than a prefill replica and the transfer): routed already,
     /// its concurrency slot taken; forward it as the first attempt.
     Direct(Routed, usize),
+    /// SGLang's protocol: the decode leg (its body in `conn.cbuf`, ending at `body_end`) was
+    /// sent on `up` (pooled: true) to the routed decode replica, and `prefill` answered its
+    /// leg; forward reads the decode replica's answer as the first attempt.
+    Sent {
+        routed: Routed,
+        up: (Upstream, bool),
+        body_end: usize,
+        req_end: usize,
+        prefill: usize,
+    },
+    /// SGLang's protocol, and no prefill (or decode) replica could take the request: an SGLang
+    /// decode replica refuses a request without a bootstrap room, so the client gets 503.
+    Unavailable(&'static str),
 }
 
 /// Whether a request may be disaggregated: a completions or chat completions prompt (the
@@ -96,8 +120,11 @@ pub(super) async fn prefill(
     // the transfer after it) or a decode replica computing the prompt itself; other policies
     // always disaggregate.
     let cfg = w.cfg();
+    // (Not where an SGLang prefill replica may be chosen: an SGLang decode replica computes
+    // no prompt of its own.)
     let priced = cfg.disaggregate == crate::config::Disaggregate::Priced
-        && cfg.model_policy(model.class.table) == crate::select::PolicyName::CacheAware;
+        && cfg.model_policy(model.class.table) == crate::select::PolicyName::CacheAware
+        && !w.has_sglang.get();
     let prefill_model = ModelRoute {
         leg: if priced { Leg::Split } else { Leg::Prefill },
         ..model
@@ -127,6 +154,14 @@ pub(super) async fn prefill(
     let max_attempts = (cfg.health.retries as usize + 1).min(MAX_ATTEMPTS);
     let mut tried = [usize::MAX; MAX_ATTEMPTS];
     let mut attempts = 0;
+    // SGLang's protocol: the decode leg, sent before each prefill leg.
+    let mut sglang = Sglang {
+        decode: None,
+        tried: [usize::MAX; MAX_ATTEMPTS],
+        failed: 0,
+        body_end,
+        req_end,
+    };
     let outcome = loop {
         rebuild_upstream_head(conn, head_end);
         let routed = match route(
@@ -163,11 +198,71 @@ pub(super) async fn prefill(
             let transfer = conn.log.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
             routed.expected.fixed_s = (routed.expected.fixed_s - transfer).max(0.0);
         }
+        if let Some(port) = routed.spec.bootstrap_port {
+            match sglang
+                .send_decode(
+                    w,
+                    conn,
+                    head,
+                    head_end,
+                    parsed,
+                    model,
+                    &routed,
+                    port,
+                    &mut body,
+                    received_at,
+                )
+                .await
+            {
+                Ok(()) => {}
+                Err(why) => {
+                    drop(routed.in_flight(w, received_at));
+                    sglang.release(w, received_at);
+                    w.give_buf(body);
+                    count(w, metrics::PD_PREFILL_FAILED);
+                    log_fallback(why);
+                    return Ok(Prefilled::Unavailable(why));
+                }
+            }
+            rebuild_upstream_head(conn, head_end);
+        }
         routed.finish_head(conn, head, body.len());
         let replica = routed.replica;
         tried[attempts] = replica;
         attempts += 1;
-        match exchange(w, conn, &routed, head, &body, received_at).await {
+        let answer = exchange(w, conn, &routed, head, &body, received_at).await;
+        if let Some((decode, Some(up))) = sglang.decode.take() {
+            // A prefill replica that refused the request (4xx): the decode replica, sent the
+            // same body, answers the client with the engine's own error.
+            let status = answer.as_ref().map_or(0, |a| a.status);
+            if status == 200 || (400..500).contains(&status) {
+                if let Ok(a) = answer {
+                    w.give_buf(a.body);
+                }
+                w.give_buf(body);
+                count(
+                    w,
+                    match status {
+                        200 => metrics::PD_DISAGGREGATED,
+                        _ => metrics::PD_PREFILL_REFUSED,
+                    },
+                );
+                rebuild_upstream_head(conn, head_end);
+                return Ok(Prefilled::Sent {
+                    routed: decode,
+                    up,
+                    body_end: sglang.body_end,
+                    req_end: sglang.req_end,
+                    prefill: replica,
+                });
+            }
+            // The prefill failed: its room will not be filled. The decode replica's
+            // connection closes (the engine aborts the request and frees what it reserved);
+            // another prefill replica and room are tried with it.
+            up.0.close();
+            sglang.decode = Some((decode, None));
+        }
+        match answer {
             Ok(answer) if answer.status == 200 => break Ok((replica, answer.body)),
             Ok(answer) if (400..500).contains(&answer.status) => {
                 w.give_buf(answer.body);
@@ -179,6 +274,7 @@ pub(super) async fn prefill(
             }
             Err(UpstreamFailure::ClientGone) => {
                 metrics::add(&w.stats().replicas[replica].client_aborts, 1);
+                sglang.release(w, received_at);
                 w.give_buf(body);
                 conn.log.status = 499;
                 log_request(
@@ -204,13 +300,16 @@ pub(super) async fn prefill(
         Err(why) => {
             w.give_buf(body);
             count(w, why);
+            if sglang.decode.is_some() || w.has_sglang.get() {
+                // SGLang's protocol: its decode replicas take no request without a room.
+                sglang.release(w, received_at);
+                log_fallback(NO_PREFILL);
+                return Ok(Prefilled::Unavailable(NO_PREFILL));
+            }
             if why == metrics::PD_PREFILL_FAILED {
-                if let Some(more) = FALLBACK_LOG.allow() {
-                    eprintln!(
-                        "kvlb: no prefill replica could compute a request ({attempts} tried); sent whole to a decode replica{}",
-                        crate::log_limit::more(more)
-                    );
-                }
+                log_fallback(
+                    "no prefill replica could compute a request; sent whole to a decode replica",
+                );
             }
             return Ok(Prefilled::Whole);
         }
@@ -253,6 +352,119 @@ pub(super) async fn prefill(
     })
 }
 
+const NO_PREFILL: &str = "no prefill replica could compute the request";
+
+fn log_fallback(what: &str) {
+    if let Some(more) = FALLBACK_LOG.allow() {
+        eprintln!("kvlb: {what}{}", crate::log_limit::more(more));
+    }
+}
+
+/// SGLang's decode leg, kept across prefill attempts: the decode replica (its connection,
+/// pooled: true, while the request it was sent waits for its prefill), the decode replicas
+/// that failed, and where the request ends in `conn.cbuf` once its body carries a room.
+struct Sglang {
+    decode: Option<(Routed, Option<(Upstream, bool)>)>,
+    tried: [usize; MAX_ATTEMPTS],
+    failed: usize,
+    body_end: usize,
+    req_end: usize,
+}
+
+impl Sglang {
+    /// Give back the decode replica's concurrency slot (its request, if sent, abandoned).
+    fn release(&mut self, w: &Worker, received_at: Instant) {
+        if let Some((routed, up)) = self.decode.take() {
+            if let Some((up, _)) = up {
+                up.close();
+            }
+            drop(routed.in_flight(w, received_at));
+        }
+    }
+
+    /// The body both legs take, with a new room and `prefill`'s bootstrap server, in `body`
+    /// and in `conn.cbuf`; sent to the decode replica (chosen by decode load the first time,
+    /// another after a failure). Err: no decode replica could take it.
+    #[allow(clippy::too_many_arguments)]
+    async fn send_decode(
+        &mut self,
+        w: &Worker,
+        conn: &mut Conn,
+        head: &RequestHead,
+        head_end: usize,
+        parsed: bool,
+        model: ModelRoute,
+        prefill: &Routed,
+        port: u16,
+        body: &mut Vec<u8>,
+        received_at: Instant,
+    ) -> Result<(), &'static str> {
+        let room = w.rooms.borrow_mut().next_u64() & kvlb_core::pd::MAX_BOOTSTRAP_ROOM;
+        let host = bootstrap_host(&prefill.spec.authority);
+        if !kvlb_core::pd::sglang_body(
+            &conn.cbuf[head.head_len..self.body_end],
+            host,
+            port,
+            room,
+            body,
+        ) {
+            return Err("the prefill replica's host cannot be sent as a bootstrap_host");
+        }
+        conn.cbuf
+            .splice(head.head_len..self.body_end, body.iter().copied());
+        let new_end = head.head_len + body.len();
+        self.req_end = (self.req_end + new_end).saturating_sub(self.body_end);
+        self.body_end = new_end;
+        let decode_model = ModelRoute {
+            leg: Leg::Decode,
+            ..model
+        };
+        loop {
+            let routed = match self.decode.take() {
+                Some((routed, _)) => routed,
+                None => {
+                    let tried = &self.tried[..self.failed];
+                    match route(w, conn, head, self.body_end, parsed, tried, decode_model) {
+                        Route::To(r, _) => r,
+                        Route::AllBusy => match wait_for_capacity(w, tried, decode_model).await {
+                            Ok(()) => continue,
+                            Err(_) => return Err("every decode replica is at its limit"),
+                        },
+                        Route::NoneLeft => return Err("no decode replica could take the request"),
+                    }
+                }
+            };
+            rebuild_upstream_head(conn, head_end);
+            routed.finish_head(conn, head, self.body_end - head.head_len);
+            let coalesce = coalesce_body(conn, head, self.body_end);
+            match send(w, conn, &routed, head, self.body_end, coalesce, false).await {
+                Ok(up) => {
+                    self.decode = Some((routed, Some(up)));
+                    return Ok(());
+                }
+                Err(f) => {
+                    count_failure(w, &routed, &f);
+                    drop(routed.in_flight(w, received_at));
+                    self.tried[self.failed] = routed.replica;
+                    self.failed += 1;
+                    if self.failed >= MAX_ATTEMPTS {
+                        return Err("no decode replica could take the request");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The host of a replica's `host[:port]` (an IPv6 address without its brackets): where its
+/// bootstrap server listens, as SGLang's routers take it from the replica's URL.
+fn bootstrap_host(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+}
+
 static FALLBACK_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 static NO_PARAMS_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
@@ -274,6 +486,12 @@ async fn exchange(
 ) -> Result<Answer, UpstreamFailure> {
     let replica = routed.replica;
     let mut in_flight = routed.in_flight(w, received_at);
+    if let Some(i) = routed.load {
+        // An adapter kvlb is loading there for the request.
+        w.adapter_loaded(i, replica, routed.epoch)
+            .await
+            .map_err(UpstreamFailure::AdapterLoad)?;
+    }
     // Its answer comes after the prompt and one token: a time to first token, as a stream's
     // first event is (a calibration sample).
     in_flight.streamed();

@@ -219,6 +219,12 @@ pub struct Worker {
     generation: Cell<u64>,
     /// The fleet had a replica of role prefill at `generation`: requests may be disaggregated.
     pub has_prefill: Cell<bool>,
+    /// One of them speaks SGLang's protocol: its model's requests always take both legs (an
+    /// SGLang decode replica computes no prompt of its own).
+    pub has_sglang: Cell<bool>,
+    /// Draws SGLang's `bootstrap_room`s: seeded from the OS (unlike `rng`), since a room
+    /// another kvlb instance drew too would fail both transfers.
+    pub rooms: RefCell<Rng>,
     /// The configuration in force as of `config_generation`: a worker reads it several times a
     /// request, and a plain pointer is cheaper than an `ArcSwap` load each time.
     /// (An `Rc` around the `Arc` on purpose: cloning it touches only this thread's count, not
@@ -359,6 +365,7 @@ impl Worker {
         self.generation.set(g);
         self.has_prefill
             .set(self.shared.fleet.has_role(crate::config::Role::Prefill));
+        self.has_sglang.set(self.shared.fleet.has_sglang_prefill());
         let cfg = self.cfg();
         // A reload reopens the access log (log rotation), or turns it on or off; a log that
         // stays on keeps its buffer.
@@ -1211,6 +1218,8 @@ impl Worker {
             idle_upstream: RefCell::new((0..n_replicas).map(|_| Vec::new()).collect()),
             generation: Cell::new(generation),
             has_prefill: Cell::new(shared.fleet.has_role(crate::config::Role::Prefill)),
+            has_sglang: Cell::new(shared.fleet.has_sglang_prefill()),
+            rooms: RefCell::new(Rng::new(os_random())),
             config: RefCell::new(Rc::new(shared.config.load_full())),
             config_generation: Cell::new(0),
             bufs: RefCell::new(Vec::new()),
@@ -1290,4 +1299,12 @@ fn open_access_log_fd(id: usize, cfg: &ServeConfig) -> Option<std::os::fd::Owned
             None
         }
     }
+}
+
+/// 64 bits from the OS's randomness (std's hash keys are drawn from it per thread).
+fn os_random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
 }

@@ -20,6 +20,8 @@ pub struct ReplicaFleet {
     pub http: Vec<SocketAddr>,
     /// Each replica's KV event endpoint (`tcp://ADDR`), by index.
     pub events: Vec<String>,
+    /// Each replica's SGLang bootstrap server (`--role prefill --pd-protocol sglang`).
+    pub bootstrap: Vec<Option<SocketAddr>>,
     /// Everything else the process printed before it was ready.
     pub notes: Vec<String>,
 }
@@ -71,6 +73,7 @@ impl ReplicaFleet {
             child,
             http: Vec::new(),
             events: Vec::new(),
+            bootstrap: Vec::new(),
             notes: Vec::new(),
         };
         loop {
@@ -94,6 +97,8 @@ impl ReplicaFleet {
                         .find_map(|w| w.strip_prefix("kv_events="))
                         .unwrap_or_else(|| panic!("no kv_events in {line:?}"));
                     fleet.events.push(ev.to_string());
+                    let boot = words.find_map(|w| w.strip_prefix("bootstrap="));
+                    fleet.bootstrap.push(boot.map(|a| a.parse().unwrap()));
                 }
                 None => fleet.notes.push(line),
             }

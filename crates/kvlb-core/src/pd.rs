@@ -13,6 +13,12 @@
 //!   the decode replica pulls the blocks and streams the answer. Without the object it
 //!   computes the prompt itself.
 //!
+//! SGLang's disaggregation (its router's PD mode, mini_lb) sends one body to both replicas
+//! at once ([`sglang_body`]): the client's, with `bootstrap_host` and `bootstrap_port` (the
+//! prefill replica's bootstrap server) and `bootstrap_room` (a number naming this request's
+//! transfer) added. The decode replica fetches the room's KV from that server and streams
+//! the answer; the prefill replica's own answer (one token) is only a verdict.
+//!
 //! Bodies are edited as bytes: members kept are copied as the client wrote them, members
 //! replaced are left out and written once at the end (the engines' JSON parsers would keep the
 //! last of duplicate keys; leaving them out does not depend on it). No allocation beyond the
@@ -79,6 +85,38 @@ pub fn vllm_decode_body(body: &[u8], params: &[u8], out: &mut Vec<u8>) -> bool {
         body,
         &[b"kv_transfer_params"],
         &[br#""kv_transfer_params":"#, params],
+        out,
+    )
+}
+
+/// Members of the client's body SGLang's legs replace: a client may not choose the room (a
+/// room already in use fails both replicas' transfers) nor the bootstrap server.
+const SGLANG_REPLACED: &[&[u8]] = &[b"bootstrap_host", b"bootstrap_port", b"bootstrap_room"];
+
+/// The largest `bootstrap_room` (SGLang's routers draw it from 0 to 2^63 - 1).
+pub const MAX_BOOTSTRAP_ROOM: u64 = (1 << 63) - 1;
+
+/// SGLang's body for both legs: the client's `body` with `bootstrap_host` (`host`, written as
+/// a JSON string: a host name or address, which needs no escaping; others are refused),
+/// `bootstrap_port` and `bootstrap_room` (`room`, at most [`MAX_BOOTSTRAP_ROOM`]) set, in
+/// `out`. False when `body` is no JSON object or `host` holds a character a host name cannot.
+pub fn sglang_body(body: &[u8], host: &str, port: u16, room: u64, out: &mut Vec<u8>) -> bool {
+    use std::io::Write;
+    let plain = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_' | b':' | b'%');
+    if host.is_empty() || !host.bytes().all(plain) || room > MAX_BOOTSTRAP_ROOM {
+        return false;
+    }
+    // The numbers' digits, written into a stack buffer: nothing allocated.
+    let mut num = [0u8; 64];
+    let n = {
+        let mut cur = std::io::Cursor::new(&mut num[..]);
+        let _ = write!(cur, ",\"bootstrap_port\":{port},\"bootstrap_room\":{room}");
+        cur.position() as usize
+    };
+    rewrite(
+        body,
+        SGLANG_REPLACED,
+        &[br#""bootstrap_host":""#, host.as_bytes(), b"\"", &num[..n]],
         out,
     )
 }
@@ -170,6 +208,47 @@ mod tests {
         ] {
             assert_eq!(kv_transfer_params(answer), None, "{answer:?}");
         }
+    }
+
+    #[test]
+    fn sglangs_legs_carry_the_bootstrap_server_and_a_room_of_kvlbs() {
+        let client = br#"{"model":"m","messages":[],"stream":true,"bootstrap_room":7,"bootstrap_host":"evil","bootstrap_port":1}"#;
+        let mut out = Vec::new();
+        assert!(sglang_body(
+            client,
+            "10.0.0.5",
+            8998,
+            MAX_BOOTSTRAP_ROOM,
+            &mut out
+        ));
+        let v = parsed(&out);
+        assert_eq!(v["bootstrap_host"], json!("10.0.0.5"));
+        assert_eq!(v["bootstrap_port"], json!(8998));
+        assert_eq!(v["bootstrap_room"], json!(MAX_BOOTSTRAP_ROOM));
+        assert_eq!(v["stream"], json!(true));
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(text.matches("bootstrap_room").count(), 1);
+        // Applied to its own output, it replaces the room (a retry on another prefill).
+        let first = out.clone();
+        assert!(sglang_body(&first, "p2.local", 9000, 0, &mut out));
+        let v = parsed(&out);
+        assert_eq!(
+            (v["bootstrap_host"].as_str(), v["bootstrap_room"].as_u64()),
+            (Some("p2.local"), Some(0))
+        );
+        assert!(sglang_body(b"{}", "fe80::1%eth0", 1, 3, &mut out));
+        assert_eq!(parsed(&out)["bootstrap_port"], json!(1));
+        for host in ["", "a\"b", "a b", "a\\b"] {
+            assert!(!sglang_body(b"{}", host, 1, 1, &mut out), "{host:?}");
+        }
+        assert!(!sglang_body(
+            b"{}",
+            "h",
+            1,
+            MAX_BOOTSTRAP_ROOM + 1,
+            &mut out
+        ));
+        assert!(!sglang_body(b"[]", "h", 1, 1, &mut out));
     }
 
     #[test]
