@@ -36,6 +36,10 @@ pub struct Streamed {
     pub ttft_s: Option<f64>,
     /// Seconds from sending the request to the end of the answer.
     pub e2e_s: f64,
+    /// Mean seconds between the stream's events after the first (chat and completions: one
+    /// token an event; `[DONE]` aside, a usage event counted as one, which lowers the mean by
+    /// a part in the tokens); None with fewer than two.
+    pub itl_s: Option<f64>,
     /// The stream ended with its last event ([`end_event`]).
     pub done: bool,
     /// The `usage` object of the stream's last events, when one carried it.
@@ -254,6 +258,16 @@ impl Streamed {
 /// Error bodies kept when the body itself is not.
 const ERROR_BODY_BYTES: usize = 1024;
 
+/// How many times `needle` occurs in `hay` (not overlapping).
+fn count(hay: &[u8], needle: &[u8]) -> u32 {
+    let (mut n, mut from) = (0, 0);
+    while let Some(at) = find(&hay[from..], needle) {
+        n += 1;
+        from += at + needle.len();
+    }
+    n
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
@@ -290,6 +304,8 @@ pub fn stream(
     let mut payload: Vec<u8> = Vec::with_capacity(16384);
     let mut body: Vec<u8> = Vec::new();
     let mut ttft = None;
+    // Token events (`data:` lines but `[DONE]`) and when the last came, for `itl_s`.
+    let (mut token_events, mut last_token_at) = (0u32, None);
     // The last payload bytes seen, to find events split across reads without keeping the body.
     let mut tail: Vec<u8> = Vec::with_capacity(64);
     let mut done = false;
@@ -365,11 +381,18 @@ pub fn stream(
         } else {
             let window_from = tail.len();
             tail.extend_from_slice(&payload);
-            if ttft.is_none() && find(&tail[window_from.saturating_sub(4)..], b"data:").is_some() {
+            // Events begun in these bytes (one may have started in the last read's).
+            let mut new_events = count(&tail[window_from.saturating_sub(4)..], b"data:");
+            if ttft.is_none() && new_events > 0 {
                 ttft = Some(now.duration_since(t0).as_secs_f64());
             }
             if find(&tail[window_from.saturating_sub(11)..], b"data: [DONE]").is_some() {
                 done = true;
+                new_events = new_events.saturating_sub(1);
+            }
+            if status == 200 && new_events > 0 {
+                token_events += new_events;
+                last_token_at = Some(now);
             }
             if tail.len() > 32 {
                 tail.drain(..tail.len() - 32);
@@ -386,6 +409,12 @@ pub fn stream(
         }
     }
     let e2e_s = t0.elapsed().as_secs_f64();
+    let itl_s = match (ttft, last_token_at) {
+        (Some(first), Some(last)) if token_events >= 2 => {
+            Some((last.duration_since(t0).as_secs_f64() - first) / (token_events - 1) as f64)
+        }
+        _ => None,
+    };
     let (status, head) = head.ok_or_else(|| format!("{addr} closed without a response"))?;
     let (done, usage) = match events {
         Some(e) => (e.done, e.usage),
@@ -398,6 +427,7 @@ pub fn stream(
         body,
         ttft_s: ttft,
         e2e_s,
+        itl_s,
         done,
         usage,
     })
@@ -473,6 +503,46 @@ mod tests {
         assert!(base_addr("127.0.0.1:8000").is_err());
         assert!(base_addr("http://127.0.0.1:8000/v1").is_err());
         assert!(base_addr("http://").is_err());
+    }
+
+    /// Three token events 40 ms apart, `[DONE]` with the last: 40 ms between tokens, an event
+    /// split across writes included.
+    #[test]
+    fn inter_token_latency_is_the_mean_gap_between_token_events() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let mut got = Vec::new();
+            while find(&got, b"\r\n\r\n").is_none() {
+                let n = c.read(&mut buf).unwrap();
+                got.extend_from_slice(&buf[..n]);
+            }
+            c.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+                .unwrap();
+            for part in [
+                &b"data: {\"t\":1}\n\nda"[..],
+                b"ta: {\"t\":2}\n\n",
+                b"data: {\"t\":3}\n\ndata: [DONE]\n\n",
+            ] {
+                std::thread::sleep(Duration::from_millis(40));
+                c.write_all(part).unwrap();
+            }
+        });
+        let r = stream(
+            addr,
+            "/v1/completions",
+            b"{}",
+            Api::Completions,
+            Duration::from_secs(5),
+            false,
+        )
+        .unwrap();
+        server.join().unwrap();
+        assert!(r.done);
+        let itl = r.itl_s.expect("an inter-token latency");
+        assert!((0.035..0.07).contains(&itl), "{itl}");
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct RequestRecord {
     pub late_s: f64,
     pub ttft_s: Option<f64>,
     pub e2e_s: f64,
+    /// Mean seconds between its streamed tokens (`Streamed::itl_s`).
+    pub itl_s: Option<f64>,
     pub error: Option<String>,
     /// The answer's usage event, when it had one.
     pub usage: Option<StreamUsage>,
@@ -39,6 +41,7 @@ impl RequestRecord {
             late_s,
             ttft_s: None,
             e2e_s: 0.0,
+            itl_s: None,
             error: Some(error),
             usage: None,
         }
@@ -74,6 +77,7 @@ impl RequestRecord {
             late_s,
             ttft_s: a.ttft_s,
             e2e_s: a.e2e_s,
+            itl_s: a.itl_s,
             error,
             usage: a.usage,
         }
@@ -153,6 +157,12 @@ pub struct ReplaySummary {
     pub ttft_mean_s: Option<f64>,
     pub e2e_p50_s: Option<f64>,
     pub e2e_p99_s: Option<f64>,
+    /// Inter-token latency: percentiles over the answered requests of each one's mean time
+    /// between streamed tokens (summaries written before it read back as none).
+    #[serde(default)]
+    pub itl_p50_s: Option<f64>,
+    #[serde(default)]
+    pub itl_p99_s: Option<f64>,
     /// Prompt tokens found cached / prompt tokens looked up, summed over the replicas.
     pub hit_rate: Option<f64>,
     /// Prompt tokens the replicas counted.
@@ -262,6 +272,12 @@ pub fn summarize(
     ttfts.sort_by(f64::total_cmp);
     let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e_s * scale).collect();
     e2e.sort_by(f64::total_cmp);
+    let mut itls: Vec<f64> = ok
+        .iter()
+        .filter_map(|r| r.itl_s)
+        .map(|t| t * scale)
+        .collect();
+    itls.sort_by(f64::total_cmp);
     let mut late: Vec<f64> = records.iter().map(|r| r.late_s).collect();
     late.sort_by(f64::total_cmp);
     let mut error_samples: Vec<String> = Vec::new();
@@ -310,6 +326,8 @@ pub fn summarize(
         ttft_mean_s: mean(&ttfts),
         e2e_p50_s: finite(percentile(&e2e, 50.0)),
         e2e_p99_s: finite(percentile(&e2e, 99.0)),
+        itl_p50_s: finite(percentile(&itls, 50.0)),
+        itl_p99_s: finite(percentile(&itls, 99.0)),
         hit_rate: (have && queries > 0.0).then(|| hits / queries),
         prompt_tokens: have.then(|| shares.iter().map(|s| s.prompt_tokens).sum()),
         prefill_tokens: have.then(|| computed.iter().sum()),
@@ -347,7 +365,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
         .max(8);
     let _ = writeln!(
         s,
-        "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8} {:>8} {:>6}  {:>7}  requests per replica",
+        "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8} {:>8}  {:>8}  {:>8} {:>8} {:>6}  {:>7}  requests per replica",
         "balancer",
         "requests",
         "errors",
@@ -355,6 +373,8 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
         "ttft_p90",
         "ttft_p99",
         "e2e_p99",
+        "itl_p50",
+        "itl_p99",
         "hit_rate",
         "max/mean",
         "min/mean",
@@ -369,7 +389,7 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8}  {:>8} {:>8} {:>6}  {:>7.1}  {}",
+            "{:<w$}  {:>8} {:>6}  {:>8} {:>8} {:>8}  {:>8}  {:>8} {:>8}  {:>8}  {:>8} {:>8} {:>6}  {:>7.1}  {}",
             x.label,
             x.requests,
             x.errors,
@@ -377,6 +397,8 @@ pub fn table(summaries: &[ReplaySummary]) -> String {
             secs(x.ttft_p90_s),
             secs(x.ttft_p99_s),
             secs(x.e2e_p99_s),
+            secs(x.itl_p50_s),
+            secs(x.itl_p99_s),
             pct(x.hit_rate),
             ratio(x.max_mean_load),
             ratio(x.min_mean_load),
@@ -702,6 +724,7 @@ mod tests {
             late_s: 0.001,
             ttft_s: Some(ttft),
             e2e_s: ttft * 3.0,
+            itl_s: Some(ttft / 10.0),
             error: None,
             usage: Some(StreamUsage {
                 prompt_tokens: 10,
