@@ -206,6 +206,26 @@ fn the_prefill_leg_follows_the_prefix() {
         assert!(d.contains("reason=cache"), "{d}");
     }
     assert_eq!(pd_outcome(&kvlb, "disaggregated"), 6.0);
+    drop(kvlb);
+
+    // The decision's estimate is the pair's: the prefill and the KV transfer after it (here
+    // a second per 100 tokens of the prompt's 800 or so).
+    let log2 = dir.file("access2.log");
+    let slow_link = ["--disaggregate", "always", "--kv-transfer-s-per-token", "0.01"];
+    let kvlb = serve_with(&prefill, &decode, &log2, &[], &slow_link);
+    let r = post(
+        &kvlb,
+        "/v1/chat/completions",
+        &chat(&system, "Question 9.", false),
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+    let d = r.header("x-kvlb-decision").unwrap();
+    let field = |name: &str| -> f64 {
+        let v = d.split("; ").find_map(|kv| kv.strip_prefix(name)).unwrap();
+        v.trim_start_matches('=').parse().unwrap()
+    };
+    let transfer_ms = field("prompt_tokens") * 0.01 * 1e3;
+    assert!(field("ttft_ms") >= transfer_ms, "{d}");
 }
 
 /// A prefill replica that refuses connections is passed over for another (nothing reached the

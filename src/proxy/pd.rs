@@ -189,15 +189,13 @@ pub(super) async fn prefill(
             Route::NoneLeft => break Err(metrics::PD_PREFILL_FAILED),
         };
         let mut routed = routed;
-        if priced {
-            // Its estimate included the transfer, which comes after its answer: the answer's
-            // time measures the rest (a calibration sample).
-            let cost = cfg
-                .model(model.class.table)
-                .map_or(&cfg.cost_model, |m| &m.cost_model);
-            let transfer = conn.log.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
-            routed.expected.fixed_s = (routed.expected.fixed_s - transfer).max(0.0);
-        }
+        // Its estimate (cache_aware's) included the transfer, which comes after its answer:
+        // the answer's time measures the rest (a calibration sample).
+        let cost = cfg
+            .model(model.class.table)
+            .map_or(&cfg.cost_model, |m| &m.cost_model);
+        let transfer = conn.log.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
+        routed.expected.fixed_s = (routed.expected.fixed_s - transfer).max(0.0);
         if let Some(port) = routed.spec.bootstrap_port {
             match sglang
                 .send_decode(

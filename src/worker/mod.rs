@@ -479,7 +479,9 @@ impl Worker {
                 pace: self.shared.pace[i].load(),
                 routed: load.routed.load(Relaxed),
                 pd: match (model.leg, self.shared.fleet.slot(i).role()) {
-                    (Leg::Split, crate::config::Role::Prefill) => PdPath::Prefill,
+                    // A prefill replica's estimate adds the KV transfer: when the decode
+                    // replica can start (the pair's estimate, as the decision line shows it).
+                    (Leg::Split | Leg::Prefill, crate::config::Role::Prefill) => PdPath::Prefill,
                     (Leg::Split, _) => PdPath::Direct,
                     _ => PdPath::Whole,
                 },
