@@ -490,9 +490,6 @@ async fn exchange(
             .await
             .map_err(UpstreamFailure::AdapterLoad)?;
     }
-    // Its answer comes after the prompt and one token: a time to first token, as a stream's
-    // first event is (a calibration sample).
-    in_flight.streamed();
     let rc = &w.stats().replicas[replica];
     let deadline = crate::rt::now() + w.cfg().upstream_timeout_of(routed.class.table);
     conn.obuf.extend_from_slice(body);
@@ -528,7 +525,13 @@ async fn exchange(
             }
         }
     };
-    in_flight.first_byte();
+    // A successful answer comes after the prompt and one token: a time to first token, as a
+    // stream's first event is (a calibration sample), timed at its first body byte (a
+    // streamed answer's head may come before the token).
+    if rhead.status == 200 {
+        in_flight.streamed();
+    }
+    let mut timed = false;
     let mut out = w.take_buf();
     out.clear();
     let mut decoder = kvlb_core::http::chunked::ChunkedDecoder::new();
@@ -560,6 +563,10 @@ async fn exchange(
         if out.len() > MAX_PREFILL_ANSWER {
             w.give_buf(out);
             return Err(UpstreamFailure::Invalid);
+        }
+        if !timed && (done || !out.is_empty()) {
+            in_flight.first_byte();
+            timed = true;
         }
         if done {
             break true;
