@@ -211,7 +211,12 @@ fn the_prefill_leg_follows_the_prefix() {
     // The decision's estimate is the pair's: the prefill and the KV transfer after it (here
     // a second per 100 tokens of the prompt's 800 or so).
     let log2 = dir.file("access2.log");
-    let slow_link = ["--disaggregate", "always", "--kv-transfer-s-per-token", "0.01"];
+    let slow_link = [
+        "--disaggregate",
+        "always",
+        "--kv-transfer-s-per-token",
+        "0.01",
+    ];
     let kvlb = serve_with(&prefill, &decode, &log2, &[], &slow_link);
     let r = post(
         &kvlb,
