@@ -89,6 +89,8 @@ fn check_summary(o: &Value, requests: usize, replicas: usize) {
         "{policy}: {p50} {p90} {p99}"
     );
     assert!(num(o, "e2e_p99_s") >= p99, "{policy}");
+    let (itl50, itl99) = (num(o, "itl_p50_s"), num(o, "itl_p99_s"));
+    assert!(0.0 < itl50 && itl50 <= itl99, "{policy}: {itl50} {itl99}");
     assert!(num(o, "max_mean_load") >= 1.0, "{policy}");
     assert!(num(o, "duplicate_kv_blocks") >= 0.0, "{policy}");
     let prefill = num(o, "prefill_tokens") as u64;
@@ -455,4 +457,77 @@ fn simulate_a_fleet_serving_different_models() {
             .any(|l| l.starts_with("cache_aware") && l.contains(" sql-lora ")),
         "{text}"
     );
+}
+
+/// `--roles`: two prefill and two decode replicas. Every request takes both legs (always), a
+/// slower KV link shows in the time to first token, priced cache_aware computes some prompts
+/// on the decode replicas, and the roles are checked against the fleet.
+#[test]
+fn simulate_a_disaggregated_fleet() {
+    let base = [
+        "--trace",
+        "gen:agent-sessions",
+        "--limit",
+        "300",
+        "--policies",
+        "round_robin,cache_aware",
+        "--roles",
+        "prefill,prefill,decode,decode",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        json(&args)
+    };
+    let (always, first) = run(&["--disaggregate", "always"]);
+    assert_eq!(policies(&always), ["round_robin", "cache_aware"]);
+    for o in &always {
+        check_summary(o, 300, 4);
+        assert_eq!(num(o, "disaggregated") as usize, 300, "{o}");
+        // Decode replicas compute only the last prompt token of each request: not counted.
+        let per_replica = o["replica_prefill_tokens"].as_array().unwrap();
+        assert_eq!(per_replica[2], 0);
+        assert_eq!(per_replica[3], 0);
+    }
+    let (_, again) = run(&["--disaggregate", "always"]);
+    assert_eq!(first, again, "deterministic");
+    let (slow, _) = run(&["--disaggregate", "always", "--kv-link-gbps", "2.5"]);
+    for (fast, slow) in always.iter().zip(&slow) {
+        assert!(
+            num(slow, "ttft_p50_s") > num(fast, "ttft_p50_s") + 0.02,
+            "{fast}\n{slow}"
+        );
+    }
+    let (priced, _) = run(&[]);
+    let n = |o: &Value| num(o, "disaggregated") as usize;
+    assert_eq!(n(&priced[0]), 300, "round_robin always disaggregates");
+    assert!(n(&priced[1]) < 300, "{}", priced[1]);
+    // A whole fleet has no such key; the table names the roles and the column.
+    let (whole, _) = json(&base[..6]);
+    assert!(whole.iter().all(|o| o.get("disaggregated").is_none()));
+    let out = kvlb(&base);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.lines().next().unwrap().ends_with(
+            "4 replicas, speedup 1, 2 prefill + 2 decode (disaggregate priced, KV link 25 GB/s))"
+        ),
+        "{text}"
+    );
+    assert!(text.lines().nth(1).unwrap().contains(" disagg "), "{text}");
+    for (roles, message) in [
+        ("prefill,decode", "2 roles for --replicas 4"),
+        (
+            "prefill,prefill,both,both",
+            "prefill replicas need decode replicas",
+        ),
+        (
+            "prefill,prefill,decode,gpu",
+            "\"gpu\": expected prefill, decode or both",
+        ),
+    ] {
+        let out = kvlb(&["--trace", "gen:agent-sessions", "--roles", roles]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{roles}: {stderr}");
+        assert!(stderr.contains(message), "{roles}: {stderr}");
+    }
 }

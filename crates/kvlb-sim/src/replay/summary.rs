@@ -625,6 +625,8 @@ fn as_sim_summary(s: &ReplaySummary) -> crate::sim::report::Summary {
         ttft_mean_s: nan(s.ttft_mean_s),
         e2e_p50_s: nan(s.e2e_p50_s),
         e2e_p99_s: nan(s.e2e_p99_s),
+        itl_p50_s: f64::NAN,
+        itl_p99_s: f64::NAN,
         hit_rate: s.hit_rate.unwrap_or(0.0),
         prompt_tokens: s.prompt_tokens.unwrap_or(0.0) as u64,
         prefill_tokens: s.prefill_tokens.unwrap_or(0.0) as u64,
@@ -637,6 +639,7 @@ fn as_sim_summary(s: &ReplaySummary) -> crate::sim::report::Summary {
             .collect(),
         preemptions: 0,
         makespan_s: s.wall_s,
+        disaggregated: None,
     }
 }
 

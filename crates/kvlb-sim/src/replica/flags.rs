@@ -117,12 +117,14 @@ pub struct ReplicaFlags {
     /// (--role prefill) Wall seconds a prefill's KV stays held for its decode's pull before it
     /// is freed and counted in vllm:nixl_num_kv_expired_reqs (vLLM's
     /// VLLM_NIXL_ABORT_REQUEST_TIMEOUT; with --pd-protocol sglang, until its room's fetch)
-    #[arg(long, value_name = "SECONDS", default_value_t = 480.0, value_parser = cli::positive)]
+    #[arg(long, value_name = "SECONDS", default_value_t = super::pd::DEFAULT_KV_HOLD_TIMEOUT_S,
+          value_parser = cli::positive)]
     pub kv_hold_timeout: f64,
     /// (--role decode) KV link bandwidth from the prefill replicas in GB/s (10^9 bytes per
     /// second, not gigabits): a pull of N tokens takes N x --kv-bytes-per-token / (X x 10^9)
     /// seconds, --time-scale times fewer in wall time as every engine time
-    #[arg(long, value_name = "X", default_value_t = 25.0, value_parser = cli::positive)]
+    #[arg(long, value_name = "X", default_value_t = super::pd::DEFAULT_KV_LINK_GBPS,
+          value_parser = cli::positive)]
     pub kv_link_gbps: f64,
     /// Publish KV cache events (ZeroMQ PUB) on ADDR, port shifted per replica (tcp://*:PORT
     /// binds all interfaces)
@@ -466,11 +468,7 @@ fn role() -> impl TypedValueParser<Value = Role> {
             "do_remote_prefill: pull the KV from the prefill replica's side channel, then decode",
         ),
     ])
-    .map(|name| match name.as_str() {
-        "prefill" => Role::Prefill,
-        "decode" => Role::Decode,
-        _ => Role::Both,
-    })
+    .map(|name| Role::parse(&name).unwrap_or_default())
 }
 
 /// `--pd-protocol`: the protocols, each with its help.

@@ -326,7 +326,10 @@ fn disagg(
         side_channel,
         hold_s: flags.kv_hold_timeout * flags.time_scale,
         kv_bytes_per_token: engine.kv_bytes_per_token,
-        transfer_s_per_token: engine.kv_bytes_per_token as f64 / (flags.kv_link_gbps * 1e9),
+        transfer_s_per_token: pd::transfer_s_per_token(
+            engine.kv_bytes_per_token,
+            flags.kv_link_gbps,
+        ),
         time_scale: flags.time_scale,
         rooms: None,
         hold_wall_s: flags.kv_hold_timeout,

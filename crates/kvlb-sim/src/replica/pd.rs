@@ -49,6 +49,8 @@ pub enum Role {
 }
 
 impl Role {
+    pub const ALL: [Role; 3] = [Role::Both, Role::Prefill, Role::Decode];
+
     pub fn name(self) -> &'static str {
         match self {
             Role::Both => "both",
@@ -56,6 +58,25 @@ impl Role {
             Role::Decode => "decode",
         }
     }
+
+    /// The role called `name` (`Role::name`).
+    pub fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.name() == name)
+    }
+}
+
+/// `--kv-link-gbps`' default: GB/s between prefill and decode replicas (RDMA between nodes, as
+/// NIXL reaches).
+pub const DEFAULT_KV_LINK_GBPS: f64 = 25.0;
+
+/// `--kv-hold-timeout`'s default: seconds a prefill's KV stays held for its decode's pull
+/// (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+pub const DEFAULT_KV_HOLD_TIMEOUT_S: f64 = 480.0;
+
+/// Seconds to move one token's KV of `kv_bytes_per_token` bytes over a link of `link_gbps`
+/// GB/s (10^9 bytes a second).
+pub fn transfer_s_per_token(kv_bytes_per_token: u64, link_gbps: f64) -> f64 {
+    kv_bytes_per_token as f64 / (link_gbps * 1e9)
 }
 
 /// The disaggregation protocol of a prefill or decode replica (`--pd-protocol`).

@@ -2,14 +2,26 @@
 //! serves) behind one selection policy (`crate::select`, the code `kvlb serve` runs), fed a
 //! trace.
 //!
-//! Two kinds of events, in time order: a request arriving (at its trace time) and an engine's
-//! step ending (`Engine::next_event_time`). At equal times the engines go first, so a policy
-//! sees every output that happened by then. An arrival builds the `RequestView` (block hashes
+//! Three kinds of events, in time order: a request arriving (at its trace time), an engine's
+//! step ending (`Engine::next_event_time`) and, in a disaggregated fleet, a request's KV
+//! arriving at its decode replica (`super::pd::Transfers`). At equal times the engines go
+//! first, so a policy sees every output that happened by then, then the transfers. An
+//! arrival builds the `RequestView` (block hashes
 //! of the trace blocks, 512 tokens each), the candidates with the load the data plane would
 //! count (in flight; queued prefill = the estimated uncached prompt tokens until the first
 //! token; decoding from the first token until finished), asks the policy, and submits the
 //! prompt to the chosen engine at that time. Outputs update the load and the per-request
 //! record (TTFT, end-to-end latency, cached tokens).
+//!
+//! Prefill/decode disaggregation (`super::pd`): a request whose model has prefill and decode
+//! replicas goes first to a prefill replica the policy chooses (max_tokens 1, its KV held);
+//! when that answer is complete the policy chooses the decode replica (cache_aware the same
+//! instance, whose residency covers both legs; any other policy a second instance of its
+//! own), the transfer takes prompt tokens x `Pd::transfer_s_per_token`, and then the prefill
+//! replica's hold is released and the decode replica gets the request with the KV. As in
+//! `kvlb serve`, the prefill leg counts as the request's queued prefill on its replica until
+//! its answer, and the decode leg is in flight on its replica from its choice, with nothing
+//! to prefill; the prefill answer's time is the calibration sample, the decode leg gives none.
 //!
 //! The estimate of uncached tokens, and the duplicate-KV measure sampled every
 //! `SAMPLE_PERIOD_S` of simulated time, come from `RoutedBlocks` (what was routed where,
@@ -36,18 +48,20 @@
 
 #![forbid(unsafe_code)]
 
+use super::pd::{Leg, Pd, Role, Transfers};
 use super::routed::RoutedBlocks;
-use super::trace::{self, Trace, TRACE_BLOCK_TOKENS};
-use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest, Speed};
+use super::trace::{self, Trace, TraceRequest, TRACE_BLOCK_TOKENS};
+use crate::engine::{Engine, EngineConfig, EngineOutput, EngineRequest, KvTransfer, Speed};
 use crate::estimate::calibrate::{
     Calibration, DecodeSample, Sample, TtftSample, MIN_DECODE_EVENTS,
 };
 use crate::estimate::{ReportedLoad, TtftModel};
 use crate::http::request::Method;
 use crate::kv_events::{KvEvent, Medium};
+use crate::replica::pd::DEFAULT_KV_HOLD_TIMEOUT_S;
 use crate::residency::{ResidencyConfig, ResidencyIndex, ResidencyWriter};
 use crate::select::{
-    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, Decision, LeastLoaded, Policy,
+    CacheAware, CacheAwareConfig, Candidate, ConsistentHash, Decision, LeastLoaded, PdPath, Policy,
     PowerOfTwo, Random, RequestView, Rng, RoundRobin, SglangCacheAware,
 };
 use std::collections::HashMap;
@@ -108,6 +122,19 @@ pub const POLICY_NAMES: &[&str] = &[
     "cache_aware",
 ];
 
+/// The policy called `name` when it needs nothing beside it (every policy but cache_aware).
+fn standalone_policy(name: &str) -> Option<Box<dyn Policy>> {
+    Some(match name {
+        "round_robin" => Box::new(RoundRobin::new(0)),
+        "random" => Box::new(Random),
+        "least_loaded" => Box::new(LeastLoaded::new(0)),
+        "power_of_two" => Box::new(PowerOfTwo),
+        "consistent_hash" => Box::new(ConsistentHash::new()),
+        "sglang_cache_aware" => Box::new(SglangCacheAware::new()),
+        _ => return None,
+    })
+}
+
 /// Routing-log records per request in flight to the residency writer (it is drained after
 /// every decision, so one request's worth would do).
 const ROUTING_LOG_RECORDS: usize = 1024;
@@ -125,6 +152,13 @@ const ROUTING_LOG_RECORDS: usize = 1024;
 /// sessions its replicas still held and sent their next turns elsewhere.
 pub struct RoutingPolicy {
     policy: Box<dyn Policy>,
+    /// Another instance of the policy for the decode legs of disaggregated requests (None:
+    /// `policy` chooses those too, as cache_aware does, whose residency covers both legs). A
+    /// policy with a turn counter of its own would otherwise alternate its two legs in step:
+    /// round_robin over two prefill and two decode replicas would use one of each.
+    decode: Option<Box<dyn Policy>>,
+    /// What the policy prices a token's KV transfer at (cache_aware; `PdPath::Prefill`).
+    kv_transfer_s_per_token: f64,
     residency: Option<ResidencyWriter>,
     /// The offloaded tier's writer (cache_aware on engines with a host KV tier).
     offload: Option<ResidencyWriter>,
@@ -165,14 +199,10 @@ impl RoutingPolicy {
     ) -> Result<RoutingPolicy, String> {
         let mut residency = None;
         let mut offload = None;
-        let policy: Box<dyn Policy> = match name {
-            "round_robin" => Box::new(RoundRobin::new(0)),
-            "random" => Box::new(Random),
-            "least_loaded" => Box::new(LeastLoaded::new(0)),
-            "power_of_two" => Box::new(PowerOfTwo),
-            "consistent_hash" => Box::new(ConsistentHash::new()),
-            "sglang_cache_aware" => Box::new(SglangCacheAware::new()),
-            "cache_aware" => {
+        let mut kv_transfer_s_per_token = 0.0;
+        let policy: Box<dyn Policy> = match (standalone_policy(name), name) {
+            (Some(policy), _) => policy,
+            (None, "cache_aware") => {
                 let (index, mut writer) = ResidencyIndex::new(ResidencyConfig {
                     max_replicas: replicas,
                     block_tokens: TRACE_BLOCK_TOKENS,
@@ -196,6 +226,7 @@ impl RoutingPolicy {
                 for (k, v) in set {
                     cfg.set(k, *v)?;
                 }
+                kv_transfer_s_per_token = cfg.kv_transfer_s_per_token;
                 residency = Some(writer);
                 let mut policy = CacheAware::new(index, cfg)?.with_routing_log(log);
                 if engine.host_kv_capacity_tokens > 0 {
@@ -209,7 +240,7 @@ impl RoutingPolicy {
                 }
                 Box::new(policy)
             }
-            other => {
+            (None, other) => {
                 return Err(format!(
                     "unknown policy {other:?}; known: {}",
                     POLICY_NAMES.join(", ")
@@ -218,6 +249,8 @@ impl RoutingPolicy {
         };
         let mut built = RoutingPolicy::with_parts(policy, residency);
         built.offload = offload;
+        built.decode = standalone_policy(name);
+        built.kv_transfer_s_per_token = kv_transfer_s_per_token;
         Ok(built)
     }
 
@@ -229,6 +262,8 @@ impl RoutingPolicy {
     fn with_parts(policy: Box<dyn Policy>, residency: Option<ResidencyWriter>) -> RoutingPolicy {
         RoutingPolicy {
             policy,
+            decode: None,
+            kv_transfer_s_per_token: 0.0,
             residency,
             offload: None,
             source: ResidencySource::Routing,
@@ -367,6 +402,19 @@ impl RoutingPolicy {
         self.policy.select(req, candidates, random)
     }
 
+    /// Choose the decode replica of a disaggregated request among `candidates`.
+    fn select_decode(
+        &mut self,
+        req: &RequestView<'_>,
+        candidates: &[Candidate],
+        random: u64,
+    ) -> usize {
+        match &mut self.decode {
+            Some(decode) => decode.select(req, candidates, random),
+            None => self.policy.select(req, candidates, random),
+        }
+    }
+
     /// A request for `blocks` went to replica `r` at `now_us`. Learning from routing alone,
     /// the offloaded tier believes them there too: the engine writes every block it computes
     /// through to host memory (bounded by the host capacity, least recently used out first).
@@ -402,14 +450,23 @@ impl RoutingPolicy {
 /// What happened to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RequestRecord {
+    /// The replica that answered it (a disaggregated request's decode replica).
     pub replica: u32,
+    /// A disaggregated request's prefill replica (None: served whole).
+    pub prefill_replica: Option<u32>,
     pub arrival_s: f64,
-    /// First token time minus arrival (NaN until it comes, and for rejected requests).
+    /// First token time minus arrival (NaN until it comes, and for rejected requests); a
+    /// disaggregated request's first token is its decode replica's.
     pub ttft_s: f64,
     /// Finish time minus arrival.
     pub e2e_s: f64,
+    /// Seconds its KV took over the link from the prefill replica (0: served whole).
+    pub transfer_s: f64,
     pub prompt_tokens: u32,
-    /// Prompt tokens the engine found in its prefix cache at admission.
+    /// Output tokens it got, once finished.
+    pub output_tokens: u32,
+    /// Prompt tokens the engine found in its prefix cache at admission (a disaggregated
+    /// request's prefill replica).
     pub cached_tokens: u32,
     /// What the data plane estimated it would find (from routed blocks).
     pub estimated_cached_tokens: u32,
@@ -417,11 +474,20 @@ pub struct RequestRecord {
     /// The engine refused it (prompt over the context limit, empty prompt), or no replica
     /// serves its model (`replica` is then 0).
     pub rejected: bool,
-    /// What a cache_aware policy saw and estimated when it chose the replica.
+    /// What a cache_aware policy saw and estimated when it chose the replica (a
+    /// disaggregated request's prefill replica, as `kvlb serve` explains it).
     pub decision: Option<Decision>,
     /// The fleet when it arrived, as the engines saw it: per replica, requests running and
     /// waiting (the chosen replica's and the others').
     pub at_arrival: ArrivalState,
+}
+
+impl RequestRecord {
+    /// Mean seconds between its output tokens (None unless finished with two or more).
+    pub fn itl_s(&self) -> Option<f64> {
+        (self.finished && self.output_tokens >= 2)
+            .then(|| (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) as f64)
+    }
 }
 
 /// The engines' queues when a request arrived, before it was submitted.
@@ -440,13 +506,17 @@ pub struct ArrivalState {
 pub struct Run {
     pub policy: String,
     pub records: Vec<RequestRecord>,
-    /// Per replica: prompt tokens computed (prompt minus cached, at first admission).
+    /// Each replica's role (all `Role::Both` in a fleet without disaggregation).
+    pub roles: Vec<Role>,
+    /// Per replica: prompt tokens computed (prompt minus cached, at first admission; a decode
+    /// leg's last prompt token is not counted).
     pub replica_prefill_tokens: Vec<u64>,
-    /// Summed over the engines: prefix-cache lookups and hits, in tokens.
+    /// Summed over the engines: prefix-cache lookups and hits, in tokens (decode legs, whose
+    /// prompts were computed on a prefill replica, left out).
     pub prefix_queries_tokens: u64,
     pub prefix_hits_tokens: u64,
-    /// Of the hits, tokens loaded from the engines' host tiers (0 without one); the rest were
-    /// found in GPU memory.
+    /// Of the hits, tokens loaded from the engines' host tiers (0 without one; decode
+    /// replicas' left out); the rest were found in GPU memory.
     pub host_hits_tokens: u64,
     pub preemptions: u64,
     /// Duplicate engine blocks at each sample time.
@@ -464,6 +534,50 @@ struct Load {
     routed: u64,
 }
 
+/// The fleet a trace runs on.
+#[derive(Clone, Copy)]
+pub struct Fleet<'a> {
+    pub replicas: usize,
+    /// Replica `r` serves only the names `serving[r]` (None: every replica every model).
+    pub serving: Option<&'a [Vec<String>]>,
+    /// The base engine (the policies' cost model), replica `r` running it at `speeds[r]`
+    /// (empty: every replica at speed 1).
+    pub engine: &'a EngineConfig,
+    pub speeds: &'a [Speed],
+    /// The replicas' roles and how requests use them.
+    pub pd: &'a Pd,
+}
+
+impl Fleet<'_> {
+    fn check(&self) -> Result<(), String> {
+        if self.replicas == 0 {
+            return Err("a fleet needs at least one replica".into());
+        }
+        // (how many were given, if any; what of)
+        let per_replica = [
+            (self.serving.map(<[_]>::len), "the names of ", ""),
+            (Some(self.speeds.len()).filter(|&n| n > 0), "", " speeds"),
+            (Some(self.pd.roles.len()).filter(|&n| n > 0), "", " roles"),
+        ];
+        for (given, before, after) in per_replica {
+            if let Some(n) = given.filter(|&n| n != self.replicas) {
+                return Err(format!(
+                    "{} replicas but {before}{n}{after} given",
+                    self.replicas
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether replica `r` serves `model` (a request naming none goes anywhere).
+    fn serves(&self, r: usize, model: Option<&str>) -> bool {
+        self.serving
+            .zip(model)
+            .is_none_or(|(names, m)| names[r].iter().any(|n| n == m))
+    }
+}
+
 /// Simulate `trace` on `replicas` engines of `engine` behind `policy`, every replica serving
 /// every model; `seed` drives the policy's random numbers.
 pub fn simulate(
@@ -476,17 +590,8 @@ pub fn simulate(
     simulate_serving(trace, replicas, None, engine, &[], policy, seed)
 }
 
-/// As `simulate`, replica `r` serving only the names `serving[r]` when `serving` is given: the
-/// policy is offered only the replicas serving the model a request names (as `kvlb serve`
-/// filters its candidates), a request naming a model no replica serves is rejected (kvlb's
-/// 404), and one naming none may go to any replica. The engines do not tell models apart: a
-/// replica's prefix cache is shared by the names it serves.
-///
-/// A mixed fleet: replica `r` runs `engine` at `speeds[r]` (`Speed::apply`; empty = every
-/// replica at speed 1), while the policy keeps whatever model it was built with (the base
-/// `engine`'s, for `RoutingPolicy::build`). With `engine.timing_spread` > 0 each replica's
-/// step times scatter with random numbers of its own, seeded by `seed`, the replica and
-/// `engine.timing_seed`.
+/// As `simulate`, replica `r` serving only the names `serving[r]` when `serving` is given, at
+/// `speeds[r]` when `speeds` is not empty (`simulate_fleet`).
 pub fn simulate_serving(
     trace: &Trace,
     replicas: usize,
@@ -496,330 +601,619 @@ pub fn simulate_serving(
     policy: &mut RoutingPolicy,
     seed: u64,
 ) -> Result<Run, String> {
-    if replicas == 0 {
-        return Err("a fleet needs at least one replica".into());
-    }
-    if let Some(s) = serving.filter(|s| s.len() != replicas) {
-        return Err(format!(
-            "{} replicas but the names of {} given",
-            replicas,
-            s.len()
-        ));
-    }
-    if !speeds.is_empty() && speeds.len() != replicas {
-        return Err(format!(
-            "{} replicas but {} speeds given",
-            replicas,
-            speeds.len()
-        ));
-    }
-    let events = policy.learns_from_events();
-    let timing_seed = trace::mix(seed ^ 0x5449_4d49_4e47) ^ engine.timing_seed;
-    let mut engines: Vec<Engine> = (0..replicas)
-        .map(|r| {
-            let speed = speeds.get(r).copied().unwrap_or(Speed::ONE);
-            let mut cfg = speed.apply(engine);
-            cfg.timing_seed = trace::mix(timing_seed.wrapping_add(r as u64));
-            let mut e = Engine::new(cfg);
-            e.set_kv_events_enabled(events);
-            e
-        })
-        .collect();
-    let mut next_sweep = 0.0f64;
-    let mut loads = vec![Load::default(); replicas];
-    // What routing put in each replica's host tier (write-through: everything it computed,
-    // up to the host capacity), for the estimate of uncached tokens.
-    let mut routed_host = (engine.host_kv_capacity_tokens > 0).then(|| {
-        RoutedBlocks::new(
-            replicas,
-            engine.host_kv_capacity_tokens,
-            TRACE_BLOCK_TOKENS,
-            engine.block_size,
-        )
-    });
-    let mut routed = RoutedBlocks::new(
+    let fleet = Fleet {
         replicas,
-        engine.kv_capacity_tokens,
-        TRACE_BLOCK_TOKENS,
-        engine.block_size,
-    );
-    let mut records: Vec<RequestRecord> = trace
-        .requests
-        .iter()
-        .map(|r| RequestRecord {
-            arrival_s: r.arrival_s,
-            ttft_s: f64::NAN,
-            e2e_s: f64::NAN,
-            prompt_tokens: r.prompt_tokens,
-            ..RequestRecord::default()
-        })
-        .collect();
-    let mut replica_prefill_tokens = vec![0u64; replicas];
-    let mut rng = Rng::new(trace::mix(seed ^ 0x5345_4c45_4354));
-    let mut candidates: Vec<Candidate> = Vec::with_capacity(replicas);
-    let mut view_blocks: Vec<u64> = Vec::new();
-    let mut outputs: Vec<EngineOutput> = Vec::new();
+        serving,
+        engine,
+        speeds,
+        pd: &Pd::default(),
+    };
+    simulate_fleet(trace, &fleet, policy, seed)
+}
+
+/// Simulate `trace` on `fleet` behind `policy`; `seed` drives the policy's random numbers.
+///
+/// With `fleet.serving` the policy is offered only the replicas serving the model a request
+/// names (as `kvlb serve` filters its candidates), a request naming a model no replica serves
+/// is rejected (kvlb's 404), and one naming none may go to any replica. The engines do not
+/// tell models apart: a replica's prefix cache is shared by the names it serves.
+///
+/// A mixed fleet: replica `r` runs `engine` at `speeds[r]` (`Speed::apply`), while the policy
+/// keeps whatever model it was built with (the base `engine`'s, for `RoutingPolicy::build`).
+/// With `engine.timing_spread` > 0 each replica's step times scatter with random numbers of
+/// its own, seeded by `seed`, the replica and `engine.timing_seed`.
+///
+/// With prefill and decode replicas (`fleet.pd`), a request whose model has both takes two
+/// legs (`super::pd`), or, priced by cache_aware, may be computed whole on a decode replica.
+pub fn simulate_fleet(
+    trace: &Trace,
+    fleet: &Fleet,
+    policy: &mut RoutingPolicy,
+    seed: u64,
+) -> Result<Run, String> {
+    fleet.check()?;
+    let mut sim = Sim::new(trace, *fleet, policy.learns_from_events(), seed);
+    let mut next_sweep = 0.0f64;
     let mut duplicate_samples = Vec::new();
     let mut next_sample = 0.0f64;
     let mut next_arrival = 0usize;
     let mut now = 0.0f64;
-    let mut reported = vec![ReportedLoad::default(); replicas];
-    let mut next_scrape = 0.0f64;
-    let mut stalled = 0u32;
-    // What each request's estimate was made of (cache_aware), until its first token.
-    let mut expected: Vec<Option<TtftSample>> = vec![None; trace.requests.len()];
-    // The decode step the policy priced each request's replica at (0: none).
-    let mut decode_step = vec![0f32; trace.requests.len()];
-    let mut calibration = Calibration::new(replicas);
-    let mut next_publish = 0.0f64;
-
     loop {
         let arrival = trace.requests.get(next_arrival).map(|r| r.arrival_s);
+        let step = sim.next_step();
+        let transfer = sim.transfers.next_time();
+        let next = [arrival, step.map(|(_, s)| s), transfer];
+        let Some(t) = next.into_iter().flatten().reduce(f64::min) else {
+            break;
+        };
+        while next_sample <= t {
+            duplicate_samples.push(sim.routed.duplicate_engine_blocks());
+            next_sample += SAMPLE_PERIOD_S;
+        }
+        if sim.events && next_sweep <= t {
+            policy.sweep(fleet.replicas, micros(t));
+            while next_sweep <= t {
+                next_sweep += SWEEP_PERIOD_S;
+            }
+        }
+        now = now.max(t);
+        // At equal times the engines go first, then the transfers, then the arrivals.
+        match step {
+            Some((i, s)) if s <= t => sim.step(i, s, policy)?,
+            _ if transfer.is_some_and(|x| x <= t) => sim.transfer_done(t),
+            _ => {
+                sim.arrive(next_arrival, t, policy);
+                next_arrival += 1;
+            }
+        }
+    }
+    Ok(sim.finish(policy.name(), duplicate_samples, now))
+}
+
+fn micros(t: f64) -> u64 {
+    (t * 1e6) as u64
+}
+
+fn millis(t: f64) -> u64 {
+    (t * 1e3) as u64
+}
+
+/// One run in progress: the engines, the load the data plane counts, what routing put where,
+/// and what happened to each request.
+struct Sim<'a> {
+    trace: &'a Trace,
+    fleet: Fleet<'a>,
+    /// The engines' KV events are fed back to the policy.
+    events: bool,
+    engines: Vec<Engine>,
+    loads: Vec<Load>,
+    /// What routing put in each replica's KV cache, and (write-through: everything it
+    /// computed, up to the host capacity) in its host tier when it has one: the estimate of
+    /// uncached tokens, the duplicate-KV samples.
+    routed: RoutedBlocks,
+    routed_host: Option<RoutedBlocks>,
+    records: Vec<RequestRecord>,
+    replica_prefill_tokens: Vec<u64>,
+    rng: Rng,
+    /// Scratch: the candidates of a choice, a request's view blocks, a step's outputs.
+    candidates: Vec<Candidate>,
+    view_blocks: Vec<u64>,
+    outputs: Vec<EngineOutput>,
+    /// The engines' queues and KV usage as last scraped, and when the next scrape is due.
+    reported: Vec<ReportedLoad>,
+    next_scrape: f64,
+    /// What each request's estimate was made of (cache_aware), until its first token.
+    expected: Vec<Option<TtftSample>>,
+    /// The decode step the policy priced each request's replica at (0: none).
+    decode_step: Vec<f32>,
+    calibration: Calibration,
+    next_publish: f64,
+    /// Consecutive engine steps that produced nothing and ended where they began.
+    stalled: u32,
+    transfers: Transfers,
+    /// The decode legs' prefix-cache lookups, prompt tokens and tokens found (received KV
+    /// included), left out of the hit rate: their prompts were computed on prefill replicas.
+    decode_lookups: (u64, u64),
+}
+
+impl<'a> Sim<'a> {
+    fn new(trace: &'a Trace, fleet: Fleet<'a>, events: bool, seed: u64) -> Sim<'a> {
+        let (engine, replicas) = (fleet.engine, fleet.replicas);
+        let timing_seed = trace::mix(seed ^ 0x5449_4d49_4e47) ^ engine.timing_seed;
+        let engines = (0..replicas)
+            .map(|r| {
+                let speed = fleet.speeds.get(r).copied().unwrap_or(Speed::ONE);
+                let mut cfg = speed.apply(engine);
+                cfg.timing_seed = trace::mix(timing_seed.wrapping_add(r as u64));
+                let mut e = Engine::new(cfg);
+                e.set_kv_events_enabled(events);
+                // Both roles run a KV connector, as `kvlb replica --role` does.
+                e.set_kv_connector(fleet.pd.role(r) != Role::Both);
+                e
+            })
+            .collect();
+        let routed_host = (engine.host_kv_capacity_tokens > 0).then(|| {
+            RoutedBlocks::new(
+                replicas,
+                engine.host_kv_capacity_tokens,
+                TRACE_BLOCK_TOKENS,
+                engine.block_size,
+            )
+        });
+        let routed = RoutedBlocks::new(
+            replicas,
+            engine.kv_capacity_tokens,
+            TRACE_BLOCK_TOKENS,
+            engine.block_size,
+        );
+        let records = trace
+            .requests
+            .iter()
+            .map(|r| RequestRecord {
+                arrival_s: r.arrival_s,
+                ttft_s: f64::NAN,
+                e2e_s: f64::NAN,
+                prompt_tokens: r.prompt_tokens,
+                ..RequestRecord::default()
+            })
+            .collect();
+        let n = trace.requests.len();
+        Sim {
+            trace,
+            fleet,
+            events,
+            engines,
+            loads: vec![Load::default(); replicas],
+            routed,
+            routed_host,
+            records,
+            replica_prefill_tokens: vec![0; replicas],
+            rng: Rng::new(trace::mix(seed ^ 0x5345_4c45_4354)),
+            candidates: Vec::with_capacity(replicas),
+            view_blocks: Vec::new(),
+            outputs: Vec::new(),
+            reported: vec![ReportedLoad::default(); replicas],
+            next_scrape: 0.0,
+            expected: vec![None; n],
+            decode_step: vec![0.0; n],
+            calibration: Calibration::new(replicas),
+            next_publish: 0.0,
+            stalled: 0,
+            transfers: Transfers::default(),
+            decode_lookups: (0, 0),
+        }
+    }
+
+    /// The engine whose step ends first, and when.
+    fn next_step(&self) -> Option<(usize, f64)> {
         let mut step: Option<(usize, f64)> = None;
-        for (i, e) in engines.iter().enumerate() {
+        for (i, e) in self.engines.iter().enumerate() {
             if let Some(t) = e.next_event_time() {
                 if step.is_none_or(|(_, best)| t < best) {
                     step = Some((i, t));
                 }
             }
         }
-        let t = match (arrival, step) {
-            (None, None) => break,
-            (Some(a), Some((_, s))) => a.min(s),
-            (Some(a), None) => a,
-            (None, Some((_, s))) => s,
-        };
-        while next_sample <= t {
-            duplicate_samples.push(routed.duplicate_engine_blocks());
-            next_sample += SAMPLE_PERIOD_S;
-        }
-        if events && next_sweep <= t {
-            policy.sweep(replicas, (t * 1e6) as u64);
-            while next_sweep <= t {
-                next_sweep += SWEEP_PERIOD_S;
+        step
+    }
+
+    /// Engine `i`'s step ending at `s`: its outputs update loads, records and calibration.
+    fn step(&mut self, i: usize, s: f64, policy: &mut RoutingPolicy) -> Result<(), String> {
+        let mut outputs = std::mem::take(&mut self.outputs);
+        outputs.clear();
+        let pending = self.loads[i].queued_prefill_tokens;
+        self.engines[i].advance(s, &mut outputs);
+        if outputs.is_empty() && self.engines[i].next_event_time() == Some(s) {
+            self.stalled += 1;
+            if self.stalled > 1000 {
+                return Err(format!("replica {i} makes no progress at t = {s} s"));
             }
+        } else {
+            self.stalled = 0;
         }
-        now = now.max(t);
-        match step {
-            Some((i, s)) if arrival.is_none_or(|a| s <= a) => {
-                outputs.clear();
-                let pending = loads[i].queued_prefill_tokens;
-                engines[i].advance(s, &mut outputs);
-                if outputs.is_empty() && engines[i].next_event_time() == Some(s) {
-                    stalled += 1;
-                    if stalled > 1000 {
-                        return Err(format!("replica {i} makes no progress at t = {s} s"));
-                    }
+        for out in &outputs {
+            self.on_output(out, i, s, policy);
+        }
+        self.outputs = outputs;
+        if s >= self.next_publish {
+            self.calibration.update_fleet();
+            self.next_publish = s + PUBLISH_PERIOD_S;
+        }
+        if self.events {
+            policy.learn_events(i, &mut self.engines[i], micros(s));
+        }
+        let queued = self.loads[i].queued_prefill_tokens;
+        if queued != pending {
+            policy.learn_pending(i, self.fleet.engine.kv_capacity_tokens, queued);
+        }
+        Ok(())
+    }
+
+    /// Which leg of request `k` replica `i` runs.
+    fn leg_of(&self, k: usize, i: usize) -> Leg {
+        match self.records[k].prefill_replica {
+            None => Leg::Whole,
+            Some(p) if p as usize == i => Leg::Prefill,
+            Some(_) => Leg::Decode,
+        }
+    }
+
+    /// An output of engine `i`, from its step ending at `s`. A first token is a calibration
+    /// sample, as a stream's first byte is (a prefill replica's answer too); a finished
+    /// answer's token spacing too, as a stream's event spacing is.
+    fn on_output(&mut self, out: &EngineOutput, i: usize, s: f64, policy: &mut RoutingPolicy) {
+        match *out {
+            EngineOutput::FirstToken {
+                id,
+                t,
+                cached_tokens,
+                ..
+            } => {
+                let k = id as usize;
+                let leg = self.leg_of(k, i);
+                let rec = &mut self.records[k];
+                let l = &mut self.loads[i];
+                l.queued_prefill_tokens -= queued_tokens(rec, leg);
+                l.decoding += 1;
+                if leg == Leg::Decode {
+                    rec.ttft_s = t - rec.arrival_s;
+                    self.decode_lookups.0 += rec.prompt_tokens as u64;
+                    self.decode_lookups.1 += cached_tokens as u64;
+                    return;
+                }
+                rec.cached_tokens = cached_tokens;
+                if leg == Leg::Whole {
+                    rec.ttft_s = t - rec.arrival_s;
+                }
+                if let Some(mut sample) = self.expected[k].take() {
+                    sample.observed_s = (t - rec.arrival_s) as f32;
+                    self.calibration.observe(&Sample::Ttft(sample), millis(s));
+                }
+            }
+            EngineOutput::Token { .. } => {}
+            EngineOutput::Finished {
+                id,
+                t,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+                ..
+            } => {
+                let k = id as usize;
+                let leg = self.leg_of(k, i);
+                let rec = &mut self.records[k];
+                let l = &mut self.loads[i];
+                if completion_tokens == 0 {
+                    // Finished without a first token (an abort): it leaves the queue directly.
+                    l.queued_prefill_tokens -= queued_tokens(rec, leg);
                 } else {
-                    stalled = 0;
+                    l.decoding -= 1;
                 }
-                for out in &outputs {
-                    on_output(
-                        out,
-                        i,
-                        &mut records,
-                        &mut loads,
-                        &mut replica_prefill_tokens,
-                    );
-                    // A first token is a calibration sample, as a stream's first byte is; a
-                    // finished answer's token spacing too, as a stream's event spacing is.
-                    match *out {
-                        EngineOutput::FirstToken { id, .. } => {
-                            if let Some(mut sample) = expected[id as usize].take() {
-                                sample.observed_s = records[id as usize].ttft_s as f32;
-                                calibration.observe(&Sample::Ttft(sample), (s * 1e3) as u64);
-                            }
-                        }
-                        EngineOutput::Finished { id, .. } => {
-                            let rec = &records[id as usize];
-                            let tokens = trace.requests[id as usize].output_tokens;
-                            let elapsed = rec.e2e_s - rec.ttft_s;
-                            if decode_step[id as usize] > 0.0
-                                && tokens >= MIN_DECODE_EVENTS
-                                && elapsed > 0.0
-                            {
-                                let sample = DecodeSample {
-                                    replica: i as u32,
-                                    epoch: 0,
-                                    steps: tokens - 1,
-                                    step_s: decode_step[id as usize],
-                                    elapsed_s: elapsed as f32,
-                                };
-                                calibration.observe(&Sample::Decode(sample), (s * 1e3) as u64);
-                            }
-                        }
-                        _ => {}
-                    }
+                l.in_flight -= 1;
+                if leg != Leg::Decode {
+                    self.replica_prefill_tokens[i] += (prompt_tokens - cached_tokens) as u64;
                 }
-                if s >= next_publish {
-                    calibration.update_fleet();
-                    next_publish = s + PUBLISH_PERIOD_S;
+                if leg == Leg::Prefill {
+                    // The prefill replica's answer is complete: the decode leg goes out.
+                    self.route_decode(k, t, policy);
+                    return;
                 }
-                if events {
-                    policy.learn_events(i, &mut engines[i], (s * 1e6) as u64);
+                rec.e2e_s = t - rec.arrival_s;
+                rec.finished = true;
+                rec.output_tokens = completion_tokens;
+                let tokens = self.trace.requests[k].output_tokens;
+                let elapsed = rec.e2e_s - rec.ttft_s;
+                if self.decode_step[k] > 0.0 && tokens >= MIN_DECODE_EVENTS && elapsed > 0.0 {
+                    let sample = DecodeSample {
+                        replica: i as u32,
+                        epoch: 0,
+                        steps: tokens - 1,
+                        step_s: self.decode_step[k],
+                        elapsed_s: elapsed as f32,
+                    };
+                    self.calibration.observe(&Sample::Decode(sample), millis(s));
                 }
-                if loads[i].queued_prefill_tokens != pending {
-                    policy.learn_pending(
-                        i,
-                        engine.kv_capacity_tokens,
-                        loads[i].queued_prefill_tokens,
-                    );
-                }
-            }
-            _ => {
-                let k = next_arrival;
-                next_arrival += 1;
-                let interval = policy.scrape_interval_s;
-                if interval > 0.0 && next_scrape <= t {
-                    for (r, e) in engines.iter().enumerate() {
-                        let s = e.stats();
-                        reported[r] = ReportedLoad::from_scrape(
-                            s.num_requests_waiting as u64,
-                            s.num_requests_running as u64,
-                            Some(s.kv_cache_usage),
-                            loads[r].in_flight as u64,
-                            loads[r].decoding as u64,
-                            (t * 1e3) as u64,
-                            (interval * 1e3) as u64,
-                        );
-                    }
-                    while next_scrape <= t {
-                        next_scrape += interval;
-                    }
-                }
-                let req = &trace.requests[k];
-                view_blocks.clear();
-                view_blocks.extend(req.block_ids.iter().map(|&id| trace::view_block(id)));
-                let view = RequestView {
-                    method: Method::Post,
-                    path: b"/v1/completions",
-                    body: b"",
-                    blocks: &view_blocks,
-                    block_tokens: TRACE_BLOCK_TOKENS,
-                    prompt_tokens: req.prompt_tokens,
-                    now_us: (t * 1e6) as u64,
-                };
-                candidates.clear();
-                let wanted = serving.zip(req.model.as_deref());
-                candidates.extend(
-                    loads
-                        .iter()
-                        .enumerate()
-                        .filter(|(r, _)| {
-                            wanted.is_none_or(|(names, m)| names[*r].iter().any(|n| n == m))
-                        })
-                        .map(|(r, l)| Candidate {
-                            replica: r,
-                            in_flight: l.in_flight,
-                            queued_prefill_tokens: l.queued_prefill_tokens,
-                            decoding: l.decoding,
-                            reported: reported[r],
-                            setup_us: 0,
-                            lora_slot_busy: false,
-                            pace: calibration.pace(r),
-                            routed: l.routed,
-                            pd: Default::default(),
-                        }),
-                );
-                if candidates.is_empty() {
-                    // No replica serves its model.
-                    records[k].rejected = true;
-                    continue;
-                }
-                let pick = policy.select(&view, &candidates, rng.next_u64());
-                let r = candidates[pick.min(candidates.len() - 1)].replica;
-                let mut at = ArrivalState {
-                    min_waiting: u32::MAX,
-                    ..ArrivalState::default()
-                };
-                for (i, e) in engines.iter().enumerate() {
-                    let s = e.stats();
-                    if i == r {
-                        (at.running, at.waiting) = (s.num_requests_running, s.num_requests_waiting);
-                    }
-                    at.idle_replicas +=
-                        (s.num_requests_running + s.num_requests_waiting == 0) as u32;
-                    at.min_waiting = at.min_waiting.min(s.num_requests_waiting);
-                }
-                records[k].at_arrival = at;
-                records[k].decision = policy.policy.decision();
-                let decision = records[k].decision.filter(|_| policy.calibrate);
-                decode_step[k] = decision.map_or(0.0, |d| d.decode_step_s as f32);
-                expected[k] = decision.map(|d| TtftSample {
-                    replica: r as u32,
-                    epoch: 0,
-                    wait: d.wait,
-                    prefill: d.prefill,
-                    fixed_s: d.fixed_s as f32,
-                    pace: d.pace,
-                    observed_s: 0.0,
-                });
-                let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
-                trace::prompt_tokens(req, &mut prompt);
-                policy.learn_prompt(&prompt, &req.block_ids, engine);
-                let submitted = engines[r].submit(
-                    t,
-                    EngineRequest {
-                        id: k as u64,
-                        prompt_tokens: prompt,
-                        max_tokens: req.output_tokens,
-                        cache_salt: None,
-                        lora: None,
-                    },
-                );
-                let rec = &mut records[k];
-                rec.replica = r as u32;
-                if submitted.is_err() {
-                    rec.rejected = true;
-                    policy.settle(
-                        r,
-                        engine.kv_capacity_tokens,
-                        loads[r].queued_prefill_tokens,
-                        view.now_us,
-                    );
-                    continue;
-                }
-                let mut estimated = routed.matched_tokens(r, &req.block_ids, req.prompt_tokens);
-                if let Some(host) = &mut routed_host {
-                    estimated =
-                        estimated.max(host.matched_tokens(r, &req.block_ids, req.prompt_tokens));
-                    host.route(r, &req.block_ids, req.prompt_tokens);
-                }
-                rec.estimated_cached_tokens = estimated;
-                routed.route(r, &req.block_ids, req.prompt_tokens);
-                policy.route_offloaded(r, &view_blocks, view.now_us);
-                let l = &mut loads[r];
-                l.in_flight += 1;
-                l.routed += 1;
-                l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
-                policy.settle(
-                    r,
-                    engine.kv_capacity_tokens,
-                    l.queued_prefill_tokens,
-                    view.now_us,
-                );
             }
         }
     }
-    let (mut queries, mut hits, mut host_hits) = (0, 0, 0);
-    for e in &engines {
-        let s = e.stats();
-        queries += s.prefix_cache_queries_tokens;
-        // The GPU hits plus the host tier's (its lookups continue the GPU's).
-        hits += s.prefix_cache_hits_tokens + s.external_prefix_cache_hits_tokens;
-        host_hits += s.external_prefix_cache_hits_tokens;
+
+    /// Every `interval` seconds (0: never), read each engine's queue and KV usage as a metrics
+    /// scrape would.
+    fn scrape(&mut self, t: f64, interval: f64) {
+        if interval <= 0.0 || self.next_scrape > t {
+            return;
+        }
+        for (r, e) in self.engines.iter().enumerate() {
+            let s = e.stats();
+            let l = &self.loads[r];
+            self.reported[r] = ReportedLoad::from_scrape(
+                s.num_requests_waiting as u64,
+                s.num_requests_running as u64,
+                Some(s.kv_cache_usage),
+                l.in_flight as u64,
+                l.decoding as u64,
+                millis(t),
+                millis(interval),
+            );
+        }
+        while self.next_scrape <= t {
+            self.next_scrape += interval;
+        }
     }
-    Ok(Run {
-        policy: policy.name().to_string(),
-        records,
-        replica_prefill_tokens,
-        prefix_queries_tokens: queries,
-        prefix_hits_tokens: hits,
-        host_hits_tokens: host_hits,
-        preemptions: engines.iter().map(|e| e.preemptions_total()).sum(),
-        duplicate_samples,
-        makespan_s: now,
-    })
+
+    /// The candidates for `leg` of request `k`: the replicas serving its model whose role the
+    /// leg admits, with the load the data plane counts.
+    fn fill_candidates(&mut self, k: usize, leg: Leg) {
+        let model = self.trace.requests[k].model.as_deref();
+        self.candidates.clear();
+        for (r, l) in self.loads.iter().enumerate() {
+            let role = self.fleet.pd.role(r);
+            if !leg.admits(role) || !self.fleet.serves(r, model) {
+                continue;
+            }
+            self.candidates.push(Candidate {
+                replica: r,
+                in_flight: l.in_flight,
+                queued_prefill_tokens: l.queued_prefill_tokens,
+                decoding: l.decoding,
+                reported: self.reported[r],
+                setup_us: 0,
+                lora_slot_busy: false,
+                pace: self.calibration.pace(r),
+                routed: l.routed,
+                pd: leg.path(role),
+            });
+        }
+    }
+
+    /// Request `k`'s trace blocks as the data plane hashes them, in `view_blocks`.
+    fn hash_view_blocks(&mut self, k: usize) {
+        self.view_blocks.clear();
+        let ids = &self.trace.requests[k].block_ids;
+        self.view_blocks
+            .extend(ids.iter().map(|&id| trace::view_block(id)));
+    }
+
+    /// The engines' queues now, `r` being the replica chosen.
+    fn arrival_state(&self, r: usize) -> ArrivalState {
+        let mut at = ArrivalState {
+            min_waiting: u32::MAX,
+            ..ArrivalState::default()
+        };
+        for (i, e) in self.engines.iter().enumerate() {
+            let s = e.stats();
+            if i == r {
+                (at.running, at.waiting) = (s.num_requests_running, s.num_requests_waiting);
+            }
+            at.idle_replicas += (s.num_requests_running + s.num_requests_waiting == 0) as u32;
+            at.min_waiting = at.min_waiting.min(s.num_requests_waiting);
+        }
+        at
+    }
+
+    /// Request `k` arrives at `t`: the policy chooses its replica (a disaggregated request's
+    /// prefill replica), which gets its prompt at once.
+    fn arrive(&mut self, k: usize, t: f64, policy: &mut RoutingPolicy) {
+        self.scrape(t, policy.scrape_interval_s);
+        let req = &self.trace.requests[k];
+        let fleet = self.fleet;
+        let serving = (0..fleet.replicas).filter(|&r| fleet.serves(r, req.model.as_deref()));
+        let leg = fleet.pd.first_leg(serving, policy.name() == "cache_aware");
+        self.fill_candidates(k, leg);
+        if self.candidates.is_empty() {
+            // No replica serves its model.
+            self.records[k].rejected = true;
+            return;
+        }
+        self.hash_view_blocks(k);
+        let now_us = micros(t);
+        let view = request_view(req, &self.view_blocks, now_us);
+        let pick = policy.select(&view, &self.candidates, self.rng.next_u64());
+        let chosen = self.candidates[pick.min(self.candidates.len() - 1)];
+        let r = chosen.replica;
+        // Chosen among prefill and decode replicas: a decode replica computes it whole.
+        let prefill_leg = leg != Leg::Whole && fleet.pd.role(r) == Role::Prefill;
+        self.records[k].at_arrival = self.arrival_state(r);
+        self.records[k].decision = policy.policy.decision();
+        let decision = self.records[k].decision.filter(|_| policy.calibrate);
+        // A disaggregated request's decode leg is not priced (nor measured), as in kvlb serve.
+        self.decode_step[k] = match (prefill_leg, decision) {
+            (false, Some(d)) => d.decode_step_s as f32,
+            _ => 0.0,
+        };
+        self.expected[k] = decision.map(|d| {
+            let mut fixed_s = d.fixed_s;
+            if chosen.pd == PdPath::Prefill {
+                // The estimate included the transfer, which comes after the prefill answer:
+                // the answer's time measures the rest.
+                let transfer = req.prompt_tokens as f64 * policy.kv_transfer_s_per_token;
+                fixed_s = (fixed_s - transfer).max(0.0);
+            }
+            TtftSample {
+                replica: r as u32,
+                epoch: 0,
+                wait: d.wait,
+                prefill: d.prefill,
+                fixed_s: fixed_s as f32,
+                pace: d.pace,
+                observed_s: 0.0,
+            }
+        });
+        let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
+        trace::prompt_tokens(req, &mut prompt);
+        policy.learn_prompt(&prompt, &req.block_ids, fleet.engine);
+        // A prefill leg asks for one token and holds the KV for the decode replica's pull.
+        let (max_tokens, transfer) = match prefill_leg {
+            true => (
+                1,
+                KvTransfer::Hold {
+                    hold_s: DEFAULT_KV_HOLD_TIMEOUT_S,
+                },
+            ),
+            false => (req.output_tokens, KvTransfer::None),
+        };
+        let submitted = self.engines[r].submit_with(
+            t,
+            EngineRequest {
+                id: k as u64,
+                prompt_tokens: prompt,
+                max_tokens,
+                cache_salt: None,
+                lora: None,
+            },
+            transfer,
+        );
+        let capacity = fleet.engine.kv_capacity_tokens;
+        let rec = &mut self.records[k];
+        rec.replica = r as u32;
+        if submitted.is_err() {
+            rec.rejected = true;
+            policy.settle(r, capacity, self.loads[r].queued_prefill_tokens, now_us);
+            return;
+        }
+        if prefill_leg {
+            rec.prefill_replica = Some(r as u32);
+        }
+        let mut estimated = self
+            .routed
+            .matched_tokens(r, &req.block_ids, req.prompt_tokens);
+        if let Some(host) = &mut self.routed_host {
+            estimated = estimated.max(host.matched_tokens(r, &req.block_ids, req.prompt_tokens));
+            host.route(r, &req.block_ids, req.prompt_tokens);
+        }
+        rec.estimated_cached_tokens = estimated;
+        self.routed.route(r, &req.block_ids, req.prompt_tokens);
+        policy.route_offloaded(r, &self.view_blocks, now_us);
+        let l = &mut self.loads[r];
+        l.in_flight += 1;
+        l.routed += 1;
+        l.queued_prefill_tokens += (req.prompt_tokens - estimated) as u64;
+        policy.settle(r, capacity, l.queued_prefill_tokens, now_us);
+    }
+
+    /// Request `k`'s prefill answer came at `t`: the policy chooses its decode replica among
+    /// the decode replicas serving its model (`kvlb serve`'s decode leg), and the KV starts
+    /// over the link; the decode replica counts it in flight from now, with nothing to prefill.
+    fn route_decode(&mut self, k: usize, t: f64, policy: &mut RoutingPolicy) {
+        self.fill_candidates(k, Leg::Decode);
+        if self.candidates.is_empty() {
+            // Not reached: a request is split only when its model has decode replicas.
+            self.records[k].rejected = true;
+            return;
+        }
+        self.hash_view_blocks(k);
+        let req = &self.trace.requests[k];
+        let now_us = micros(t);
+        let view = request_view(req, &self.view_blocks, now_us);
+        let pick = policy.select_decode(&view, &self.candidates, self.rng.next_u64());
+        let d = self.candidates[pick.min(self.candidates.len() - 1)].replica;
+        let rec = &mut self.records[k];
+        rec.replica = d as u32;
+        rec.transfer_s = req.prompt_tokens as f64 * self.fleet.pd.transfer_s_per_token;
+        self.transfers.push(t + rec.transfer_s, k);
+        // The decode replica keeps the KV it receives, as a prefill it computed.
+        self.routed.route(d, &req.block_ids, req.prompt_tokens);
+        if let Some(host) = &mut self.routed_host {
+            host.route(d, &req.block_ids, req.prompt_tokens);
+        }
+        policy.route_offloaded(d, &self.view_blocks, now_us);
+        let l = &mut self.loads[d];
+        l.in_flight += 1;
+        l.routed += 1;
+        let capacity = self.fleet.engine.kv_capacity_tokens;
+        policy.settle(d, capacity, l.queued_prefill_tokens, now_us);
+    }
+
+    /// The next transfer ended at `t`: the decode replica pulled the KV (the prefill
+    /// replica's hold ends) and gets the request with it. A hold gone by then (timed out)
+    /// leaves the decode replica to compute the prompt itself, as `kvlb replica` does.
+    fn transfer_done(&mut self, t: f64) {
+        let Some(k) = self.transfers.pop() else {
+            return;
+        };
+        let (p, d) = match self.records[k] {
+            RequestRecord {
+                prefill_replica: Some(p),
+                replica,
+                ..
+            } => (p as usize, replica as usize),
+            _ => return,
+        };
+        let transfer = match self.engines[p].release_held(t, k as u64) {
+            Some(held) => KvTransfer::Received {
+                tokens: held.tokens,
+            },
+            None => KvTransfer::None,
+        };
+        let req = &self.trace.requests[k];
+        let mut prompt = Vec::with_capacity(req.prompt_tokens as usize);
+        trace::prompt_tokens(req, &mut prompt);
+        let submitted = self.engines[d].submit_with(
+            t,
+            EngineRequest {
+                id: k as u64,
+                prompt_tokens: prompt,
+                max_tokens: req.output_tokens,
+                cache_salt: None,
+                lora: None,
+            },
+            transfer,
+        );
+        if submitted.is_err() {
+            self.records[k].rejected = true;
+            self.loads[d].in_flight -= 1;
+        }
+    }
+
+    /// The run, once every engine is idle: `makespan_s` is the time of the last event.
+    fn finish(self, policy: &str, duplicate_samples: Vec<u64>, makespan_s: f64) -> Run {
+        let pd = self.fleet.pd;
+        let (mut queries, mut hits, mut host_hits) = (0, 0, 0);
+        for (r, e) in self.engines.iter().enumerate() {
+            let s = e.stats();
+            queries += s.prefix_cache_queries_tokens;
+            // The GPU hits plus the host tier's (its lookups continue the GPU's), and a
+            // decode replica's received KV (its KV connector counts it as external).
+            hits += s.prefix_cache_hits_tokens + s.external_prefix_cache_hits_tokens;
+            if pd.role(r) != Role::Decode {
+                host_hits += s.external_prefix_cache_hits_tokens;
+            }
+        }
+        Run {
+            policy: policy.to_string(),
+            roles: (0..self.fleet.replicas).map(|r| pd.role(r)).collect(),
+            records: self.records,
+            replica_prefill_tokens: self.replica_prefill_tokens,
+            prefix_queries_tokens: queries - self.decode_lookups.0,
+            prefix_hits_tokens: hits - self.decode_lookups.1,
+            host_hits_tokens: host_hits,
+            preemptions: self.engines.iter().map(|e| e.preemptions_total()).sum(),
+            duplicate_samples,
+            makespan_s,
+        }
+    }
+}
+
+/// Prompt tokens a leg of `rec` counts as queued prefill until its first token: a decode
+/// leg none (its KV was computed elsewhere), others the estimated uncached tokens.
+fn queued_tokens(rec: &RequestRecord, leg: Leg) -> u64 {
+    match leg {
+        Leg::Decode => 0,
+        _ => (rec.prompt_tokens - rec.estimated_cached_tokens) as u64,
+    }
+}
+
+/// What the policy sees of `req` at `now_us`, its blocks hashed as `view_blocks`.
+fn request_view<'a>(req: &TraceRequest, view_blocks: &'a [u64], now_us: u64) -> RequestView<'a> {
+    RequestView {
+        method: Method::Post,
+        path: b"/v1/completions",
+        body: b"",
+        blocks: view_blocks,
+        block_tokens: TRACE_BLOCK_TOKENS,
+        prompt_tokens: req.prompt_tokens,
+        now_us,
+    }
 }
 
 /// The engine's own hashes of the full blocks of `prompt` (no cache salt), as
@@ -838,53 +1232,9 @@ fn engine_block_hashes(prompt: &[u32], engine: &EngineConfig, out: &mut Vec<u64>
     }
 }
 
-fn on_output(
-    out: &EngineOutput,
-    replica: usize,
-    records: &mut [RequestRecord],
-    loads: &mut [Load],
-    replica_prefill_tokens: &mut [u64],
-) {
-    let l = &mut loads[replica];
-    match *out {
-        EngineOutput::FirstToken {
-            id,
-            t,
-            cached_tokens,
-            ..
-        } => {
-            let rec = &mut records[id as usize];
-            rec.ttft_s = t - rec.arrival_s;
-            rec.cached_tokens = cached_tokens;
-            l.queued_prefill_tokens -= (rec.prompt_tokens - rec.estimated_cached_tokens) as u64;
-            l.decoding += 1;
-        }
-        EngineOutput::Token { .. } => {}
-        EngineOutput::Finished {
-            id,
-            t,
-            prompt_tokens,
-            cached_tokens,
-            ..
-        } => {
-            let rec = &mut records[id as usize];
-            rec.e2e_s = t - rec.arrival_s;
-            rec.finished = true;
-            if rec.ttft_s.is_nan() {
-                // Finished without a first token (an abort): it leaves the queue directly.
-                l.queued_prefill_tokens -= (rec.prompt_tokens - rec.estimated_cached_tokens) as u64;
-            } else {
-                l.decoding -= 1;
-            }
-            l.in_flight -= 1;
-            replica_prefill_tokens[replica] += (prompt_tokens - cached_tokens) as u64;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::trace::TraceRequest;
+    use super::super::pd::Disaggregate;
     use super::*;
     use std::sync::{Arc, Mutex};
 
@@ -1152,6 +1502,189 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.contains("unknown policy \"fastest\""), "{e}");
+    }
+
+    /// Two prefill replicas (0, 1), then two decode replicas (2, 3), on a KV link of `gbps`.
+    fn two_by_two(disaggregate: Disaggregate, gbps: f64) -> Pd {
+        Pd {
+            roles: vec![Role::Prefill, Role::Prefill, Role::Decode, Role::Decode],
+            disaggregate,
+            transfer_s_per_token: crate::replica::pd::transfer_s_per_token(131_072, gbps),
+        }
+    }
+
+    fn run_on(trace: &Trace, pd: &Pd, policy: &mut RoutingPolicy) -> Run {
+        let engine = EngineConfig::default();
+        let fleet = Fleet {
+            replicas: pd.roles.len(),
+            serving: None,
+            engine: &engine,
+            speeds: &[],
+            pd,
+        };
+        simulate_fleet(trace, &fleet, policy, 1).unwrap()
+    }
+
+    /// `n` requests half a second apart, sharing their first trace block.
+    fn spaced(n: u64, prompt: u32, output: u32) -> Trace {
+        Trace {
+            name: "t".into(),
+            requests: (0..n)
+                .map(|k| request(k as f64 * 0.5, &[1, 100 + k], prompt, output))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_disaggregated_request_is_prefilled_on_one_replica_and_decoded_on_another() {
+        let trace = spaced(8, 1000, 20);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
+        let pd = two_by_two(Disaggregate::Always, 25.0);
+        let run = run_on(&trace, &pd, &mut policy);
+        // Each request was offered the prefill replicas, then (once prefilled) the decode
+        // replicas, as whole candidates: nothing to price between paths.
+        let offered: Vec<Vec<(usize, PdPath)>> = seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.2.iter().map(|c| (c.replica, c.pd)).collect())
+            .collect();
+        assert_eq!(offered.len(), 16);
+        for legs in offered.chunks(2) {
+            assert_eq!(legs[0], [(0, PdPath::Whole), (1, PdPath::Whole)]);
+            assert_eq!(legs[1], [(2, PdPath::Whole), (3, PdPath::Whole)]);
+        }
+        let transfer = 1000.0 * 131_072.0 / 25e9;
+        for r in &run.records {
+            assert_eq!((r.prefill_replica, r.replica), (Some(0), 2), "{r:?}");
+            assert!(r.finished && !r.rejected);
+            assert!((r.transfer_s - transfer).abs() < 1e-12);
+            assert!(r.ttft_s > transfer && r.e2e_s > r.ttft_s);
+            assert_eq!(r.output_tokens, 20);
+            assert!(r.itl_s().is_some_and(|itl| itl > 0.0));
+        }
+        // The prompts were computed on the prefill replica: the decode legs' lookups (their
+        // KV received) count neither in the hit rate nor in the work.
+        assert_eq!(run.prefix_queries_tokens, 8 * 1000);
+        let cached: u64 = run.records.iter().map(|r| r.cached_tokens as u64).sum();
+        assert_eq!(run.prefix_hits_tokens, cached);
+        assert_eq!(
+            cached,
+            7 * 512,
+            "the shared first block, from the second request on"
+        );
+        assert_eq!(run.replica_prefill_tokens[1..], [0, 0, 0]);
+        assert_eq!(run.replica_prefill_tokens[0], 8 * 1000 - cached);
+        assert_eq!(run.roles, pd.roles);
+        // Every hold was released by its pull: none waited for its 480 s timeout.
+        assert!(run.makespan_s < 10.0, "{}", run.makespan_s);
+    }
+
+    #[test]
+    fn the_transfer_adds_to_the_time_to_first_token() {
+        let trace = spaced(6, 4000, 10);
+        let ttfts = |gbps: f64| {
+            let mut policy =
+                RoutingPolicy::build("round_robin", 4, &EngineConfig::default()).unwrap();
+            let run = run_on(&trace, &two_by_two(Disaggregate::Always, gbps), &mut policy);
+            run.records.iter().map(|r| r.ttft_s).collect::<Vec<f64>>()
+        };
+        let (fast, slow) = (ttfts(25.0), ttfts(2.5));
+        // An idle decode replica: the first token comes one step after the KV, so a link ten
+        // times slower adds exactly the difference in transfer time.
+        let added = 4000.0 * 131_072.0 * (1.0 / 2.5e9 - 1.0 / 25e9);
+        for (f, s) in fast.iter().zip(&slow) {
+            assert!(
+                (s - f - added).abs() < 1e-9,
+                "{f} -> {s}, expected +{added}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_leg_has_its_own_turn_under_round_robin() {
+        let trace = spaced(8, 1000, 5);
+        let mut policy = RoutingPolicy::build("round_robin", 4, &EngineConfig::default()).unwrap();
+        let run = run_on(&trace, &two_by_two(Disaggregate::Always, 25.0), &mut policy);
+        let legs: Vec<(Option<u32>, u32)> = run
+            .records
+            .iter()
+            .map(|r| (r.prefill_replica, r.replica))
+            .collect();
+        // Not one prefill and one decode replica in step: each leg cycles over its replicas.
+        assert_eq!(
+            legs[..4],
+            [(Some(0), 2), (Some(1), 3), (Some(0), 2), (Some(1), 3)]
+        );
+    }
+
+    #[test]
+    fn priced_cache_aware_computes_on_an_idle_decode_replica_and_splits_under_load() {
+        // A burst of long prompts with long answers: the first ones find the decode replicas
+        // idle (computing there costs nobody anything and saves the transfer); once they
+        // decode, a prefill there would stall their sequences.
+        let burst = Trace {
+            name: "t".into(),
+            requests: (0..16)
+                .map(|k| request(k as f64 * 0.01, &[200 + k; 16], 8000, 300))
+                .collect(),
+        };
+        let split = |disaggregate| {
+            let mut policy =
+                RoutingPolicy::build("cache_aware", 4, &EngineConfig::default()).unwrap();
+            let run = run_on(&burst, &two_by_two(disaggregate, 25.0), &mut policy);
+            assert!(run.records.iter().all(|r| r.finished), "{disaggregate:?}");
+            run.records
+                .iter()
+                .map(|r| r.prefill_replica.is_some())
+                .collect::<Vec<bool>>()
+        };
+        let priced = split(Disaggregate::Priced);
+        assert!(
+            !priced[0],
+            "the first request is computed on an idle decode replica"
+        );
+        let n = priced.iter().filter(|&&d| d).count();
+        assert!(n > 0 && n < 16, "{priced:?}");
+        assert!(split(Disaggregate::Always).iter().all(|&d| d));
+        // Other policies always disaggregate.
+        let mut policy = RoutingPolicy::build("least_loaded", 4, &EngineConfig::default()).unwrap();
+        let run = run_on(&burst, &two_by_two(Disaggregate::Priced, 25.0), &mut policy);
+        assert!(run.records.iter().all(|r| r.prefill_replica.is_some()));
+    }
+
+    #[test]
+    fn a_fleet_description_must_match_its_size() {
+        let trace = spaced(1, 100, 1);
+        let engine = EngineConfig::default();
+        let pd = two_by_two(Disaggregate::Always, 25.0);
+        let fleet = Fleet {
+            replicas: 3,
+            serving: None,
+            engine: &engine,
+            speeds: &[],
+            pd: &pd,
+        };
+        let mut policy = RoutingPolicy::build("random", 3, &engine).unwrap();
+        let e = simulate_fleet(&trace, &fleet, &mut policy, 1)
+            .err()
+            .unwrap();
+        assert_eq!(e, "3 replicas but 4 roles given");
+        let speeds = [Speed::ONE; 2];
+        let e = simulate_fleet(
+            &trace,
+            &Fleet {
+                speeds: &speeds,
+                pd: &Pd::default(),
+                ..fleet
+            },
+            &mut policy,
+            1,
+        )
+        .err()
+        .unwrap();
+        assert_eq!(e, "3 replicas but 2 speeds given");
     }
 
     #[test]

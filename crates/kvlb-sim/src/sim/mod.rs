@@ -5,9 +5,15 @@
 //! duplicated KV and load imbalance, as a table, JSON and an SVG plot.
 //!
 //! * `trace`: Mooncake / Azure files and the built-in generators -> requests with block ids;
-//! * `fleet`: the event loop (arrivals, engine steps, the data plane's load accounting);
+//! * `fleet`: the event loop (arrivals, engine steps, KV transfers, the data plane's load
+//!   accounting);
+//! * `pd`: prefill/decode roles, the legs of a disaggregated request, transfers in flight;
 //! * `routed`: what was routed where (estimated uncached tokens, duplicate KV);
 //! * `report`: percentiles, table, JSON; `plot`: the SVG.
+//!
+//! `--roles` makes a prefill/decode disaggregated fleet (`pd`): a request whose model has
+//! prefill and decode replicas is prefilled on one, its KV moved over a link of
+//! `--kv-link-gbps`, and decoded on the other, as `kvlb serve` sends it.
 //!
 //! `--residency` says what `cache_aware` learns residency from: its own routing (the default),
 //! or routing and the engines' KV events fed back, with or without pending routed blocks
@@ -19,12 +25,14 @@
 #![forbid(unsafe_code)]
 
 pub mod fleet;
+pub mod pd;
 pub mod plot;
 pub mod report;
 pub mod routed;
 pub mod trace;
 
 use crate::engine::{EngineConfig, Speed, SpeedList};
+use crate::replica::pd::DEFAULT_KV_LINK_GBPS;
 use std::time::Instant;
 
 /// Most replicas a simulated fleet may have.
@@ -37,6 +45,7 @@ policies: round_robin, random, least_loaded, power_of_two, consistent_hash,
 Each replica is the simulated engine of `kvlb replica` (default configuration: 8B model on
 one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Per policy:
   ttft_p50/p90/p99_s, e2e_p50/p99_s  time to first token / to the last token (s)
+  itl_p50/p99_s        a request's mean time between output tokens, over requests (s)
   hit_rate             prompt tokens found in the engines' prefix caches (GPU, or loaded
                        from the host tier) / prompt tokens
   host_hit_rate        of those, the part loaded from the host tier
@@ -45,6 +54,10 @@ one H100, 400k KV tokens); each policy is the selection code of `kvlb serve`. Pe
                        than one replica; estimated from the prompts routed to each replica
                        (LRU-bounded by its KV capacity), not read from the engines
   max_mean_load        the busiest replica's prefill_tokens over the mean (1 = even)
+With --roles (prefill and decode replicas) a request's first token is its decode replica's,
+hit_rate and prefill_tokens are the prompts' (computed on the prefill replicas, or on a decode
+replica directly), max_mean_load is over the replicas other than decode ones, and
+  disaggregated        requests prefilled on a prefill replica (the rest whole on a decode one)
 Requests the engine refuses (prompt over the context limit) count as rejected.";
 
 /// `--fleet-models`: the names each replica serves, one entry per replica (a type of its own
@@ -54,6 +67,9 @@ pub type FleetModels = Vec<Vec<String>>;
 /// `--policies`' default: every policy, in report order.
 static ALL_POLICIES: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| fleet::POLICY_NAMES.join(","));
+
+/// `--roles`: each replica's role (a type of its own so that clap parses the flag as one value).
+pub type Roles = Vec<pd::Role>;
 
 /// A list of policy names (a type of its own so that clap parses `--policies` as one value,
 /// not as a repeatable flag).
@@ -148,6 +164,30 @@ pub struct Options {
     /// requests' times to first token (kvlb serve calibrates; this shows what it gains)
     #[arg(long)]
     pub no_calibration: bool,
+    /// Each replica's part in prefill/decode disaggregation, comma-separated, one per replica
+    /// (of --replicas or --fleet-models): prefill, decode or both (the default: whole
+    /// requests), e.g. prefill,prefill,decode,decode. A request whose model has prefill and
+    /// decode replicas takes two legs, as kvlb serve sends it: the policy chooses a prefill
+    /// replica, which computes the prompt and one token and holds the KV; then a decode
+    /// replica, which gets the KV over the link (--kv-link-gbps) and decodes
+    #[arg(long, value_name = "LIST", value_parser = roles)]
+    pub roles: Option<Roles>,
+    /// (--roles) Whether such a request always takes both legs, or cache_aware prices a
+    /// prefill replica and the transfer against computing the prompt on a decode replica
+    /// (priced, kvlb serve's default; other policies always disaggregate)
+    #[arg(long, value_name = "MODE", default_value = "priced", value_parser = disaggregate())]
+    pub disaggregate: pd::Disaggregate,
+    /// (--roles) KV cache bytes per token (all layers, K and V; 128 KiB for the 8B model) a
+    /// transfer moves, as kvlb replica --kv-bytes-per-token
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().kv_bytes_per_token,
+          value_parser = crate::cli::int::<u64, 1, { u32::MAX as u64 }>)]
+    pub kv_bytes_per_token: u64,
+    /// (--roles) KV link bandwidth from the prefill to the decode replicas in GB/s (10^9 bytes
+    /// per second), as kvlb replica --kv-link-gbps: the KV of N prompt tokens takes N x
+    /// --kv-bytes-per-token / (X x 10^9) seconds; cache_aware prices the transfer at it
+    #[arg(long, value_name = "X", default_value_t = DEFAULT_KV_LINK_GBPS,
+          value_parser = crate::cli::positive)]
+    pub kv_link_gbps: f64,
 }
 
 /// `--set NAME=X`: a known cache_aware parameter and a number.
@@ -214,6 +254,32 @@ fn policy_list(v: &str) -> Result<PolicyList, String> {
     Ok(list)
 }
 
+fn roles(v: &str) -> Result<Roles, String> {
+    v.split(',')
+        .map(|name| {
+            let name = name.trim();
+            pd::Role::parse(name)
+                .ok_or_else(|| format!("{name:?}: expected prefill, decode or both"))
+        })
+        .collect()
+}
+
+/// `--disaggregate`: the names of `pd::Disaggregate`, each with its help.
+fn disaggregate() -> impl clap::builder::TypedValueParser<Value = pd::Disaggregate> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    let help = |d: pd::Disaggregate| match d {
+        pd::Disaggregate::Priced => {
+            "cache_aware chooses among prefill and decode replicas: the cheaper path wins"
+        }
+        pd::Disaggregate::Always => "every request takes both legs",
+    };
+    PossibleValuesParser::new(pd::Disaggregate::NAMES.iter().map(|name| {
+        let mode = pd::Disaggregate::parse(name).expect("a listed name parses");
+        PossibleValue::new(*name).help(help(mode))
+    }))
+    .map(|name| pd::Disaggregate::parse(&name).expect("a possible value parses"))
+}
+
 fn host_kv_tokens(v: &str) -> Result<u64, String> {
     v.parse::<u64>()
         .ok()
@@ -262,19 +328,69 @@ impl Options {
         self.fleet_models.as_ref().map_or(self.replicas, Vec::len)
     }
 
-    /// The checks across flags: --speeds has one value or one per replica.
+    /// The checks across flags: --speeds has one value or one per replica, --roles one per
+    /// replica, with prefill and decode replicas together or neither.
     pub fn validate(&self) -> Result<(), String> {
         let fleet = match &self.fleet_models {
             Some(f) => format!("the {} replicas of --fleet-models", f.len()),
             None => format!("--replicas {}", self.replicas),
         };
-        self.speeds.check(self.fleet_size(), "--speeds", &fleet)
+        self.speeds.check(self.fleet_size(), "--speeds", &fleet)?;
+        let Some(roles) = &self.roles else {
+            return Ok(());
+        };
+        let names = || roles.iter().map(|r| r.name()).collect::<Vec<_>>().join(",");
+        if roles.len() != self.fleet_size() {
+            return Err(format!(
+                "bad value for --roles: {} ({} roles for {fleet}; give one per replica)",
+                names(),
+                roles.len()
+            ));
+        }
+        let has = |role| roles.contains(&role);
+        if has(pd::Role::Prefill) != has(pd::Role::Decode) {
+            return Err(format!(
+                "bad value for --roles: {} (prefill replicas need decode replicas to continue \
+                 their requests, and decode replicas prefill ones)",
+                names()
+            ));
+        }
+        Ok(())
     }
 
-    /// What the table's first line adds about the fleet's engines: the speeds when not all 1,
-    /// the timing spread when not 0.
+    /// The replicas' roles and how requests use them (every replica whole without --roles).
+    pub fn pd(&self) -> pd::Pd {
+        pd::Pd {
+            roles: self.roles.clone().unwrap_or_default(),
+            disaggregate: self.disaggregate,
+            transfer_s_per_token: crate::replica::pd::transfer_s_per_token(
+                self.kv_bytes_per_token,
+                self.kv_link_gbps,
+            ),
+        }
+    }
+
+    /// What the table's first line adds about the fleet's engines: the roles of a
+    /// disaggregated fleet, the speeds when not all 1, the timing spread when not 0.
     fn fleet_note(&self) -> String {
         let mut note = String::new();
+        let pd = self.pd();
+        if pd.is_split() {
+            let count = |role| pd.roles.iter().filter(|&&r| r == role).count();
+            note.push_str(&format!(
+                ", {} prefill + {} decode",
+                count(pd::Role::Prefill),
+                count(pd::Role::Decode)
+            ));
+            if count(pd::Role::Both) > 0 {
+                note.push_str(&format!(" + {} both", count(pd::Role::Both)));
+            }
+            note.push_str(&format!(
+                " (disaggregate {}, KV link {} GB/s)",
+                self.disaggregate.name(),
+                self.kv_link_gbps
+            ));
+        }
         if !self.speeds.is_one() {
             note.push_str(&format!(", speeds {}", self.speeds));
         }
@@ -286,11 +402,12 @@ impl Options {
 }
 
 /// What every policy's run shares: the trace (sliced, models assigned, sped up), the base
-/// engine (the policies' cost model) and each replica's speed.
+/// engine (the policies' cost model), each replica's speed and role.
 pub struct Setup {
     pub trace: trace::Trace,
     pub engine: EngineConfig,
     pub speeds: Vec<Speed>,
+    pub pd: pd::Pd,
     /// Whether some request names a model.
     pub named: bool,
 }
@@ -317,6 +434,7 @@ pub fn setup(o: &Options) -> Result<Setup, String> {
         host_kv_capacity_tokens: o.host_kv_tokens,
         host_load_s_per_token: o.host_load_s_per_token,
         timing_spread: o.timing_spread,
+        kv_bytes_per_token: o.kv_bytes_per_token,
         ..EngineConfig::default()
     };
     engine.validate()?;
@@ -328,6 +446,7 @@ pub fn setup(o: &Options) -> Result<Setup, String> {
         trace: t,
         engine,
         speeds,
+        pd: o.pd(),
         named,
     })
 }
@@ -335,21 +454,29 @@ pub fn setup(o: &Options) -> Result<Setup, String> {
 /// Policy `name`'s run on the fleet of `o`, as `run` does it for each policy.
 pub fn simulate_policy(o: &Options, s: &Setup, name: &str) -> Result<fleet::Run, String> {
     let replicas = o.fleet_size();
-    let mut policy = fleet::RoutingPolicy::build_with(name, replicas, &s.engine, &o.set)?
+    // cache_aware prices a transfer at the simulated link (unless --set says otherwise).
+    let mut set = Vec::new();
+    if s.pd.is_split() {
+        set.push((
+            "kv_transfer_s_per_token".to_string(),
+            s.pd.transfer_s_per_token,
+        ));
+    }
+    set.extend_from_slice(&o.set);
+    let mut policy = fleet::RoutingPolicy::build_with(name, replicas, &s.engine, &set)?
         .learn_from(o.residency)
         .scrape_every(o.scrape_interval);
     if o.no_calibration {
         policy = policy.without_calibration();
     }
-    fleet::simulate_serving(
-        &s.trace,
+    let fleet = fleet::Fleet {
         replicas,
-        o.fleet_models.as_deref(),
-        &s.engine,
-        &s.speeds,
-        &mut policy,
-        o.seed,
-    )
+        serving: o.fleet_models.as_deref(),
+        engine: &s.engine,
+        speeds: &s.speeds,
+        pd: &s.pd,
+    };
+    fleet::simulate_fleet(&s.trace, &fleet, &mut policy, o.seed)
 }
 
 /// Run every policy of `o`.
@@ -416,6 +543,10 @@ fn write_decisions(out: &mut impl std::io::Write, run: &fleet::Run) -> std::io::
             "idle_replicas": r.at_arrival.idle_replicas,
             "min_waiting": r.at_arrival.min_waiting,
         });
+        if let (Some(p), Some(o)) = (r.prefill_replica, line.as_object_mut()) {
+            o.insert("prefill_replica".into(), p.into());
+            o.insert("transfer_s".into(), r.transfer_s.into());
+        }
         if let Some(d) = r.decision {
             let extra = serde_json::json!({
                 "reason": d.reason.as_str(),
@@ -747,6 +878,121 @@ mod tests {
         assert_eq!(
             flags("5").fleet_note(),
             ", speeds 1,0.5x0.8,1,2, timing spread 0.3"
+        );
+    }
+
+    #[test]
+    fn roles_are_one_per_replica_prefill_and_decode_together() {
+        let o = parse_args(&args(&["--trace", "x"])).unwrap();
+        assert_eq!(o.roles, None);
+        assert!(!o.pd().is_split() && o.pd().roles.is_empty());
+        assert_eq!(o.disaggregate, pd::Disaggregate::Priced);
+        assert_eq!((o.kv_bytes_per_token, o.kv_link_gbps), (131_072, 25.0));
+        let o = parse_args(&args(&[
+            "--trace",
+            "gen:agent-sessions",
+            "--roles",
+            "prefill, prefill,decode,decode",
+            "--disaggregate",
+            "always",
+            "--kv-link-gbps",
+            "12.5",
+            "--kv-bytes-per-token",
+            "65536",
+        ]))
+        .unwrap();
+        use pd::Role::{Both, Decode, Prefill};
+        assert_eq!(
+            o.roles.as_deref(),
+            Some(&[Prefill, Prefill, Decode, Decode][..])
+        );
+        let p = o.pd();
+        assert!(p.is_split());
+        assert_eq!(p.disaggregate, pd::Disaggregate::Always);
+        assert_eq!(p.transfer_s_per_token, 65536.0 / 12.5e9);
+        assert_eq!(setup(&o).unwrap().engine.kv_bytes_per_token, 65536);
+        assert_eq!(
+            o.fleet_note(),
+            ", 2 prefill + 2 decode (disaggregate always, KV link 12.5 GB/s)"
+        );
+        // With --fleet-models: one per replica of theirs.
+        let o = parse_args(&args(&[
+            "--trace",
+            "x",
+            "--fleet-models",
+            "a=2,b=1",
+            "--roles",
+            "prefill,decode,both",
+        ]))
+        .unwrap();
+        assert_eq!(o.roles.as_deref(), Some(&[Prefill, Decode, Both][..]));
+        assert!(o.fleet_note().contains("1 prefill + 1 decode + 1 both"));
+        for (extra, says) in [
+            (
+                &["--roles", "prefill,decode"][..],
+                "2 roles for --replicas 4",
+            ),
+            (
+                &["--fleet-models", "a=3", "--roles", "prefill,decode"],
+                "2 roles for the 3 replicas of --fleet-models",
+            ),
+            (
+                &["--roles", "prefill,prefill,both,both"],
+                "prefill replicas need decode replicas",
+            ),
+            (
+                &["--roles", "decode,both,both,both"],
+                "need decode replicas",
+            ),
+            (
+                &["--roles", "prefill,prefill,decode,dec"],
+                "\"dec\": expected prefill",
+            ),
+            (&["--roles", ""], "\"\": expected prefill"),
+            (
+                &["--disaggregate", "never"],
+                "[possible values: priced, always]",
+            ),
+            (&["--kv-link-gbps", "0"], "--kv-link-gbps"),
+            (&["--kv-bytes-per-token", "0"], "--kv-bytes-per-token"),
+        ] {
+            let mut a = args(&["--trace", "x"]);
+            a.extend(args(extra));
+            let e = parse_args(&a).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{extra:?}");
+            let e = e.to_string();
+            assert!(e.contains("--") && e.contains(says), "{extra:?}: {e}");
+        }
+    }
+
+    /// On a disaggregated fleet the prefix cache that matters is the prefill replicas':
+    /// cache_aware's prefill leg follows the prefix there, as it does in a whole fleet.
+    #[test]
+    fn cache_aware_follows_the_prefix_on_the_prefill_replicas() {
+        let o = parse_args(&args(&[
+            "--trace",
+            "gen:agent-sessions",
+            "--limit",
+            "600",
+            "--roles",
+            "prefill,prefill,decode,decode",
+            "--disaggregate",
+            "always",
+        ]))
+        .unwrap();
+        let s = setup(&o).unwrap();
+        let hit_rate = |name: &str| {
+            let run = simulate_policy(&o, &s, name).unwrap();
+            assert!(run
+                .records
+                .iter()
+                .all(|r| r.finished && r.prefill_replica.is_some()));
+            report::summarize(&run).hit_rate
+        };
+        let (cache_aware, round_robin) = (hit_rate("cache_aware"), hit_rate("round_robin"));
+        assert!(
+            cache_aware > round_robin + 0.1,
+            "cache_aware {cache_aware}, round_robin {round_robin}"
         );
     }
 

@@ -1,7 +1,11 @@
 //! One policy's run boiled down to the numbers the comparison is about, printed as an aligned
 //! table or as JSON (one object per policy).
 //!
-//! * `ttft_*`, `e2e_*`: percentiles (nearest rank) over requests that finished.
+//! * `ttft_*`, `e2e_*`: percentiles (nearest rank) over requests that finished; a
+//!   disaggregated request's first token is its decode replica's.
+//! * `itl_*`: percentiles over finished requests of two or more output tokens of each one's
+//!   mean time between output tokens (inter-token latency: where a long prefill stalls the
+//!   sequences decoding beside it, and what disaggregation protects).
 //! * `hit_rate`: prompt tokens the engines found cached / prompt tokens looked up (the
 //!   engines' own prefix-cache counters, first admission of each request), in GPU memory or
 //!   loaded from a host KV tier; `host_hit_rate` (with a host tier: an extra JSON key and
@@ -13,14 +17,23 @@
 //!   replica with each replica's KV capacity as an LRU bound (the engines are not opened up
 //!   for it, so it is an estimate of the same thing).
 //! * `max_mean_load`: the busiest replica's computed prefill tokens over the fleet mean (1 =
-//!   perfectly even).
+//!   perfectly even); in a fleet with prefill and decode replicas, over the replicas other
+//!   than decode ones (the prefill pool, and replicas of role both).
+//! * `disaggregated` (a fleet with prefill and decode replicas: an extra JSON key and table
+//!   column): requests prefilled on a prefill replica and decoded on a decode one; the rest
+//!   were computed whole on a decode replica (`--disaggregate priced`) or rejected.
+//!
+//! In a disaggregated fleet `hit_rate` and `prefill_tokens` are the prompts' lookups and work
+//! on the replicas that computed them (a prefill replica, or a decode one directly): the
+//! decode legs, which receive their prompt's KV, are left out.
 //! * per model (`models`, when requests name models): requests, rejected (no replica serves
 //!   the model, or the engine refused), TTFT p50/p99, and the hit rate of its requests (cached
 //!   tokens at admission over prompt tokens).
 
 #![forbid(unsafe_code)]
 
-use super::fleet::Run;
+use super::fleet::{RequestRecord, Run};
+use super::pd::Role;
 use super::trace::Trace;
 use serde::Serialize;
 
@@ -122,6 +135,8 @@ pub struct Summary {
     pub ttft_mean_s: f64,
     pub e2e_p50_s: f64,
     pub e2e_p99_s: f64,
+    pub itl_p50_s: f64,
+    pub itl_p99_s: f64,
     pub hit_rate: f64,
     pub prompt_tokens: u64,
     pub prefill_tokens: u64,
@@ -130,6 +145,9 @@ pub struct Summary {
     pub replica_prefill_tokens: Vec<u64>,
     pub preemptions: u64,
     pub makespan_s: f64,
+    /// Requests that took both legs (only for a fleet with prefill and decode replicas).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disaggregated: Option<usize>,
 }
 
 /// The `p`-th percentile (0..=100, nearest rank) of sorted `v`; NaN when empty.
@@ -155,21 +173,25 @@ pub fn sorted_ttfts(run: &Run) -> Vec<f64> {
 
 pub fn summarize(run: &Run) -> Summary {
     let ttft = sorted_ttfts(run);
-    let mut e2e: Vec<f64> = run
-        .records
-        .iter()
-        .filter(|r| r.finished)
-        .map(|r| r.e2e_s)
-        .collect();
-    e2e.sort_by(f64::total_cmp);
+    let sorted = |of: fn(&RequestRecord) -> Option<f64>| {
+        let mut v: Vec<f64> = run.records.iter().filter_map(of).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let e2e = sorted(|r| r.finished.then_some(r.e2e_s));
+    let itl = sorted(RequestRecord::itl_s);
     let prefill: u64 = run.replica_prefill_tokens.iter().sum();
-    let mean = prefill as f64 / run.replica_prefill_tokens.len().max(1) as f64;
-    let max = run
+    let split = run.roles.contains(&Role::Prefill);
+    // The replicas that compute prompts: all, or a disaggregated fleet's but decode ones.
+    let pool: Vec<u64> = run
         .replica_prefill_tokens
         .iter()
-        .copied()
-        .max()
-        .unwrap_or(0) as f64;
+        .zip(&run.roles)
+        .filter(|(_, &role)| !split || role != Role::Decode)
+        .map(|(&tokens, _)| tokens)
+        .collect();
+    let mean = pool.iter().sum::<u64>() as f64 / pool.len().max(1) as f64;
+    let max = pool.iter().copied().max().unwrap_or(0) as f64;
     Summary {
         policy: run.policy.clone(),
         requests: run.records.len(),
@@ -185,6 +207,8 @@ pub fn summarize(run: &Run) -> Summary {
         },
         e2e_p50_s: percentile(&e2e, 50.0),
         e2e_p99_s: percentile(&e2e, 99.0),
+        itl_p50_s: percentile(&itl, 50.0),
+        itl_p99_s: percentile(&itl, 99.0),
         hit_rate: if run.prefix_queries_tokens == 0 {
             0.0
         } else {
@@ -201,6 +225,12 @@ pub fn summarize(run: &Run) -> Summary {
         replica_prefill_tokens: run.replica_prefill_tokens.clone(),
         preemptions: run.preemptions,
         makespan_s: run.makespan_s,
+        disaggregated: split.then(|| {
+            run.records
+                .iter()
+                .filter(|r| r.prefill_replica.is_some())
+                .count()
+        }),
     }
 }
 
@@ -255,6 +285,15 @@ fn secs(v: f64) -> String {
     }
 }
 
+/// Inter-token latencies: tens of milliseconds, one more digit than `secs`.
+fn fine_secs(v: f64) -> String {
+    if v.is_finite() && v < 1.0 {
+        format!("{v:.4}")
+    } else {
+        secs(v)
+    }
+}
+
 fn tokens(v: u64) -> String {
     if v >= 10_000_000 {
         format!("{:.1}M", v as f64 / 1e6)
@@ -276,10 +315,13 @@ pub fn to_table_with_host(summaries: &[Summary], host_hit_rates: Option<&[f64]>)
     let head = [
         "policy",
         "requests",
+        "disagg",
         "ttft_p50",
         "ttft_p90",
         "ttft_p99",
         "e2e_p99",
+        "itl_p50",
+        "itl_p99",
         "hit_rate",
         "host_hit",
         "prefill_tok",
@@ -297,10 +339,13 @@ pub fn to_table_with_host(summaries: &[Summary], host_hit_rates: Option<&[f64]>)
         rows.push(vec![
             s.policy.clone(),
             requests,
+            s.disaggregated.map_or(String::new(), |n| n.to_string()),
             secs(s.ttft_p50_s),
             secs(s.ttft_p90_s),
             secs(s.ttft_p99_s),
             secs(s.e2e_p99_s),
+            fine_secs(s.itl_p50_s),
+            fine_secs(s.itl_p99_s),
             format!("{:.3}", s.hit_rate),
             host_hit_rates.map_or(String::new(), |h| format!("{:.3}", h[k])),
             tokens(s.prefill_tokens),
@@ -309,8 +354,18 @@ pub fn to_table_with_host(summaries: &[Summary], host_hit_rates: Option<&[f64]>)
             s.preemptions.to_string(),
         ]);
     }
-    if host_hit_rates.is_none() {
-        let column = head.iter().position(|&h| h == "host_hit").unwrap_or(0);
+    // Optional columns, last first: the host tier's, a disaggregated fleet's.
+    let shown = [
+        ("host_hit", host_hit_rates.is_some()),
+        (
+            "disagg",
+            summaries.iter().any(|s| s.disaggregated.is_some()),
+        ),
+    ];
+    for (name, shown) in shown {
+        let Some(column) = head.iter().position(|&h| h == name).filter(|_| !shown) else {
+            continue;
+        };
         for row in &mut rows {
             row.remove(column);
         }
@@ -335,7 +390,7 @@ pub fn to_table_with_host(summaries: &[Summary], host_hit_rates: Option<&[f64]>)
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
-    out.push_str("(seconds; prefill_tok = prompt tokens computed; dup_kv_blk = mean engine blocks held by more than one replica, estimated from routed prompts; max/mean = busiest replica's prefill over the mean)\n");
+    out.push_str("(seconds; itl = a request's mean time between output tokens; prefill_tok = prompt tokens computed; dup_kv_blk = mean engine blocks held by more than one replica, estimated from routed prompts; max/mean = busiest replica's prefill over the mean)\n");
     out
 }
 
@@ -360,6 +415,72 @@ mod tests {
             [("-", 1, 0), ("a", 1, 0), ("b", 2, 0), ("nobody", 1, 1)]
         );
         assert!(rows[2].ttft_p50_s > 0.0 && rows[3].ttft_p50_s.is_nan());
+    }
+
+    #[test]
+    fn inter_token_latency_and_a_disaggregated_fleets_columns() {
+        use super::super::fleet::RequestRecord;
+        let record = |prefill_replica, ttft_s: f64, e2e_s: f64, output_tokens| RequestRecord {
+            prefill_replica,
+            ttft_s,
+            e2e_s,
+            output_tokens,
+            finished: true,
+            ..RequestRecord::default()
+        };
+        assert_eq!(record(None, 1.0, 3.0, 5).itl_s(), Some(0.5));
+        assert_eq!(
+            record(None, 1.0, 1.0, 1).itl_s(),
+            None,
+            "one token: no spacing"
+        );
+        let unfinished = RequestRecord {
+            finished: false,
+            ..record(None, 1.0, 3.0, 5)
+        };
+        assert_eq!(unfinished.itl_s(), None);
+        let run = Run {
+            policy: "p".into(),
+            records: vec![
+                record(Some(0), 1.0, 2.0, 11),
+                record(Some(1), 1.0, 3.0, 11),
+                record(None, 1.0, 5.0, 11),
+            ],
+            roles: vec![Role::Prefill, Role::Prefill, Role::Decode],
+            replica_prefill_tokens: vec![300, 100, 1000],
+            prefix_queries_tokens: 2000,
+            prefix_hits_tokens: 600,
+            host_hits_tokens: 0,
+            preemptions: 0,
+            duplicate_samples: vec![],
+            makespan_s: 5.0,
+        };
+        let s = summarize(&run);
+        assert_eq!((s.itl_p50_s, s.itl_p99_s), (0.2, 0.4));
+        assert_eq!(s.disaggregated, Some(2));
+        // The busiest of the prefill replicas over their mean; the decode replica's direct
+        // prefills count in the work, not in the balance.
+        assert_eq!(s.max_mean_load, 1.5);
+        assert_eq!(s.prefill_tokens, 1400);
+        let table = to_table(std::slice::from_ref(&s));
+        let head: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+        assert_eq!(head[..4], ["policy", "requests", "disagg", "ttft_p50"]);
+        assert!(head.contains(&"itl_p50") && head.contains(&"itl_p99"));
+        assert!(
+            table.lines().nth(1).unwrap().contains(" 0.2000 "),
+            "{table}"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&to_json(std::slice::from_ref(&s))).unwrap();
+        assert_eq!(json[0]["disaggregated"], 2);
+        assert_eq!(json[0]["itl_p99_s"], 0.4);
+        // A whole fleet: neither the column nor the key.
+        let whole = Summary {
+            disaggregated: None,
+            ..s
+        };
+        assert!(!to_table(std::slice::from_ref(&whole)).contains("disagg"));
+        assert!(!to_json(&[whole]).contains("disaggregated"));
     }
 
     #[test]
