@@ -730,3 +730,31 @@ fn a_client_leaving_cancels_both_sglang_legs() {
         .collect();
     assert_eq!(in_flight, [json!(0), json!(0)]);
 }
+
+/// round_robin takes turns on each leg apart: as many prefill as decode replicas do not make
+/// every request take the same pair.
+#[test]
+fn round_robin_takes_turns_on_each_leg() {
+    let (prefill, decode) = (replicas("prefill"), replicas("decode"));
+    let dir = TempDir::new("pd-rr");
+    let log = dir.file("access.log");
+    let args = ["--policy", "round_robin", "--disaggregate", "always"];
+    let kvlb = serve_with(&prefill, &decode, &log, &[], &args);
+    for i in 0..4 {
+        let body =
+            json!({"model": "m", "prompt": format!("{i} {}", "word ".repeat(50)), "max_tokens": 2});
+        let r = post(&kvlb, "/v1/completions", body.to_string().as_bytes());
+        assert_eq!(r.status, 200, "{}", r.describe());
+    }
+    let lines = log_lines(&log, 4);
+    let pairs: std::collections::BTreeSet<(String, String)> = lines
+        .iter()
+        .map(|l| {
+            let p = l["prefill_replica"].as_str().unwrap().to_string();
+            (p, l["replica"].as_str().unwrap().to_string())
+        })
+        .collect();
+    let prefills: std::collections::BTreeSet<_> = pairs.iter().map(|p| &p.0).collect();
+    let decodes: std::collections::BTreeSet<_> = pairs.iter().map(|p| &p.1).collect();
+    assert_eq!((prefills.len(), decodes.len()), (2, 2), "{pairs:?}");
+}

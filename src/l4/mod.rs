@@ -305,6 +305,7 @@ async fn first_request(
             parsed,
             class,
             false,
+            model.leg,
         );
         let epoch = w.shared.fleet.slot(c.replica).epoch.load(Relaxed);
         match adapter.map(|i| i as usize) {

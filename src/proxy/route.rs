@@ -257,6 +257,7 @@ pub(super) fn route(
         parsed,
         model.class,
         model.pin.is_some(),
+        model.leg,
     );
     let replica = choice.replica;
     let slot = w.shared.fleet.slot(replica);

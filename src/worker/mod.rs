@@ -211,6 +211,10 @@ pub struct Worker {
     /// The policy of requests without a `[[model]]` table, then one per table (a
     /// `ModelClass`'s `table` indexes it).
     pub policies: RefCell<Vec<Box<dyn Policy>>>,
+    /// The same, for the decode legs of disaggregated requests: a policy with a turn of its
+    /// own (round_robin's counter) would otherwise step once per leg, and with as many prefill
+    /// as decode replicas send every request to the same pair.
+    pub decode_policies: RefCell<Vec<Box<dyn Policy>>>,
     pub rng: RefCell<Rng>,
     /// Idle keep-alive connections per replica slot, with the slot's epoch when they were
     /// opened (a slot given to another replica since then makes them stale).
@@ -381,8 +385,13 @@ impl Worker {
                 (None, fd) => *log = fd.map(crate::access_log::AccessLog::new),
             }
         }
-        match build_policies(&self.shared, self.id, &cfg) {
-            Ok(p) => *self.policies.borrow_mut() = p,
+        let both = build_policies(&self.shared, self.id, &cfg)
+            .and_then(|p| Ok((p, build_policies(&self.shared, self.id, &cfg)?)));
+        match both {
+            Ok((p, d)) => {
+                *self.policies.borrow_mut() = p;
+                *self.decode_policies.borrow_mut() = d;
+            }
             Err(e) => eprintln!(
                 "kvlb: worker {}: keeping the previous policies: {e}",
                 self.id
@@ -1072,7 +1081,8 @@ impl Worker {
     /// count its decision. `hashed`: the worker's prefix buffers hold this request's blocks
     /// (`hash_prompt` returned true); otherwise the body's size (`body_len`, about 4 bytes a
     /// token) stands for its work. `pinned`: the candidates are the one replica that stored
-    /// the response the request continues (the decision says `affinity`).
+    /// the response the request continues (the decision says `affinity`). `leg`: a decode leg
+    /// is chosen by the decode legs' own policy (`decode_policies`).
     #[allow(clippy::too_many_arguments)]
     pub fn choose(
         &self,
@@ -1083,6 +1093,7 @@ impl Worker {
         hashed: bool,
         class: ModelClass,
         pinned: bool,
+        leg: Leg,
     ) -> Choice {
         let prefix = self.prefix.borrow();
         let (blocks, block_tokens, prompt_tokens): (&[u64], u32, u32) = if hashed {
@@ -1108,7 +1119,10 @@ impl Worker {
         let random = self.rng.borrow_mut().next_u64();
         let (replica, decision) = {
             let cands = self.candidates.borrow();
-            let mut policies = self.policies.borrow_mut();
+            let mut policies = match leg {
+                Leg::Decode => self.decode_policies.borrow_mut(),
+                _ => self.policies.borrow_mut(),
+            };
             // A table gone since the map was built (a reload): the global policy.
             let t = match class.table as usize {
                 t if t < policies.len() => t,
@@ -1211,9 +1225,11 @@ impl Worker {
         let n_replicas = shared.fleet.capacity();
         let generation = shared.fleet.generation.load(Relaxed);
         let policies = build_policies(&shared, id, &shared.cfg())?;
+        let decode_policies = build_policies(&shared, id, &shared.cfg())?;
         Ok(Rc::new(Worker {
             id,
             policies: RefCell::new(policies),
+            decode_policies: RefCell::new(decode_policies),
             rng: RefCell::new(Rng::new(
                 0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) << 17) ^ std::process::id() as u64,
             )),
