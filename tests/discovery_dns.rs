@@ -524,6 +524,15 @@ fn replica_flags_are_valid_replica_values() {
         };
         assert_eq!(r.kv_events, Some(format!("tcp://{host}:5557")));
     }
+    // One source per pool of a disaggregated fleet.
+    let prefill = DnsSource::parse("dns://prefill.test:30000,role=prefill,bootstrap_port=8998")
+        .unwrap()
+        .replica_flag(sa("127.0.0.11:30000"));
+    let r = kvlb::config::parse_replica_flag("--replica-dns", &prefill).unwrap();
+    assert_eq!(
+        (r.role, r.bootstrap_port),
+        (kvlb::config::Role::Prefill, Some(8998))
+    );
 }
 
 /// kvlb serving replicas found by SRV records, following the records as they change.

@@ -53,7 +53,16 @@ pub const FAILURE_LOG_PERIOD: Duration = Duration::from_secs(60);
 /// Distinct SRV targets one resolution follows at most (each may cost address queries).
 pub const MAX_SRV_TARGETS: usize = 4096;
 /// Replica options a source may carry (those of `--replica URL,key=value`).
-pub const REPLICA_OPTIONS: &[&str] = &["kv_capacity_tokens", "kv_events", "kv_replay", "metrics"];
+/// (`role` and `bootstrap_port`: one source per pool of a disaggregated fleet, such as a
+/// headless service of the prefill pods and one of the decode pods.)
+pub const REPLICA_OPTIONS: &[&str] = &[
+    "kv_capacity_tokens",
+    "kv_events",
+    "kv_replay",
+    "metrics",
+    "role",
+    "bootstrap_port",
+];
 
 const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// The runner checks its stop flag at least this often while waiting.
