@@ -758,3 +758,82 @@ fn round_robin_takes_turns_on_each_leg() {
     let decodes: std::collections::BTreeSet<_> = pairs.iter().map(|p| &p.1).collect();
     assert_eq!((prefills.len(), decodes.len()), (2, 2), "{pairs:?}");
 }
+
+/// A decode replica that goes away after its first tokens reached the client: the client's
+/// stream ends there (no `[DONE]`, the connection closed), counted as a cut response; the next
+/// request is decoded by the other decode replica.
+#[test]
+fn a_decode_replica_dying_mid_stream_ends_that_stream() {
+    let prefill = replicas("prefill");
+    // Real time: 400 tokens stream for about 3 s.
+    let doomed = ReplicaFleet::start(1, &["--role", "decode", "--time-scale", "1"]);
+    let other = ReplicaFleet::start(1, &["--role", "decode", "--time-scale", "50"]);
+    let dir = TempDir::new("pd-decode-cut");
+    let log = dir.file("access.log");
+    let doomed_url = url(&doomed.http[0]);
+    let kvlb = serve(
+        &prefill,
+        &other,
+        &log,
+        &[format!("{doomed_url},role=decode")],
+    );
+    // Both decode replicas idle: the one chosen for a stream; send until one lands on the
+    // doomed replica (the other answers at once).
+    let body =
+        json!({"model": "m", "prompt": "word ".repeat(200), "max_tokens": 400, "stream": true})
+            .to_string();
+    let mut conn = None;
+    for _ in 0..8 {
+        let mut c = HttpConn::connect(kvlb.listen);
+        c.send_request(
+            "POST",
+            "/v1/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("Connection", "close"),
+            ],
+            body.as_bytes(),
+        )
+        .unwrap();
+        let (_, status, _, headers) = c.read_head().unwrap();
+        assert_eq!(status, 200);
+        let on = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("x-kvlb-replica"))
+            .map(|(_, v)| v.as_str());
+        if on == Some(doomed_url.as_str()) {
+            conn = Some(c);
+            break;
+        }
+        let _ = c.read_until_close();
+    }
+    let mut c = conn.expect("no stream went to the doomed decode replica in 8 tries");
+    let first = c.read_some().unwrap();
+    assert!(
+        String::from_utf8_lossy(&first).contains("data:"),
+        "{first:?}"
+    );
+    drop(doomed);
+    c.set_read_timeout(T);
+    let rest = c.read_until_close().unwrap_or_default();
+    assert!(
+        !String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "the stream completed"
+    );
+    let cut = || {
+        kvlb.metric(
+            "kvlb_cut_responses_total",
+            &[&format!("replica=\"{doomed_url}\"")],
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(wait_until(T, || cut() == 1.0), "cut: {}", cut());
+    // The fleet carries on without it.
+    let r = post(
+        &kvlb,
+        "/v1/chat/completions",
+        &chat("Be brief.", "Hi.", true),
+    );
+    assert_eq!(r.status, 200, "{}", r.describe());
+    assert!(r.body_text().contains("[DONE]"));
+}
