@@ -152,35 +152,15 @@ fi
 kvlb_ensure_packages nginx curl python3-venv
 kvlb_peers_venv
 kvlb_bench_binary
-SGLANG_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
-VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))')
+kvlb_peer_versions
 NGINX_VERSION=$(nginx -v 2>&1 | sed 's/.*nginx\///')
 
 # --- bookkeeping --------------------------------------------------------------------------
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvlb-e2e.XXXXXX")
+kvlb_bench_bookkeeping e2e
+# nginx's workers (another user when not root) read the configuration written there.
 chmod 755 "$TMP"
-FLEET_PID=""
-BALANCER_PID=""
-
-FINISHED=""
-# shellcheck disable=SC2317 # called by the EXIT trap
-cleanup() {
-    [ -n "$BALANCER_PID" ] && stop_tree "$BALANCER_PID"
-    [ -n "$FLEET_PID" ] && stop_tree "$FLEET_PID"
-    if [ -z "$FINISHED" ] && [ -n "${RESULTS_TXT:-}" ] && [ -f "$RESULTS_TXT" ]; then
-        echo "(run aborted before completion)" >>"$RESULTS_TXT"
-    fi
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-mkdir -p bench/results
-RESULTS_TXT=$ROOT/bench/results/$RESULTS_NAME.txt
 RESULTS_JSON=$ROOT/bench/results/$RESULTS_NAME.json
 RESULTS_SVG=$ROOT/bench/results/$RESULTS_NAME.svg
-: >"$RESULTS_TXT"
-say() { echo "$@" | tee -a "$RESULTS_TXT"; }
 
 free_port() { python3 "$LIB/procstat.py" ports 1; }
 
@@ -190,6 +170,7 @@ on_core "$FLEET_CORE" "$KVLB" replica --listen 127.0.0.1:0 --count "$REPLICAS" \
     --kv-events-format "$KV_EVENTS_FORMAT" --speed "$SPEEDS" --timing-spread "$TIMING_SPREAD" \
     2>"$TMP/fleet.log" &
 FLEET_PID=$!
+FLEET_PIDS+=("$FLEET_PID")
 for _ in $(seq 150); do
     grep -q '^kvlb replica: ready' "$TMP/fleet.log" && break
     kill -0 "$FLEET_PID" 2>/dev/null || break
@@ -399,23 +380,7 @@ done
 
 # With several rounds, each balancer's run with the lowest p99 TTFT goes in the table (a busy
 # machine only ever slows a run down); every run is listed in the notes below it.
-SUMMARIES=()
-for name in $BALANCERS; do
-    best=$(python3 - "$TMP" "$name" "$ROUNDS" <<'PY'
-import json, os, sys
-tmp, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-runs = []
-for r in range(1, rounds + 1):
-    path = os.path.join(tmp, "%s.r%d.json" % (name, r))
-    if os.path.exists(path):
-        s = json.load(open(path))
-        runs.append((s["ttft_p99_s"] if s["ttft_p99_s"] is not None else float("inf"), path))
-if runs:
-    print(min(runs)[1])
-PY
-)
-    [ -n "$best" ] && SUMMARIES+=("$best")
-done
+mapfile -t SUMMARIES < <(kvlb_best_runs)
 FAILED_UNIQUE=()
 for name in $BALANCERS; do
     if grep -q "^$name\$" "$TMP/failed" 2>/dev/null; then

@@ -123,32 +123,11 @@ fi
 kvlb_ensure_packages curl python3-venv
 kvlb_peers_venv
 kvlb_bench_binary
-SGLANG_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
-VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))')
+kvlb_peer_versions
 
 # --- bookkeeping --------------------------------------------------------------------------
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvlb-multi-model.XXXXXX")
-FLEET_PIDS=()
-BALANCER_PID=""
-
-FINISHED=""
-# shellcheck disable=SC2317 # called by the EXIT trap
-cleanup() {
-    [ -n "$BALANCER_PID" ] && stop_tree "$BALANCER_PID"
-    for p in "${FLEET_PIDS[@]}"; do stop_tree "$p"; done
-    if [ -z "$FINISHED" ] && [ -n "${RESULTS_TXT:-}" ] && [ -f "$RESULTS_TXT" ]; then
-        echo "(run aborted before completion)" >>"$RESULTS_TXT"
-    fi
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-mkdir -p bench/results
-RESULTS_TXT=$ROOT/bench/results/$RESULTS_NAME.txt
+kvlb_bench_bookkeeping multi-model
 RESULTS_JSON=${RESULTS_JSON:-}
-: >"$RESULTS_TXT"
-say() { echo "$@" | tee -a "$RESULTS_TXT"; }
 
 # --- the fleet: two processes, two models ---------------------------------------------------
 REPLICA_URLS=()

@@ -87,31 +87,10 @@ fi
 kvlb_ensure_packages curl python3-venv
 kvlb_peers_venv
 kvlb_bench_binary
-SGLANG_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
-VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))')
-
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvlb-pd.XXXXXX")
-FLEET_PIDS=()
-BALANCER_PID=""
-FINISHED=""
-# shellcheck disable=SC2317 # called by the EXIT trap
-cleanup() {
-    [ -n "$BALANCER_PID" ] && stop_tree "$BALANCER_PID"
-    for p in "${FLEET_PIDS[@]}"; do stop_tree "$p"; done
-    if [ -z "$FINISHED" ] && [ -n "${RESULTS_TXT:-}" ] && [ -f "$RESULTS_TXT" ]; then
-        echo "(run aborted before completion)" >>"$RESULTS_TXT"
-    fi
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-mkdir -p bench/results
-RESULTS_TXT=$ROOT/bench/results/$RESULTS_NAME.txt
+kvlb_peer_versions
+kvlb_bench_bookkeeping pd
 RESULTS_JSON=$ROOT/bench/results/$RESULTS_NAME.json
 RESULTS_SVG=$ROOT/bench/results/$RESULTS_NAME.svg
-: >"$RESULTS_TXT"
-say() { echo "$@" | tee -a "$RESULTS_TXT"; }
 
 # Starts `kvlb replica` fleet part $1 (a name) with the flags after it; its startup lines are in
 # $TMP/$1.log.
@@ -300,23 +279,7 @@ print('TTFT p50 %s p99 %s, ITL p50 %s p99 %s, %d errors' % (f(s['ttft_p50_s']), 
 done
 
 # Each balancer's run with the lowest p99 TTFT (a busy machine only ever slows a run down).
-SUMMARIES=()
-for name in $BALANCERS; do
-    best=$(python3 - "$TMP" "$name" "$ROUNDS" <<'PY'
-import json, os, sys
-tmp, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-runs = []
-for r in range(1, rounds + 1):
-    path = os.path.join(tmp, "%s.r%d.json" % (name, r))
-    if os.path.exists(path):
-        s = json.load(open(path))
-        runs.append((s["ttft_p99_s"] if s["ttft_p99_s"] is not None else float("inf"), path))
-if runs:
-    print(min(runs)[1])
-PY
-)
-    [ -n "$best" ] && SUMMARIES+=("$best")
-done
+mapfile -t SUMMARIES < <(kvlb_best_runs)
 
 say ""
 "$KVLB" replay report --title "Prefill/decode disaggregation, live: ${TRACE#gen:}, 4 GPUs, time scale $TIME_SCALE" \

@@ -86,3 +86,58 @@ round_order() {
         grep -qx "$name" "$TMP/failed" 2>/dev/null || echo "$name"
     done
 }
+
+# Sets SGLANG_VERSION and VLLM_ROUTER_VERSION from the peers' venv.
+kvlb_peer_versions() {
+    SGLANG_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
+    VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))')
+}
+
+# The run's bookkeeping: TMP (a directory named after $1, removed at exit), FLEET_PIDS and
+# BALANCER_PID (stopped at exit), FINISHED (set it to 1 at the end: an unfinished run says so
+# in RESULTS_TXT), RESULTS_TXT (bench/results/RESULTS_NAME.txt, emptied) and `say` (echo and
+# append to it).
+kvlb_bench_bookkeeping() {
+    TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvlb-$1.XXXXXX")
+    FLEET_PIDS=()
+    BALANCER_PID=""
+    FINISHED=""
+    trap kvlb_bench_cleanup EXIT
+    trap 'exit 130' INT TERM
+    mkdir -p "$ROOT/bench/results"
+    RESULTS_TXT=$ROOT/bench/results/$RESULTS_NAME.txt
+    : >"$RESULTS_TXT"
+}
+
+# shellcheck disable=SC2317 # called by the EXIT trap
+kvlb_bench_cleanup() {
+    [ -n "$BALANCER_PID" ] && stop_tree "$BALANCER_PID"
+    local p
+    for p in "${FLEET_PIDS[@]}"; do stop_tree "$p"; done
+    if [ -z "$FINISHED" ] && [ -n "${RESULTS_TXT:-}" ] && [ -f "$RESULTS_TXT" ]; then
+        echo "(run aborted before completion)" >>"$RESULTS_TXT"
+    fi
+    rm -rf "$TMP"
+}
+
+say() { echo "$@" | tee -a "$RESULTS_TXT"; }
+
+# Prints, per balancer of BALANCERS, the summary of its run with the lowest p99 TTFT among
+# $TMP/NAME.rROUND.json for rounds 1..ROUNDS (a busy machine only ever slows a run down).
+kvlb_best_runs() {
+    local name
+    for name in $BALANCERS; do
+        python3 - "$TMP" "$name" "$ROUNDS" <<'PY'
+import json, os, sys
+tmp, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+runs = []
+for r in range(1, rounds + 1):
+    path = os.path.join(tmp, "%s.r%d.json" % (name, r))
+    if os.path.exists(path):
+        s = json.load(open(path))
+        runs.append((s["ttft_p99_s"] if s["ttft_p99_s"] is not None else float("inf"), path))
+if runs:
+    print(min(runs)[1])
+PY
+    done
+}
