@@ -128,49 +128,7 @@ pub struct ReplicaConfig {
     pub bootstrap_port: Option<u16>,
 }
 
-/// A replica's part in prefill/decode disaggregation. A request whose model has replicas of
-/// both roles `prefill` and `decode` is computed on a prefill replica and continued on a decode
-/// replica, its KV cache moved between them; every other request goes to the replicas of role
-/// `both` or `decode` (a decode replica computes a prompt it was not sent the KV of).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[repr(u8)]
-pub enum Role {
-    /// Prefill and decode, as a replica without disaggregation does.
-    #[default]
-    Both = 0,
-    /// Computes prompts for decode replicas (vLLM `kv_role` kv_producer, or kv_both used so).
-    Prefill = 1,
-    /// Continues requests from the KV a prefill replica computed (kv_consumer).
-    Decode = 2,
-}
-
-impl Role {
-    pub fn parse(key: &str, v: &str) -> Result<Role, ConfigError> {
-        match v {
-            "both" => Ok(Role::Both),
-            "prefill" => Ok(Role::Prefill),
-            "decode" => Ok(Role::Decode),
-            _ => Err(bad(key, v, "expected prefill, decode or both")),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Both => "both",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-
-    /// The role stored as `self as u8` (`fleet::ReplicaSlot::role`).
-    pub fn from_u8(v: u8) -> Role {
-        match v {
-            1 => Role::Prefill,
-            2 => Role::Decode,
-            _ => Role::Both,
-        }
-    }
-}
+pub use kvlb_core::pd::Role;
 
 /// A LoRA adapter kvlb loads on a replica when a request names it and no replica has it
 /// (`lora_adapter`; see `crate::model_watch`).

@@ -46,7 +46,6 @@ deserialize_from_text!(
     Cores,
     ListenerMode,
     L4Forwarding,
-    Role,
     Disaggregate,
     ZmqEndpoint,
     LoraAdapterSpec,
@@ -223,13 +222,6 @@ impl FromStr for Disaggregate {
     type Err = String;
     fn from_str(s: &str) -> Result<Disaggregate, String> {
         Disaggregate::parse("", s).map_err(why)
-    }
-}
-
-impl FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Role, String> {
-        Role::parse("", s).map_err(why)
     }
 }
 

@@ -6,7 +6,7 @@ use crate::config::ServeConfig;
 use crate::metrics::{ReplicaGauges, WorkerStats};
 use crate::models::{ModelClass, ModelKey, ModelMap, Resolved};
 use crate::rt::op;
-use crate::select::{self, Candidate, PdPath, Policy, Rng};
+use crate::select::{self, Candidate, Policy, Rng};
 use std::cell::{Cell, RefCell};
 use std::io;
 use std::net::SocketAddr;
@@ -487,13 +487,7 @@ impl Worker {
                 lora_slot_busy,
                 pace: self.shared.pace[i].load(),
                 routed: load.routed.load(Relaxed),
-                pd: match (model.leg, self.shared.fleet.slot(i).role()) {
-                    // A prefill replica's estimate adds the KV transfer: when the decode
-                    // replica can start (the pair's estimate, as the decision line shows it).
-                    (Leg::Split | Leg::Prefill, crate::config::Role::Prefill) => PdPath::Prefill,
-                    (Leg::Split, _) => PdPath::Direct,
-                    _ => PdPath::Whole,
-                },
+                pd: model.leg.path(self.shared.fleet.slot(i).role()),
             }
         };
         // A conversation's stored response: its replica alone while it may take requests
@@ -876,37 +870,7 @@ pub struct ModelRoute {
     pub leg: Leg,
 }
 
-/// What part of a request is routed, which decides the replicas' roles (`config::Role`) that
-/// may take it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Leg {
-    /// The whole request: replicas of role both, or decode (which compute what they were not
-    /// sent the KV of).
-    #[default]
-    Whole,
-    /// A request that may be disaggregated, before its prefill: replicas of role prefill (the
-    /// disaggregated path) and decode (computed there directly); `Candidate::pd` says which,
-    /// and `cache_aware` prices the two paths against each other.
-    Split,
-    /// The prefill leg of a disaggregated request: replicas of role prefill.
-    Prefill,
-    /// Its decode leg: replicas of role decode.
-    Decode,
-}
-
-impl Leg {
-    #[inline]
-    pub fn admits(self, role: crate::config::Role) -> bool {
-        use crate::config::Role;
-        matches!(
-            (self, role),
-            (Leg::Whole, Role::Both | Role::Decode)
-                | (Leg::Split, Role::Prefill | Role::Decode)
-                | (Leg::Prefill, Role::Prefill)
-                | (Leg::Decode, Role::Decode)
-        )
-    }
-}
+pub use kvlb_core::pd::Leg;
 
 /// A replica slot and the low bits of its epoch (`affinity::AffinityTable`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,6 +27,108 @@
 #![forbid(unsafe_code)]
 
 use crate::prompt::top_level_members;
+use crate::select::PdPath;
+
+/// A replica's part in prefill/decode disaggregation: `kvlb serve`'s replica option `role`,
+/// `kvlb replica --role` (vLLM's `kv_role`), `kvlb simulate --roles`. A request whose model
+/// has replicas of roles prefill and decode is computed on a prefill replica and continued
+/// on a decode replica from the KV cache moved between them; every other request goes to the
+/// replicas of role both or decode (a decode replica computes a prompt it was not sent the KV
+/// of).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum Role {
+    /// Prefill and decode, as a replica without disaggregation does.
+    #[default]
+    Both = 0,
+    /// Computes prompts for decode replicas and holds their KV until pulled (`kv_producer`).
+    Prefill = 1,
+    /// Continues requests from the KV a prefill replica computed (`kv_consumer`).
+    Decode = 2,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Both, Role::Prefill, Role::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// The role called `name` (`Role::as_str`).
+    pub fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
+    /// The role stored as `self as u8` (an atomic per replica slot).
+    pub fn from_u8(v: u8) -> Role {
+        match v {
+            1 => Role::Prefill,
+            2 => Role::Decode,
+            _ => Role::Both,
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Role, String> {
+        Role::parse(s).ok_or_else(|| "expected prefill, decode or both".to_string())
+    }
+}
+
+/// A file value through `FromStr`: `"value": why` on error.
+impl<'de> serde::Deserialize<'de> for Role {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        crate::text::from_text(d)
+    }
+}
+
+/// What part of a request is routed, which decides the replicas' roles that may take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Leg {
+    /// The whole request: replicas of role both, or decode (which compute what they were not
+    /// sent the KV of).
+    #[default]
+    Whole,
+    /// A request that may be disaggregated, before its prefill: replicas of role prefill (the
+    /// disaggregated path) and decode (computed there directly); the candidates' `PdPath`
+    /// says which, and `cache_aware` prices the two paths against each other.
+    Split,
+    /// The prefill leg of a disaggregated request: replicas of role prefill.
+    Prefill,
+    /// Its decode leg: replicas of role decode.
+    Decode,
+}
+
+impl Leg {
+    #[inline]
+    pub fn admits(self, role: Role) -> bool {
+        matches!(
+            (self, role),
+            (Leg::Whole, Role::Both | Role::Decode)
+                | (Leg::Split, Role::Prefill | Role::Decode)
+                | (Leg::Prefill, Role::Prefill)
+                | (Leg::Decode, Role::Decode)
+        )
+    }
+
+    /// How the request would run on a replica of `role` (`Candidate::pd`): a prefill
+    /// replica's estimate adds the KV transfer (when the decode replica can start: the pair's
+    /// estimate, on either leg that may take one), a decode replica of a split request
+    /// computes it directly.
+    #[inline]
+    pub fn path(self, role: Role) -> PdPath {
+        match (self, role) {
+            (Leg::Split | Leg::Prefill, Role::Prefill) => PdPath::Prefill,
+            (Leg::Split, _) => PdPath::Direct,
+            _ => PdPath::Whole,
+        }
+    }
+}
 
 /// What the prefill leg sets, after the client's members.
 const PREFILL_MEMBERS: &[u8] = br#""stream":false,"max_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;

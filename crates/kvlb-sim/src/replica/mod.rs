@@ -221,7 +221,7 @@ pub fn start(flags: &ReplicaFlags) -> Result<Vec<Started>, String> {
             line.push_str(&format!(" speed={speed}"));
         }
         if flags.role != Role::Both {
-            line.push_str(&format!(" role={}", flags.role.name()));
+            line.push_str(&format!(" role={}", flags.role.as_str()));
             if flags.pd_protocol != Protocol::Vllm {
                 line.push_str(&format!(" pd_protocol={}", flags.pd_protocol.name()));
             }

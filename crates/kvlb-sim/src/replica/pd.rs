@@ -36,34 +36,7 @@ use super::openai::{type_name, ApiError, BootstrapFields};
 use serde_json::{json, Map, Value};
 use std::net::SocketAddr;
 
-/// A replica's part in disaggregated prefill (`--role`), vLLM's `kv_role`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Role {
-    /// Whole requests; `kv_transfer_params` ignored (a replica without a KV connector).
-    #[default]
-    Both,
-    /// Prefills for remote decodes (`kv_producer`).
-    Prefill,
-    /// Decodes of remote prefills (`kv_consumer`).
-    Decode,
-}
-
-impl Role {
-    pub const ALL: [Role; 3] = [Role::Both, Role::Prefill, Role::Decode];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Both => "both",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-
-    /// The role called `name` (`Role::name`).
-    pub fn parse(name: &str) -> Option<Role> {
-        Role::ALL.into_iter().find(|r| r.name() == name)
-    }
-}
+pub use kvlb_core::pd::Role;
 
 /// `--kv-link-gbps`' default: GB/s between prefill and decode replicas (RDMA between nodes, as
 /// NIXL reaches).

@@ -1542,8 +1542,8 @@ mod tests {
         let mut policy = RoutingPolicy::from_policy(Box::new(Recorder(seen.clone())));
         let pd = two_by_two(Disaggregate::Always, 25.0);
         let run = run_on(&trace, &pd, &mut policy);
-        // Each request was offered the prefill replicas, then (once prefilled) the decode
-        // replicas, as whole candidates: nothing to price between paths.
+        // Each request was offered the prefill replicas (their estimates adding the transfer),
+        // then (once prefilled) the decode replicas, as whole candidates.
         let offered: Vec<Vec<(usize, PdPath)>> = seen
             .lock()
             .unwrap()
@@ -1552,7 +1552,7 @@ mod tests {
             .collect();
         assert_eq!(offered.len(), 16);
         for legs in offered.chunks(2) {
-            assert_eq!(legs[0], [(0, PdPath::Whole), (1, PdPath::Whole)]);
+            assert_eq!(legs[0], [(0, PdPath::Prefill), (1, PdPath::Prefill)]);
             assert_eq!(legs[1], [(2, PdPath::Whole), (3, PdPath::Whole)]);
         }
         let transfer = 1000.0 * 131_072.0 / 25e9;

@@ -339,7 +339,13 @@ impl Options {
         let Some(roles) = &self.roles else {
             return Ok(());
         };
-        let names = || roles.iter().map(|r| r.name()).collect::<Vec<_>>().join(",");
+        let names = || {
+            roles
+                .iter()
+                .map(|r| r.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         if roles.len() != self.fleet_size() {
             return Err(format!(
                 "bad value for --roles: {} ({} roles for {fleet}; give one per replica)",

@@ -15,7 +15,6 @@
 
 #![forbid(unsafe_code)]
 
-use crate::select::PdPath;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -94,41 +93,7 @@ impl Pd {
     }
 }
 
-/// What a request (or one of its legs) may be routed to, as `kvlb serve`'s legs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Leg {
-    /// The whole request: replicas of role both, or decode (which compute what they were not
-    /// sent the KV of).
-    Whole,
-    /// A request that may be disaggregated, before its prefill: prefill replicas (the
-    /// disaggregated path) and decode replicas (computed there directly).
-    Split,
-    /// The prefill leg: prefill replicas.
-    Prefill,
-    /// The decode leg: decode replicas.
-    Decode,
-}
-
-impl Leg {
-    pub(super) fn admits(self, role: Role) -> bool {
-        matches!(
-            (self, role),
-            (Leg::Whole, Role::Both | Role::Decode)
-                | (Leg::Split, Role::Prefill | Role::Decode)
-                | (Leg::Prefill, Role::Prefill)
-                | (Leg::Decode, Role::Decode)
-        )
-    }
-
-    /// How the request would run on a replica of `role` (`Candidate::pd`).
-    pub(super) fn path(self, role: Role) -> PdPath {
-        match (self, role) {
-            (Leg::Split, Role::Prefill) => PdPath::Prefill,
-            (Leg::Split, _) => PdPath::Direct,
-            _ => PdPath::Whole,
-        }
-    }
-}
+pub use kvlb_core::pd::Leg;
 
 /// KV transfers in flight, by the time they end (then by request, for determinism).
 #[derive(Default)]
@@ -180,9 +145,12 @@ mod tests {
         assert_eq!(admitted(Leg::Split), [0, 1, 2]);
         assert_eq!(admitted(Leg::Prefill), [0, 1]);
         assert_eq!(admitted(Leg::Decode), [2]);
+        use crate::select::PdPath;
         assert_eq!(Leg::Split.path(Role::Prefill), PdPath::Prefill);
         assert_eq!(Leg::Split.path(Role::Decode), PdPath::Direct);
-        assert_eq!(Leg::Prefill.path(Role::Prefill), PdPath::Whole);
+        // The prefill leg's estimate adds the transfer too, as kvlb serve's does.
+        assert_eq!(Leg::Prefill.path(Role::Prefill), PdPath::Prefill);
+        assert_eq!(Leg::Decode.path(Role::Decode), PdPath::Whole);
         for name in Disaggregate::NAMES {
             assert_eq!(Disaggregate::parse(name).unwrap().name(), *name);
         }
