@@ -509,27 +509,12 @@ mod tests {
     /// split across writes included.
     #[test]
     fn inter_token_latency_is_the_mean_gap_between_token_events() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut c, _) = listener.accept().unwrap();
-            let mut buf = [0u8; 4096];
-            let mut got = Vec::new();
-            while find(&got, b"\r\n\r\n").is_none() {
-                let n = c.read(&mut buf).unwrap();
-                got.extend_from_slice(&buf[..n]);
-            }
-            c.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
-                .unwrap();
-            for part in [
-                &b"data: {\"t\":1}\n\nda"[..],
-                b"ta: {\"t\":2}\n\n",
-                b"data: {\"t\":3}\n\ndata: [DONE]\n\n",
-            ] {
-                std::thread::sleep(Duration::from_millis(40));
-                c.write_all(part).unwrap();
-            }
-        });
+        let parts = [
+            "data: {\"t\":1}\n\nda",
+            "ta: {\"t\":2}\n\n",
+            "data: {\"t\":3}\n\ndata: [DONE]\n\n",
+        ];
+        let (addr, server) = serve_stream(parts.iter().map(|p| (40, p.to_string())).collect());
         let r = stream(
             addr,
             "/v1/completions",
