@@ -121,6 +121,32 @@ fn replica_metric(addr: SocketAddr, name: &str) -> f64 {
     metric_sum(&r.body_text(), name, &[]).unwrap_or(0.0)
 }
 
+/// Requests a 30k-token prompt from `kvlb` and leaves 300 ms later (while a real-time
+/// replica still computes it).
+fn send_and_leave(kvlb: &Kvlb) {
+    let body = support::fleet::completion_body(&support::fleet::token_prompt(30_000, 7));
+    let mut c = HttpConn::connect(kvlb.listen);
+    c.send_request(
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        &body,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+/// The requests the replica at `addr` aborted (its client gone).
+fn aborted(addr: SocketAddr) -> f64 {
+    let r = support::client::get(addr, "/metrics");
+    metric_sum(
+        &r.body_text(),
+        "vllm:request_success_total",
+        &["finished_reason=\"abort\""],
+    )
+    .unwrap_or(0.0)
+}
+
 /// A port nothing listens on (bound once and let go).
 fn dead_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -373,28 +399,9 @@ fn a_client_leaving_during_the_prefill_cancels_it() {
     let dir = TempDir::new("pd-cancel");
     let log = dir.file("access.log");
     let kvlb = serve(&prefill, &decode, &log, &[]);
-    let body = support::fleet::completion_body(&support::fleet::token_prompt(30_000, 7));
-    let mut c = HttpConn::connect(kvlb.listen);
-    c.send_request(
-        "POST",
-        "/v1/completions",
-        &[("Content-Type", "application/json")],
-        &body,
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    drop(c);
+    send_and_leave(&kvlb);
     let p = prefill.http[0];
-    let aborted = || {
-        let r = support::client::get(p, "/metrics");
-        metric_sum(
-            &r.body_text(),
-            "vllm:request_success_total",
-            &["finished_reason=\"abort\""],
-        )
-        .unwrap_or(0.0)
-    };
-    assert!(wait_until(T, || aborted() == 1.0), "{}", aborted());
+    assert!(wait_until(T, || aborted(p) == 1.0), "{}", aborted(p));
     let line = &log_lines(&log, 1)[0];
     assert_eq!(line["status"], 499, "{line}");
     assert_eq!(line["replica"], url(&p).as_str(), "{line}");
@@ -693,26 +700,7 @@ fn a_client_leaving_cancels_both_sglang_legs() {
     let dir = TempDir::new("pd-sglang-cancel");
     let log = dir.file("access.log");
     let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log);
-    let body = support::fleet::completion_body(&support::fleet::token_prompt(30_000, 7));
-    let mut c = HttpConn::connect(kvlb.listen);
-    c.send_request(
-        "POST",
-        "/v1/completions",
-        &[("Content-Type", "application/json")],
-        &body,
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    drop(c);
-    let aborted = |a: SocketAddr| {
-        let r = support::client::get(a, "/metrics");
-        metric_sum(
-            &r.body_text(),
-            "vllm:request_success_total",
-            &["finished_reason=\"abort\""],
-        )
-        .unwrap_or(0.0)
-    };
+    send_and_leave(&kvlb);
     let (p, d) = (prefill.http[0], decode.http[0]);
     let decode_ended = || aborted(d) + replica_metric(d, "kvlb_replica_kv_transfer_failures_total");
     assert!(
