@@ -319,27 +319,18 @@ async fn connection_loop(w: &Rc<Worker>, conn: &mut Conn) -> End {
                     body_end: b,
                     req_end: r,
                     prefill,
+                    sent,
                 }) => {
                     (body_end, req_end) = (b, r);
                     model.leg = Leg::Decode;
                     conn.log.prefill = Some(prefill);
+                    if let Some((routed, up)) = sent {
+                        preset = Some((routed, conn.explain_len, Some(up)));
+                    }
                 }
                 Ok(pd::Prefilled::Whole) => {}
                 Ok(pd::Prefilled::Direct(routed, explain_len)) => {
                     preset = Some((routed, explain_len, None))
-                }
-                Ok(pd::Prefilled::Sent {
-                    routed,
-                    up,
-                    body_end: b,
-                    req_end: r,
-                    prefill,
-                }) => {
-                    (body_end, req_end) = (b, r);
-                    model.leg = Leg::Decode;
-                    conn.log.prefill = Some(prefill);
-                    let explain_len = conn.explain_len;
-                    preset = Some((routed, explain_len, Some(up)));
                 }
                 Ok(pd::Prefilled::Unavailable(why)) => {
                     let served =

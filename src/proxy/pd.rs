@@ -23,7 +23,8 @@
 //! (`kvlb_core::pd::sglang_body`): both legs take the same body, the client's with the prefill
 //! replica's bootstrap server and a room kvlb draws. The decode leg is sent first (`Sglang`),
 //! then the prefill leg is exchanged as above; once the prefill answered, the caller's path
-//! reads the decode replica's answer from the connection it was sent on (`Prefilled::Sent`).
+//! reads the decode replica's answer from the connection it was sent on (`Prefilled::Decode`'s
+//! `sent`).
 //! A prefill that fails closes the decode leg's connection (the engine aborts it) and both
 //! go again with another prefill replica and room; none left is a 503, since an SGLang
 //! decode replica computes no prompt without a room (and so none is sent one directly).
@@ -57,11 +58,14 @@ const MAX_PREFILL_ANSWER: usize = 1 << 20;
 /// What the caller does after the prefill leg.
 pub(super) enum Prefilled {
     /// Route the request to a decode replica: its body in `conn.cbuf` now ends at `body_end`,
-    /// and the request at `req_end`; `prefill` is the replica that computed it.
+    /// and the request at `req_end`; `prefill` is the replica that computed it. `sent`
+    /// (SGLang's protocol): the decode leg went to this routed replica on this connection
+    /// (pooled: true) already; forward reads its answer as the first attempt.
     Decode {
         body_end: usize,
         req_end: usize,
         prefill: usize,
+        sent: Option<(Routed, (Upstream, bool))>,
     },
     /// Send it whole, as the client sent it.
     Whole,
@@ -69,16 +73,6 @@ pub(super) enum Prefilled {
     /// the sequences decoding there, than a prefill replica and the transfer): routed already,
     /// its concurrency slot taken; forward it as the first attempt.
     Direct(Routed, usize),
-    /// SGLang's protocol: the decode leg (its body in `conn.cbuf`, ending at `body_end`) was
-    /// sent on `up` (pooled: true) to the routed decode replica, and `prefill` answered its
-    /// leg; forward reads the decode replica's answer as the first attempt.
-    Sent {
-        routed: Routed,
-        up: (Upstream, bool),
-        body_end: usize,
-        req_end: usize,
-        prefill: usize,
-    },
     /// SGLang's protocol, and no prefill (or decode) replica could take the request: an SGLang
     /// decode replica refuses a request without a bootstrap room, so the client gets 503.
     Unavailable(&'static str),
@@ -246,12 +240,11 @@ pub(super) async fn prefill(
                     },
                 );
                 rebuild_upstream_head(conn, head_end);
-                return Ok(Prefilled::Sent {
-                    routed: decode,
-                    up,
+                return Ok(Prefilled::Decode {
                     body_end: sglang.body_end,
                     req_end: sglang.req_end,
                     prefill: replica,
+                    sent: Some((decode, up)),
                 });
             }
             // The prefill failed: its room will not be filled. The decode replica's
@@ -327,6 +320,7 @@ pub(super) async fn prefill(
             body_end,
             req_end,
             prefill,
+            sent: None,
         });
     };
     let ok = kvlb_core::pd::vllm_decode_body(
@@ -347,6 +341,7 @@ pub(super) async fn prefill(
         body_end: new_end,
         req_end,
         prefill,
+        sent: None,
     })
 }
 
