@@ -268,21 +268,26 @@ fn a_failing_prefill_replica_is_passed_over_and_none_left_goes_whole() {
     let log = dir.file("access.log");
     let dead = url(&dead_port());
     let kvlb = serve(&prefill, &decode, &log, &[format!("{dead},role=prefill")]);
-    for i in 0..8 {
+    let retries = || {
+        kvlb.metric("kvlb_retries_total", &[&format!("replica=\"{dead}\"")])
+            .unwrap_or(0.0)
+    };
+    // Until the dead replica has been tried (prompts of nothing in common: each goes to an
+    // idle prefill replica, any of the three).
+    let mut sent = 0;
+    while sent < 8 || (retries() == 0.0 && sent < 40) {
         let r = post(
             &kvlb,
             "/v1/completions",
-            &json!({"model": "m", "prompt": format!("{i} {}", "word ".repeat(300)), "max_tokens": 4})
+            &json!({"model": "m", "prompt": format!("{sent} {}", "word ".repeat(300)), "max_tokens": 4})
                 .to_string()
                 .into_bytes(),
         );
         assert_eq!(r.status, 200, "{}", r.describe());
+        sent += 1;
     }
-    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 8.0);
-    let retries = kvlb
-        .metric("kvlb_retries_total", &[&format!("replica=\"{dead}\"")])
-        .unwrap_or(0.0);
-    assert!(retries >= 1.0, "the dead prefill replica was never tried");
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), sent as f64);
+    assert!(retries() >= 1.0, "the dead prefill replica was never tried");
     drop(kvlb);
 
     // Only the dead one: every request goes whole.
@@ -624,26 +629,31 @@ fn a_failing_sglang_prefill_is_retried_with_a_new_room() {
     let mut specs = sglang_specs(&prefill, &decode);
     specs.push(failing_spec.clone());
     let kvlb = serve_specs(&specs, &dir.file("access.log"));
-    for i in 0..8 {
-        let body = json!({"model": "m", "prompt": format!("{i} {}", "word ".repeat(300)),
-            "max_tokens": 4, "stream": i % 2 == 0});
-        let r = post(&kvlb, "/v1/completions", body.to_string().as_bytes());
-        assert_eq!(r.status, 200, "{}", r.describe());
-    }
-    assert_eq!(pd_outcome(&kvlb, "disaggregated"), 8.0);
     let failing_url = failing.url();
-    let retries = kvlb
-        .metric(
+    let retries = || {
+        kvlb.metric(
             "kvlb_retries_total",
             &[&format!("replica=\"{failing_url}\"")],
         )
-        .unwrap_or(0.0);
+        .unwrap_or(0.0)
+    };
+    // Until the failing replica has been tried (prompts of nothing in common: each goes to
+    // an idle prefill replica, any of the three).
+    let mut sent = 0;
+    while sent < 8 || (retries() == 0.0 && sent < 40) {
+        let body = json!({"model": "m", "prompt": format!("{sent} {}", "word ".repeat(300)),
+            "max_tokens": 4, "stream": sent % 2 == 0});
+        let r = post(&kvlb, "/v1/completions", body.to_string().as_bytes());
+        assert_eq!(r.status, 200, "{}", r.describe());
+        sent += 1;
+    }
     assert!(
-        retries >= 1.0,
+        retries() >= 1.0,
         "the failing prefill replica was never tried"
     );
+    assert_eq!(pd_outcome(&kvlb, "disaggregated"), sent as f64);
     let pulled: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();
-    assert_eq!(pulled, 8.0);
+    assert_eq!(pulled, sent as f64);
     drop(kvlb);
 
     // The failing one alone: 503, and the decode replicas were sent nothing they kept.
@@ -667,7 +677,7 @@ fn a_failing_sglang_prefill_is_retried_with_a_new_room() {
     assert_eq!(pd_outcome(&kvlb, "prefill_failed"), 1.0);
     assert!(kvlb.stderr().contains("no prefill replica could compute"));
     let pulled_after: f64 = decode.http.iter().map(|&a| replica_metric(a, PULLED)).sum();
-    assert_eq!(pulled_after, 8.0);
+    assert_eq!(pulled_after, sent as f64);
 }
 
 /// A client that leaves while its prompt is prefilled: both legs' connections close, the
