@@ -267,15 +267,21 @@ fn a_failing_prefill_replica_is_passed_over_and_none_left_goes_whole() {
     let dir = TempDir::new("pd-fail");
     let log = dir.file("access.log");
     let dead = url(&dead_port());
-    let kvlb = serve(&prefill, &decode, &log, &[format!("{dead},role=prefill")]);
+    // Round-robin: the dead replica's turn comes within three requests (cache_aware would
+    // learn the others' pace and might never try it).
+    let kvlb = serve_with(
+        &prefill,
+        &decode,
+        &log,
+        &[format!("{dead},role=prefill")],
+        &["--disaggregate", "always", "--policy", "round_robin"],
+    );
     let retries = || {
         kvlb.metric("kvlb_retries_total", &[&format!("replica=\"{dead}\"")])
             .unwrap_or(0.0)
     };
-    // Until the dead replica has been tried (prompts of nothing in common: each goes to an
-    // idle prefill replica, any of the three).
     let mut sent = 0;
-    while sent < 8 || (retries() == 0.0 && sent < 40) {
+    while sent < 8 {
         let r = post(
             &kvlb,
             "/v1/completions",
@@ -534,7 +540,7 @@ fn sglang_specs(prefill: &ReplicaFleet, decode: &ReplicaFleet) -> Vec<String> {
     specs
 }
 
-fn serve_specs(specs: &[String], log: &Path) -> Kvlb {
+fn serve_specs(specs: &[String], log: &Path, extra: &[&str]) -> Kvlb {
     let mut args = vec![
         "--explain",
         "--workers",
@@ -545,6 +551,7 @@ fn serve_specs(specs: &[String], log: &Path) -> Kvlb {
     for s in specs {
         args.extend_from_slice(&["--replica", s]);
     }
+    args.extend_from_slice(extra);
     Kvlb::serve(&args)
 }
 
@@ -556,7 +563,7 @@ fn sglangs_protocol_through_both_legs_with_the_openai_client() {
     let (prefill, decode) = (sglang_replicas("prefill"), sglang_replicas("decode"));
     let dir = TempDir::new("pd-sglang");
     let log = dir.file("access.log");
-    let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log);
+    let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log, &[]);
     assert!(wait_until(T, || support::fleet::replicas_json(&kvlb)
         .iter()
         .filter(|r| r["role"] == "prefill")
@@ -628,7 +635,13 @@ fn a_failing_sglang_prefill_is_retried_with_a_new_room() {
     );
     let mut specs = sglang_specs(&prefill, &decode);
     specs.push(failing_spec.clone());
-    let kvlb = serve_specs(&specs, &dir.file("access.log"));
+    // Round-robin: the failing replica's turn comes within three requests (cache_aware
+    // would learn the others' pace and might never try it).
+    let kvlb = serve_specs(
+        &specs,
+        &dir.file("access.log"),
+        &["--policy", "round_robin"],
+    );
     let failing_url = failing.url();
     let retries = || {
         kvlb.metric(
@@ -637,10 +650,8 @@ fn a_failing_sglang_prefill_is_retried_with_a_new_room() {
         )
         .unwrap_or(0.0)
     };
-    // Until the failing replica has been tried (prompts of nothing in common: each goes to
-    // an idle prefill replica, any of the three).
     let mut sent = 0;
-    while sent < 8 || (retries() == 0.0 && sent < 40) {
+    while sent < 8 {
         let body = json!({"model": "m", "prompt": format!("{sent} {}", "word ".repeat(300)),
             "max_tokens": 4, "stream": sent % 2 == 0});
         let r = post(&kvlb, "/v1/completions", body.to_string().as_bytes());
@@ -665,7 +676,7 @@ fn a_failing_sglang_prefill_is_retried_with_a_new_room() {
                 .map(|a| format!("{},role=decode", url(a))),
         )
         .collect();
-    let kvlb = serve_specs(&specs, &dir.file("access2.log"));
+    let kvlb = serve_specs(&specs, &dir.file("access2.log"), &[]);
     let r = post(
         &kvlb,
         "/v1/chat/completions",
@@ -709,7 +720,7 @@ fn a_client_leaving_cancels_both_sglang_legs() {
     );
     let dir = TempDir::new("pd-sglang-cancel");
     let log = dir.file("access.log");
-    let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log);
+    let kvlb = serve_specs(&sglang_specs(&prefill, &decode), &log, &[]);
     send_and_leave(&kvlb);
     let (p, d) = (prefill.http[0], decode.http[0]);
     let decode_ended = || aborted(d) + replica_metric(d, "kvlb_replica_kv_transfer_failures_total");
