@@ -217,6 +217,16 @@ pub(super) async fn prefill(
                 }
             }
             rebuild_upstream_head(conn, head_end);
+        } else if sglang.decode.is_some() {
+            // Begun under SGLang's protocol (the body carries a room, a decode replica was
+            // chosen for it): a prefill replica of vLLM's cannot take it over. Passed over.
+            drop(routed.in_flight(w, received_at));
+            tried[attempts] = routed.replica;
+            attempts += 1;
+            if attempts >= max_attempts {
+                break Err(metrics::PD_PREFILL_FAILED);
+            }
+            continue;
         }
         routed.finish_head(conn, head, body.len());
         let replica = routed.replica;
