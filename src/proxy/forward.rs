@@ -209,11 +209,7 @@ pub(super) async fn forward(
 
 /// A connection to the routed replica for the `attempt`-th send of one request: a pooled one
 /// first, a fresh one after (a pooled connection the replica had closed); whether it was pooled.
-pub(super) async fn upstream(
-    w: &Worker,
-    routed: &Routed,
-    attempt: u32,
-) -> io::Result<(Upstream, bool)> {
+async fn upstream(w: &Worker, routed: &Routed, attempt: u32) -> io::Result<(Upstream, bool)> {
     let rc = &w.stats().replicas[routed.replica];
     match w.pooled_upstream(routed.replica, routed.epoch) {
         Some(up) if attempt == 1 => {

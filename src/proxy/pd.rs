@@ -38,7 +38,7 @@
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use super::forward::{
-    coalesce_body, count_failure, read_response_head, rebuild_upstream_head, send, upstream,
+    coalesce_body, count_failure, read_response_head, rebuild_upstream_head, send,
 };
 use super::log::log_request;
 use super::route::{route, wait_for_capacity, Route, Routed};
@@ -498,31 +498,18 @@ async fn exchange(
     let rc = &w.stats().replicas[replica];
     let deadline = crate::rt::now() + w.cfg().upstream_timeout_of(routed.class.table);
     conn.obuf.extend_from_slice(body);
-    let mut attempt = 0;
+    // The body went into obuf after the head: sent as a coalesced one.
+    let mut fresh = false;
     let (mut up, rhead) = loop {
-        attempt += 1;
-        let (mut up, reused) = upstream(w, routed, attempt)
-            .await
-            .map_err(UpstreamFailure::Connect)?;
-        let n = conn.obuf.len();
-        let (r, b) = op::send_all(up.fd, std::mem::take(&mut conn.obuf), 0, n).await;
-        conn.obuf = b;
-        if r.is_err() {
-            up.close();
-            if reused {
-                continue;
-            }
-            return Err(UpstreamFailure::Closed);
-        }
-        metrics::add(&rc.bytes_to_replica, n as u64);
+        let (mut up, reused) = send(w, conn, routed, head, head.head_len, true, fresh).await?;
         // The head read back writes a client head into obuf: the request's is sent by now.
         match read_response_head(w, conn, &mut up, &routed.spec.url, head, deadline).await {
             Ok(h) => break (up, h),
             // A pooled connection the replica had closed: sent again on a fresh one (the
             // request is still in obuf: a head is written there only once one was read).
-            Err(UpstreamFailure::Closed) if reused && attempt == 1 => {
+            Err(UpstreamFailure::Closed) if reused && !fresh => {
                 up.close();
-                continue;
+                fresh = true;
             }
             Err(f) => {
                 up.close();
