@@ -62,18 +62,7 @@ fn serve_with(
             .map(|a| format!("{},role=decode", url(a))),
     );
     specs.extend_from_slice(extra);
-    let mut args = vec![
-        "--explain",
-        "--workers",
-        "1",
-        "--access-log",
-        log.to_str().unwrap(),
-    ];
-    for s in &specs {
-        args.extend_from_slice(&["--replica", s]);
-    }
-    args.extend_from_slice(args_extra);
-    Kvlb::serve(&args)
+    serve_specs(&specs, log, args_extra)
 }
 
 fn chat(system: &str, user: &str, stream: bool) -> Vec<u8> {
@@ -540,6 +529,8 @@ fn sglang_specs(prefill: &ReplicaFleet, decode: &ReplicaFleet) -> Vec<String> {
     specs
 }
 
+/// `kvlb serve --explain --workers 1` with an access log at `log`, the replica `specs`, then
+/// `extra` flags.
 fn serve_specs(specs: &[String], log: &Path, extra: &[&str]) -> Kvlb {
     let mut args = vec![
         "--explain",
