@@ -246,6 +246,66 @@ fn the_prefill_leg_follows_the_prefix() {
     };
     let transfer_ms = field("prompt_tokens") * 0.01 * 1e3;
     assert!(field("ttft_ms") >= transfer_ms, "{d}");
+    // The decode replica's own estimate: it holds none of the prompt, so receives all of it
+    // and starts a step later; the pair's is the prefill's with that transfer in its place.
+    assert_eq!(field("decode_matched_tokens"), 0.0, "{d}");
+    let decode_ms = field("decode_ttft_ms");
+    assert!(
+        decode_ms >= transfer_ms && decode_ms < transfer_ms + 100.0,
+        "{d}"
+    );
+    let pair_ms = field("ttft_ms") - transfer_ms + decode_ms;
+    assert!((field("pair_ttft_ms") - pair_ms).abs() < 0.2, "{d}");
+}
+
+/// The decode leg is priced by the sequences on each decode replica: streams sharing a long
+/// system prompt, each started while the earlier ones decode, spread over both decode
+/// replicas instead of all following the one that holds the prompt.
+#[test]
+fn the_decode_leg_spreads_running_sequences() {
+    let prefill = replicas("prefill");
+    // Decoding in real time: each stream runs for a second or more.
+    let decode = ReplicaFleet::start(2, &["--role", "decode"]);
+    let dir = TempDir::new("pd-decode-load");
+    let log = dir.file("access.log");
+    let kvlb = serve(&prefill, &decode, &log, &[]);
+    let system = "Tools: search(query), open(url), run(cmd). Answer tersely. ".repeat(120);
+    let body = |i: usize| {
+        let mut b: Value = serde_json::from_slice(&chat(&system, &format!("Q{i}."), true)).unwrap();
+        b["max_tokens"] = json!(150);
+        b.to_string().into_bytes()
+    };
+    // One first: its decode replica then holds the prompt.
+    assert_eq!(post(&kvlb, "/v1/chat/completions", &body(0)).status, 200);
+    let streams: Vec<_> = (1..5)
+        .map(|i| {
+            let (listen, b) = (kvlb.listen, body(i));
+            let t = std::thread::spawn(move || {
+                let mut c = HttpConn::connect(listen);
+                let r = c
+                    .request(
+                        "POST",
+                        "/v1/chat/completions",
+                        &[("Content-Type", "application/json")],
+                        &b,
+                    )
+                    .unwrap();
+                assert_eq!(r.status, 200, "{}", r.describe());
+            });
+            // The next starts once this one decodes.
+            std::thread::sleep(Duration::from_millis(300));
+            t
+        })
+        .collect();
+    for t in streams {
+        t.join().unwrap();
+    }
+    let lines = log_lines(&log, 5);
+    let used: std::collections::BTreeSet<&str> = lines[1..]
+        .iter()
+        .map(|l| l["replica"].as_str().unwrap())
+        .collect();
+    assert_eq!(used.len(), 2, "{lines:?}");
 }
 
 /// A prefill replica that refuses connections is passed over for another (nothing reached the

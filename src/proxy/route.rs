@@ -48,6 +48,44 @@ fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usiz
     }
 }
 
+/// The fields a decode leg's decision adds to the prefill leg's `x-kvlb-decision` line in
+/// `buf[..len]` (replacing those of an earlier decode attempt): the decode replica's held
+/// tokens (`decode_matched_tokens`) and estimate (`decode_ttft_ms`: the transfer of what it
+/// lacks, its wait, one step) and the pair's (`pair_ttft_ms`: the prefill leg's estimate with
+/// this transfer in place of the whole prompt's, `transfer_s`). Returns the new length; `len`
+/// when the line is absent or the fields do not fit.
+fn append_decode(
+    buf: &mut [u8; 256],
+    len: usize,
+    d: &Decision,
+    prefill_ms: Option<f64>,
+    transfer_s: f64,
+) -> usize {
+    use std::io::Write;
+    const MARK: &[u8] = b"; decode_matched_tokens=";
+    let Some(line) = len.checked_sub(2).filter(|&l| buf[l..len] == *b"\r\n") else {
+        return len;
+    };
+    let end = memchr::memmem::find(&buf[..line], MARK).unwrap_or(line);
+    let decode_ms = d.ttft_s * 1e3;
+    let pair_ms = prefill_ms.map_or(-1.0, |p| (p - transfer_s * 1e3).max(0.0) + decode_ms);
+    let mut cur = std::io::Cursor::new(&mut buf[end..]);
+    let ok = write!(
+        cur,
+        "; decode_matched_tokens={}; decode_ttft_ms={:.1}; pair_ttft_ms={:.1}\r\n",
+        d.matched_tokens, decode_ms, pair_ms
+    )
+    .is_ok();
+    match ok {
+        true => end + cur.position() as usize,
+        false => {
+            // Too long for the buffer: the prefill leg's fields alone.
+            buf[end..end + 2].copy_from_slice(b"\r\n");
+            end + 2
+        }
+    }
+}
+
 /// A request target's path, without its query.
 fn target_path(target: &[u8]) -> &[u8] {
     match memchr::memchr(b'?', target) {
@@ -301,8 +339,23 @@ pub(super) fn route(
     };
     if model.leg == Leg::Decode {
         // The decode leg of a disaggregated request: the prompt was computed on the prefill
-        // replica, whose decision the log and the explain line keep; the decode replica
-        // computes nothing kvlb could price, and its first byte times the whole request.
+        // replica, whose decision the log keeps; the explain line adds the decode replica's
+        // estimate and the pair's. The decode replica computes nothing kvlb could time: its
+        // first byte times the whole request.
+        if let (Some(d), true) = (choice.decision, cfg.explain) {
+            let cost = cfg
+                .model(model.class.table)
+                .map_or(&cfg.cost_model, |m| &m.cost_model);
+            let transfer_s = choice.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
+            let prefill_ms = conn.log.estimate.map(|e| e.ttft_ms as f64);
+            conn.explain_len = append_decode(
+                &mut conn.explain,
+                conn.explain_len,
+                &d,
+                prefill_ms,
+                transfer_s,
+            );
+        }
         return Route::To(
             Routed {
                 prefill_tokens: 0,
@@ -386,4 +439,58 @@ pub(super) struct Routed {
     pub(super) load: Option<usize>,
     /// The LoRA adapter it runs under (`ModelRoute::lora`; 0: none).
     pub(super) lora: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(buf: &[u8; 256], len: usize) -> &str {
+        std::str::from_utf8(&buf[..len]).unwrap()
+    }
+
+    #[test]
+    fn a_decode_leg_adds_its_estimate_and_the_pairs_to_the_decision_line() {
+        let mut buf = [0u8; 256];
+        let prefill = Decision {
+            ttft_s: 0.25,
+            ..Decision::default()
+        };
+        let len = write_decision(&mut buf, &prefill, 4000);
+        assert!(len > 0);
+        let prefill_line = line(&buf, len).to_owned();
+        let decode = Decision {
+            matched_tokens: 3000,
+            ttft_s: 0.015,
+            ..Decision::default()
+        };
+        // The prefill estimate 250 ms held a 20 ms transfer of the whole prompt: the pair's
+        // is 230 ms and the decode replica's 15 ms.
+        let n = append_decode(&mut buf, len, &decode, Some(250.0), 0.020);
+        let l = line(&buf, n);
+        assert!(l.starts_with("x-kvlb-decision: reason=fallback;"), "{l}");
+        let added = "; decode_matched_tokens=3000; decode_ttft_ms=15.0; pair_ttft_ms=245.0\r\n";
+        assert!(l.ends_with(added), "{l}");
+        // A second decode attempt replaces the first's fields.
+        let again = Decision {
+            ttft_s: 0.5,
+            ..decode
+        };
+        let m = append_decode(&mut buf, n, &again, None, 0.020);
+        let l = line(&buf, m);
+        assert_eq!(l.matches("decode_ttft_ms").count(), 1, "{l}");
+        assert!(
+            l.ends_with("decode_ttft_ms=500.0; pair_ttft_ms=-1.0\r\n"),
+            "{l}"
+        );
+        // No line (explain off, or no estimate for the prefill leg): nothing added.
+        assert_eq!(append_decode(&mut [0u8; 256], 0, &decode, None, 0.0), 0);
+        // Fields that do not fit: the prefill leg's line as it was.
+        let huge = Decision {
+            ttft_s: 1e200,
+            ..decode
+        };
+        let k = append_decode(&mut buf, m, &huge, Some(1e200), 0.0);
+        assert_eq!(line(&buf, k), prefill_line);
+    }
 }

@@ -1106,7 +1106,8 @@ impl Worker {
             }
             (chosen.replica, decision)
         };
-        if let Some(d) = decision {
+        // The decision metrics describe where prompts were computed: a decode leg's is not one.
+        if let Some(d) = decision.filter(|_| leg != Leg::Decode) {
             let stats = self.stats();
             let reason = match d.reason {
                 select::Reason::Cache => 0,

@@ -119,12 +119,13 @@ impl Leg {
     /// How the request would run on a replica of `role` (`Candidate::pd`): a prefill
     /// replica's estimate adds the KV transfer (when the decode replica can start: the pair's
     /// estimate, on either leg that may take one), a decode replica of a split request
-    /// computes it directly.
+    /// computes it directly, the decode leg's replica receives the KV and decodes.
     #[inline]
     pub fn path(self, role: Role) -> PdPath {
         match (self, role) {
             (Leg::Split | Leg::Prefill, Role::Prefill) => PdPath::Prefill,
             (Leg::Split, _) => PdPath::Direct,
+            (Leg::Decode, _) => PdPath::Decode,
             _ => PdPath::Whole,
         }
     }

@@ -184,6 +184,9 @@ pub struct CacheAwareConfig {
     /// Seconds to move one prompt token's KV cache from a prefill replica to a decode replica
     /// (`PdPath::Prefill`): KV bytes per token over the link's bytes per second.
     pub kv_transfer_s_per_token: f64,
+    /// Weight, in the score of a decode leg's replica (`PdPath::Decode`), of the decode time
+    /// it spends there and adds to the sequences beside it (1: seconds as they come).
+    pub decode_weight: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -206,6 +209,7 @@ impl Default for CacheAwareConfig {
             // 128 KiB a token (an 8B model: 32 layers x 8 KV heads x 128 x 2 x 2 bytes) over a
             // 25 GB/s link (RDMA between nodes, as NIXL reaches): 5.24e-6, rounded.
             kv_transfer_s_per_token: 0.0000052,
+            decode_weight: 1.0,
         }
     }
 }
@@ -232,6 +236,7 @@ impl CacheAwareConfig {
             ("hot_spill_wait_s", self.hot_spill_wait_s),
             ("arrival_window_s", self.arrival_window_s),
             ("kv_transfer_s_per_token", self.kv_transfer_s_per_token),
+            ("decode_weight", self.decode_weight),
         ] {
             if v.is_nan() || v < 0.0 {
                 return Err(format!("cache_aware {name} must be >= 0, got {v}"));
@@ -315,6 +320,7 @@ parameters! {
     "offload_load_cost" => real offload_load_cost;
     "arrival_window_s" => real arrival_window_s;
     "kv_transfer_s_per_token" => real kv_transfer_s_per_token;
+    "decode_weight" => real decode_weight;
     "prefill_a_s" => real model.prefill.a;
     "prefill_b_s" => real model.prefill.b;
     "prefill_c_s" => real model.prefill.c;
@@ -367,7 +373,8 @@ pub struct Decision {
     /// disk), counted in `matched_tokens` at a discount; 0 when none counted.
     pub offloaded_blocks: u32,
     /// Estimated seconds to first token there: `wait.waited_at(pace) + prefill.at(pace) +
-    /// fixed_s`.
+    /// fixed_s`; for a decode leg (`PdPath::Decode`), its wait and transfer and one decode
+    /// step (`prefill` is then the prompt it lacks there, priced in the score alone).
     pub ttft_s: f64,
     /// That estimate's seconds at the configured speed (queue wait, own prefill), what no pace
     /// scales (an adapter load), and the replica's pace: what calibration learns from.
@@ -629,13 +636,23 @@ impl Policy for CacheAware {
                 );
                 ((held as f64 * keep) as u32, (gpu as f64 * keep) as u32)
             };
+            // A decode leg's replica: the requests there awaiting their KV decode soon too.
+            let load = match c.pd {
+                PdPath::Decode => ReplicaLoad {
+                    decoding: load.in_flight.max(load.decoding),
+                    ..load
+                },
+                _ => load,
+            };
             let mut wait_parts = cfg.model.queue_wait_parts(&load);
             if c.lora_slot_busy {
                 wait_parts = wait_parts + cfg.model.lora_slot_wait_parts(load.decoding);
             }
             // A prefill replica's answer is the KV, which then moves to a decode replica.
+            // A decode replica receives what it does not hold of the prompt.
             let transfer = match c.pd {
                 PdPath::Prefill => prompt as f64 * cfg.kv_transfer_s_per_token,
+                PdPath::Decode => prompt.saturating_sub(gpu) as f64 * cfg.kv_transfer_s_per_token,
                 _ => 0.0,
             };
             let fixed = c.setup_us as f64 * 1e-6 + transfer;
@@ -703,6 +720,18 @@ impl Policy for CacheAware {
                 // A decode replica computing the prompt stalls each sequence it decodes for
                 // as long (the inter-token latency disaggregation is there to protect).
                 e.score += prefill * e.decoding as f64;
+            }
+            if c.pd == PdPath::Decode {
+                // Its first token comes one step after its KV; the prompt it does not share
+                // there stays in the score as recomputing it would cost (the KV it adds to the
+                // resource that runs out first, and what a preemption there recomputes), and
+                // so do its decode steps and what it adds to each step of those beside it.
+                let m = &cfg.model;
+                let (d, steps) = (e.decoding, m.decode.mean_output_tokens as f64);
+                let own = m.decode_step_seconds(d + 1);
+                let added = (own - m.decode_step_seconds(d)) * d as f64;
+                e.ttft = e.wait + own;
+                e.score += cfg.decode_weight * steps * (own + added);
             }
             if e.score < best {
                 best = e.score;

@@ -84,6 +84,9 @@ pub enum PdPath {
     Prefill,
     /// Computed on this decode replica itself: its running sequences stall meanwhile.
     Direct,
+    /// The decode leg of a disaggregated request on this decode replica: it receives the KV
+    /// of the prompt it does not hold and decodes beside the sequences running there.
+    Decode,
 }
 
 pub trait Policy {

@@ -1543,7 +1543,7 @@ mod tests {
         let pd = two_by_two(Disaggregate::Always, 25.0);
         let run = run_on(&trace, &pd, &mut policy);
         // Each request was offered the prefill replicas (their estimates adding the transfer),
-        // then (once prefilled) the decode replicas, as whole candidates.
+        // then (once prefilled) the decode replicas, as decode legs.
         let offered: Vec<Vec<(usize, PdPath)>> = seen
             .lock()
             .unwrap()
@@ -1553,7 +1553,7 @@ mod tests {
         assert_eq!(offered.len(), 16);
         for legs in offered.chunks(2) {
             assert_eq!(legs[0], [(0, PdPath::Prefill), (1, PdPath::Prefill)]);
-            assert_eq!(legs[1], [(2, PdPath::Whole), (3, PdPath::Whole)]);
+            assert_eq!(legs[1], [(2, PdPath::Decode), (3, PdPath::Decode)]);
         }
         let transfer = 1000.0 * 131_072.0 / 25e9;
         for r in &run.records {

@@ -150,7 +150,10 @@ mod tests {
         assert_eq!(Leg::Split.path(Role::Decode), PdPath::Direct);
         // The prefill leg's estimate adds the transfer too, as kvlb serve's does.
         assert_eq!(Leg::Prefill.path(Role::Prefill), PdPath::Prefill);
-        assert_eq!(Leg::Decode.path(Role::Decode), PdPath::Whole);
+        // The decode leg's estimate is the decode replica's own (what it receives, the
+        // sequences beside it).
+        assert_eq!(Leg::Decode.path(Role::Decode), PdPath::Decode);
+        assert_eq!(Leg::Whole.path(Role::Decode), PdPath::Whole);
         for name in Disaggregate::NAMES {
             assert_eq!(Disaggregate::parse(name).unwrap().name(), *name);
         }

@@ -984,13 +984,19 @@ fn every_parameter_is_settable_by_name() {
     let d = CacheAwareConfig::default();
     let mut seen = Vec::new();
     for name in PARAMETERS {
+        // 1, or 0.5 for a parameter whose default is 1.
         let mut c = d;
-        c.set(name, 1.0).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_ne!(c, d, "{name} set to 1 changed nothing");
+        for v in [1.0, 0.5] {
+            c.set(name, v).unwrap_or_else(|e| panic!("{name}: {e}"));
+            if c != d {
+                break;
+            }
+        }
+        assert_ne!(c, d, "{name} set to 1 and to 0.5 changed nothing");
         assert!(!seen.contains(&c), "{name} sets the same field as another");
         seen.push(c);
     }
-    assert_eq!(seen.len(), 24);
+    assert_eq!(seen.len(), 25);
     let mut c = d;
     assert!(c
         .set("chunk_tokens", 2.5)
@@ -1127,4 +1133,55 @@ fn disaggregation_is_priced_against_computing_on_the_decode_replica() {
     w.insert(0, &prompt[..60], 0).unwrap();
     assert_eq!(p.select(&req(&prompt, 4096, 3), &cands(1), 0), 0);
     assert!(p.last_decision().matched_tokens >= 3840);
+}
+
+/// The decode leg of a disaggregated request: a decode replica holding the prompt's prefix
+/// receives (and adds) less, so it wins while the decode time it would spend and add there
+/// is about even; sequences running there, or awaiting their KV, outweigh it.
+#[test]
+fn the_decode_leg_is_priced_by_what_it_receives_and_the_sequences_beside_it() {
+    let (idx, mut w) = fleet(2);
+    let prompt = blocks(64); // 4096 tokens
+    let mut p = CacheAware::new(idx, CacheAwareConfig::default()).unwrap();
+    w.insert(0, &prompt[..60], 0).unwrap();
+    let cands = |in_flight: u32, decoding: u32| {
+        vec![
+            Candidate {
+                replica: 0,
+                in_flight,
+                decoding,
+                pd: PdPath::Decode,
+                ..Default::default()
+            },
+            Candidate {
+                replica: 1,
+                pd: PdPath::Decode,
+                ..Default::default()
+            },
+        ]
+    };
+    let cfg = CacheAwareConfig::default();
+    // Both idle: the holder, its estimate the transfer of what it lacks and one step.
+    assert_eq!(p.select(&req(&prompt, 4096, 1), &cands(0, 0), 0), 0);
+    let d = p.last_decision();
+    let lacks = (4096 - 60 * BT) as f64;
+    let step = cfg.model.decode_step_seconds(1);
+    assert!(
+        close(d.ttft_s, lacks * cfg.kv_transfer_s_per_token + step),
+        "{d:?}"
+    );
+    assert!(close(
+        d.runner_up_ttft_s,
+        4096.0 * cfg.kv_transfer_s_per_token + step
+    ));
+    // Sixteen sequences decoding on the holder: the idle one.
+    assert_eq!(p.select(&req(&prompt, 4096, 2), &cands(16, 16), 0), 1);
+    // Sixteen requests awaiting their KV there count as decoding already.
+    assert_eq!(p.select(&req(&prompt, 4096, 3), &cands(16, 0), 0), 1);
+    // Priced as whole requests, those would have counted for nothing: the holder again.
+    let whole = |mut c: Vec<Candidate>| {
+        c.iter_mut().for_each(|c| c.pd = PdPath::Whole);
+        c
+    };
+    assert_eq!(p.select(&req(&prompt, 4096, 4), &whole(cands(16, 0)), 0), 0);
 }
