@@ -132,7 +132,7 @@ pub static MATCHED_PREFIX_TOKENS: Family = Family::histogram(
 pub static DECISIONS: Family = Family::counter(
     "kvlb_decisions_total",
     &["reason"],
-    "cache_aware decisions by reason: cache (a resident prefix won), load (queues decided), fallback (no prefix), affinity (to the replica that stored the previous response).",
+    "cache_aware decisions by reason: cache (a resident prefix won), load (queues decided), fallback (no prefix), affinity (to the replica that stored the previous response). A disaggregated request counts its prefill leg only.",
 );
 pub static HOT_PREFIX_SPILLS: Family = Family::counter(
     "kvlb_hot_prefix_spills_total",
