@@ -52,8 +52,8 @@ fn write_decision(buf: &mut [u8; 256], d: &Decision, prompt_tokens: u32) -> usiz
 /// `buf[..len]` (replacing those of an earlier decode attempt): the decode replica's held
 /// tokens (`decode_matched_tokens`) and estimate (`decode_ttft_ms`: the transfer of what it
 /// lacks, its wait, one step) and the pair's (`pair_ttft_ms`: the prefill leg's estimate with
-/// this transfer in place of the whole prompt's, `transfer_s`). Returns the new length; `len`
-/// when the line is absent or the fields do not fit.
+/// this transfer in place of the whole prompt's, `transfer_s`). Returns the new length: `len`
+/// when there is no line, the prefill leg's fields alone when the new ones do not fit.
 fn append_decode(
     buf: &mut [u8; 256],
     len: usize,
@@ -464,8 +464,8 @@ mod tests {
             ttft_s: 0.015,
             ..Decision::default()
         };
-        // The prefill estimate 250 ms held a 20 ms transfer of the whole prompt: the pair's
-        // is 230 ms and the decode replica's 15 ms.
+        // The prefill estimate, 250 ms, held a 20 ms transfer of the whole prompt: 230 ms
+        // without it, and 245 ms for the pair with the decode replica's 15 ms.
         let n = append_decode(&mut buf, len, &decode, Some(250.0), 0.020);
         let l = line(&buf, n);
         assert!(l.starts_with("x-kvlb-decision: reason=fallback;"), "{l}");
