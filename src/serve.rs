@@ -83,16 +83,23 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     if cfg.replicas.is_empty() {
         eprintln!("kvlb: warning: no replicas configured; every request will get 503");
     }
+    // Workers are pinned to the cores given, or else to the CPUs the process may run on (a
+    // container's cpuset: the exclusive cores of a Kubernetes pod under the static CPU
+    // manager). Under a CPU quota smaller than that set (a pod with a CPU limit on shared
+    // cores) they are not pinned: the quota, not a core, is theirs.
+    let allowed = config::allowed_cores();
+    let quota_limited = cfg.cores.is_none()
+        && std::thread::available_parallelism().is_ok_and(|p| p.get() < allowed.len());
     let cores: Vec<usize> = match &cfg.cores {
         Some(c) => c.clone(),
-        None => {
-            let n = core_affinity::get_core_ids()
-                .map(|c| c.len())
-                .unwrap_or(1)
-                .max(1);
-            (0..n).collect()
-        }
+        None if allowed.is_empty() || quota_limited => Vec::new(),
+        None => allowed,
     };
+    if quota_limited {
+        eprintln!(
+            "kvlb: a CPU quota of {n_workers} CPUs over more allowed cores: workers are not pinned"
+        );
+    }
     // The residency index: read by every worker's cache_aware policy, written by one thread
     // from the workers' routing logs.
     let (residency, mut writer) = ResidencyIndex::new(ResidencyConfig {
@@ -182,13 +189,17 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
         }
         wakers.push(efd);
         let shared = shared.clone();
-        let core = cores[id % cores.len()];
+        let core = cores.get(id % cores.len().max(1)).copied();
         let ready = ready_tx.clone();
         let h = std::thread::Builder::new()
             .name(format!("kvlb-worker-{id}"))
             .spawn(move || {
-                if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
-                    eprintln!("kvlb: worker {id}: could not pin to core {core}; running unpinned");
+                if let Some(core) = core {
+                    if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+                        eprintln!(
+                            "kvlb: worker {id}: could not pin to core {core}; running unpinned"
+                        );
+                    }
                 }
                 let _ = ready.send(());
                 crate::accept::run(id, shared, listeners, efd);

@@ -311,3 +311,66 @@ fn cores_list_pins_workers_and_serves() {
         );
     }
 }
+
+/// The CPUs of a worker thread of the process `pid` (its `Cpus_allowed_list`), once it runs.
+fn worker_cpus(pid: u32) -> Option<String> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let dir = task.ok()?.path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if name.trim() == "kvlb-worker-0" {
+            let status = std::fs::read_to_string(dir.join("status")).ok()?;
+            return status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|v| v.trim().to_string());
+        }
+    }
+    None
+}
+
+/// Workers are pinned among the CPUs the process may run on (a container's cpuset; here
+/// `taskset -c 1`), not to core 0 outside them; `cores` naming a CPU outside them is refused.
+#[test]
+fn workers_are_pinned_among_the_allowed_cpus() {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    let dir = TempDir::new("pinned");
+    let log = dir.file("stderr");
+    let mut child = std::process::Command::new("taskset")
+        .args(["-c", "1", env!("CARGO_BIN_EXE_kvlb"), "serve"])
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("taskset");
+    // Ready once every worker has pinned itself.
+    let ready = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("kvlb: ready")
+    };
+    assert!(support::wait_until(Duration::from_secs(10), ready));
+    let cpus = worker_cpus(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(cpus.as_deref(), Some("1"));
+    let out = std::process::Command::new("taskset")
+        .args(["-c", "1", env!("CARGO_BIN_EXE_kvlb"), "serve"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--cores",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("core 0 is not one this process may run on (1)"),
+        "{err}"
+    );
+}

@@ -754,17 +754,29 @@ pub fn parse_cores(key: &str, v: &str) -> Result<Vec<usize>, ConfigError> {
     if out.is_empty() {
         return Err(bad(key, v, "empty core list"));
     }
-    let available = core_affinity::get_core_ids().map(|c| c.len()).unwrap_or(0);
-    if available > 0 {
-        if let Some(c) = out.iter().find(|c| **c >= available) {
+    let allowed = allowed_cores();
+    if !allowed.is_empty() {
+        if let Some(c) = out.iter().find(|c| !allowed.contains(c)) {
+            let list: Vec<String> = allowed.iter().map(|c| c.to_string()).collect();
             return Err(bad(
                 key,
                 v,
-                &format!("core {c} does not exist (this machine has {available})"),
+                &format!(
+                    "core {c} is not one this process may run on ({})",
+                    list.join(",")
+                ),
             ));
         }
     }
     Ok(out)
+}
+
+/// The CPUs this process may run on (its affinity: a container's cpuset), by id; empty when
+/// the system does not say.
+pub fn allowed_cores() -> Vec<usize> {
+    core_affinity::get_core_ids()
+        .map(|ids| ids.into_iter().map(|c| c.id).collect())
+        .unwrap_or_default()
 }
 
 /// `10s`, `500ms`, `2m`, `1h`, or a bare number of seconds.

@@ -94,8 +94,9 @@ pub struct ServeSettings {
     #[arg(long, value_name = "N")]
     pub workers: Option<Whole<1, 1024>>,
 
-    /// Cores of the workers, e.g. 0, 2-5, 0,2; worker i runs on the i-th (default: worker i on
-    /// core i).
+    /// Cores of the workers, e.g. 0, 2-5, 0,2, among those the process may run on; worker i
+    /// runs on the i-th (default: worker i on the i-th allowed core, e.g. of a container's
+    /// cpuset; not pinned under a CPU quota smaller than that set).
     #[arg(long, value_name = "LIST")]
     pub cores: Option<Cores>,
 
