@@ -24,9 +24,12 @@ use crate::telemetry::{ResidencyOp, Telemetry};
 use crate::worker::Shared;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Reloads applied and refused (`kvlb_config_reloads_total`).
+pub static RELOADS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 
 pub struct Control {
     shared: Arc<Shared>,
@@ -56,6 +59,12 @@ impl Control {
     /// Reread the configuration and apply it. Ok: what changed, one line. Err: why it was
     /// refused (nothing changed).
     pub fn reload(&self) -> Result<String, String> {
+        let r = self.reload_counted();
+        RELOADS[r.is_err() as usize].fetch_add(1, Relaxed);
+        r
+    }
+
+    fn reload_counted(&self) -> Result<String, String> {
         let _g = self.guard();
         let mut new = match config::from_args(&self.args) {
             Ok(c) => c,

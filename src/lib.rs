@@ -16,6 +16,7 @@ pub mod admin;
 pub mod alloc;
 pub mod calibration;
 pub mod config;
+pub mod config_watch;
 pub mod control;
 pub mod discovery;
 pub mod fleet;

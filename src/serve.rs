@@ -21,6 +21,18 @@ pub fn main(args: Vec<String>) -> i32 {
             return 2;
         }
     };
+    let (config_path, check) = config::actions(&args);
+    if check {
+        println!(
+            "kvlb: configuration ok (listeners {}, replicas {}, DNS sources {}, model tables {}, policy {})",
+            cfg.listen.len(),
+            cfg.replicas.len(),
+            cfg.replica_dns.len(),
+            cfg.models.len(),
+            cfg.policy.as_str()
+        );
+        return 0;
+    }
     if let Err(e) = rt::probe_kernel() {
         eprintln!("kvlb: {e}");
         return 1;
@@ -33,7 +45,7 @@ pub fn main(args: Vec<String>) -> i32 {
         );
         return 1;
     }
-    match run(cfg, args) {
+    match run(cfg, args, config_path) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("kvlb: {e}");
@@ -56,7 +68,7 @@ fn block_signals() -> libc::sigset_t {
     }
 }
 
-fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
+fn run(cfg: ServeConfig, args: Vec<String>, config_path: Option<String>) -> Result<(), String> {
     crate::limits::raise_nofile_limit_at_start();
     let sigset = block_signals();
     let n_workers = cfg.workers;
@@ -176,6 +188,7 @@ fn run(cfg: ServeConfig, args: Vec<String>) -> Result<(), String> {
     )
     .map_err(|e| format!("cannot start the residency writer: {e}"))?;
     crate::admin::spawn(admin, shared.clone(), control.clone());
+    let _watch = crate::config_watch::spawn(shared.clone(), config_path, writer_stop.clone())?;
     let _discovery = control.start_discovery(writer_stop.clone())?;
 
     let mut wakers = Vec::new();

@@ -274,6 +274,131 @@ fn a_bad_reload_is_refused_and_the_old_configuration_keeps_serving() {
     assert_eq!(replicas_json(&kvlb)["policy"], "round_robin");
 }
 
+/// A directory laid out as the kubelet mounts a ConfigMap: `kvlb.toml` a symlink through
+/// `..data`, itself a symlink to a timestamped directory, swapped atomically on update.
+struct ConfigMapDir {
+    dir: TempDir,
+    version: u32,
+}
+
+impl ConfigMapDir {
+    fn new(name: &str, toml: &str) -> ConfigMapDir {
+        let mut m = ConfigMapDir {
+            dir: TempDir::new(name),
+            version: 0,
+        };
+        m.update(toml);
+        std::os::unix::fs::symlink("..data/kvlb.toml", m.path()).unwrap();
+        m
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.file("kvlb.toml")
+    }
+
+    /// A new version, as the kubelet writes it: a new directory, then `..data` renamed over.
+    fn update(&mut self, toml: &str) {
+        self.version += 1;
+        let version = format!("..2026_12_05_{}", self.version);
+        std::fs::create_dir(self.dir.file(&version)).unwrap();
+        std::fs::write(self.dir.file(&version).join("kvlb.toml"), toml).unwrap();
+        let tmp = self.dir.file("..data_tmp");
+        std::os::unix::fs::symlink(&version, &tmp).unwrap();
+        std::fs::rename(&tmp, self.dir.file("..data")).unwrap();
+    }
+}
+
+fn one_replica_toml(url: &str) -> String {
+    format!("policy = \"round_robin\"\n[[replica]]\nurl = \"{url}\"\n")
+}
+
+/// `watch_config`: a ConfigMap update (the symlink swapped, the path unchanged) reloads, and
+/// a bad version is refused and counted while the running configuration keeps serving.
+#[test]
+fn a_watched_config_file_reloads_when_its_configmap_is_updated() {
+    let (a, b) = (Backend::start(), Backend::start());
+    let mut map = ConfigMapDir::new("watch", &one_replica_toml(&a.url()));
+    let path = map.path().to_str().unwrap().to_string();
+    let kvlb = Kvlb::serve(&[
+        "--config",
+        &path,
+        "--watch-config",
+        "200ms",
+        "--health-interval",
+        "0",
+    ]);
+    let mut conn = HttpConn::connect(kvlb.listen);
+    assert_eq!(served_by(&kvlb, &mut conn), a.url());
+    map.update(&one_replica_toml(&b.url()));
+    assert!(
+        wait_until(Duration::from_secs(5), || replica_urls(&kvlb) == [b.url()]),
+        "{:?}\n{}",
+        replica_urls(&kvlb),
+        kvlb.stderr()
+    );
+    assert!(wait_until(Duration::from_secs(5), || served_by(
+        &kvlb,
+        &mut HttpConn::connect(kvlb.listen)
+    ) == b.url()));
+    let applied = |kvlb: &Kvlb| kvlb.metric("kvlb_config_reloads_total", &["result=\"applied\""]);
+    assert_eq!(applied(&kvlb), Some(1.0));
+    // A bad version: refused, counted, logged; b keeps serving.
+    map.update("policy = \"fastest\"\n");
+    let refused = || kvlb.metric("kvlb_config_reloads_total", &["result=\"refused\""]);
+    assert!(
+        wait_until(Duration::from_secs(5), || refused() == Some(1.0)),
+        "{}",
+        kvlb.stderr()
+    );
+    assert!(
+        kvlb.stderr().contains("reload refused"),
+        "{}",
+        kvlb.stderr()
+    );
+    assert_eq!(
+        served_by(&kvlb, &mut HttpConn::connect(kvlb.listen)),
+        b.url()
+    );
+    // Unchanged since: no more reloads.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!((applied(&kvlb), refused()), (Some(1.0), Some(1.0)));
+}
+
+/// `--check`: the configuration is read and validated, nothing is started.
+#[test]
+fn check_validates_the_configuration_and_exits() {
+    let dir = TempDir::new("check");
+    let good = dir.file("good.toml");
+    std::fs::write(
+        &good,
+        "listen = [\"127.0.0.1:0\"]\nreplica_dns = [\"dns://vllm.invalid:8000,kv_events=tcp://{host}:5557\"]\n[[replica]]\nurl = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    let bad = dir.file("bad.toml");
+    std::fs::write(&bad, "listen = [\"127.0.0.1:0\"]\npolicy = \"fastest\"\n").unwrap();
+    let run = |file: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvlb"))
+            .args(["serve", "--check", "--config", file.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let ok = run(&good);
+    let out = String::from_utf8_lossy(&ok.stdout);
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        out.contains("configuration ok (listeners 1, replicas 1, DNS sources 1,"),
+        "{out}"
+    );
+    let no = run(&bad);
+    assert_eq!(no.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&no.stderr).contains("fastest"));
+}
+
 #[test]
 fn admin_api_needs_its_token_and_adds_drains_and_removes_replicas() {
     let (a, b) = (Backend::start(), Backend::start());

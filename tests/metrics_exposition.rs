@@ -74,6 +74,7 @@ const EXPOSED: &[(&str, &str)] = &[
     ("kvlb_process_threads", "gauge"),
     ("kvlb_admin_connections_refused_total", "counter"),
     ("kvlb_admin_connections_timed_out_total", "counter"),
+    ("kvlb_config_reloads_total", "counter"),
     ("kvlb_replica_running", "gauge"),
     ("kvlb_replica_waiting", "gauge"),
     ("kvlb_replica_kv_usage", "gauge"),

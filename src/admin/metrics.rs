@@ -63,7 +63,11 @@ impl Collector for AdminMetrics {
             .counter(&[], self.0.refused.load(Relaxed))?;
         families::ADMIN_CONNECTIONS_TIMED_OUT
             .describe(&mut enc)?
-            .counter(&[], self.0.timed_out.load(Relaxed))
+            .counter(&[], self.0.timed_out.load(Relaxed))?;
+        let reloads = &crate::control::RELOADS;
+        let mut samples = families::CONFIG_RELOADS.describe(&mut enc)?;
+        samples.counter(&["applied"], reloads[0].load(Relaxed))?;
+        samples.counter(&["refused"], reloads[1].load(Relaxed))
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 pub mod settings;
 mod values;
 
-pub use settings::{apply_toml, from_args, load_file, reference_markdown, ServeSettings};
+pub use settings::{actions, apply_toml, from_args, load_file, reference_markdown, ServeSettings};
 pub use values::{parse_replica_flag, replica_flag_help, ReplicaOption, REPLICA_OPTIONS};
 
 /// The policy names live with the policies (`select`), which config builds.
@@ -441,6 +441,8 @@ pub struct ServeConfig {
     pub timeouts: Timeouts,
     /// Add `x-kvlb-decision` to responses.
     pub explain: bool,
+    /// Reread the config file when it changes, checked this often (zero: never).
+    pub watch_config: Duration,
     pub cost_model: CostModel,
     pub telemetry: TelemetryConfig,
     pub health: HealthConfig,
@@ -878,6 +880,7 @@ impl Default for ServeConfig {
                 drain: Duration::from_secs(30),
             },
             explain: false,
+            watch_config: Duration::ZERO,
             cost_model: CostModel::default(),
             telemetry: TelemetryConfig::default(),
             health: HealthConfig::default(),

@@ -19,6 +19,10 @@ use super::{
 use clap::{Args, CommandFactory, Parser};
 use serde::Deserialize;
 
+/// Flags with no file key: the file itself, an action, and the mode of the `--listen` flags
+/// (the file gives each listener its mode in `[[listener]]`).
+pub const FLAG_ONLY: &[&str] = &["config", "check", "mode"];
+
 /// Most replica slots (`max_replicas`).
 const MAX_SLOTS: u64 = crate::residency::MAX_REPLICAS as u64;
 const MIN_PROMPT: u64 = MIN_PROMPT_TOKENS as u64;
@@ -43,6 +47,19 @@ pub struct ServeSettings {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<String>,
+
+    /// Check the configuration (the file, the environment, these flags) and exit: 0 and a
+    /// summary when kvlb would start with it, 2 and the error when not. Nothing is bound,
+    /// resolved or contacted.
+    #[arg(long)]
+    #[serde(skip)]
+    pub check: bool,
+
+    /// Reread the --config file when it changes, checked this often, as SIGHUP does (a
+    /// Kubernetes ConfigMap mounted as a directory, a deploy tool rewriting the file). 0 or
+    /// off: only on SIGHUP or POST /reload (default: off).
+    #[arg(long, value_name = "DUR")]
+    pub watch_config: Option<DurOrOff>,
 
     /// A client listener, repeatable (e.g. 0.0.0.0:8080); port 0 picks one port, shared by
     /// all workers.
@@ -495,6 +512,8 @@ impl ServeSettings {
         // compile (an unused binding is denied by the lint gate).
         let ServeSettings {
             config: _,
+            check: _,
+            watch_config,
             listen,
             mode,
             l4_forwarding,
@@ -596,6 +615,7 @@ impl ServeSettings {
         set(&mut t.connect, connect_timeout.map(|v| v.0));
         set(&mut t.upstream, upstream_timeout.map(|v| v.0));
         set(&mut t.drain, drain_timeout.map(|v| v.0));
+        set(&mut cfg.watch_config, watch_config.map(|v| v.0));
         let t = &mut cfg.telemetry;
         set(&mut t.metrics_interval, metrics_interval.map(|v| v.0));
         set(&mut t.models_refresh, models_refresh.map(|v| v.0));
@@ -816,6 +836,15 @@ fn parse_flags(args: &[String]) -> Result<ServeSettings, Option<ConfigError>> {
     }
 }
 
+/// The flags of `kvlb serve ARGS` that act rather than configure: the `--config` file and
+/// whether `--check` was asked. Call after `from_args` accepted `args`.
+pub fn actions(args: &[String]) -> (Option<String>, bool) {
+    match parse_flags(args) {
+        Ok(f) => (f.config, f.check),
+        Err(_) => (None, false),
+    }
+}
+
 /// What the command line asked for, over the file it names and the environment, checked
 /// across settings. Err(None): --help was printed.
 pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
@@ -894,7 +923,7 @@ pub fn reference_markdown() -> String {
         .get_arguments()
         .map(|a| a.get_id().to_string())
         .collect();
-    let skipped = ["config", "mode"];
+    let skipped = FLAG_ONLY;
     let mut out = String::from("| flag | file key | what it does |\n|---|---|---|\n");
     let cmd = ServeSettings::command();
     for a in cmd.get_arguments() {

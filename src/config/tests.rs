@@ -401,7 +401,7 @@ fn flags_and_file_keys_are_one_declaration() {
         assert!(
             keys.contains(&f.as_str())
                 || cost_keys.contains(&f.as_str())
-                || ["config", "mode"].contains(&f.as_str()),
+                || settings::FLAG_ONLY.contains(&f.as_str()),
             "flag --{f} has no file key"
         );
         let arg = cmd

@@ -301,6 +301,11 @@ pub static ADMIN_CONNECTIONS_TIMED_OUT: Family = Family::counter(
     &[],
     "Admin connections closed because their request did not arrive, or their reply was not taken, in time.",
 );
+pub static CONFIG_RELOADS: Family = Family::counter(
+    "kvlb_config_reloads_total",
+    &["result"],
+    "Configuration reloads (SIGHUP, POST /reload, watch_config) by result: applied, or refused (the running configuration stays; the reason is logged).",
+);
 
 // What each replica reports of itself (`telemetry`).
 pub static REPLICA_RUNNING: Family = Family::gauge(
@@ -550,6 +555,7 @@ pub static ALL: &[&Family] = &[
     &PROCESS_THREADS,
     &ADMIN_CONNECTIONS_REFUSED,
     &ADMIN_CONNECTIONS_TIMED_OUT,
+    &CONFIG_RELOADS,
     &REPLICA_RUNNING,
     &REPLICA_WAITING,
     &REPLICA_KV_USAGE,
