@@ -334,6 +334,11 @@ impl CostModel {
             ..p
         }
     }
+
+    /// Seconds to move the KV of `tokens` prompt tokens from a prefill to a decode replica.
+    pub fn kv_transfer_s(&self, tokens: u32) -> f64 {
+        tokens as f64 * self.kv_transfer_s_per_token
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -527,6 +532,13 @@ impl ServeConfig {
     pub fn max_in_flight_of(&self, table: u16) -> u32 {
         self.model(table)
             .map_or(self.max_in_flight, |m| m.max_in_flight)
+    }
+
+    /// The cost model of a request of `table`.
+    #[inline]
+    pub fn cost_model_of(&self, table: u16) -> &CostModel {
+        self.model(table)
+            .map_or(&self.cost_model, |m| &m.cost_model)
     }
 
     /// The response timeout of a request of `table`.

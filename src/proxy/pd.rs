@@ -185,10 +185,9 @@ pub(super) async fn prefill(
         let mut routed = routed;
         // Its estimate (cache_aware's) included the transfer, which comes after its answer:
         // the answer's time measures the rest (a calibration sample).
-        let cost = cfg
-            .model(model.class.table)
-            .map_or(&cfg.cost_model, |m| &m.cost_model);
-        let transfer = conn.log.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
+        let transfer = cfg
+            .cost_model_of(model.class.table)
+            .kv_transfer_s(conn.log.prompt_tokens);
         routed.expected.fixed_s = (routed.expected.fixed_s - transfer).max(0.0);
         if let Some(port) = routed.spec.bootstrap_port {
             match sglang

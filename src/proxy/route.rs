@@ -343,10 +343,9 @@ pub(super) fn route(
         // estimate and the pair's. The decode replica computes nothing kvlb could time: its
         // first byte times the whole request.
         if let (Some(d), true) = (choice.decision, cfg.explain) {
-            let cost = cfg
-                .model(model.class.table)
-                .map_or(&cfg.cost_model, |m| &m.cost_model);
-            let transfer_s = choice.prompt_tokens as f64 * cost.kv_transfer_s_per_token;
+            let transfer_s = cfg
+                .cost_model_of(model.class.table)
+                .kv_transfer_s(choice.prompt_tokens);
             let prefill_ms = conn.log.estimate.map(|e| e.ttft_ms as f64);
             conn.explain_len = append_decode(
                 &mut conn.explain,

@@ -663,10 +663,10 @@ impl Worker {
                 false => failed = true,
             }
         }
-        let (policy, cost) = match cfg.model(class.table) {
-            Some(m) => (m.policy, &m.cost_model),
-            None => (cfg.policy, &cfg.cost_model),
-        };
+        let (policy, cost) = (
+            cfg.model_policy(class.table),
+            cfg.cost_model_of(class.table),
+        );
         // The larger of the operator's figure and the loads kvlb timed: a load also leaves
         // the adapter's prefixes cold there and takes one of the replica's LoRA slots.
         let setup_us = ((cost.lora_load_s * 1e6) as u64)
