@@ -98,19 +98,9 @@ KVLB_EVENTS=${KVLB_EVENTS:-1}
 VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
-num_re='^[0-9]+([.][0-9]+)?$'
-for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$WARMUP_START" "$TIMING_SPREAD"; do
-    if ! [[ $v =~ $num_re ]]; then
-        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, WARMUP_START, TIMING_SPREAD must be numbers (got '$v')" >&2
-        exit 2
-    fi
-done
-for v in "$ROUNDS" "$REPLICAS" "$FLEET_CORE" "$BALANCER_CORE" ${MAX_OUTPUT:+"$MAX_OUTPUT"}; do
-    if ! [[ $v =~ ^[0-9]+$ ]]; then
-        echo "error: ROUNDS, REPLICAS, FLEET_CORE, BALANCER_CORE, MAX_OUTPUT must be whole numbers (got '$v')" >&2
-        exit 2
-    fi
-done
+kvlb_require number START DURATION LOAD TIME_SCALE WARMUP WARMUP_START TIMING_SPREAD
+kvlb_require whole ROUNDS REPLICAS FLEET_CORE BALANCER_CORE
+[ -z "${MAX_OUTPUT:-}" ] || kvlb_require whole MAX_OUTPUT
 if [ "$ROUNDS" -lt 1 ]; then
     echo "error: ROUNDS must be at least 1" >&2
     exit 2

@@ -88,19 +88,8 @@ RESULTS_NAME=${RESULTS_NAME:-multi-model-$(date -u +%Y%m%d)}
 VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
-num_re='^[0-9]+([.][0-9]+)?$'
-for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$SMALL_PREFILL"; do
-    if ! [[ $v =~ $num_re ]]; then
-        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, SMALL_PREFILL must be numbers (got '$v')" >&2
-        exit 2
-    fi
-done
-for v in "$MAX_LORAS" "$ROUNDS"; do
-    if ! [[ $v =~ ^[1-9][0-9]*$ ]]; then
-        echo "error: MAX_LORAS and ROUNDS must be whole numbers of at least 1 (got '$v')" >&2
-        exit 2
-    fi
-done
+kvlb_require number START DURATION LOAD TIME_SCALE WARMUP SMALL_PREFILL
+kvlb_require count MAX_LORAS ROUNDS
 for b in $BALANCERS; do
     case $b in
     kvlb | sglang-router | vllm-router | vllm-router-igw) ;;

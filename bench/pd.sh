@@ -58,17 +58,8 @@ RESULTS_NAME=${RESULTS_NAME:-pd}
 VENV=$ROOT/bench/.venv
 LIB=$ROOT/bench/lib
 
-num_re='^[0-9]+([.][0-9]+)?$'
-for v in "$START" "$DURATION" "$LOAD" "$TIME_SCALE" "$WARMUP" "$WARMUP_START"; do
-    if ! [[ $v =~ $num_re ]]; then
-        echo "error: START, DURATION, LOAD, TIME_SCALE, WARMUP, WARMUP_START must be numbers (got '$v')" >&2
-        exit 2
-    fi
-done
-if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: ROUNDS must be a whole number from 1 (got '$ROUNDS')" >&2
-    exit 2
-fi
+kvlb_require number START DURATION LOAD TIME_SCALE WARMUP WARMUP_START
+kvlb_require count ROUNDS
 for b in $BALANCERS; do
     case $b in
     kvlb-aggregated | kvlb-pd | kvlb-pd-priced | vllm-router-pd | kvlb-pd-sglang | sglang-router-pd) ;;

@@ -1,8 +1,8 @@
 # shellcheck shell=bash
-# Sourced by bench/e2e_peers.sh and bench/multi_model.sh, which run kvlb and its peers
-# (sglang-router, vllm-router) in front of simulated fleets: the peers' venv, the kvlb binary,
-# the process bookkeeping and the order of the rounds both scripts share. Expects ROOT, VENV,
-# LIB and PIN (round_order: BALANCERS and TMP).
+# Sourced by bench/e2e_peers.sh, bench/multi_model.sh and bench/pd.sh, which run kvlb and its
+# peers (sglang-router, vllm-router) in front of simulated fleets: the checks of their numeric
+# settings, the peers' venv, the kvlb binary, the process bookkeeping and the order of the
+# rounds the scripts share. Expects ROOT, VENV, LIB and PIN (round_order: BALANCERS and TMP).
 
 # The peers' venv (bench/requirements-e2e.txt), installed idempotently: a stamp of the
 # requirements and the interpreter skips pip when nothing changed.
@@ -24,6 +24,28 @@ kvlb_peers_venv() {
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
         echo "$want" >"$stamp"
     fi
+}
+
+# Exits 2 unless each variable named after KIND holds one: number (decimal, >= 0), whole
+# (>= 0) or count (whole, >= 1).
+kvlb_require() {
+    local kind=$1 name re what
+    shift
+    case $kind in
+    number) re='^[0-9]+([.][0-9]+)?$' what="a number" ;;
+    whole) re='^[0-9]+$' what="a whole number" ;;
+    count) re='^[1-9][0-9]*$' what="a whole number of at least 1" ;;
+    *)
+        echo "kvlb_require: unknown kind '$kind'" >&2
+        exit 2
+        ;;
+    esac
+    for name in "$@"; do
+        if ! [[ ${!name} =~ $re ]]; then
+            echo "error: $name must be $what (got '${!name}')" >&2
+            exit 2
+        fi
+    done
 }
 
 # Sets KVLB: KVLB_BIN when given, else target/release/kvlb, built.
