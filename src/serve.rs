@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub fn main(args: Vec<String>) -> i32 {
-    let cfg = match config::from_args(&args) {
+    let (cfg, actions) = match config::from_args_with_actions(&args) {
         Ok(c) => c,
         Err(None) => return 0,
         Err(Some(e)) => {
@@ -21,8 +21,7 @@ pub fn main(args: Vec<String>) -> i32 {
             return 2;
         }
     };
-    let (config_path, check) = config::actions(&args);
-    if check {
+    if actions.check {
         println!(
             "kvlb: configuration ok (listeners {}, replicas {}, DNS sources {}, model tables {}, policy {})",
             cfg.listen.len(),
@@ -45,7 +44,7 @@ pub fn main(args: Vec<String>) -> i32 {
         );
         return 1;
     }
-    match run(cfg, args, config_path) {
+    match run(cfg, args, actions.config) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("kvlb: {e}");

@@ -10,7 +10,10 @@ use std::time::Duration;
 pub mod settings;
 mod values;
 
-pub use settings::{actions, apply_toml, from_args, load_file, reference_markdown, ServeSettings};
+pub use settings::{
+    apply_toml, from_args, from_args_with_actions, load_file, reference_markdown, Actions,
+    ServeSettings,
+};
 pub use values::{parse_replica_flag, replica_flag_help, ReplicaOption, REPLICA_OPTIONS};
 
 /// The policy names live with the policies (`select`), which config builds.

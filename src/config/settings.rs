@@ -836,19 +836,30 @@ fn parse_flags(args: &[String]) -> Result<ServeSettings, Option<ConfigError>> {
     }
 }
 
-/// The flags of `kvlb serve ARGS` that act rather than configure: the `--config` file and
-/// whether `--check` was asked. Call after `from_args` accepted `args`.
-pub fn actions(args: &[String]) -> (Option<String>, bool) {
-    match parse_flags(args) {
-        Ok(f) => (f.config, f.check),
-        Err(_) => (None, false),
-    }
+/// The flags of `kvlb serve` that act rather than configure.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Actions {
+    /// The `--config` file.
+    pub config: Option<String>,
+    /// `--check`: validate and exit.
+    pub check: bool,
 }
 
 /// What the command line asked for, over the file it names and the environment, checked
 /// across settings. Err(None): --help was printed.
 pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
+    from_args_with_actions(args).map(|(cfg, _)| cfg)
+}
+
+/// `from_args`, and the flags that act.
+pub fn from_args_with_actions(
+    args: &[String],
+) -> Result<(ServeConfig, Actions), Option<ConfigError>> {
     let flags = parse_flags(args)?;
+    let actions = Actions {
+        config: flags.config.clone(),
+        check: flags.check,
+    };
     let mut cfg = ServeConfig::default();
     if let Some(path) = &flags.config {
         load_file(&mut cfg, path).map_err(Some)?;
@@ -856,7 +867,7 @@ pub fn from_args(args: &[String]) -> Result<ServeConfig, Option<ConfigError>> {
     apply_env(&mut cfg).map_err(Some)?;
     flags.apply(&mut cfg, Layer::Flags).map_err(Some)?;
     validate(&mut cfg).map_err(Some)?;
-    Ok(cfg)
+    Ok((cfg, actions))
 }
 
 /// The checks across settings, and what loading them needs (tokenizer, access log).
