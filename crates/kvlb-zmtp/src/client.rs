@@ -4,7 +4,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::wire::{Connection, Incoming, PeerVersion};
+use super::wire::{Connection, Handshake, Incoming, PeerVersion};
 use super::{connect_stream, Message, HANDSHAKE_TIMEOUT};
 use std::io;
 use std::net::SocketAddr;
@@ -29,8 +29,8 @@ fn recv_message(conn: &mut Connection, timeout: Duration) -> io::Result<Option<M
 fn connect(
     endpoint: &str,
     connect_timeout: Duration,
-    socket_type: &str,
-    accept_peers: &[&str],
+    socket_type: &'static str,
+    accept_peers: &'static [&'static str],
 ) -> io::Result<Connection> {
     let stream = connect_stream(endpoint, connect_timeout)?;
     Connection::handshake(
@@ -54,6 +54,19 @@ impl SubClient {
         Ok(SubClient {
             conn: connect(endpoint, timeout, "SUB", &["PUB", "XPUB"])?,
         })
+    }
+
+    /// Start the handshake of a SUB socket on `stream` (connected, see [`Handshake`]); once
+    /// `advance` completes it, [`SubClient::from_handshake`] makes the client.
+    pub fn handshake(stream: std::net::TcpStream) -> io::Result<Handshake> {
+        Handshake::start(stream, false, "SUB", &["PUB", "XPUB"])
+    }
+
+    /// The client of a completed [`SubClient::handshake`].
+    pub fn from_handshake(handshake: Handshake) -> SubClient {
+        SubClient {
+            conn: handshake.finish(),
+        }
     }
 
     /// Receive messages whose first frame starts with `prefix` (empty: everything). Sent as a
@@ -84,6 +97,12 @@ impl SubClient {
         recv_message(&mut self.conn, timeout)
     }
 
+    /// The next message if it has arrived whole, never waiting (what part of it has arrived
+    /// stays buffered for the next call). Ok(None) also means the socket has been read dry.
+    pub fn try_recv(&mut self) -> io::Result<Option<Message>> {
+        recv_message(&mut self.conn, Duration::ZERO)
+    }
+
     /// Hand a received message back once read: its buffers carry the next messages, so a
     /// subscriber that recycles every message stops allocating once warm.
     pub fn recycle(&mut self, message: Message) {
@@ -92,6 +111,12 @@ impl SubClient {
 
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
         self.conn.peer_addr()
+    }
+}
+
+impl std::os::fd::AsRawFd for SubClient {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.conn.as_raw_fd()
     }
 }
 

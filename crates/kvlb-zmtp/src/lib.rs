@@ -7,10 +7,11 @@
 //! messages with a leading 0x01/0x00 byte. Everything here is tested against real libzmq (pyzmq)
 //! in tests/kv_events_interop.rs.
 //!
-//! Threads, not an event loop: these sockets carry telemetry on control threads, a handful of
-//! peers each. Servers (`PubServer`, `RouterServer`) accept on a background thread and serve each
-//! peer on its own threads; clients (`SubClient`, `DealerClient`) are blocking with read timeouts,
-//! and reconnecting is the caller's business.
+//! Servers (`PubServer`, `RouterServer`, used by the simulated replicas) accept on a background
+//! thread and serve each peer on its own threads. Clients (`SubClient`, `DealerClient`) block
+//! with read timeouts, or, for an event loop holding many of them, never block:
+//! `wire::Handshake` is resumable and `SubClient::try_recv` takes only what has arrived.
+//! Reconnecting is the caller's business.
 
 #![deny(unsafe_code)]
 

@@ -177,17 +177,26 @@ pub struct Connection {
     peer_socket_type: String,
 }
 
-impl Connection {
-    /// Greet, exchange READY and check that the peer's socket type is one of `accept_peers`.
-    /// The handshake must finish within `timeout`.
-    pub fn handshake(
+/// A handshake under way: the greeting sent, the peer's greeting and READY awaited. Driven by
+/// [`Handshake::advance`], which reads only what has arrived when given a deadline already
+/// passed, so an event loop can run many at once; [`Connection::handshake`] drives one to
+/// its end, waiting.
+pub struct Handshake {
+    conn: Connection,
+    /// The peer's greeting came and our READY went.
+    greeted: bool,
+    socket_type: &'static str,
+    accept_peers: &'static [&'static str],
+}
+
+impl Handshake {
+    /// Send the greeting on `stream` (connected; its writes may block, its reads never do).
+    pub fn start(
         stream: TcpStream,
         as_server: bool,
-        socket_type: &str,
-        accept_peers: &[&str],
-        timeout: Duration,
-    ) -> io::Result<Connection> {
-        let deadline = Instant::now() + timeout;
+        socket_type: &'static str,
+        accept_peers: &'static [&'static str],
+    ) -> io::Result<Handshake> {
         let _ = stream.set_nodelay(true);
         let mut conn = Connection {
             stream,
@@ -200,32 +209,42 @@ impl Connection {
             peer_socket_type: String::new(),
         };
         conn.stream.write_all(&greeting(as_server))?;
-        if !conn.fill_to(64, Some(deadline))? {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "zmtp: no greeting from peer in time",
-            ));
+        Ok(Handshake {
+            conn,
+            greeted: false,
+            socket_type,
+            accept_peers,
+        })
+    }
+
+    /// Take what has arrived, waiting until `deadline` at most (`None`: as long as it takes):
+    /// Ok(true) once the handshake is complete, Ok(false) while it awaits the peer.
+    pub fn advance(&mut self, deadline: Option<Instant>) -> io::Result<bool> {
+        let conn = &mut self.conn;
+        if !self.greeted {
+            if !conn.fill_to(64, deadline)? {
+                return Ok(false);
+            }
+            conn.peer = parse_greeting(&conn.rbuf[conn.rpos..conn.rpos + 64])?;
+            conn.rpos += 64;
+            let ready = encode_command("READY", &ready_properties(self.socket_type));
+            conn.stream.write_all(&ready)?;
+            self.greeted = true;
         }
-        conn.peer = parse_greeting(&conn.rbuf[conn.rpos..conn.rpos + 64])?;
-        conn.rpos += 64;
-        let ready = encode_command("READY", &ready_properties(socket_type));
-        conn.stream.write_all(&ready)?;
         // The peer's first frame must be its READY command: a message frame (even one whose
         // MORE flag promises further frames) is refused at once, not read to its end.
-        if conn.fill_to(1, Some(deadline))? && conn.rbuf[conn.rpos] & FLAG_COMMAND == 0 {
+        if !conn.fill_to(1, deadline)? {
+            return Ok(false);
+        }
+        if conn.rbuf[conn.rpos] & FLAG_COMMAND == 0 {
             return Err(protocol_error("peer sent a message before READY"));
         }
-        let (name, data) = match conn.read_incoming(Some(deadline))? {
+        let (name, data) = match conn.read_incoming(deadline)? {
             Some(Incoming::Command { name, data }) => (name, data),
             Some(Incoming::Message(_)) => {
                 return Err(protocol_error("peer sent a message before READY"))
             }
-            None => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "zmtp: no READY from peer in time",
-                ))
-            }
+            None => return Ok(false),
         };
         if name == b"ERROR" {
             let reason = data.get(1..).unwrap_or(&[]);
@@ -246,8 +265,11 @@ impl Connection {
             .find(|(n, _)| n.eq_ignore_ascii_case("Socket-Type"))
             .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
             .ok_or_else(|| protocol_error("READY without Socket-Type"))?;
-        if !accept_peers.contains(&peer_type.as_str()) {
-            let err = format!("a {socket_type} socket cannot talk to a {peer_type} peer");
+        if !self.accept_peers.contains(&peer_type.as_str()) {
+            let err = format!(
+                "a {} socket cannot talk to a {peer_type} peer",
+                self.socket_type
+            );
             let reason = &err.as_bytes()[..err.len().min(255)];
             let mut data = vec![reason.len() as u8];
             data.extend_from_slice(reason);
@@ -255,7 +277,52 @@ impl Connection {
             return Err(protocol_error(&err));
         }
         conn.peer_socket_type = peer_type;
-        Ok(conn)
+        Ok(true)
+    }
+
+    /// The connection, once `advance` said the handshake is complete.
+    pub fn finish(self) -> Connection {
+        debug_assert!(!self.conn.peer_socket_type.is_empty());
+        self.conn
+    }
+
+    /// The socket's descriptor, to wait for it in an event loop.
+    pub fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.conn.stream.as_raw_fd()
+    }
+}
+
+impl Connection {
+    /// Greet, exchange READY and check that the peer's socket type is one of `accept_peers`.
+    /// The handshake must finish within `timeout`.
+    pub fn handshake(
+        stream: TcpStream,
+        as_server: bool,
+        socket_type: &'static str,
+        accept_peers: &'static [&'static str],
+        timeout: Duration,
+    ) -> io::Result<Connection> {
+        let deadline = Instant::now() + timeout;
+        let mut hs = Handshake::start(stream, as_server, socket_type, accept_peers)?;
+        loop {
+            if hs.advance(Some(deadline))? {
+                return Ok(hs.conn);
+            }
+            if Instant::now() >= deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    match hs.greeted {
+                        false => "zmtp: no greeting from peer in time",
+                        true => "zmtp: no READY from peer in time",
+                    },
+                ));
+            }
+        }
+    }
+
+    /// The socket's descriptor, to wait for it in an event loop.
+    pub fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.stream.as_raw_fd()
     }
 
     pub fn peer_version(&self) -> PeerVersion {
@@ -542,6 +609,51 @@ mod tests {
         assert_eq!(
             conn.read_incoming(deadline).unwrap(),
             Some(Incoming::Message(vec![body]))
+        );
+    }
+
+    /// A handshake driven without waiting: nothing happens until the peer's bytes arrive, a
+    /// greeting and READY that come a few bytes at a time complete it, and the connection
+    /// then reads messages.
+    #[test]
+    fn a_handshake_advances_with_what_has_arrived() {
+        use std::io::Read;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let now = || Some(Instant::now());
+        let mut hs = Handshake::start(ours, false, "SUB", &["PUB"]).unwrap();
+        assert!(!hs.advance(now()).unwrap());
+        let mut props = vec![11];
+        props.extend_from_slice(b"Socket-Type");
+        props.extend_from_slice(&3u32.to_be_bytes());
+        props.extend_from_slice(b"PUB");
+        let mut wire = greeting(true).to_vec();
+        wire.extend_from_slice(&encode_command("READY", &props));
+        wire.extend_from_slice(&encode_message(&[b"topic", b"payload"]));
+        let until_done = wire.len() - encode_message(&[b"topic", b"payload"]).len();
+        let mut done = false;
+        for (i, piece) in wire[..until_done].chunks(7).enumerate() {
+            assert!(!done, "complete before the READY's last bytes (piece {i})");
+            peer.write_all(piece).unwrap();
+            let t = Instant::now() + Duration::from_secs(5);
+            // What was just written has arrived once the socket is readable.
+            assert!(hs.conn.wait_readable(Some(t)).unwrap());
+            done = hs.advance(now()).unwrap();
+        }
+        assert!(done);
+        let mut theirs = [0u8; 64];
+        peer.read_exact(&mut theirs).unwrap();
+        peer.write_all(&wire[until_done..]).unwrap();
+        let mut conn = hs.finish();
+        assert_eq!(conn.peer_socket_type(), "PUB");
+        let deadline = Some(Instant::now() + Duration::from_secs(5));
+        assert_eq!(
+            conn.read_incoming(deadline).unwrap(),
+            Some(Incoming::Message(vec![
+                b"topic".to_vec(),
+                b"payload".to_vec()
+            ]))
         );
     }
 
