@@ -66,14 +66,10 @@
 #![forbid(unsafe_code)]
 
 use super::{ReplicaTelemetry, ResidencyOp, Tier};
-use crate::fleet::StopSignal;
 use crate::kv_events::{decode_batch, BlockKey, KvEvent, KvEventBatch, Medium};
 use crate::log_limit::LogLimit;
 use crate::prefix::token_block_hashes_from;
 use crate::prefix::{name_hash, token_root, AdapterNames, Learned};
-use crate::worker::Shared;
-use crate::zmtp::SubClient;
-use crossbeam::channel::Sender;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::Ordering::Relaxed;
@@ -119,7 +115,7 @@ pub enum Trouble {
 }
 
 impl Trouble {
-    fn limit(self) -> &'static LogLimit {
+    pub(super) fn limit(self) -> &'static LogLimit {
         static LIMITS: [LogLimit; 6] = [
             LogLimit::new(),
             LogLimit::new(),
@@ -1181,17 +1177,19 @@ pub struct EventSource {
     pub rank: Option<u32>,
 }
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
-const RECV_SLICE: Duration = Duration::from_millis(200);
-/// After applying what had arrived, the thread sleeps this long before it waits for more:
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often an idle event connection counts as a sign of life (replicas not scraped).
+pub const RECV_SLICE: Duration = Duration::from_millis(200);
+/// After applying what had arrived, the telemetry loop sleeps this long before it waits for
+/// more:
 /// an engine publishes a batch per scheduler step (a hundred a second and more), and waking
 /// for each costs more than the batch itself. Residency learns of stores and evictions at
 /// most this much later; kvlb's own routing, which the workers record at once, is not
 /// delayed.
 pub const EVENT_GATHER: Duration = Duration::from_millis(20);
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// How long connections to an event endpoint are refused, while the replica's /metrics
 /// answers, before the log says that the engine may be connecting instead of binding.
@@ -1206,131 +1204,4 @@ pub fn refusal_needs_hint(refused_since_ms: u64, now_ms: u64, last_metrics_ms: u
     now_ms.saturating_sub(refused_since_ms) >= REFUSED_HINT_AFTER_MS
         && last_metrics_ms >= refused_since_ms
         && last_metrics_ms > 0
-}
-
-/// The event thread of one replica: runs until `stop` is set or the writer is gone.
-pub fn run(
-    source: EventSource,
-    shared: Arc<Shared>,
-    ops_tx: Sender<ResidencyOp>,
-    stop: Arc<StopSignal>,
-) {
-    let tel = &shared.telemetry[source.replica];
-    let Some(spec) = shared.fleet.slot(source.replica).spec() else {
-        return;
-    };
-    // Without metrics, an open event connection is the only sign of life of an idle engine
-    // (an idle engine publishes nothing): count it as fresh telemetry.
-    let connection_is_liveness = !spec.scrape_metrics();
-    let mut state = EventState::new(source.replica, source.token_block_size).with_rank(source.rank);
-    state.learn_adapters(shared.adapters.clone());
-    let mut backoff = BACKOFF_MIN;
-    let mut ops = Vec::new();
-    let mut last_error = String::new();
-    // Since when connections have been refused without a break, and whether that was
-    // explained in the log.
-    let mut refused_since_ms: Option<u64> = None;
-    let mut hinted = false;
-    let mut replay = |from: u64| {
-        source
-            .replay
-            .as_deref()
-            .map(|ep| crate::kv_events::replay(ep, from, REPLAY_TIMEOUT))
-    };
-    while !stop.is_stopped() {
-        let mut sub = match SubClient::connect(&source.endpoint, CONNECT_TIMEOUT)
-            .and_then(|mut s| s.subscribe(b"").map(|()| s))
-        {
-            Ok(s) => s,
-            Err(e) => {
-                tel.connect_failures.fetch_add(1, Relaxed);
-                let msg = e.to_string();
-                if msg != last_error {
-                    eprintln!(
-                        "kvlb: replica {}: KV events {}: {msg}; retrying",
-                        spec.url, source.endpoint
-                    );
-                    last_error = msg;
-                }
-                let now = shared.now_ms();
-                if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                    let since = *refused_since_ms.get_or_insert(now);
-                    if !hinted && refusal_needs_hint(since, now, tel.last_metrics_ms.load(Relaxed))
-                    {
-                        hinted = true;
-                        eprintln!(
-                            "kvlb: replica {}: its HTTP side answers but nothing listens at its \
-                             KV event endpoint {}: an engine whose --kv-events-config endpoint \
-                             names a host (tcp://127.0.0.1:PORT, tcp://10.0.0.5:PORT) connects \
-                             there instead of binding; start vLLM with tcp://*:PORT, or give \
-                             SGLang \"bind\": true (docs/engines.md)",
-                            spec.url, source.endpoint
-                        );
-                    }
-                } else {
-                    refused_since_ms = None;
-                }
-                if stop.sleep(backoff) {
-                    return;
-                }
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                continue;
-            }
-        };
-        last_error.clear();
-        refused_since_ms = None;
-        hinted = false;
-        backoff = BACKOFF_MIN;
-        tel.connects.fetch_add(1, Relaxed);
-        tel.events_connected.store(true, Relaxed);
-        // Zero right after a message: take what else has arrived, then pause for the next
-        // batches to gather (see `EVENT_GATHER`) before blocking again.
-        let mut wait = RECV_SLICE;
-        while !stop.is_stopped() {
-            let frames = match sub.recv(wait) {
-                Ok(Some(f)) => f,
-                Ok(None) if wait.is_zero() => {
-                    wait = RECV_SLICE;
-                    if stop.sleep(EVENT_GATHER) {
-                        break;
-                    }
-                    continue;
-                }
-                Ok(None) => {
-                    if connection_is_liveness {
-                        tel.touch(shared.now_ms());
-                    }
-                    continue;
-                }
-                Err(_) => break,
-            };
-            wait = Duration::ZERO;
-            ops.clear();
-            if state.receive(&frames, tel, &mut replay, &mut ops).is_ok() {
-                let now = shared.now_ms();
-                tel.last_event_ms.store(now.max(1), Relaxed);
-                tel.touch(now);
-            }
-            for (kind, line) in state.take_troubles() {
-                if let Some(held) = kind.limit().allow() {
-                    eprintln!(
-                        "kvlb: replica {}: KV events: {line}{}",
-                        spec.url,
-                        crate::log_limit::more(held)
-                    );
-                }
-            }
-            sub.recycle(frames);
-            tel.engine_blocks
-                .store(state.known_blocks() as u64, Relaxed);
-            for op in ops.drain(..) {
-                // Waits while the writer catches up; fails only once the writer has gone.
-                if ops_tx.send(op).is_err() {
-                    tel.events_connected.store(false, Relaxed);
-                    return;
-                }
-            }
-        }
-        tel.events_connected.store(false, Relaxed);
-    }
 }

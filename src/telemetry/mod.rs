@@ -1,16 +1,17 @@
 //! Replica telemetry: what the replicas themselves say about their KV caches and queues, as
 //! opposed to what kvlb guesses from its own routing.
 //!
-//! Two sources, each on its own control threads (never on a worker):
+//! Two sources, both on the telemetry loop (`hub`: one thread for every replica, plus one for
+//! name resolution and replays; never on a worker):
 //!
-//! * `events`: one thread per replica with `kv_events` configured subscribes to the engine's
+//! * `events`: each replica with `kv_events` configured has a subscription to the engine's
 //!   ZeroMQ KV event stream (vLLM / SGLang, replica-interfaces.md section 1), turns
 //!   BlockStored / BlockRemoved / AllBlocksCleared into residency operations and sends them over
 //!   a bounded channel. Sequence gaps are filled by replay when `kv_replay` is configured, else
 //!   the replica's residency is cleared and it is marked stale until in-order events resume; a
 //!   sequence going backwards (engine restart) clears it.
-//! * `scrape`: one thread per replica (those with `metrics` on, by default those with
-//!   `kv_events`) polls GET /metrics every `metrics_interval` and publishes
+//! * `scrape`: each replica with `metrics` on (by default those with `kv_events`) has its
+//!   GET /metrics polled every `metrics_interval` and publishes
 //!   running / waiting requests and KV usage as atomics (`ReplicaTelemetry`) shown in /replicas
 //!   and /metrics. With each scrape it also publishes the replica's requests this instance did
 //!   not send, and its KV usage (`ReplicaTelemetry::reported`, a sequence lock of atomics, see
@@ -57,12 +58,14 @@
 
 pub mod events;
 mod feed;
+mod hub;
 pub mod scrape;
 
 #[cfg(test)]
 mod tests;
 
 pub use feed::ResidencyFeed;
+pub use hub::THREADS;
 
 use crate::kv_events::Medium;
 use crate::metrics::{families, Collector, DescriptorEncoder, Family, Kind};
@@ -124,22 +127,25 @@ pub enum ResidencyOp {
     Capacity { replica: usize, tokens: u64 },
 }
 
-/// Starts and stops the telemetry threads of replica slots, and queues residency operations
-/// for the writer (from the control thread: capacity of a new replica, clearing a removed one).
+/// Starts and stops the telemetry of replica slots (on the telemetry loop, `hub`), and queues
+/// residency operations for the writer (from the control thread: capacity of a new replica,
+/// clearing a removed one).
 #[derive(Clone)]
 pub struct Telemetry {
     tx: crossbeam::channel::Sender<ResidencyOp>,
+    hub: Arc<hub::Hub>,
 }
 
-/// Create the residency feed (run by the writer's tick) and start the telemetry threads of
-/// every replica in the fleet.
+/// Create the residency feed (run by the writer's tick), start the telemetry loop and, on
+/// it, the telemetry of every replica in the fleet.
 ///
 /// The feed applies offloaded-tier operations only once given that tier's writer
 /// (`ResidencyFeed::with_offload_tier`); until then it drops them (an offloaded block is never
 /// counted as a GPU one).
 pub fn start(shared: Arc<Shared>) -> std::io::Result<(ResidencyFeed, Telemetry)> {
     let (tx, rx) = crossbeam::channel::bounded(OP_QUEUE);
-    let t = Telemetry { tx };
+    let hub = Arc::new(hub::Hub::spawn(shared.clone(), tx.clone())?);
+    let t = Telemetry { tx, hub };
     for (r, slot) in shared.fleet.slots() {
         if slot.spec().is_some() {
             t.spawn_replica(&shared, r)?;
@@ -149,39 +155,19 @@ pub fn start(shared: Arc<Shared>) -> std::io::Result<(ResidencyFeed, Telemetry)>
 }
 
 impl Telemetry {
-    /// Start the threads of slot `r`'s replica (event subscriber if it has `kv_events`, metrics
-    /// scraper if it is polled); they stop when the slot's `telemetry_stop` is set.
+    /// (Re)start slot `r`'s telemetry: its event subscription if it has `kv_events`, its
+    /// scrapes if it is polled. Both stop when the slot's `telemetry_stop` is set.
     pub fn spawn_replica(&self, shared: &Arc<Shared>, r: usize) -> std::io::Result<()> {
         let slot = shared.fleet.slot(r);
-        let Some(replica) = slot.spec() else {
+        if slot.spec().is_none() {
             return Ok(());
-        };
+        }
         let stop = Arc::new(crate::fleet::StopSignal::new());
         if let Some(old) = slot.telemetry_stop.swap(Some(stop.clone())) {
             old.stop();
         }
         shared.telemetry[r].reset();
-        if let Some(endpoint) = replica.kv_events.clone() {
-            let source = events::EventSource {
-                replica: r,
-                endpoint,
-                replay: replica.kv_replay.clone(),
-                token_block_size: shared.prefix.token_block_size,
-                rank: replica.dp_rank,
-            };
-            let (shared, stop, tx) = (shared.clone(), stop.clone(), self.tx.clone());
-            std::thread::Builder::new()
-                .name(format!("kvlb-events-{r}"))
-                .spawn(move || events::run(source, shared, tx, stop))?;
-        }
-        // A data-parallel engine's /metrics is scraped once, by rank 0's thread, for every rank.
-        if replica.scrape_metrics() && replica.dp_rank.unwrap_or(0) == 0 {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("kvlb-scrape-{r}"))
-                .spawn(move || scrape::run(r, shared, stop))?;
-        }
-        Ok(())
+        self.hub.start(r, stop)
     }
 
     /// Queue an operation for the residency writer (waits at most a second when it is full).
@@ -192,7 +178,7 @@ impl Telemetry {
     }
 }
 
-/// Stop every replica's telemetry threads.
+/// Stop every replica's telemetry.
 pub fn stop_all(shared: &Shared) {
     for (_, slot) in shared.fleet.slots() {
         if let Some(stop) = slot.telemetry_stop.swap(None) {

@@ -1,6 +1,7 @@
 //! Polling a replica's Prometheus `/metrics` (replica-interfaces.md section 2) for its queue
-//! and KV usage: `parse_metrics` is pure; `fetch_metrics` is one HTTP/1.0 GET over std TCP
-//! with timeouts (1.0 so the reply is never chunked); `run` is the per-replica thread.
+//! and KV usage: `parse_metrics` is pure; `Scraper` says what to ask and publishes what came
+//! back, while the telemetry loop (`hub`) does the non-blocking HTTP/1.0 GET (1.0 so the reply
+//! is never chunked); `fetch_metrics` is the same GET, blocking, for one-off uses.
 //!
 //! Names read: vLLM `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 //! `vllm:kv_cache_usage_perc` (older `vllm:gpu_cache_usage_perc`); SGLang
@@ -38,12 +39,10 @@
 
 use crate::estimate::calibrate::{PrefillBase, PrefillDelta, PrefillSample, PrefillTotals, Sample};
 use crate::estimate::{LoraReport, ReportedLoad};
-use crate::fleet::StopSignal;
 use crate::worker::Shared;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Largest /metrics body read (vLLM's is tens of KiB).
@@ -338,6 +337,11 @@ pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io
         MAX_METRICS_BYTES,
     )
     .map_err(|e| io::Error::new(e.kind(), format!("metrics: {e}")))?;
+    metrics_body(status, line, body)
+}
+
+/// The /metrics text of a reply, on 200.
+pub(super) fn metrics_body(status: u16, line: String, body: Vec<u8>) -> io::Result<String> {
     if status != 200 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -375,6 +379,35 @@ pub fn http_request(
     let deadline = Instant::now() + timeout;
     let mut s = TcpStream::connect_timeout(&addr, timeout)?;
     s.set_write_timeout(Some(timeout))?;
+    s.write_all(&request_bytes(authority, method, path, accept, body))?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
+        }
+        s.set_read_timeout(Some(left))?;
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if reply_complete(&buf, max)? {
+            break;
+        }
+    }
+    parse_reply(buf)
+}
+
+/// An HTTP/1.0 request: `method` `path`, Host `authority`, a JSON `body` if any.
+pub(super) fn request_bytes(
+    authority: &str,
+    method: &str,
+    path: &str,
+    accept: &str,
+    body: Option<&[u8]>,
+) -> Vec<u8> {
     let mut req = format!(
         "{method} {path} HTTP/1.0\r\nHost: {authority}\r\nAccept: {accept}\r\nUser-Agent: kvlb\r\n"
     )
@@ -390,32 +423,24 @@ pub fn http_request(
     }
     req.extend_from_slice(b"\r\n");
     req.extend_from_slice(body.unwrap_or_default());
-    s.write_all(&req)?;
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
-        }
-        s.set_read_timeout(Some(left))?;
-        let n = s.read(&mut chunk)?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > max {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("reply over {max} bytes"),
-            ));
-        }
-        // A reply framed by its Content-Length is whole without waiting for the close (a
-        // server may keep an HTTP/1.0 connection open).
-        if content_length_reached(&buf) {
-            break;
-        }
+    req
+}
+
+/// Whether the reply received so far (`buf`) is whole before the server closes: framed by its
+/// Content-Length and all there (a server may keep an HTTP/1.0 connection open). An error once
+/// it is over `max` bytes.
+pub(super) fn reply_complete(buf: &[u8], max: usize) -> io::Result<bool> {
+    if buf.len() > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("reply over {max} bytes"),
+        ));
     }
+    Ok(content_length_reached(buf))
+}
+
+/// A whole reply: the status, the status line and the body.
+pub(super) fn parse_reply(mut buf: Vec<u8>) -> io::Result<(u16, String, Vec<u8>)> {
     let head_end = buf
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -548,41 +573,59 @@ pub(super) fn calibrate_prefill(
     reports.running = running;
 }
 
-/// The scrape thread of replica `r`: every `metrics_interval` until `stop`. For rank 0 of a
-/// data-parallel engine it scrapes once for all ranks and publishes each rank's share in the
-/// slot of that rank (`URL#r`).
-pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
-    let Some(replica) = shared.fleet.slot(r).spec() else {
-        return;
-    };
-    let interval = shared.cfg().telemetry.metrics_interval;
-    let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(5));
-    let ranks = replica.dp_size.max(1) as usize;
-    let names: Vec<String> = match replica.dp_rank {
-        Some(_) => (0..ranks)
-            .map(|k| format!("{}#{k}", replica.base_url()))
-            .collect(),
-        None => Vec::new(),
-    };
-    let mut slots: Vec<Option<usize>> = vec![Some(r)];
-    let mut own: Vec<(u64, u64)> = Vec::new();
-    let mut prefills: Vec<PrefillReports> = (0..ranks).map(|_| Default::default()).collect();
-    let mut next = Instant::now();
-    while !stop.is_stopped() {
-        let now = Instant::now();
-        if now < next {
-            stop.sleep(next - now);
-            continue;
-        }
-        next = now + interval;
-        if !names.is_empty() {
+/// The scrapes of one replica's /metrics: what to ask and how often, and what each answer
+/// updates. For rank 0 of a data-parallel engine it scrapes once for all ranks and publishes
+/// each rank's share in the slot of that rank (`URL#r`). The telemetry loop (`hub`) does the
+/// I/O: `begin` when one is due, `finish` with the body or the error.
+pub(super) struct Scraper {
+    r: usize,
+    pub(super) addr: SocketAddr,
+    authority: String,
+    pub(super) interval: Duration,
+    pub(super) timeout: Duration,
+    ranks: usize,
+    names: Vec<String>,
+    slots: Vec<Option<usize>>,
+    own: Vec<(u64, u64)>,
+    prefills: Vec<PrefillReports>,
+}
+
+impl Scraper {
+    /// Slot `r`'s scrapes, as its spec and the configuration say now (None: slot empty).
+    pub(super) fn new(r: usize, shared: &Shared) -> Option<Scraper> {
+        let replica = shared.fleet.slot(r).spec()?;
+        let interval = shared.cfg().telemetry.metrics_interval;
+        let ranks = replica.dp_size.max(1) as usize;
+        let names: Vec<String> = match replica.dp_rank {
+            Some(_) => (0..ranks)
+                .map(|k| format!("{}#{k}", replica.base_url()))
+                .collect(),
+            None => Vec::new(),
+        };
+        Some(Scraper {
+            r,
+            addr: replica.addr,
+            authority: replica.authority.clone(),
+            interval,
+            timeout: interval.clamp(Duration::from_millis(200), Duration::from_secs(5)),
+            ranks,
+            names,
+            slots: vec![Some(r)],
+            own: Vec::new(),
+            prefills: (0..ranks).map(|_| Default::default()).collect(),
+        })
+    }
+
+    /// The request of a scrape due now; notes this instance's requests there as it goes out.
+    pub(super) fn begin(&mut self, shared: &Shared) -> Vec<u8> {
+        if !self.names.is_empty() {
             // The ranks' slots, as they are now (a rank may be drained or removed alone).
-            slots = names.iter().map(|n| shared.fleet.find(n)).collect();
+            self.slots = self.names.iter().map(|n| shared.fleet.find(n)).collect();
         }
         // This instance's requests there as the replica renders its figures (sampled just
         // before asking: those sent earlier have mostly arrived).
-        own.clear();
-        own.extend(slots.iter().map(|s| {
+        self.own.clear();
+        self.own.extend(self.slots.iter().map(|s| {
             s.map_or((0, 0), |i| {
                 let l = &shared.loads[i];
                 (
@@ -591,14 +634,24 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
                 )
             })
         }));
-        match fetch_metrics(replica.addr, &replica.authority, timeout) {
+        request_bytes(&self.authority, "GET", "/metrics", "text/plain", None)
+    }
+
+    /// Publish what a scrape returned: the /metrics text, or why there is none.
+    pub(super) fn finish(&mut self, shared: &Shared, result: io::Result<String>) {
+        match result {
             Ok(text) => {
-                let samples = if names.is_empty() {
+                let samples = if self.names.is_empty() {
                     vec![parse_metrics(&text)]
                 } else {
-                    parse_metrics_ranks(&text, ranks)
+                    parse_metrics_ranks(&text, self.ranks)
                 };
-                let each = slots.iter().zip(&samples).zip(&own).zip(&mut prefills);
+                let each = self
+                    .slots
+                    .iter()
+                    .zip(&samples)
+                    .zip(&self.own)
+                    .zip(&mut self.prefills);
                 for (((slot, m), own), reports) in each {
                     let Some(i) = *slot else { continue };
                     if *m == MetricsSample::default() {
@@ -606,15 +659,20 @@ pub fn run(r: usize, shared: Arc<Shared>, stop: Arc<StopSignal>) {
                         shared.telemetry[i].scrape_errors.fetch_add(1, Relaxed);
                         continue;
                     }
-                    publish(&shared, i, m, *own, interval);
-                    calibrate_prefill(&shared, i, m, reports);
+                    publish(shared, i, m, *own, self.interval);
+                    calibrate_prefill(shared, i, m, reports);
                 }
             }
             Err(_) => {
-                for i in slots.iter().flatten() {
+                for i in self.slots.iter().flatten() {
                     shared.telemetry[*i].scrape_errors.fetch_add(1, Relaxed);
                 }
             }
         }
+    }
+
+    /// The slot it scrapes for.
+    pub(super) fn slot(&self) -> usize {
+        self.r
     }
 }
