@@ -181,8 +181,9 @@ fn run(cfg: ServeConfig, args: Vec<String>, config_path: Option<String>) -> Resu
         writer_stop.clone(),
         move || epoch.elapsed().as_micros() as u64,
         move |w, now| {
-            feed.on_tick(w, now);
+            let work = feed.on_tick(w, now);
             calibrator.on_tick(now);
+            work
         },
     )
     .map_err(|e| format!("cannot start the residency writer: {e}"))?;

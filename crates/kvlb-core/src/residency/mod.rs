@@ -238,9 +238,19 @@ impl ResidencyWriter {
     }
 }
 
+/// What a tick's `on_tick` did beside the routing records (`spawn_writer_thread`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TickWork {
+    /// It applied something: the writer stays awake as it does for routing records.
+    pub applied: bool,
+    /// More is waiting than one tick takes: the next tick runs at once.
+    pub more: bool,
+}
+
 /// Run `writer` on its own thread: every `period` (up to 4 periods while there is nothing to
 /// drain) it drains the routing logs and then calls
-/// `on_tick(&mut writer, now_us)` (where KV events get applied), until `stop` is set; the
+/// `on_tick(&mut writer, now_us)` (where KV events get applied; its `TickWork` counts as
+/// activity, and `more` runs the next tick at once), until `stop` is set; the
 /// thread then returns the writer. `clock` gives the microseconds passed to the writer.
 /// After `PARK_AFTER_QUIET_TICKS` ticks with no routing record it parks between ticks for up
 /// to `parked_tick` (`PARKED_TICK` in `serve`), and the next record rings it awake
@@ -255,7 +265,7 @@ pub fn spawn_writer_thread<C, T>(
 ) -> std::io::Result<JoinHandle<ResidencyWriter>>
 where
     C: Fn() -> u64 + Send + 'static,
-    T: FnMut(&mut ResidencyWriter, u64) + Send + 'static,
+    T: FnMut(&mut ResidencyWriter, u64) -> TickWork + Send + 'static,
 {
     std::thread::Builder::new()
         .name("kvlb-residency".into())
@@ -271,12 +281,15 @@ where
                 // Routing guesses first, then what the replicas reported: an event (a removal,
                 // a clear) must override a guess made before it, however late the tick runs.
                 let applied = writer.drain(now);
-                on_tick(&mut writer, now);
-                quiet_ticks = if applied == 0 {
+                let work = on_tick(&mut writer, now);
+                quiet_ticks = if applied == 0 && !work.applied {
                     quiet_ticks.saturating_add(1)
                 } else {
                     0
                 };
+                if work.more {
+                    continue;
+                }
                 if quiet_ticks < PARK_AFTER_QUIET_TICKS {
                     std::thread::sleep(period * (1 << quiet_ticks.min(2)));
                     continue;

@@ -507,6 +507,7 @@ fn counting_writer(
         move || origin.elapsed().as_micros() as u64,
         move |_, _| {
             seen.fetch_add(1, Ordering::Relaxed);
+            super::TickWork::default()
         },
     )
     .unwrap();
