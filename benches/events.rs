@@ -1,33 +1,66 @@
-//! Routing latency under a KV event burst: one replica publishes 100k KV events/s over real
-//! ZeroMQ (ZMTP 3.1 over loopback TCP, vLLM's three-frame layout, kvlb's own publisher on its
-//! own thread) into kvlb's real telemetry path (subscriber thread -> bounded channel -> the
-//! residency writer's tick), while a worker-like thread measures the routing step the
-//! workers run per request: read the fleet's loads and reported figures (the candidates),
-//! then `cache_aware` (residency lookup + cost model) on a 1024-token token-id prompt.
+//! Routing latency under a KV event burst, and how many events kvlb absorbs: PUBLISHERS
+//! replicas publish KV events over real ZeroMQ (ZMTP 3.1 over loopback TCP, vLLM's
+//! three-frame layout; kvlb connects to each, the bench accepts as their PUB side) into kvlb's
+//! real telemetry path (the telemetry loop -> bounded channel -> the residency writer's tick),
+//! while a worker-like thread measures the routing step the workers run per request: read the
+//! fleet's loads and reported figures (the candidates), then `cache_aware` (residency lookup +
+//! cost model) on a 1024-token token-id prompt.
 //!
-//! Phases: quiet (no events), burst (100k events/s), quiet again. Prints p50 / p99 / p99.9 of
-//! the routing step per phase, the burst / quiet ratio, events applied per second, and
-//! whether the writer kept up (events published vs applied, sequence gaps, messages the
-//! publisher dropped for a slow subscriber).
+//! Phases: quiet (no events), burst (RATE events/s spread over the publishers, each
+//! alternating a batch of 64 chained BlockStored and a batch of 64 BlockRemoved of the same
+//! blocks, as an engine filling and evicting), quiet again. Prints p50 / p99 / p99.9 of the
+//! routing step per phase, the burst / quiet ratio, events applied per second, and whether
+//! kvlb kept up (events published vs applied, sequence gaps). The batches are encoded once
+//! (`encode_batch`) and only their sequence numbers patched, so the publishing side costs a
+//! write per batch.
 //!
-//! Run: `bash bench/events_burst.sh` (or `cargo bench --bench events -- SECONDS RATE`).
+//! Run: `bash bench/events_burst.sh` (or `cargo bench --bench events -- SECONDS RATE
+//! PUBLISHERS`).
 
-use kvlb::kv_events::publisher::KvEventPublisher;
-use kvlb::kv_events::{EventFormat, KvEvent, KvEventBatch};
+use kvlb::kv_events::{encode_batch, EventFormat, KvEvent, KvEventBatch};
 use kvlb::prefix::{hash_request, PrefixHashes};
 use kvlb::residency::{spawn_writer_thread, ResidencyConfig, ResidencyIndex};
 use kvlb::select::{CacheAware, CacheAwareConfig, Candidate, Policy, RequestView, Rng};
 use kvlb::worker::Shared;
+use kvlb::zmtp::wire::{encode_message, Connection};
+use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const REPLICAS: usize = 8;
 const PROMPTS: usize = 64;
 const PROMPT_TOKENS: usize = 1024;
 const BLOCK: usize = 16;
 /// Events per published batch (vLLM batches an engine step's events).
-const BATCH_EVENTS: usize = 100;
+const BATCH_EVENTS: usize = 64;
+
+/// One replica's event stream as the bench publishes it: the PUB end of kvlb's subscription
+/// and its next sequence number.
+struct Stream {
+    conn: Connection,
+    seq: u64,
+}
+
+impl Stream {
+    /// Send `message` (an encoded `[topic, seq, payload]` whose seq frame starts at
+    /// `SEQ_AT`) with this stream's next sequence number.
+    fn send(&mut self, message: &mut [u8]) {
+        message[SEQ_AT..SEQ_AT + 8].copy_from_slice(&self.seq.to_be_bytes());
+        self.seq += 1;
+        self.conn.write_raw(message).expect("publish");
+    }
+}
+
+/// Where the sequence number sits in a message with an empty topic: the topic frame's
+/// header (2 bytes), the sequence frame's header (2).
+const SEQ_AT: usize = 4;
+
+/// `[topic "", seq, payload]` encoded, its seq to be patched.
+fn message(payload: &[u8]) -> Vec<u8> {
+    let m = encode_message(&[b"", &[0u8; 8], payload]);
+    debug_assert_eq!(&m[..SEQ_AT], &[1, 0, 1, 8]);
+    m
+}
 
 fn tokens(prompt: usize, len: usize) -> Vec<u32> {
     (0..len)
@@ -92,29 +125,39 @@ fn main() {
         .collect();
     let seconds: f64 = args.first().and_then(|s| s.parse().ok()).unwrap_or(4.0);
     let rate: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let publishers: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1);
+    let replicas = publishers.max(8);
 
-    // Replica 0 publishes; the others are plain HTTP replicas (nothing listens: their
-    // metrics scrapes fail, which costs the control threads a refused connect a second).
+    // Replicas 0..PUBLISHERS publish; the others are plain HTTP replicas. Nothing is asked of
+    // their HTTP side: their models are given, their /metrics not polled.
     let cores = core_affinity::get_core_ids().unwrap_or_default();
     if let Some(c) = cores.get(1) {
         // Threads started from here on (publisher, telemetry, writer) inherit core 1.
         let _ = core_affinity::set_for_current(*c);
     }
-    let publisher = KvEventPublisher::bind("tcp://127.0.0.1:0", None, "", EventFormat::Map)
-        .expect("bind the event publisher");
-    let pub_addr = publisher.local_addrs().0;
-    let mut flags = vec!["--listen".to_string(), "127.0.0.1:0".to_string()];
-    for r in 0..REPLICAS {
+    let listeners: Vec<TcpListener> = (0..publishers)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind a publisher"))
+        .collect();
+    let mut flags = vec![
+        "--listen".to_string(),
+        "127.0.0.1:0".to_string(),
+        "--max-replicas".to_string(),
+        replicas.to_string(),
+    ];
+    for r in 0..replicas {
         flags.push("--replica".into());
-        flags.push(if r == 0 {
-            format!("http://127.0.0.1:9,kv_events=tcp://{pub_addr}")
-        } else {
-            format!("http://127.0.0.1:{}", 10 + r)
+        flags.push(match listeners.get(r) {
+            Some(l) => format!(
+                "http://127.0.0.1:{},kv_events=tcp://{},metrics=off,models=m",
+                10 + r,
+                l.local_addr().unwrap()
+            ),
+            None => format!("http://127.0.0.1:{},models=m", 10 + r),
         });
     }
     let cfg = kvlb::config::from_args(&flags).expect("bench configuration");
     let (residency, mut writer) = ResidencyIndex::new(ResidencyConfig {
-        max_replicas: REPLICAS,
+        max_replicas: replicas,
         block_tokens: BLOCK as u32,
         kv_capacity_tokens: kvlb::config::DEFAULT_KV_CAPACITY_TOKENS,
     })
@@ -134,14 +177,31 @@ fn main() {
     )
     .unwrap();
     let tel = &shared.telemetry[0];
+    // kvlb connects to every publisher; each is accepted and handshaken as a PUB socket.
     let t0 = Instant::now();
-    while publisher.subscribed_peers() == 0 {
+    let mut streams: Vec<Stream> = listeners
+        .iter()
+        .map(|l| {
+            let (s, _) = l.accept().expect("kvlb connects");
+            let conn =
+                Connection::handshake(s, true, "PUB", &["SUB", "XSUB"], Duration::from_secs(10))
+                    .expect("handshake");
+            Stream { conn, seq: 0 }
+        })
+        .collect();
+    let connected = || (0..publishers).all(|r| shared.telemetry[r].events_connected.load(Relaxed));
+    while !connected() {
         assert!(
-            t0.elapsed() < Duration::from_secs(10),
+            t0.elapsed() < Duration::from_secs(30),
             "kvlb never subscribed"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+    println!(
+        "{publishers} publishers subscribed in {:.2} s; kvlb runs {} threads",
+        t0.elapsed().as_secs_f64(),
+        std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+    );
     std::thread::sleep(Duration::from_millis(200));
 
     // Warm prompts: resident on replica 0 (events), and what the routed requests ask for.
@@ -158,7 +218,10 @@ fn main() {
             parent = Some(h);
         }
         warm_events += events.len() as u64;
-        publisher.publish(&batch(events));
+        streams[0].send(&mut message(&encode_batch(
+            &batch(events),
+            EventFormat::Map,
+        )));
         let mut out = PrefixHashes::new(&prefix_cfg);
         hash_request(b"/v1/completions", &body(&t), &prefix_cfg, &mut out).unwrap();
         hashed.push((out.hashes.clone(), out.est_prompt_tokens, out.block_units));
@@ -179,26 +242,39 @@ fn main() {
         std::thread::sleep(Duration::from_millis(5));
     }
 
-    // The burst: chains of 64 stored blocks, each removed again 2 batches later (as an
-    // engine evicting), paced to `rate` events per second.
+    // The burst: each publisher in turn sends a chain of 64 stored blocks, then (its next
+    // turn) their removal, paced to `rate` events per second over all publishers.
     let burst = Arc::new(AtomicBool::new(false));
     let published = Arc::new(AtomicU64::new(0));
-    let publisher = Arc::new(publisher);
+    let cycle: Vec<[Vec<u8>; 2]> = (0..publishers)
+        .map(|r| {
+            let mut stores = Vec::with_capacity(BATCH_EVENTS);
+            let mut removals = Vec::with_capacity(BATCH_EVENTS);
+            let mut parent = None;
+            for i in 0..BATCH_EVENTS {
+                let h = 1 << 62 | (r as u64) << 20 | i as u64;
+                let t: Vec<u32> = (0..BLOCK as u32)
+                    .map(|k| 40_000 + ((r * 977 + i * 31 + k as usize) % 20_000) as u32)
+                    .collect();
+                stores.push(stored(h, parent, t));
+                parent = Some(h);
+                removals.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![h],
+                    medium: None,
+                });
+            }
+            let encode = |events| message(&encode_batch(&batch(events), EventFormat::Map));
+            [encode(stores), encode(removals)]
+        })
+        .collect();
     let burst_thread = {
-        let (burst, stop, published, publisher) = (
-            burst.clone(),
-            stop.clone(),
-            published.clone(),
-            publisher.clone(),
-        );
+        let (burst, stop, published) = (burst.clone(), stop.clone(), published.clone());
+        let mut cycle = cycle;
         std::thread::spawn(move || {
-            let mut next = 1u64 << 48;
-            let mut pending: std::collections::VecDeque<Vec<u64>> = Default::default();
             let batches_per_s = (rate as f64 / BATCH_EVENTS as f64).max(1.0);
             let period = Duration::from_secs_f64(1.0 / batches_per_s);
             let mut due = Instant::now();
-            let token_chunk: Vec<u32> = (0..BLOCK as u32).map(|i| 5000 + i).collect();
-            let mut parent: Option<u64> = None;
+            let mut turn = 0usize;
             while !stop.load(Relaxed) {
                 if !burst.load(Relaxed) {
                     std::thread::sleep(Duration::from_millis(1));
@@ -210,36 +286,15 @@ fn main() {
                     std::thread::sleep((due - now).min(Duration::from_micros(500)));
                     continue;
                 }
-                due += period;
-                let mut events = Vec::with_capacity(BATCH_EVENTS);
-                let removals = if pending.len() >= 2 {
-                    pending.pop_front().unwrap()
-                } else {
-                    Vec::new()
-                };
-                let stores = BATCH_EVENTS - removals.len().min(1);
-                let mut new = Vec::with_capacity(stores);
-                for _ in 0..stores {
-                    let h = next;
-                    next += 1;
-                    if h.is_multiple_of(64) {
-                        parent = None;
-                    }
-                    let mut t = token_chunk.clone();
-                    t[0] = (h & 0xffff) as u32;
-                    events.push(stored(h, parent, t));
-                    parent = Some(h);
-                    new.push(h);
+                // Catch up in one go when the thread fell behind (a write blocked).
+                while due <= now {
+                    due += period;
+                    let r = turn % publishers;
+                    let which = (turn / publishers) % 2;
+                    turn += 1;
+                    streams[r].send(&mut cycle[r][which]);
+                    published.fetch_add(BATCH_EVENTS as u64, Relaxed);
                 }
-                if !removals.is_empty() {
-                    events.push(KvEvent::BlockRemoved {
-                        block_hashes: removals,
-                        medium: None,
-                    });
-                }
-                published.fetch_add(events.len() as u64, Relaxed);
-                publisher.publish(&batch(events));
-                pending.push_back(new);
             }
         })
     };
@@ -253,7 +308,7 @@ fn main() {
                 .with_routing_log(log.clone()),
             Rng::new(7),
         );
-        let mut candidates: Vec<Candidate> = Vec::with_capacity(REPLICAS);
+        let mut candidates: Vec<Candidate> = Vec::with_capacity(replicas);
         let mut lat = Vec::with_capacity(4_000_000);
         let until = Instant::now() + Duration::from_secs_f64(seconds);
         let preempted_before = preemptions();
@@ -263,7 +318,7 @@ fn main() {
             k += 1;
             let start = Instant::now();
             candidates.clear();
-            for r in 0..REPLICAS {
+            for r in 0..replicas {
                 let load = &shared.loads[r];
                 candidates.push(Candidate {
                     replica: r,
@@ -301,33 +356,37 @@ fn main() {
     };
     // The measuring thread stands for a worker on its own core (core 0); everything else
     // (publisher, subscriber, writer) was started on core 1.
-    let (quiet, loud, after, sent, applied_in_burst, lag_s, burst_s, gaps0) =
+    let sum = |f: fn(&kvlb::telemetry::ReplicaTelemetry) -> &AtomicU64| -> u64 {
+        (0..publishers)
+            .map(|r| f(&shared.telemetry[r]).load(Relaxed))
+            .sum()
+    };
+    let seen = || sum(|t| &t.events_seen);
+    let gaps = || sum(|t| &t.gaps);
+    let (quiet, loud, after, sent, by_end, applied, lag_s, burst_s, gaps0) =
         std::thread::scope(|s| {
             s.spawn(|| {
                 if let Some(c) = cores.first() {
                     let _ = core_affinity::set_for_current(*c);
                 }
                 let quiet = measure("quiet", false);
-                let (seen0, gaps0, t_burst) = (
-                    tel.events_seen.load(Relaxed),
-                    tel.gaps.load(Relaxed),
-                    Instant::now(),
-                );
+                let (seen0, gaps0, t_burst) = (seen(), gaps(), Instant::now());
                 let loud = measure("burst", true);
                 burst.store(false, Relaxed);
                 let burst_s = t_burst.elapsed().as_secs_f64();
+                let by_end = seen() - seen0;
                 let sent = published.load(Relaxed);
-                // Let the writer finish what is queued, then compare.
+                // Let kvlb finish what is queued, then compare.
                 let t_drain = Instant::now();
-                while tel.events_seen.load(Relaxed) - seen0 < sent
-                    && t_drain.elapsed() < Duration::from_secs(5)
-                {
+                while seen() - seen0 < sent && t_drain.elapsed() < Duration::from_secs(10) {
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                let applied = tel.events_seen.load(Relaxed) - seen0;
+                let applied = seen() - seen0;
                 let lag_s = t_drain.elapsed().as_secs_f64();
                 let after = measure("quiet again", false);
-                (quiet, loud, after, sent, applied, lag_s, burst_s, gaps0)
+                (
+                    quiet, loud, after, sent, by_end, applied, lag_s, burst_s, gaps0,
+                )
             })
             .join()
             .unwrap()
@@ -338,7 +397,7 @@ fn main() {
     let _ = writer_thread.join();
 
     println!(
-        "routing step (candidates + cache_aware over {REPLICAS} replicas, {PROMPT_TOKENS}-token \
+        "routing step (candidates + cache_aware over {replicas} replicas, {PROMPT_TOKENS}-token \
          token-id prompts, {} resident blocks), {seconds} s per phase:",
         PROMPTS * PROMPT_TOKENS / BLOCK
     );
@@ -363,20 +422,20 @@ fn main() {
         loud.pct(0.999) / quiet.pct(0.999)
     );
     println!(
-        "events: {sent} published at {:.0}/s (target {rate}/s), {applied_in_burst} applied \
-         ({:.0}/s over the burst), writer {} (caught up {:.2} s after the burst); sequence \
-         gaps {}, publisher drops {}, decode errors {}, skipped (unknown parent) {}",
+        "events: {sent} published by {publishers} publishers at {:.0}/s (target {rate}/s); \
+         absorbed {:.0}/s during the burst ({by_end} applied by its end), {applied} in all \
+         ({}, {:.2} s after the burst); sequence gaps {}, decode errors {}, skipped \
+         (unknown parent) {}",
         sent as f64 / burst_s,
-        applied_in_burst as f64 / burst_s,
-        if applied_in_burst >= sent {
+        by_end as f64 / burst_s,
+        if applied >= sent {
             "kept up"
         } else {
             "fell behind"
         },
         lag_s,
-        tel.gaps.load(Relaxed) - gaps0,
-        publisher.dropped_messages(),
-        tel.decode_errors.load(Relaxed),
-        tel.skipped_unknown_parent.load(Relaxed),
+        gaps() - gaps0,
+        sum(|t| &t.decode_errors),
+        sum(|t| &t.skipped_unknown_parent),
     );
 }
