@@ -33,9 +33,9 @@
 # processes and the replayer fit on two cores; every instance is given that speed's timing.
 #
 # Environment: TRACE (traces/mooncake_conversation_trace.jsonl; gen:agent-sessions works too),
-# START (0), DURATION (180 wall seconds per run), LOAD (2), TIME_SCALE (1), SPEED (0.25),
+# START (0), DURATION (120 wall seconds per run), LOAD (2), TIME_SCALE (1), SPEED (0.25),
 # REPLICAS (64),
-# INSTANCES (8), MAX_OUTPUT (cap on output tokens; default the trace's), METRICS_INTERVAL (each
+# INSTANCES (8), MAX_OUTPUT (128: cap on output tokens), METRICS_INTERVAL (each
 # instance's --metrics-interval, kvlb's default 1s), ROUNDS (1; the order one/many reversed
 # every other round), WARMUP (10 wall seconds through the fresh fleet first, trace from
 # WARMUP_START, 3000), SAMPLE_EVERY (5), PROBES (40), KVLB_ARGS (more flags for every instance),
@@ -51,14 +51,14 @@ source bench/lib/peers.sh
 
 TRACE=${TRACE:-traces/mooncake_conversation_trace.jsonl}
 START=${START:-0}
-DURATION=${DURATION:-180}
+DURATION=${DURATION:-120}
 DURATION=${DURATION%s}
 LOAD=${LOAD:-2}
 TIME_SCALE=${TIME_SCALE:-1}
 SPEED=${SPEED:-0.25}
 REPLICAS=${REPLICAS:-64}
 INSTANCES=${INSTANCES:-8}
-MAX_OUTPUT=${MAX_OUTPUT:-}
+MAX_OUTPUT=${MAX_OUTPUT:-128}
 METRICS_INTERVAL=${METRICS_INTERVAL:-1s}
 ROUNDS=${ROUNDS:-1}
 WARMUP=${WARMUP:-10}

@@ -268,27 +268,41 @@ def report(tmp, rounds, instances):
         p = load_json(os.path.join(tmp, "many.r%d.probes.json" % r))
         if not p:
             continue
-        n = min(len(x) for x in p)
-        if n == 0:
+        # A replay's lines are in the order its requests finished: a probe is known by its
+        # prompt tokens (and its rank among probes of that length).
+        def keyed(rows):
+            seen, out = {}, {}
+            for row in rows:
+                k = (row["prompt_tokens"], seen.get(row["prompt_tokens"], 0))
+                seen[row["prompt_tokens"]] = k[1] + 1
+                out[k] = row
+            return out
+
+        per = [keyed(x) for x in p]
+        keys = sorted(set.intersection(*[set(k) for k in per]))
+        if not keys:
             continue
-        # Each instance's probe lines, in the order the prompts were sent (one at a time).
-        same = same_match = 0
+        same = 0
         followed = []
-        for i in range(n):
-            reps = [x[i]["replica"] for x in p]
-            matched = [x[i]["matched_tokens"] for x in p]
+        first_match = later_match = 0.0
+        for k in keys:
+            reps = [x[k]["replica"] for x in per]
             same += len(set(reps)) == 1
-            same_match += len(set(matched[1:])) == 1
-            first = reps[0]
-            followed.extend(1 if rr == first else 0 for rr in reps[1:])
+            followed.extend(1 if rr == reps[0] else 0 for rr in reps[1:])
+            first_match += per[0][k]["matched_tokens"] / max(per[0][k]["prompt_tokens"], 1)
+            later_match += statistics.mean(
+                x[k]["matched_tokens"] / max(x[k]["prompt_tokens"], 1) for x in per[1:])
+        n = len(keys)
         print()
-        print("round %d, the same %d prompts sent through each of the %d instances in turn "
-              "(one at a time, fleet otherwise idle): all instances chose the same replica "
-              "for %d (%.1f%%); instances 2..%d chose the first instance's replica in %.1f%% "
-              "of %d choices; instances 2..%d saw the same matched tokens for %d" % (
-                  r, n, len(p), same, 100.0 * same / n, len(p),
-                  100.0 * sum(followed) / max(len(followed), 1), len(followed), len(p),
-                  same_match))
+        print("round %d, the same %d prompts (from just after the slice) sent through each of "
+              "the %d instances in turn, fleet otherwise idle:" % (r, n, len(p)))
+        print("  all instances chose the same replica for %d of %d (%.1f%%); instances 2..%d "
+              "chose the first instance's replica in %.1f%% of %d choices" % (
+                  same, n, 100.0 * same / n, len(p),
+                  100.0 * sum(followed) / max(len(followed), 1), len(followed)))
+        print("  matched tokens over prompt tokens: %.1f%% for the first instance, %.1f%% for "
+              "the others (the first one's blocks reached them as KV events)" % (
+                  100.0 * first_match / n, 100.0 * later_match / n))
     return 0
 
 
