@@ -74,7 +74,7 @@ pub use crate::worker::{reported, ReplicaTelemetry, UNKNOWN};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-/// Residency operations queued for the writer; beyond this the event threads wait.
+/// Residency operations queued for the writer; beyond this the telemetry loop waits.
 pub const OP_QUEUE: usize = 16_384;
 
 /// Where a replica holds a KV block: GPU memory (free to use) or an offloaded tier (CPU

@@ -64,7 +64,7 @@ pub struct ReplicaTelemetry {
     pub restarts: AtomicU64,
     /// Connections to the event publisher made.
     pub connects: AtomicU64,
-    /// Engine blocks the event thread knows now (its map from engine block hash to kvlb's
+    /// Engine blocks the telemetry loop knows now (its map from engine block hash to kvlb's
     /// hash and copy count, which resolves parents and removals), published after each batch.
     pub engine_blocks: AtomicU64,
     /// The last scrape net of this instance's requests, for the cost model (workers read it).

@@ -1,12 +1,12 @@
-//! Publication of a replica's scraped load (`estimate::ReportedLoad`) from its scrape thread
+//! Publication of a replica's scraped load (`estimate::ReportedLoad`) from the telemetry loop
 //! to the workers, by atomics only: a sequence lock whose readers never wait on anything.
 //!
-//! The writer (the replica's scrape thread; at a slot change also the control thread) makes
+//! The writer (the telemetry loop; at a slot change also the control thread) makes
 //! the sequence odd, stores the fields, and makes it even again; a reader loads the sequence,
 //! the fields, and the sequence again, and keeps the fields when both loads agree on an even
 //! value. A reader that keeps meeting a write in progress (a few tries) takes "no figure", which
 //! the cost model treats as an old scrape: it never spins for long and never blocks the writer.
-//! Two writers at once (a slot's old scrape thread finishing while a new one starts) cannot
+//! Two writers at once (the loop publishing while the control thread clears a slot) cannot
 //! interleave: a writer enters only by turning an even sequence odd with a compare-and-swap and
 //! otherwise skips its publication (the next scrape publishes again).
 
@@ -97,7 +97,7 @@ impl ReportedLoadCell {
 
     /// Forget the figure (the slot got a new replica).
     pub fn clear(&self) {
-        // A write in progress (the old scrape thread) makes this miss; retry briefly, it is
+        // A write in progress (the telemetry loop) makes this miss; retry briefly, it is
         // a handful of stores.
         for _ in 0..1000 {
             if self.publish(ReportedLoad::default()) {
