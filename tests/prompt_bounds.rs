@@ -4,7 +4,9 @@
 //! requests run on the same worker. The assertions read routing facts from the wire, never
 //! timings: the big body is routed, on exactly the blocks of its first 4096 messages (a repeat
 //! of it matches that many tokens, no more), and counted and logged as cut short; the small
-//! requests are all answered. `bench/prompt_stall.sh` measures how long they wait.
+//! requests are all answered. `bench/prompt_stall.sh` measures how long they wait. A prompt
+//! longer than the blocks routing learns is hashed up to them and measured past them, not cut
+//! short.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -131,4 +133,52 @@ fn a_million_message_body_is_routed_on_its_first_blocks_while_others_are_served(
     assert_eq!(lines.len(), 1, "{said}");
     assert!(lines[0].contains("message bound (4096)"), "{said}");
     assert!(started.elapsed() < Duration::from_secs(28));
+}
+
+/// Blocks of a request routing learns (`residency::MAX_ROUTED_BLOCKS`), 64 tokens each.
+const ROUTED_TOKENS: u64 = 2048 * 64;
+
+/// A prompt past the routed blocks: routed on them, its whole length estimated, no bound
+/// counted.
+#[test]
+fn a_prompt_past_the_routed_blocks_reports_its_length_and_is_not_cut_short() {
+    let backend = Backend::start();
+    let kvlb = Kvlb::serve(&["--workers", "1", "--explain", "--replica", &backend.url()]);
+    // 800 KB of prose in one message (about 200k tokens, 3,125 blocks), then a second body
+    // that shares its first 700 KB and differs after.
+    let prose = "plain words of a long prompt, ".repeat(800_000 / 30);
+    let chat = |content: &str| {
+        format!(r#"{{"messages":[{{"role":"system","content":"{content}"}}],"model":"{MODEL}"}}"#)
+    };
+    let long = chat(&prose);
+    let other = chat(&format!(
+        "{}{}",
+        &prose[..700_000],
+        "another tail ".repeat(8_000)
+    ));
+    let exact = (prose.len() / 4) as u64;
+    let mut conn = HttpConn::connect(kvlb.listen);
+    let (_, prompt_tokens) = decision(&post(&mut conn, long.as_bytes()));
+    assert!(
+        prompt_tokens.abs_diff(exact) * 100 < exact * 3,
+        "prompt_tokens={prompt_tokens}, the prompt holds about {exact}"
+    );
+    // Routed on its first blocks: a repeat matches them all, and the body that shares them.
+    let held = support::wait_until(Duration::from_secs(5), || {
+        decision(&post(&mut conn, long.as_bytes())).0 == ROUTED_TOKENS
+    });
+    assert!(held, "a repeat never matched {ROUTED_TOKENS} tokens");
+    let (matched, other_tokens) = decision(&post(&mut conn, other.as_bytes()));
+    assert_eq!(matched, ROUTED_TOKENS);
+    assert!(
+        other_tokens.abs_diff(exact) * 100 < exact * 3,
+        "{other_tokens}"
+    );
+    let truncated = kvlb.metric("kvlb_prompt_truncated_total", &[]);
+    assert_eq!(truncated.unwrap_or(0.0), 0.0, "kvlb_prompt_truncated_total");
+    assert!(
+        !kvlb.stderr().contains("kvlb_prompt_truncated_total"),
+        "{}",
+        kvlb.stderr()
+    );
 }

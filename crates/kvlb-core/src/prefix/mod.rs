@@ -26,6 +26,11 @@
 //! resolution but pays 15-18 us per request and kilobytes per leaf; a fixed block and a hash
 //! probe per block keep the lookup at memory speed.
 //!
+//! A text prompt is hashed up to [`PrefixConfig::text_blocks`] blocks, the ones routing learns
+//! ([`MAX_ROUTED_BLOCKS`]): no text block past them is ever resident. The extraction stops
+//! there as at a full sink, and the rest of the prompt is measured from the body's bytes after
+//! the last piece hashed ([`PrefixHashes::tail_estimated`]), not counted as cut short.
+//!
 //! # Token mode: `block_size` token ids (default 16)
 //! A completions `prompt` given as token ids is hashed in blocks of
 //! [`PrefixConfig::token_block_size`] ids, each id as 4 little-endian bytes, chained from
@@ -65,9 +70,10 @@ pub use identity::{name_hash, token_root, AdapterNames, Learned};
 
 use crate::models::ModelName;
 use crate::prompt::{
-    extract_prompt_within, Endpoint, Extent, Field, Piece, PromptError, PromptForm, PromptLimits,
-    PromptScratch, PromptSink,
+    extract_prompt_within, Bound, Endpoint, Extent, Field, Piece, PromptError, PromptForm,
+    PromptLimits, PromptScratch, PromptSink,
 };
+use crate::residency::MAX_ROUTED_BLOCKS;
 use std::sync::Arc;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
@@ -97,6 +103,12 @@ pub struct PrefixConfig {
     pub token_block_size: u32,
     /// Blocks hashed per request at most.
     pub max_blocks: usize,
+    /// Text-mode blocks hashed at most, however long the prompt: routing learns a request's
+    /// first [`MAX_ROUTED_BLOCKS`] blocks and no text-mode block is resident otherwise, so a
+    /// block past them is never found. The rest of such a prompt is skimmed and measured, not
+    /// read: see [`PrefixHashes::tail_estimated`]. Token mode hashes up to `max_blocks`, since
+    /// KV events name every block a replica stores.
+    pub text_blocks: usize,
 }
 
 impl Default for PrefixConfig {
@@ -104,6 +116,7 @@ impl Default for PrefixConfig {
         PrefixConfig {
             token_block_size: DEFAULT_TOKEN_BLOCK,
             max_blocks: MAX_BLOCKS,
+            text_blocks: MAX_ROUTED_BLOCKS,
         }
     }
 }
@@ -115,6 +128,11 @@ impl PrefixConfig {
             return Err(format!(
                 "token_block_size = {}: must be 1..={MAX_TOKEN_BLOCK} (the engines' KV block size, usually 16)",
                 self.token_block_size
+            ));
+        }
+        if self.text_blocks == 0 {
+            return Err(format!(
+                "text_blocks = 0: must be at least 1 (default {MAX_ROUTED_BLOCKS})"
             ));
         }
         if self.max_blocks == 0 || self.max_blocks > 1 << 20 {
@@ -156,6 +174,13 @@ pub struct PrefixHashes {
     pub est_prompt_tokens: u32,
     /// How much of the prompt was read (see [`hash_request_within`]).
     pub extent: Extent,
+    /// A text-mode prompt ran past [`PrefixConfig::text_blocks`]: its blocks were hashed up to
+    /// them and the rest of the body was skimmed, not read. `total_units` and
+    /// `est_prompt_tokens` count the canonical bytes read plus the body's bytes after the last
+    /// piece hashed. `extent` stays [`Extent::Whole`] (no bound stopped it: routing has every
+    /// block it can use) unless that count passes `max_tokens`: then [`Bound::Tokens`], as when
+    /// the prompt is read that far.
+    pub tail_estimated: bool,
     /// The parent of the first token-mode block: [`token_root`] of the adapter the request's
     /// `model` names and its `cache_salt` (set in either mode, for a caller that hashes the
     /// prompt's tokens itself, as with a tokenizer).
@@ -184,6 +209,7 @@ impl PrefixHashes {
             total_units: 0,
             est_prompt_tokens: 0,
             extent: Extent::Whole,
+            tail_estimated: false,
             token_root: TOKEN_CHAIN_ROOT,
             model: ModelName::default(),
             adapters: None,
@@ -205,6 +231,7 @@ impl PrefixHashes {
         self.total_units = 0;
         self.est_prompt_tokens = 0;
         self.extent = Extent::Whole;
+        self.tail_estimated = false;
         self.token_root = TOKEN_CHAIN_ROOT;
         self.model.clear();
     }
@@ -284,6 +311,14 @@ pub fn hash_request_within(
     out.clear();
     let endpoint = Endpoint::from_path(path).ok_or(PromptError::NotAPromptPath)?;
     let token_block = cfg.token_block();
+    // Exactly the blocks of the first `max_tokens` (4 bytes a token); the extraction stops at
+    // its next check once they are hashed (`PromptSink::full`).
+    let bound_blocks = cfg
+        .max_blocks
+        .min(limits.max_tokens.saturating_mul(4) / BLOCK_BYTES);
+    // Fewer blocks than the bounds allow: a stop there is no bound's, only routing's.
+    let routed_stop = cfg.text_blocks < bound_blocks;
+    let body_at = body.as_ptr() as usize;
     let mut chain = BlockChain {
         hashes: &mut out.hashes,
         block: &mut out.block,
@@ -291,12 +326,10 @@ pub fn hash_request_within(
         token_block_bytes: token_block * 4,
         text_hash: TEXT_CHAIN_ROOT,
         max_blocks: cfg.max_blocks,
-        // Exactly the blocks of the first `max_tokens` (4 bytes a token); the extraction stops
-        // at its next check once they are hashed (`PromptSink::full`).
-        max_text_blocks: cfg
-            .max_blocks
-            .min(limits.max_tokens.saturating_mul(4) / BLOCK_BYTES),
+        max_text_blocks: bound_blocks.min(cfg.text_blocks),
         units: 0,
+        body: (body_at, body_at + body.len()),
+        mark: None,
         model: &mut out.model,
         salt: None,
         lora_path: None,
@@ -316,10 +349,21 @@ pub fn hash_request_within(
             Ok(())
         }
         Ok((form, mut extent)) => {
-            let units = chain.units;
+            let mut units = chain.units;
+            if form == PromptForm::Text && extent == Extent::Prefix(Bound::Tokens) && routed_stop {
+                // Stopped at the blocks routing uses: the body's bytes after the last piece
+                // hashed stand for the rest of the prompt, at the same 4 bytes a token (JSON
+                // escapes and the fields after the prompt make it a little more).
+                units = match chain.mark {
+                    Some((read, at)) => read.saturating_add(body.len().saturating_sub(at)),
+                    None => units.max(body.len()),
+                };
+                extent = Extent::Whole;
+                out.tail_estimated = true;
+            }
             if form == PromptForm::Text && units > limits.max_tokens.saturating_mul(4) {
                 // Read whole (a last string past the bound), hashed up to it.
-                extent = Extent::Prefix(crate::prompt::Bound::Tokens);
+                extent = Extent::Prefix(Bound::Tokens);
             }
             out.total_units = units;
             out.token_root = token_root(lora, salt);
@@ -412,6 +456,11 @@ struct BlockChain<'a> {
     max_text_blocks: usize,
     /// Bytes or tokens seen, whether hashed or not.
     units: usize,
+    /// The body's address range, to tell its pieces from decoded ones.
+    body: (usize, usize),
+    /// At the last piece from the body that completed a text block: `units` with it, and
+    /// the body offset just after it (where the prompt read so far ends in the body).
+    mark: Option<(usize, usize)>,
     /// The decoded `model` (past [`crate::models::MODEL_BYTES`]: longer than any adapter
     /// name kept, so none).
     model: &'a mut ModelName,
@@ -452,6 +501,10 @@ impl BlockChain<'_> {
         if self.text_full() {
             self.fill = 0;
             return;
+        }
+        let end = bytes.as_ptr() as usize + bytes.len();
+        if end > self.body.0 && end <= self.body.1 {
+            self.mark = Some((self.units, end - self.body.0));
         }
         let fill = self.fill;
         if fill > 0 {

@@ -323,10 +323,16 @@ fn config_is_validated() {
         ..PrefixConfig::default()
     };
     assert!(bad.validate().unwrap_err().contains("max_blocks = 0"));
+    let bad = PrefixConfig {
+        text_blocks: 0,
+        ..PrefixConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("text_blocks = 0"));
     // Unvalidated nonsense still does not panic.
     let cfg = PrefixConfig {
         token_block_size: u32::MAX,
         max_blocks: 0,
+        text_blocks: 0,
     };
     let mut out = PrefixHashes::new(&cfg);
     hash_request(COMPLETIONS, br#"{"prompt":[1,2,3]}"#, &cfg, &mut out).unwrap();
@@ -571,4 +577,74 @@ fn chat_bodies_carry_their_token_root() {
     let body = r#"{"messages":[{"role":"user","content":"hi"}],"model":"base"}"#;
     hash_request(CHAT, body.as_bytes(), &cfg, &mut out).unwrap();
     assert_eq!(out.token_root, TOKEN_CHAIN_ROOT);
+}
+
+/// A text prompt longer than the blocks routing learns is hashed up to them and measured past
+/// them: the same first blocks as reading it whole, about its whole length, no bound reported.
+#[test]
+fn text_past_the_routed_blocks_is_measured_not_read() {
+    use crate::prompt::{Bound, PromptLimits};
+    let limits = PromptLimits::default();
+    let cfg = PrefixConfig {
+        max_blocks: limits.max_tokens / DEFAULT_TOKEN_BLOCK as usize,
+        ..PrefixConfig::default()
+    };
+    let all = PrefixConfig {
+        text_blocks: usize::MAX,
+        ..cfg
+    };
+    let turn = |i: usize, words: usize| {
+        let role = ["user", "assistant"][i % 2];
+        let text =
+            format!("turn {i}: plain words and a line\\n with \\\"quotes\\\" ").repeat(words);
+        format!(r#"{{"role":"{role}","content":"{text}"}}"#)
+    };
+    // One message past the routed blocks; many messages, past the recording space too.
+    let one = chat_with(&"plain words, a line\\n ".repeat(40_000));
+    let many = (0..40).map(|i| turn(i, 500)).collect::<Vec<_>>().join(",");
+    let many = format!(r#"{{"messages":[{many}],"model":"Qwen/Qwen3-8B","max_tokens":64}}"#);
+    let mut out = PrefixHashes::new(&cfg);
+    let mut whole = PrefixHashes::new(&all);
+    for body in [one, many] {
+        hash_request_within(CHAT, body.as_bytes(), &all, &limits, &mut whole).unwrap();
+        assert!(
+            whole.hashes.len() > MAX_ROUTED_BLOCKS,
+            "{}",
+            whole.hashes.len()
+        );
+        assert!(!whole.tail_estimated);
+        hash_request_within(CHAT, body.as_bytes(), &cfg, &limits, &mut out).unwrap();
+        assert_eq!(out.extent, Extent::Whole);
+        assert!(out.tail_estimated);
+        assert_eq!(out.hashes[..], whole.hashes[..MAX_ROUTED_BLOCKS]);
+        assert_eq!(out.mode, PrefixMode::Text);
+        // Within 3% of the length read whole, and never under it by more than the estimate's
+        // 4 bytes a token allows.
+        let (est, exact) = (out.est_prompt_tokens as f64, whole.est_prompt_tokens as f64);
+        assert!((est / exact - 1.0).abs() < 0.03, "{est} against {exact}");
+        assert_eq!(out.total_units / 4, out.est_prompt_tokens as usize);
+        // Unbounded, the same.
+        hash_request(CHAT, body.as_bytes(), &cfg, &mut out).unwrap();
+        assert_eq!((out.extent, out.tail_estimated), (Extent::Whole, true));
+        assert_eq!(out.hashes[..], whole.hashes[..MAX_ROUTED_BLOCKS]);
+        // Past max_tokens by that estimate: cut short by the token bound, as when read.
+        let short = PromptLimits::for_tokens(MAX_ROUTED_BLOCKS * BLOCK_BYTES / 4 + 1000);
+        hash_request_within(CHAT, body.as_bytes(), &cfg, &short, &mut out).unwrap();
+        assert_eq!(out.extent, Extent::Prefix(Bound::Tokens));
+        assert_eq!(out.hashes[..], whole.hashes[..MAX_ROUTED_BLOCKS]);
+    }
+    // Up to the routed blocks, as read whole.
+    let body = chat_with(&"plain words ".repeat(40_000));
+    hash_request_within(CHAT, body.as_bytes(), &cfg, &limits, &mut out).unwrap();
+    hash_request_within(CHAT, body.as_bytes(), &all, &limits, &mut whole).unwrap();
+    assert!(whole.hashes.len() < MAX_ROUTED_BLOCKS);
+    assert_eq!((out.extent, out.tail_estimated), (Extent::Whole, false));
+    assert_eq!(out.hashes, whole.hashes);
+    assert_eq!(out.est_prompt_tokens, whole.est_prompt_tokens);
+    // Token-id prompts are hashed past them (KV events name every block).
+    let ids = vec!["7"; (MAX_ROUTED_BLOCKS + 10) * DEFAULT_TOKEN_BLOCK as usize].join(",");
+    let body = format!(r#"{{"model":"m","prompt":[{ids}]}}"#);
+    hash_request_within(COMPLETIONS, body.as_bytes(), &cfg, &limits, &mut out).unwrap();
+    assert_eq!(out.hashes.len(), MAX_ROUTED_BLOCKS + 10);
+    assert!(!out.tail_estimated);
 }
