@@ -4,17 +4,18 @@
 
 #![forbid(unsafe_code)]
 
-use super::table::{BitTable, MAX_WORDS, MIN_SLOTS};
+use super::table::{
+    decode, inline_id, inline_len, BitTable, Holders, ID_LIMIT, INLINE, MIN_ROWS, MIN_SLOTS,
+};
 use crate::lru::LruList;
 use arc_swap::ArcSwap;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use hashbrown::HashTable;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Most replicas one index tracks (four 64-bit mask words).
-pub const MAX_REPLICAS: usize = 64 * MAX_WORDS;
+/// Most replicas one index tracks (replica ids are 12 bits in the shared table).
+pub const MAX_REPLICAS: usize = ID_LIMIT;
 
 /// How long a routed block may stay pending (see `ResidencyWriter::route`) unless
 /// `set_pending_ttl` says otherwise: the default `routed_guess_ttl`, the age at which the
@@ -24,7 +25,8 @@ pub const DEFAULT_PENDING_TTL: Duration = Duration::from_secs(120);
 /// Sizing of a residency index.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResidencyConfig {
-    /// Replicas tracked, 1..=256 (indices 0..max_replicas). Fixes the mask width.
+    /// Replicas tracked, 1..=4096 (indices 0..max_replicas). Fixes the width of the
+    /// shared table's overflow rows (blocks held by more than a few replicas).
     pub max_replicas: usize,
     /// Prompt tokens one block hash covers (the prefix hasher's block size).
     pub block_tokens: u32,
@@ -48,7 +50,8 @@ impl ResidencyConfig {
     pub fn validate(&self) -> Result<(), String> {
         if !(1..=MAX_REPLICAS).contains(&self.max_replicas) {
             return Err(format!(
-                "residency max_replicas must be 1..={MAX_REPLICAS}, got {}",
+                "residency max_replicas must be 1..={MAX_REPLICAS} (replica ids are 12 bits in \
+                 the shared table), got {}",
                 self.max_replicas
             ));
         }
@@ -88,7 +91,7 @@ impl ResidencyIndex {
     pub fn new(cfg: ResidencyConfig) -> Result<(Arc<ResidencyIndex>, ResidencyWriter), String> {
         cfg.validate()?;
         let words = cfg.max_replicas.div_ceil(64);
-        let table = BitTable::new(MIN_SLOTS, words);
+        let table = BitTable::new(MIN_SLOTS, words, MIN_ROWS);
         let index = Arc::new(ResidencyIndex {
             max_replicas: cfg.max_replicas,
             replica_blocks: (0..cfg.max_replicas).map(|_| AtomicUsize::new(0)).collect(),
@@ -130,17 +133,24 @@ impl ResidencyIndex {
     pub fn match_prefix(&self, blocks: &[u64], out: &mut [u32]) {
         out.fill(0);
         let n = out.len().min(self.max_replicas);
+        self.match_each(blocks, n, |r, depth| {
+            if let Some(o) = out.get_mut(r) {
+                *o = depth;
+            }
+        });
+    }
+
+    /// The replicas `r < n` holding at least the first block of `blocks`, each with the number
+    /// of leading blocks it holds, given to `emit(replica, blocks)` once each, in no particular
+    /// order. The work grows with the prompt's length and with the replicas holding its first
+    /// blocks, not with the fleet. Lock-free, allocation-free.
+    pub fn match_each(&self, blocks: &[u64], n: usize, emit: impl FnMut(usize, u32)) {
+        let n = n.min(self.max_replicas);
         if n == 0 || blocks.is_empty() {
             return;
         }
         let table = self.table.load();
-        // One loop per mask width, so the words are registers and the width a constant.
-        match table.words() {
-            1 => match_words::<1>(&table, blocks, n, out),
-            2 => match_words::<2>(&table, blocks, n, out),
-            3 => match_words::<3>(&table, blocks, n, out),
-            _ => match_words::<4>(&table, blocks, n, out),
-        }
+        match_holders(&table, blocks, n, emit);
     }
 
     /// Blocks resident on replica `r` (0 for an unknown replica).
@@ -179,51 +189,114 @@ impl ResidencyIndex {
     }
 }
 
-/// [`ResidencyIndex::match_prefix`] over a table whose masks are `W` words, for replicas
-/// `0..n` (`out` zeroed, `n <= out.len()`, `n <= 64 * W`).
+/// [`ResidencyIndex::match_each`]: the holders of the first block, then, block after block,
+/// those of them still holding it. While the survivors are many (the first block's holders an
+/// arena row) they are a bitmask ANDed with each block's row; the first block held inline by a
+/// few replicas turns them into a list of at most `INLINE` ids, each then checked against the
+/// next blocks' holders (a compare per inline id, one word of a row).
 #[inline(always)]
-fn match_words<const W: usize>(table: &BitTable, blocks: &[u64], n: usize, out: &mut [u32]) {
-    let mut alive = [0u64; W];
-    for (w, a) in alive.iter_mut().enumerate() {
-        let bits = n.saturating_sub(w * 64).min(64);
-        *a = if bits == 64 { !0 } else { (1u64 << bits) - 1 };
-    }
+fn match_holders(table: &BitTable, blocks: &[u64], n: usize, mut emit: impl FnMut(usize, u32)) {
     const AHEAD: usize = 16;
     for &h in blocks.iter().take(AHEAD) {
         table.prefetch(h);
     }
-    for (i, &h) in blocks.iter().enumerate() {
+    let full = blocks.len().min(u32::MAX as usize) as u32;
+    let mut ids = [0usize; INLINE];
+    let mut len = 0;
+    let mut i = 1;
+    match decode(table.holders(blocks[0])) {
+        Holders::Inline(w) => {
+            for k in 0..inline_len(w) {
+                let r = inline_id(w, k);
+                if r < n {
+                    ids[len] = r;
+                    len += 1;
+                }
+            }
+        }
+        Holders::Row(row) => {
+            let words = table.words().min(n.div_ceil(64));
+            let mut alive = [0u64; ID_LIMIT / 64];
+            for (w, (a, c)) in alive.iter_mut().zip(table.row(row)).enumerate().take(words) {
+                let bits = (n - w * 64).min(64);
+                let keep = if bits == 64 { !0 } else { (1u64 << bits) - 1 };
+                *a = c.load(Ordering::Relaxed) & keep;
+            }
+            if alive.iter().all(|&a| a == 0) {
+                return;
+            }
+            let emit_bits = |emit: &mut dyn FnMut(usize, u32), w: usize, mut bits: u64, d: u32| {
+                while bits != 0 {
+                    emit(w * 64 + bits.trailing_zeros() as usize, d);
+                    bits &= bits - 1;
+                }
+            };
+            loop {
+                let Some(&h) = blocks.get(i) else {
+                    for (w, &a) in alive.iter().enumerate().take(words) {
+                        emit_bits(&mut emit, w, a, full);
+                    }
+                    return;
+                };
+                if let Some(&next) = blocks.get(i + AHEAD) {
+                    table.prefetch(next);
+                }
+                match decode(table.holders(h)) {
+                    Holders::Row(row) => {
+                        let cells = table.row(row);
+                        let mut any = 0;
+                        for (w, a) in alive.iter_mut().enumerate().take(words) {
+                            let kept = *a & cells.get(w).map_or(0, |c| c.load(Ordering::Relaxed));
+                            emit_bits(&mut emit, w, *a & !kept, i as u32);
+                            *a = kept;
+                            any |= kept;
+                        }
+                        if any == 0 {
+                            return;
+                        }
+                        i += 1;
+                    }
+                    Holders::Inline(word) => {
+                        // At most INLINE survivors: move them to the list.
+                        for k in 0..inline_len(word) {
+                            let r = inline_id(word, k);
+                            let (w, bit) = (r / 64, 1u64 << (r % 64));
+                            if alive.get(w).is_some_and(|a| a & bit != 0) {
+                                alive[w] &= !bit;
+                                ids[len] = r;
+                                len += 1;
+                            }
+                        }
+                        for (w, &a) in alive.iter().enumerate().take(words) {
+                            emit_bits(&mut emit, w, a, i as u32);
+                        }
+                        i += 1;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    while len > 0 {
+        let Some(&h) = blocks.get(i) else { break };
         if let Some(&next) = blocks.get(i + AHEAD) {
             table.prefetch(next);
         }
-        // Nobody holding block i (an all-zero mask) ends every match here.
-        let mask = table.mask_words::<W>(h);
-        let mut any = 0;
-        for w in 0..W {
-            let kept = alive[w] & mask[w];
-            let mut dropped = alive[w] & !kept;
-            while dropped != 0 {
-                if let Some(o) = out.get_mut(w * 64 + dropped.trailing_zeros() as usize) {
-                    *o = i as u32;
-                }
-                dropped &= dropped - 1;
+        let word = table.holders(h);
+        let mut k = 0;
+        while k < len {
+            if table.has(word, ids[k]) {
+                k += 1;
+            } else {
+                emit(ids[k], i as u32);
+                len -= 1;
+                ids[k] = ids[len];
             }
-            alive[w] = kept;
-            any |= kept;
         }
-        if any == 0 {
-            return;
-        }
+        i += 1;
     }
-    let full = blocks.len().min(u32::MAX as usize) as u32;
-    for (w, &a) in alive.iter().enumerate() {
-        let mut rest = a;
-        while rest != 0 {
-            if let Some(o) = out.get_mut(w * 64 + rest.trailing_zeros() as usize) {
-                *o = full;
-            }
-            rest &= rest - 1;
-        }
+    for &r in &ids[..len] {
+        emit(r, full);
     }
 }
 
@@ -268,29 +341,28 @@ enum Learned {
 
 /// Block hashes are uniform already; mix once more so that sequential ids (traces, tests)
 /// spread too. Much cheaper than SipHash on the writer's path.
-#[derive(Default)]
-struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    fn finish(&self) -> u64 {
-        let x = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        x ^ (x >> 29)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ *b as u64;
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
+#[inline]
+fn mix(hash: u64) -> u64 {
+    let x = hash.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^ (x >> 29)
 }
-
-type BlockMap = HashMap<u64, u32, BuildHasherDefault<BlockHasher>>;
 
 /// A key of `ReplicaBlocks::map`: the node's index in its list, this bit set for the
 /// confirmed list.
 const CONFIRMED: u32 = 1 << 31;
+
+/// The list a map key points into, and the node's index there.
+fn list_of<'a>(
+    guesses: &'a LruList<Node>,
+    confirmed: &'a LruList<Node>,
+    key: u32,
+) -> (&'a LruList<Node>, u32) {
+    if key & CONFIRMED != 0 {
+        (confirmed, key & !CONFIRMED)
+    } else {
+        (guesses, key)
+    }
+}
 
 /// A replica's resident blocks, in two LRU lists: **guesses** (no reported copy: routing alone
 /// says they are there) and **confirmed** blocks (the replica reported at least one copy). Each
@@ -304,7 +376,9 @@ const CONFIRMED: u32 = 1 << 31;
 struct ReplicaBlocks {
     /// The replica's KV capacity in tokens.
     capacity_tokens: u64,
-    map: BlockMap,
+    /// Node keys (see `CONFIRMED`) by the node's hash: 4 bytes a bucket (and a control byte),
+    /// the hash itself read from the node.
+    map: HashTable<u32>,
     guesses: LruList<Node>,
     confirmed: LruList<Node>,
     /// Blocks the replica reported stored (every copy), wrapping: the clock of pending marks.
@@ -315,7 +389,7 @@ impl ReplicaBlocks {
     fn new(capacity_tokens: u64) -> ReplicaBlocks {
         ReplicaBlocks {
             capacity_tokens,
-            map: BlockMap::default(),
+            map: HashTable::new(),
             guesses: LruList::new(),
             confirmed: LruList::new(),
             stored: 0,
@@ -327,16 +401,41 @@ impl ReplicaBlocks {
     }
 
     fn bytes(&self) -> usize {
-        // hashbrown: one control byte plus the (u64, u32) entry (16 bytes) per bucket.
-        self.map.capacity() * 17 + self.guesses.bytes() + self.confirmed.bytes()
+        // hashbrown: one control byte plus the u32 node key per bucket (`capacity` is 7/8 of
+        // the buckets past 8).
+        let buckets = match self.map.capacity() {
+            0 => 0,
+            c if c < 8 => (c + 1).next_power_of_two(),
+            c => (c * 8 / 7).next_power_of_two(),
+        };
+        buckets * 5 + self.guesses.bytes() + self.confirmed.bytes()
     }
 
     /// The list a map key points into, and the node's index there.
     fn list(&self, key: u32) -> (&LruList<Node>, u32) {
-        if key & CONFIRMED != 0 {
-            (&self.confirmed, key & !CONFIRMED)
-        } else {
-            (&self.guesses, key)
+        list_of(&self.guesses, &self.confirmed, key)
+    }
+
+    /// The key of the node holding `hash`, if any.
+    fn get(&self, hash: u64) -> Option<u32> {
+        let (guesses, confirmed) = (&self.guesses, &self.confirmed);
+        self.map
+            .find(mix(hash), |&k| {
+                let (list, i) = list_of(guesses, confirmed, k);
+                list.get(i).hash == hash
+            })
+            .copied()
+    }
+
+    /// Point the map entry of `hash` at `to` instead of `from`, or remove it (`to` None).
+    fn rekey(&mut self, hash: u64, from: u32, to: Option<u32>) {
+        if let Ok(entry) = self.map.find_entry(mix(hash), |&k| k == from) {
+            match to {
+                Some(to) => *entry.into_mut() = to,
+                None => {
+                    entry.remove();
+                }
+            }
         }
     }
 
@@ -373,7 +472,11 @@ impl ReplicaBlocks {
         } else {
             self.guesses.push_newest(node)
         };
-        self.map.insert(node.hash, key);
+        let (guesses, confirmed) = (&self.guesses, &self.confirmed);
+        self.map.insert_unique(mix(node.hash), key, |&k| {
+            let (list, i) = list_of(guesses, confirmed, k);
+            mix(list.get(i).hash)
+        });
         key
     }
 
@@ -385,7 +488,7 @@ impl ReplicaBlocks {
 
     fn drop_node(&mut self, key: u32) -> u64 {
         let hash = self.unlink(key).hash;
-        self.map.remove(&hash);
+        self.rekey(hash, key, None);
         hash
     }
 
@@ -397,7 +500,13 @@ impl ReplicaBlocks {
             return key;
         }
         let node = self.unlink(key);
-        self.add(node)
+        let to = if confirmed {
+            self.confirmed.push_newest(node) | CONFIRMED
+        } else {
+            self.guesses.push_newest(node)
+        };
+        self.rekey(node.hash, key, Some(to));
+        to
     }
 
     fn iter(&self) -> impl Iterator<Item = &Node> + '_ {
@@ -405,7 +514,7 @@ impl ReplicaBlocks {
     }
 
     fn clear(&mut self) {
-        self.map = BlockMap::default();
+        self.map = HashTable::new();
         self.guesses.clear();
         self.confirmed.clear();
         self.stored = 0;
@@ -557,8 +666,8 @@ impl ResidencyWriter {
         };
         for &hash in blocks.iter().rev() {
             let rb = &mut self.replicas[r];
-            match rb.map.get(&hash) {
-                Some(&key) => {
+            match rb.get(hash) {
+                Some(key) => {
                     let node = rb.node_mut(key);
                     let key = match learned {
                         Learned::Stored => {
@@ -616,7 +725,7 @@ impl ResidencyWriter {
         let capacity = self.bounds(r).1;
         for &hash in hashes {
             let rb = &mut self.replicas[r];
-            let Some(&key) = rb.map.get(&hash) else {
+            let Some(key) = rb.get(hash) else {
                 continue;
             };
             let stored = rb.stored;
@@ -680,22 +789,20 @@ impl ResidencyWriter {
     pub fn is_pending(&self, r: usize, hash: u64) -> bool {
         self.replicas
             .get(r)
-            .and_then(|b| b.map.get(&hash).map(|&k| b.node(k).pending != 0))
+            .and_then(|b| b.get(hash).map(|k| b.node(k).pending != 0))
             .unwrap_or(false)
     }
 
     /// Whether the writer's truth says `r` holds `hash` (tests and debugging).
     pub fn holds(&self, r: usize, hash: u64) -> bool {
-        self.replicas
-            .get(r)
-            .is_some_and(|b| b.map.contains_key(&hash))
+        self.replicas.get(r).is_some_and(|b| b.get(hash).is_some())
     }
 
     /// Copies of `hash` replica `r` reported (0 when only routing put it there or absent).
     pub fn copies(&self, r: usize, hash: u64) -> u32 {
         self.replicas
             .get(r)
-            .and_then(|b| b.map.get(&hash).map(|&k| b.node(k).count))
+            .and_then(|b| b.get(hash).map(|k| b.node(k).count))
             .unwrap_or(0)
     }
 
@@ -734,7 +841,13 @@ impl ResidencyWriter {
     }
 
     fn set_bit(&mut self, hash: u64, r: usize) {
-        let table = self.index.table.load();
+        let mut table = self.index.table.load();
+        if table.rows_free() == 0 {
+            // The next block to go past `INLINE` holders needs a row: a fresh arena first.
+            drop(table);
+            self.rebuild();
+            table = self.index.table.load();
+        }
         let change = table.set_bit(hash, r);
         self.occupied += change.new_slot as usize;
         self.live += change.live_changed as usize;
@@ -755,15 +868,18 @@ impl ResidencyWriter {
         }
     }
 
-    /// Copy the live keys into a fresh table sized for them (load at most 1/3) and publish it
+    /// Copy the live keys into a fresh table sized for them (load at most 1/3, twice the
+    /// overflow rows in use, blocks back inline where they fit) and publish it
     /// with one pointer swap. Readers holding the old table finish on it; it is freed when the
     /// last of them lets go. Never blocks a reader.
     fn rebuild(&mut self) {
         let old = self.index.table.load_full();
-        let fresh = BitTable::new(self.live * 3, old.words());
+        let mut rows = 0;
+        old.for_each_live(|_, word| rows += (old.holder_count(word) > INLINE) as usize);
+        let fresh = BitTable::new(self.live * 3, old.words(), rows * 2 + MIN_ROWS);
         let mut occupied = 0;
-        old.for_each_live(|key, mask| {
-            fresh.put(key, mask);
+        old.for_each_live(|key, word| {
+            fresh.put(key, &old, word);
             occupied += (key != 0) as usize;
         });
         self.occupied = occupied;

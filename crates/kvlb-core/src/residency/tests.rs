@@ -192,6 +192,8 @@ fn matches_the_model_through_inserts_removals_evictions_and_clears() {
         (3, 40, 4, 30),
         (70, 25, 2, 60),
         (256, 60, 3, 200),
+        (1024, 30, 5, 100),
+        (4096, 12, 6, 50),
     ] {
         let (idx, mut w) = index(replicas, capacity as u64);
         w.set_pending_ttl(Duration::from_micros(ttl));
@@ -248,6 +250,15 @@ fn matches_the_model_through_inserts_removals_evictions_and_clears() {
                     mismatches += 1;
                 }
                 assert_eq!(out[..replicas], want[..], "step {step} query {q:?}");
+                // The sparse form names exactly the replicas with a match, once each.
+                let mut sparse = vec![];
+                idx.match_each(&q, replicas, |r, d| sparse.push((r, d)));
+                sparse.sort();
+                let dense: Vec<(usize, u32)> = (0..replicas)
+                    .filter(|&r| want[r] > 0)
+                    .map(|r| (r, want[r]))
+                    .collect();
+                assert_eq!(sparse, dense, "step {step} query {q:?}");
             }
             for (r, list) in model.lru.iter().enumerate() {
                 assert_eq!(idx.replica_blocks(r), list.len(), "replica {r}");
@@ -265,8 +276,11 @@ fn matches_the_model_through_inserts_removals_evictions_and_clears() {
         // No false positives and no false negatives: measured over every query.
         assert_eq!(mismatches, 0, "{mismatches} of {queries}");
         assert!(idx.rebuilds() > 0 || replicas < 10);
-        // The pending rule was exercised where it is on, and never fires where it is off.
-        assert_eq!(kept == 0, ttl == 0, "{kept} removals kept a pending block");
+        // The pending rule was exercised where it is on (the large fleets see too few
+        // operations per replica to be sure of it), and never fires where it is off.
+        if replicas <= 256 || ttl == 0 {
+            assert_eq!(kept == 0, ttl == 0, "{kept} removals kept a pending block");
+        }
     }
 }
 
@@ -297,11 +311,75 @@ fn copies_are_counted_and_routing_guesses_yield_to_events() {
     assert_eq!(out, [0, 0]);
     assert!(w.holds(1, 8));
     assert!(w.insert(2, &[1], 0).unwrap_err().contains("replica 2"));
-    assert!(ResidencyIndex::new(ResidencyConfig {
-        max_replicas: 257,
+    for ok in [257, 1024, MAX_REPLICAS] {
+        assert!(ResidencyIndex::new(ResidencyConfig {
+            max_replicas: ok,
+            ..ResidencyConfig::default()
+        })
+        .is_ok());
+    }
+    let err = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: MAX_REPLICAS + 1,
         ..ResidencyConfig::default()
     })
-    .is_err());
+    .err()
+    .unwrap();
+    assert!(err.contains("max_replicas must be 1..=4096"), "{err}");
+}
+
+#[test]
+fn a_block_goes_inline_to_overflow_and_back_across_a_large_fleet() {
+    let replicas = 1500;
+    let (idx, mut w) = index(replicas, 100);
+    let p: Vec<u64> = (0..40).map(|i| chain_hash(77, i)).collect();
+    let holders = [3usize, 1499, 64, 700, 1024, 5, 1300, 8];
+    let mut out = vec![0u32; replicas];
+    // Replica k of `holders` holds the first 40 - 4k blocks: a block goes past the inline
+    // holders, then back under them, as the prompt goes on.
+    for (k, &r) in holders.iter().enumerate() {
+        w.insert(r, &p[..40 - 4 * k], 1).unwrap();
+    }
+    idx.match_prefix(&p, &mut out);
+    for (k, &r) in holders.iter().enumerate() {
+        assert_eq!(out[r], (40 - 4 * k) as u32, "replica {r}");
+    }
+    assert_eq!(out.iter().filter(|&&d| d > 0).count(), holders.len());
+    // Removals from a block in a row, down to nobody, and back.
+    for &r in &holders {
+        w.remove(r, p[0]).unwrap();
+    }
+    idx.match_prefix(&p, &mut out);
+    assert!(out.iter().all(|&d| d == 0));
+    assert_eq!(idx.distinct_blocks(), 39);
+    w.insert(1499, &p[..1], 2).unwrap();
+    idx.match_prefix(&p, &mut out);
+    assert_eq!(out[1499], 36);
+    // Clears, then a fleet-wide prefix held by everybody (one row per block), then rebuilds
+    // as blocks come and go.
+    for &r in &holders {
+        w.clear(r).unwrap();
+    }
+    assert_eq!(idx.distinct_blocks(), 0);
+    for r in 0..replicas {
+        w.insert(r, &p[..8], 3).unwrap();
+        w.insert(r, &[chain_hash(r as u64, 99)], 3).unwrap();
+    }
+    idx.match_prefix(&p, &mut out);
+    assert!(out.iter().all(|&d| d == 8));
+    let mut n = 0;
+    idx.match_each(&p, replicas, |_, d| {
+        assert_eq!(d, 8);
+        n += 1;
+    });
+    assert_eq!(n, replicas);
+    let rebuilds = idx.rebuilds();
+    for r in 0..replicas - 2 {
+        w.clear(r).unwrap();
+    }
+    assert!(idx.rebuilds() > rebuilds);
+    idx.match_prefix(&p, &mut out);
+    assert_eq!(out.iter().filter(|&&d| d == 8).count(), 2);
+    assert_eq!(idx.distinct_blocks(), 8 + 2);
 }
 
 #[test]
@@ -438,8 +516,13 @@ fn routed_prefix_ends_most_recently_used() {
 
 #[test]
 fn readers_on_threads_while_the_writer_churns() {
+    for replicas in [130, 1100] {
+        readers_on_threads_while_the_writer_churns_with(replicas);
+    }
+}
+
+fn readers_on_threads_while_the_writer_churns_with(replicas: usize) {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let replicas = 130;
     let (idx, mut w) = index(replicas, 300);
     // Replica 0 holds a pinned prompt the writer never evicts (big capacity, no churn there).
     w.set_capacity_tokens(0, 1_000_000 * 16).unwrap();
