@@ -1,10 +1,14 @@
 //! Per-request routing cost: the residency lookup (`match_prefix`) and the whole
 //! `cache_aware` selection for a 128-block prompt (32 KiB of text at 256 bytes a block) over
-//! 16, 64 and 256 replicas, against an index holding about one million resident blocks.
-//! `full_path_32k_chat` is the whole routing step of one request (a 32 KiB chat body whose
-//! message keys are sorted, content before role, extracted and hashed, looked up, a replica
-//! selected); the `full_path_part_*` benches are its parts. Block hashing alone is in
-//! `benches/prefix.rs`.
+//! 16, 64, 256 and 1,024 replicas, against an index holding about one million resident
+//! blocks. `full_path_32k_chat` is the whole routing step of one request (a 32 KiB chat body,
+//! about 8k tokens, whose message keys are sorted, content before role, extracted and hashed,
+//! looked up, a replica selected); the `full_path_part_*` benches are its parts. Block hashing
+//! alone is in `benches/prefix.rs`.
+//!
+//! Memory: for each fleet size the index's bytes per million resident blocks, per block copy
+//! (a block held by a replica) and per distinct block; then, once, the index of 1,024
+//! replicas each at its full KV capacity (400k tokens, 25,000 blocks of 16 tokens).
 //!
 //! Run: `cargo bench --bench routing -- --warm-up-time 1 --measurement-time 2 full_path`. On a
 //! shared machine compare the fastest samples (criterion's `sample.json`) of runs made in the
@@ -22,6 +26,10 @@ use std::sync::Arc;
 static ALLOCATOR: kvlb::alloc::CountingMiMalloc = kvlb::alloc::CountingMiMalloc;
 
 const RESIDENT: usize = 1_000_000;
+/// The full-capacity figure: replicas, tokens each, tokens a block (the engine's).
+const FULL_REPLICAS: usize = 1024;
+const FULL_TOKENS: u64 = 400_000;
+const FULL_BLOCK_TOKENS: u32 = 16;
 const PROMPT_BLOCKS: usize = 128;
 const BLOCK_TOKENS: u32 = 64;
 
@@ -109,20 +117,54 @@ fn chat_body(target: usize) -> String {
     .to_string()
 }
 
+/// The index's size, per copy and per distinct block.
+fn report_memory(what: &str, idx: &ResidencyIndex, replicas: usize) {
+    let resident: usize = (0..replicas).map(|r| idx.replica_blocks(r)).sum();
+    let distinct = idx.distinct_blocks();
+    eprintln!(
+        "{what}: {resident} resident blocks ({distinct} distinct), index {:.1} MiB \
+         (shared table {:.1} MiB) = {:.1} MiB per million resident blocks; {:.1} bytes per \
+         block copy, {:.1} per distinct block",
+        idx.bytes() as f64 / (1 << 20) as f64,
+        idx.table_bytes() as f64 / (1 << 20) as f64,
+        idx.bytes() as f64 / (1 << 20) as f64 / (resident as f64 / 1e6),
+        idx.bytes() as f64 / resident as f64,
+        idx.bytes() as f64 / distinct as f64,
+    );
+}
+
+/// 1,024 replicas at full KV capacity: each holds the shared system prompt and its own
+/// 128-block conversations, 25,000 blocks in all.
+fn full_capacity() {
+    let (idx, mut w) = ResidencyIndex::new(ResidencyConfig {
+        max_replicas: FULL_REPLICAS,
+        block_tokens: FULL_BLOCK_TOKENS,
+        kv_capacity_tokens: FULL_TOKENS,
+    })
+    .unwrap();
+    let system = system_prompt();
+    let per_replica = (FULL_TOKENS / FULL_BLOCK_TOKENS as u64) as usize;
+    let mut id = 1u64;
+    for r in 0..FULL_REPLICAS {
+        for _ in 0..per_replica.div_ceil(PROMPT_BLOCKS - 8) {
+            w.insert(r, &prompt(&system, id, PROMPT_BLOCKS), 0).unwrap();
+            id += 1;
+        }
+    }
+    report_memory(
+        &format!("{FULL_REPLICAS} replicas at {FULL_TOKENS} tokens each (full capacity)"),
+        &idx,
+        FULL_REPLICAS,
+    );
+}
+
 fn routing(c: &mut Criterion) {
+    full_capacity();
     let mut group = c.benchmark_group("routing");
-    for replicas in [16usize, 64, 256] {
+    for replicas in [16usize, 64, 256, 1024] {
         let (idx, mut writer, probe) = populated(replicas);
         let log = writer.routing_log(1 << 16);
-        let resident: usize = (0..replicas).map(|r| idx.replica_blocks(r)).sum();
-        eprintln!(
-            "{replicas} replicas: {resident} resident blocks ({} distinct), index {:.1} MiB \
-             (shared table {:.1} MiB) = {:.1} MiB per million resident blocks",
-            idx.distinct_blocks(),
-            idx.bytes() as f64 / (1 << 20) as f64,
-            idx.table_bytes() as f64 / (1 << 20) as f64,
-            idx.bytes() as f64 / (1 << 20) as f64 / (resident as f64 / 1e6)
-        );
+        report_memory(&format!("{replicas} replicas"), &idx, replicas);
         let mut out = vec![0u32; replicas];
         group.bench_with_input(
             BenchmarkId::new("match_prefix", replicas),
@@ -200,6 +242,12 @@ fn routing(c: &mut Criterion) {
             &mut hashes,
         )
         .unwrap();
+        eprintln!(
+            "{replicas} replicas: the chat body is {} bytes, {} blocks, about {} tokens",
+            body.len(),
+            hashes.hashes.len(),
+            hashes.est_prompt_tokens
+        );
         writer.insert(1, &hashes.hashes, 2).unwrap();
         writer
             .insert(2, &hashes.hashes[..hashes.hashes.len() / 2], 2)
