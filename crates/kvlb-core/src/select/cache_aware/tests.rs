@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 use super::*;
+use crate::estimate::ReportedLoad;
 use crate::http::request::Method;
 use crate::residency::{ResidencyConfig, ResidencyWriter};
 use crate::select::{LeastLoaded, Rng};
@@ -1184,4 +1185,168 @@ fn the_decode_leg_is_priced_by_what_it_receives_and_the_sequences_beside_it() {
         c
     };
     assert_eq!(p.select(&req(&prompt, 4096, 4), &whole(cands(16, 0)), 0), 0);
+}
+
+/// The bound-pruned selection against pricing every replica (`set_exhaustive`): random
+/// fleets from 5 to 1,024 replicas, prompts sharing a system prompt and conversations resident
+/// on a few replicas each, random loads (many idle, so ties are common), fresh and stale
+/// reports, paces, adapter setups and slots, disaggregated paths, and knobs that make hot
+/// prefixes spill. Every decision (the replica and the whole `Decision`) must be the same.
+#[test]
+fn pruned_selection_decides_as_pricing_every_replica() {
+    let mut compared = 0u64;
+    for (seed, replicas) in [(1u64, 5usize), (2, 64), (3, 300), (4, 1024)] {
+        let mut rng = Rng::new(seed);
+        let mut below = |n: u64| rng.next_u64() % n.max(1);
+        let (idx, mut w) = fleet(replicas);
+        let system: Vec<u64> = (0..8).map(|i| 1_000_000 + i).collect();
+        let conversation = |k: u64, len: u64| -> Vec<u64> {
+            let mut p = system.clone();
+            p.extend((0..len).map(|i| (k << 20) | i));
+            p
+        };
+        for r in 0..replicas {
+            if below(2) == 0 {
+                w.insert(r, &system, 0).unwrap();
+            }
+        }
+        let families = (replicas as u64 * 2).max(8);
+        for k in 0..families {
+            let p = conversation(k, 4 + below(40));
+            for _ in 0..1 + below(3) {
+                w.insert(below(replicas as u64) as usize, &p, 0).unwrap();
+            }
+        }
+        let configs = [
+            CacheAwareConfig::default(),
+            CacheAwareConfig {
+                hot_prefix_requests: 1,
+                hot_spill_wait_s: 0.0,
+                tie_epsilon_s: 0.05,
+                ..CacheAwareConfig::default()
+            },
+            CacheAwareConfig {
+                calibrated: false,
+                min_match_tokens: 64,
+                backlog_weight: 1.0,
+                ..CacheAwareConfig::default()
+            },
+        ];
+        for cfg in configs {
+            let mut pruned = CacheAware::new(idx.clone(), cfg).unwrap();
+            let mut every = CacheAware::new(idx.clone(), cfg).unwrap();
+            every.set_exhaustive(true);
+            let mut routed = vec![0u64; replicas];
+            let mut now_us = 1_000_000u64;
+            for step in 0..600 {
+                now_us += below(50_000);
+                let p = conversation(below(families + 4), 4 + below(44));
+                let p = &p[..1 + below(p.len() as u64) as usize];
+                let now_ms = now_us / 1000;
+                let mut cands = vec![];
+                for (r, routed) in routed.iter_mut().enumerate() {
+                    if below(10) == 0 {
+                        continue;
+                    }
+                    let in_flight = if below(3) == 0 { 0 } else { below(300) as u32 };
+                    let reported = if below(4) == 0 {
+                        ReportedLoad {
+                            foreign_waiting: below(6) as u32,
+                            foreign_running: below(6) as u32,
+                            kv_usage_milli: below(1001) as u32,
+                            at_ms: now_ms.saturating_sub(below(1200)).max(1),
+                            max_age_ms: 600,
+                            ..ReportedLoad::default()
+                        }
+                    } else {
+                        ReportedLoad::default()
+                    };
+                    *routed += below(3);
+                    let pd = match (seed + step) % 3 {
+                        0 => PdPath::Whole,
+                        _ => [
+                            PdPath::Whole,
+                            PdPath::Prefill,
+                            PdPath::Direct,
+                            PdPath::Decode,
+                        ][below(4) as usize],
+                    };
+                    let pace = if below(3) == 0 {
+                        Pace {
+                            prefill: 0.5 + below(100) as f32 / 50.0,
+                            decode: 0.5 + below(100) as f32 / 50.0,
+                            queue: 0.5 + below(100) as f32 / 50.0,
+                        }
+                    } else {
+                        Pace::CONFIGURED
+                    };
+                    cands.push(Candidate {
+                        replica: r,
+                        in_flight,
+                        queued_prefill_tokens: if below(2) == 0 { 0 } else { below(60_000) },
+                        decoding: in_flight.min(below(64) as u32),
+                        reported,
+                        setup_us: if below(8) == 0 {
+                            below(200_000) as u32
+                        } else {
+                            0
+                        },
+                        lora_slot_busy: below(16) == 0,
+                        pace,
+                        routed: *routed,
+                        pd,
+                    });
+                }
+                if cands.is_empty() {
+                    continue;
+                }
+                let view = req(p, p.len() as u32 * BT - below(BT as u64) as u32, now_us);
+                let random = below(u64::MAX);
+                let a = pruned.select(&view, &cands, random);
+                let b = every.select(&view, &cands, random);
+                assert_eq!(a, b, "{replicas} replicas, step {step}");
+                assert_eq!(pruned.last_decision(), every.last_decision(), "step {step}");
+                compared += 1;
+            }
+        }
+    }
+    assert!(compared > 7000, "{compared}");
+}
+
+/// Time of a select over 1,024 replicas, as `benches/routing.rs` sets it up (run with
+/// `--ignored --nocapture`): a quick look without the bench's build.
+#[test]
+#[ignore]
+#[allow(clippy::disallowed_methods, reason = "times the selection")]
+fn select_time_at_1024_replicas() {
+    let replicas = 1024;
+    let (idx, mut w) = fleet(replicas);
+    let p: Vec<u64> = (1..=126).collect();
+    w.insert(1, &p, 0).unwrap();
+    w.insert(2, &p[..63], 0).unwrap();
+    let mut rng = Rng::new(1);
+    let cands: Vec<Candidate> = (0..replicas)
+        .map(|r| Candidate {
+            replica: r,
+            in_flight: (rng.next_u64() % 8) as u32,
+            queued_prefill_tokens: rng.next_u64() % 20_000,
+            decoding: (rng.next_u64() % 32) as u32,
+            ..Default::default()
+        })
+        .collect();
+    for exhaustive in [false, true] {
+        let mut policy = CacheAware::new(idx.clone(), CacheAwareConfig::default()).unwrap();
+        policy.set_exhaustive(exhaustive);
+        let start = std::time::Instant::now();
+        let n = 20_000u64;
+        for i in 0..n {
+            let view = req(&p, 126 * BT, 1 + i * 1000);
+            std::hint::black_box(policy.select(&view, &cands, rng.next_u64()));
+        }
+        let scored = policy.estimates.iter().filter(|e| e.scored).count();
+        eprintln!(
+            "exhaustive {exhaustive}: {:.2} us a select, {scored} of {replicas} scored",
+            start.elapsed().as_secs_f64() * 1e6 / n as f64
+        );
+    }
 }
