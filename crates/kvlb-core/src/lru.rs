@@ -76,6 +76,22 @@ impl<T: Copy> LruList<T> {
         i
     }
 
+    /// `push_newest`, growing the slab towards `bound` entries (the most the caller keeps)
+    /// rather than doubling past it: a list kept at its bound holds about `bound` slots, not
+    /// up to twice as many. Past the bound (an overshoot the caller trims) it grows by 1/64.
+    pub fn push_newest_within(&mut self, value: T, bound: usize) -> u32 {
+        let len = self.slots.len();
+        if self.free.is_empty() && len == self.slots.capacity() {
+            let target = if len < bound {
+                (len * 2).max(8).min(bound)
+            } else {
+                len + (len / 64).max(64)
+            };
+            self.slots.reserve_exact(target.max(len + 1) - len);
+        }
+        self.push_newest(value)
+    }
+
     /// Make `i` the most recent.
     pub fn touch(&mut self, i: u32) {
         if self.newest != i {
@@ -179,6 +195,18 @@ mod tests {
         assert!(l.is_empty());
         assert_eq!(l.oldest(), None);
         assert_eq!(order(&l), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_bounded_list_does_not_double_past_its_bound() {
+        let mut l = LruList::new();
+        for v in 0..1000u64 {
+            l.push_newest_within(v, 1000);
+        }
+        assert_eq!(l.bytes(), 1000 * std::mem::size_of::<Slot<u64>>());
+        l.push_newest_within(1000, 1000);
+        assert!(l.bytes() <= 1064 * std::mem::size_of::<Slot<u64>>());
+        assert_eq!(l.len(), 1001);
     }
 
     #[test]

@@ -466,18 +466,24 @@ impl ReplicaBlocks {
 
     /// Add `node` (its hash not present) as the most recent of the list its count picks;
     /// returns its key.
-    fn add(&mut self, node: Node) -> u32 {
-        let key = if node.count > 0 {
-            self.confirmed.push_newest(node) | CONFIRMED
-        } else {
-            self.guesses.push_newest(node)
-        };
+    fn add(&mut self, node: Node, bounds: (usize, usize)) -> u32 {
+        let key = self.push(node, bounds);
         let (guesses, confirmed) = (&self.guesses, &self.confirmed);
         self.map.insert_unique(mix(node.hash), key, |&k| {
             let (list, i) = list_of(guesses, confirmed, k);
             mix(list.get(i).hash)
         });
         key
+    }
+
+    /// Put `node` in the list its count picks, as the most recent there (the map untouched);
+    /// `bounds` (guesses, confirmed) cap the lists' slabs. Returns its key.
+    fn push(&mut self, node: Node, bounds: (usize, usize)) -> u32 {
+        if node.count > 0 {
+            self.confirmed.push_newest_within(node, bounds.1) | CONFIRMED
+        } else {
+            self.guesses.push_newest_within(node, bounds.0)
+        }
     }
 
     /// Remove the node from its list (not from the map).
@@ -494,17 +500,13 @@ impl ReplicaBlocks {
 
     /// Move the node to the list its count now picks, as the most recent there; returns its
     /// key.
-    fn relist(&mut self, key: u32) -> u32 {
+    fn relist(&mut self, key: u32, bounds: (usize, usize)) -> u32 {
         let confirmed = self.node(key).count > 0;
         if confirmed == (key & CONFIRMED != 0) {
             return key;
         }
         let node = self.unlink(key);
-        let to = if confirmed {
-            self.confirmed.push_newest(node) | CONFIRMED
-        } else {
-            self.guesses.push_newest(node)
-        };
+        let to = self.push(node, bounds);
         self.rekey(node.hash, key, Some(to));
         to
     }
@@ -656,6 +658,7 @@ impl ResidencyWriter {
     ) -> Result<(), String> {
         self.check_replica(r)?;
         self.clock_us = self.clock_us.max(now_us);
+        let bounds = self.bounds(r);
         let rb = &mut self.replicas[r];
         if learned == Learned::Stored {
             rb.stored = rb.stored.wrapping_add(blocks.len() as u32);
@@ -673,7 +676,7 @@ impl ResidencyWriter {
                         Learned::Stored => {
                             node.count += 1;
                             node.pending = 0;
-                            rb.relist(key)
+                            rb.relist(key, bounds)
                         }
                         Learned::Routed => {
                             node.pending = mark;
@@ -682,19 +685,22 @@ impl ResidencyWriter {
                         Learned::Refreshed => {
                             node.count = node.count.max(1);
                             node.pending = 0;
-                            rb.relist(key)
+                            rb.relist(key, bounds)
                         }
                         Learned::Guessed => key,
                     };
                     rb.touch(key, now_us);
                 }
                 None => {
-                    rb.add(Node {
-                        hash,
-                        count: matches!(learned, Learned::Stored | Learned::Refreshed) as u32,
-                        pending: mark,
-                        last_used_us: now_us,
-                    });
+                    rb.add(
+                        Node {
+                            hash,
+                            count: matches!(learned, Learned::Stored | Learned::Refreshed) as u32,
+                            pending: mark,
+                            last_used_us: now_us,
+                        },
+                        bounds,
+                    );
                     self.set_bit(hash, r);
                 }
             }
@@ -722,7 +728,8 @@ impl ResidencyWriter {
         self.check_replica(r)?;
         self.clock_us = self.clock_us.max(now_us);
         let ttl = self.pending_ttl_us;
-        let capacity = self.bounds(r).1;
+        let bounds = self.bounds(r);
+        let capacity = bounds.1;
         for &hash in hashes {
             let rb = &mut self.replicas[r];
             let Some(key) = rb.get(hash) else {
@@ -737,7 +744,7 @@ impl ResidencyWriter {
                     && (stored_since(stored, node.pending) as usize) < capacity;
                 if pending {
                     // Kept as a guess: the request routed here will store it again.
-                    rb.relist(key);
+                    rb.relist(key, bounds);
                 } else {
                     rb.drop_node(key);
                     self.clear_bit(hash, r);

@@ -1,10 +1,12 @@
 //! Residency: which prefix blocks each replica holds in its KV cache, as kvlb believes.
 //!
 //! The selector asks one question per request: "for every replica, how many leading blocks of
-//! this prompt are resident there?" (`ResidencyIndex::match_prefix`). It is answered in one
-//! pass over the request's chained block hashes against a shared hash table whose value is a
-//! bitmask of replicas (`table.rs`): AND the masks block after block, note where each
-//! replica's bit drops, stop when no bit is left. Workers read without locks or allocation;
+//! this prompt are resident there?" (`ResidencyIndex::match_prefix`, or `match_each` for only
+//! the replicas holding some of it). It is answered in one pass over the request's chained
+//! block hashes against a shared hash table whose value names the replicas holding the block
+//! (`table.rs`: up to five replica ids inline in the slot, or a bitmask row for a block many
+//! replicas hold): take the first block's holders, keep those holding each next block, note
+//! where each one drops, stop when none is left. Workers read without locks or allocation;
 //! the table is replaced wholesale (grown, shrunk or cleaned) by an atomic pointer swap
 //! (`arc-swap`), so a reader never waits and never sees a half-built table.
 //!
@@ -36,13 +38,13 @@
 //! (default 120 s, the default `routed_guess_ttl`) after kvlb last touched the block; a kept
 //! block then ages like every routing guess.
 //!
-//! Cost (`benches/routing.rs`, `full_path_part_match_prefix_32k_chat`, fastest samples on the
-//! 2-core build machine under load): the 128 hashes of a 32 KiB prompt resident in full on one
-//! replica are looked up in about 0.4 us with 16 or 64 replicas and 0.7 us with 256 (one loop
-//! per mask width, the words in registers, slots prefetched 16 blocks ahead). The walk is
-//! linear on purpose: a replica may hold block k without block k-1 (a BlockRemoved of an inner
-//! block, an eviction by another prompt), so "leading blocks held" is not monotone in k and a
-//! binary search would over-count; the walk stops as soon as no replica is left.
+//! Cost (`benches/routing.rs`, `full_path_part_match_prefix_32k_chat`): the 126 hashes of a
+//! 32 KiB prompt resident in full on one replica are looked up in 0.4 to 0.9 us at any fleet
+//! size from 16 to 1,024 replicas: the work follows the holders of the prompt's first block (a
+//! list of at most five ids once past a shared prefix), not the fleet. The walk is linear on
+//! purpose: a replica may hold block k without block k-1 (a BlockRemoved of an inner block, an
+//! eviction by another prompt), so "leading blocks held" is not monotone in k and a binary
+//! search would over-count; the walk stops as soon as no replica is left.
 //!
 //! Exactness: the table stores full 64-bit hashes and clears bits on removal, so
 //! `match_prefix` has no false positives or negatives with respect to the writer's state (the
@@ -50,16 +52,19 @@
 //! a replica's real cache (routing guesses, events in flight); the estimator treats a match as
 //! a likelihood, not a promise.
 //!
-//! Memory: the table holds `1 + ceil(max_replicas / 64)` words per slot. It is sized from the
-//! distinct hashes actually resident (never more than the sum of the replicas' capacities):
-//! each rebuild gives live hashes at most 1/3 of the slots, and the writer rebuilds again before
-//! occupied slots (dead ones included) pass 1/2, or when live ones fall under 1/8, so the load
-//! factor stays <= 0.5, a probe always ends, and the table is at most
-//! `next_power_of_two(3 * sum of capacities)` slots. The writer holds about 65 bytes per
-//! (replica, block): a 24-byte node (hash, copies, pending mark, last use) in a 32-byte LRU
-//! slot, and a hash-map entry of 17 bytes per bucket at up to 7/8 load; the pending mark took
-//! the node's padding, so it costs nothing. Measured (`benches/routing.rs`, one million resident blocks): 94 MiB in
-//! all with 16 or 64 replicas (shared table 32 MiB), 144 MiB with 256 (table 80 MiB).
+//! Memory: a table slot is 16 bytes whatever the fleet (key and holders word), plus one row
+//! of `ceil(max_replicas / 64)` words for each block held by more than five replicas. It is
+//! sized from the distinct hashes actually resident (never more than the sum of the replicas'
+//! capacities): each rebuild gives live hashes at most 1/3 of the slots, and the writer
+//! rebuilds again before occupied slots (dead ones included) pass 1/2, when live ones fall
+//! under 1/8, or when the arena has no fresh row left, so the load factor stays <= 0.5 and a
+//! probe always ends. The writer holds, per (replica, block), a 24-byte node (hash, copies,
+//! pending mark, last use) in a 32-byte LRU slot whose slab grows to the replica's bound and
+//! not past it, and a 4-byte key in a hashbrown table (5 bytes a bucket with its control
+//! byte, at up to 7/8 load). Measured (`benches/routing.rs`): one million resident blocks take
+//! 74 MiB at 16 to 1,024 replicas (78 bytes a block copy, the shared table 32 MiB of it);
+//! 1,024 replicas each at its full capacity of 400k tokens (25,000 blocks of 16 tokens) take
+//! the bytes `benches/routing.rs` prints (docs/benchmarks/proxy.md has the figure).
 //! `ResidencyIndex::bytes` and `table_bytes` report it for metrics.
 
 #![warn(clippy::disallowed_methods, clippy::disallowed_types)]
