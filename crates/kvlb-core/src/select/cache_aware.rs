@@ -131,19 +131,19 @@
 //! Decision::matched_tokens`) rather than its whole prompt keeps a warm replica from looking
 //! busier than it is; the simulations count that way.
 //!
-//! **Pruning: cost that does not grow with the fleet's pricing.** Pricing a replica (its
-//! prefill with the replicas decoding there, the weight of what it holds up, the disaggregated
-//! paths) is most of a decision's work, and with a thousand replicas most of them hold none of
-//! the prompt and are busy. So each replica holding no useful match first gets a lower bound
-//! on its score (`Bound`: its queued tokens at the fewest seconds a queued token can take,
-//! plus its setup and transfer, plus the prompt's prefill with nothing decoding; every term
-//! left out is at least zero, and the bound is shaded by 1e-9 for rounding). The holders and
-//! the two best bounds are priced; then every replica whose bound reaches the best score
-//! (plus the tie margin) or the runner-up's, and every one whose wait may be short enough to
-//! make a hot prefix's holder spill. The others could be neither chosen, nor tied, nor the
-//! runner-up, so the decision is the one pricing every replica gives (`set_exhaustive`, which
-//! the tests and the simulator run side by side with the pruned selection: no decision
-//! differs). A non-finite bound prices everyone.
+//! **Pruning.** Pricing a replica (its prefill with the sequences decoding there, the weight
+//! of what it holds up, the disaggregated paths) is most of a decision's work, and with a
+//! thousand replicas most of them cannot win. So every replica first gets a lower bound on its
+//! score (`Bound`: its queued tokens at the fewest seconds and decode steps a queued token can
+//! take, its setup and transfer, and the prompt's prefill past its undiscounted match with
+//! nothing decoding; every term left out is at least zero, and the bound is shaded by 1e-9 for
+//! rounding). The two best bounds are priced; then, lowest bounds first and 16 at a time,
+//! every replica whose bound reaches the best score (plus the tie margin) or the runner-up's,
+//! as those fall; and every one whose wait may be short enough to make a hot prefix's holder
+//! spill. The others could be neither chosen, nor tied, nor the runner-up, so the decision is
+//! the one pricing every replica gives (`set_exhaustive`, which a kvlb-core test and a
+//! kvlb-sim test run side by side with the pruned selection: no decision differs). A NaN bound
+//! prices everyone. Reading every candidate's load and bounding it stays linear in the fleet.
 //!
 //! Each `select` leaves a `Decision` (`last_decision`) for an explain header and metrics, and,
 //! when a routing log is attached, records the request's blocks for the residency writer.
