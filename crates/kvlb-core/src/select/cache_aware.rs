@@ -465,9 +465,6 @@ struct Slot {
 
 const NONE: u32 = u32::MAX;
 
-/// Replicas within reach priced per round of pass 2, the lowest bounds first.
-const BATCH: usize = 16;
-
 /// Lower bounds on the wait and the score of a replica holding no useful part of a prompt,
 /// for one request: its queued prefill tokens at the fewest seconds a token can take in a
 /// queue (whole chunks, no decode step), plus what it must do first and the transfer, plus
@@ -696,8 +693,6 @@ pub struct CacheAware {
     /// Per candidate, what pass 1 learned; the estimates to score in a round of pass 2.
     slots: Vec<Slot>,
     picked: Vec<u32>,
-    /// A round's replicas to price, with their bounds.
-    order: Vec<(f64, u32)>,
     hot: Box<[u32; HOT_SLOTS]>,
     hot_window_start_us: u64,
     last: Decision,
@@ -792,7 +787,6 @@ impl CacheAware {
             estimates: Vec::with_capacity(replicas),
             slots: Vec::with_capacity(replicas),
             picked: Vec::with_capacity(replicas),
-            order: Vec::with_capacity(replicas),
             index,
             cfg,
             log: None,
@@ -1018,12 +1012,7 @@ impl Policy for CacheAware {
         // (a bound says how short a wait can be). A replica left unscored could be neither
         // chosen, nor tied, nor the runner-up.
         let (hot, arrivals) = (&self.hot, &self.arrivals);
-        let (slots, estimates, picked, order) = (
-            &mut self.slots,
-            &mut self.estimates,
-            &mut self.picked,
-            &mut self.order,
-        );
+        let (slots, estimates, picked) = (&mut self.slots, &mut self.estimates, &mut self.picked);
         let is_hot = |e: &Estimate| {
             e.matched_tokens > 0
                 && hot[hot_slot(req.blocks[e.held_blocks as usize - 1])] >= cfg.hot_prefix_requests
@@ -1055,30 +1044,17 @@ impl Policy for CacheAware {
         let mut round = 0;
         loop {
             picked.clear();
-            // This round's replicas: all, the two best bounds, or those within reach, the
-            // lowest bounds first (`BATCH` at a time: pricing them lowers the reach, which
-            // often leaves the rest out).
-            order.clear();
-            let everyone = price_all || round > 0 && reach == f64::INFINITY;
-            for (i, slot) in slots.iter().enumerate() {
-                let take = if everyone {
+            for i in 0..slots.len() {
+                let take = if price_all || round > 0 && reach == f64::INFINITY {
                     true
                 } else if round == 0 {
                     i == first.1 || i == second.1
                 } else {
-                    !above(slot.bound, reach)
+                    !above(slots[i].bound, reach)
                 };
-                let done = slot.estimate != NONE && estimates[slot.estimate as usize].scored;
-                if take && !done {
-                    order.push((slot.bound, i as u32));
+                if !take {
+                    continue;
                 }
-            }
-            if !everyone && order.len() > BATCH {
-                order.select_nth_unstable_by(BATCH - 1, |a, b| a.0.total_cmp(&b.0));
-                order.truncate(BATCH);
-            }
-            for &(_, i) in order.iter() {
-                let i = i as usize;
                 let k = price(slots, estimates, i);
                 let e = &estimates[k];
                 if e.scored {
