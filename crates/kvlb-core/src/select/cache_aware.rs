@@ -131,20 +131,6 @@
 //! Decision::matched_tokens`) rather than its whole prompt keeps a warm replica from looking
 //! busier than it is; the simulations count that way.
 //!
-//! **Pruning.** Pricing a replica (its prefill with the sequences decoding there, the weight
-//! of what it holds up, the disaggregated paths) is most of a decision's work, and with a
-//! thousand replicas most of them cannot win. So every replica first gets a lower bound on its
-//! score (`Bound`: its queued tokens at the fewest seconds and decode steps a queued token can
-//! take, its setup and transfer, and the prompt's prefill past its undiscounted match with
-//! nothing decoding; every term left out is at least zero, and the bound is shaded by 1e-9 for
-//! rounding). The two best bounds are priced; then, lowest bounds first and 16 at a time,
-//! every replica whose bound reaches the best score (plus the tie margin) or the runner-up's,
-//! as those fall; and every one whose wait may be short enough to make a hot prefix's holder
-//! spill. The others could be neither chosen, nor tied, nor the runner-up, so the decision is
-//! the one pricing every replica gives (`set_exhaustive`, which a kvlb-core test and a
-//! kvlb-sim test run side by side with the pruned selection: no decision differs). A NaN bound
-//! prices everyone. Reading every candidate's load and bounding it stays linear in the fleet.
-//!
 //! Each `select` leaves a `Decision` (`last_decision`) for an explain header and metrics, and,
 //! when a routing log is attached, records the request's blocks for the residency writer.
 
@@ -438,246 +424,6 @@ struct Estimate {
     ttft: f64,
     /// What the argmin compares: `wait + weight * prefill` (see `prefill_weight`).
     score: f64,
-    /// The candidate's index.
-    candidate: usize,
-    /// It was scored (pass 2); a replica priced only for its wait keeps an infinite score.
-    scored: bool,
-    /// Its load as the model sees it, and its leading matches in tokens (held in GPU or
-    /// offloaded, in GPU) before `min_match_tokens` and the KV-usage discount.
-    load: ReplicaLoad,
-    held_match: u32,
-    gpu_match: u32,
-}
-
-/// What pass 1 of `select` keeps of every candidate: the bounds on its wait and score
-/// (`Bound`), its load and matches, and its `Estimate` once priced (`NONE` before).
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    bound: f64,
-    bound_wait: f64,
-    load: ReplicaLoad,
-    held_match: u32,
-    gpu_match: u32,
-    held_blocks: u32,
-    gpu_blocks: u32,
-    estimate: u32,
-}
-
-const NONE: u32 = u32::MAX;
-
-/// Lower bounds on the wait and the score of a replica holding no useful part of a prompt,
-/// for one request: its queued prefill tokens at the fewest seconds a token can take in a
-/// queue (whole chunks, no decode step), plus what it must do first and the transfer, plus
-/// the prompt's prefill with no sequence decoding beside it. Every other term of a score is
-/// at least zero (weights at least 1, paces and model terms at least zero, validated), and
-/// each term grows with what it leaves out, so the bound is below the score; it is shaded
-/// by a relative 1e-9 besides, far more than the rounding of either. Replicas whose bound
-/// exceeds what the best priced replicas cost are never priced: `select` decides as it
-/// would with every replica priced (`CacheAware::exhaustive`, the tests' reference).
-struct Bound {
-    /// Seconds per queued prefill token, at least.
-    queue_s_per_token: f64,
-    /// Prefill steps per queued token, at least (a whole chunk each).
-    steps_per_token: f64,
-    /// The prompt's prefill with nothing decoding and the last number of tokens asked
-    /// about cached (most replicas hold nothing, or the same shared prefix).
-    prefill: (u32, Seconds, f64),
-    /// The model's terms are finite and at least zero.
-    valid: bool,
-}
-
-const SHADE: f64 = 1.0 - 1e-9;
-
-impl Bound {
-    fn new(cfg: &CacheAwareConfig, prompt: u32) -> Bound {
-        let p = &cfg.model.prefill;
-        let chunk = p.chunk_tokens.max(1) as f64;
-        let queue_s_per_token = p.a / chunk + p.b + p.c * p.queued_context_tokens as f64;
-        let prefill = cfg.model.prefill_parts(0, prompt, 0);
-        let valid = [
-            p.a,
-            p.b,
-            p.c,
-            cfg.kv_transfer_s_per_token,
-            cfg.offload_load_cost,
-        ]
-        .iter()
-        .all(|v| v.is_finite() && *v >= 0.0)
-            && queue_s_per_token.is_finite()
-            && prefill.prefill.is_finite()
-            && prefill.prefill >= 0.0
-            && prefill.decode.is_finite()
-            && prefill.decode >= 0.0;
-        Bound {
-            queue_s_per_token,
-            steps_per_token: 1.0 / chunk,
-            prefill: (0, prefill, prefill_steps(&cfg.model, 0, prompt)),
-            valid,
-        }
-    }
-
-    /// (wait, score) bounds of candidate `c` with `load`, holding `held` leading tokens of
-    /// the prompt (`gpu` of them in GPU memory) before `min_match_tokens` and the KV-usage
-    /// discount, which only lower a match (NaN when its pace is not a positive number: it is
-    /// then priced). The prefill it is spared is at most that of `held` tokens, loaded back
-    /// from an offloaded tier for free.
-    #[allow(clippy::too_many_arguments)]
-    fn of(
-        &mut self,
-        cfg: &CacheAwareConfig,
-        c: &Candidate,
-        load: &ReplicaLoad,
-        prompt: u32,
-        held: u32,
-        gpu: u32,
-        pace: Pace,
-    ) -> (f64, f64) {
-        let (pq, pp, pd) = (pace.queue as f64, pace.prefill as f64, pace.decode as f64);
-        if !(pq >= 0.0
-            && pp >= 0.0
-            && pd >= 0.0
-            && pq.is_finite()
-            && pp.is_finite()
-            && pd.is_finite())
-        {
-            return (f64::NAN, f64::NAN);
-        }
-        let m = &cfg.model;
-        let fixed = c.setup_us as f64 * 1e-6 + transfer(cfg, c, prompt, gpu);
-        // The queue: its prefill seconds, and a decode step with the replica's sequences
-        // for each of its steps (at least one per chunk), and the batch's excess as
-        // `queue_wait_parts` counts it.
-        let q = load.queued_prefill_tokens as f64;
-        let step = m.decode_step_seconds(load.decoding);
-        let max_seqs = m.decode.max_num_seqs.max(1) as u64;
-        let excess = (load.in_flight as u64 + 1).saturating_sub(max_seqs);
-        let excess = if excess > 0 {
-            excess as f64 / max_seqs as f64
-                * m.decode.mean_output_tokens as f64
-                * m.decode_step_seconds(load.decoding.max(1))
-        } else {
-            0.0
-        };
-        let wait = q * self.queue_s_per_token * pq
-            + (q * self.steps_per_token * step + excess) * pd
-            + fixed;
-        if self.prefill.0 != held {
-            self.prefill = (
-                held,
-                m.prefill_parts(held, prompt, 0),
-                prefill_steps(m, held, prompt),
-            );
-        }
-        let (_, prefill, steps) = self.prefill;
-        // Its own prefill: at least as many steps as with nothing decoding, each with a
-        // decode step of the replica's sequences.
-        let score = wait + prefill.prefill * pp + steps * step * pd;
-        (wait * SHADE, score * SHADE)
-    }
-}
-
-/// The steps of a prefill of `prompt` tokens past `matched` cached ones with nothing decoding
-/// (`TtftModel::prefill_parts`): decoding sequences only take room, so never fewer.
-fn prefill_steps(m: &TtftModel, matched: u32, prompt: u32) -> f64 {
-    let matched = matched.min(prompt.saturating_sub(1));
-    let n = (prompt - matched.min(prompt)).max(1) as f64;
-    (n / m.prefill_room(0)).ceil().max(1.0)
-}
-
-/// `a > b`, or either is NaN: a NaN bound rules nothing out.
-#[allow(clippy::neg_cmp_op_on_partial_ord)]
-fn exceeds(a: f64, b: f64) -> bool {
-    !(a <= b)
-}
-
-/// `a > b`, neither NaN: a bound above the reach rules its replica out.
-fn above(a: f64, b: f64) -> bool {
-    a > b
-}
-
-/// The lowest score seen and the next one (ties count twice), as `select` compares them.
-#[derive(Default)]
-struct Scored {
-    best: f64,
-    second: f64,
-    seen: bool,
-}
-
-impl Scored {
-    fn add(&mut self, score: f64) {
-        if !self.seen {
-            (self.best, self.second, self.seen) = (f64::INFINITY, f64::INFINITY, true);
-        }
-        if score < self.best {
-            self.second = self.best;
-            self.best = score;
-        } else if score < self.second {
-            self.second = score;
-        }
-    }
-
-    /// Replicas scoring up to this may be among the ties of the best or be the runner-up.
-    fn reach(&self, epsilon: f64) -> f64 {
-        (self.best + epsilon).max(self.second)
-    }
-}
-
-/// A decode leg's replica: the requests there awaiting their KV decode soon too.
-fn decode_leg_load(c: &Candidate, load: ReplicaLoad) -> ReplicaLoad {
-    match c.pd {
-        PdPath::Decode => ReplicaLoad {
-            decoding: load.in_flight.max(load.decoding),
-            ..load
-        },
-        _ => load,
-    }
-}
-
-/// Seconds to move the KV cache a request needs on `c`: a prefill replica's answer is the
-/// KV, which then moves to a decode replica; a decode replica receives what it does not hold
-/// of the prompt (`gpu` tokens it holds).
-fn transfer(cfg: &CacheAwareConfig, c: &Candidate, prompt: u32, gpu: u32) -> f64 {
-    match c.pd {
-        PdPath::Prefill => prompt as f64 * cfg.kv_transfer_s_per_token,
-        PdPath::Decode => prompt.saturating_sub(gpu) as f64 * cfg.kv_transfer_s_per_token,
-        _ => 0.0,
-    }
-}
-
-/// The useful match of `c` (after `min_match_tokens` and the KV-usage discount) and its wait
-/// (its load in `e.load`): queue, adapter slot, setup and transfer.
-fn price_wait(cfg: &CacheAwareConfig, e: &mut Estimate, c: &Candidate, prompt: u32, now_ms: u64) {
-    (e.matched_tokens, e.gpu_tokens) = if e.held_match < cfg.min_match_tokens.max(1) {
-        (0, 0)
-    } else {
-        let keep = hit_keep(
-            &c.reported,
-            now_ms,
-            cfg.kv_evict_from,
-            cfg.kv_hit_keep_at_full,
-        );
-        (
-            (e.held_match as f64 * keep) as u32,
-            (e.gpu_match as f64 * keep) as u32,
-        )
-    };
-    let load = e.load;
-    let mut wait_parts = cfg.model.queue_wait_parts(&load);
-    if c.lora_slot_busy {
-        wait_parts = wait_parts + cfg.model.lora_slot_wait_parts(load.decoding);
-    }
-    let fixed = c.setup_us as f64 * 1e-6 + transfer(cfg, c, prompt, e.gpu_match);
-    let pace = if cfg.calibrated {
-        c.pace
-    } else {
-        Pace::CONFIGURED
-    };
-    e.wait = wait_parts.waited_at(pace) + fixed;
-    e.wait_parts = wait_parts;
-    e.fixed = fixed;
-    e.pace = pace;
-    e.weight = 1.0;
-    e.decoding = load.decoding;
 }
 
 pub struct CacheAware {
@@ -690,17 +436,12 @@ pub struct CacheAware {
     offload: Option<Arc<ResidencyIndex>>,
     offload_matched: Vec<u32>,
     estimates: Vec<Estimate>,
-    /// Per candidate, what pass 1 learned; the estimates to score in a round of pass 2.
-    slots: Vec<Slot>,
-    picked: Vec<u32>,
     hot: Box<[u32; HOT_SLOTS]>,
     hot_window_start_us: u64,
     last: Decision,
     /// When each (replica, last block) was last logged while fully resident: key, time in us.
     logged: Box<[(u64, u64); LOGGED_SLOTS]>,
     arrivals: Arrivals,
-    /// Price every replica (no bound prunes any): the tests' reference.
-    exhaustive: bool,
 }
 
 /// How many requests each replica was sent lately, by a count decaying over
@@ -711,9 +452,6 @@ struct Arrivals {
     /// count, and when it was last decayed (us).
     seen: Vec<(u64, f64, u64)>,
     window_s: f64,
-    /// The last decay computed: elapsed us and its factor (most replicas were last read at
-    /// the same time, so one `exp` serves them all).
-    decay: (u64, f64),
 }
 
 impl Arrivals {
@@ -721,31 +459,27 @@ impl Arrivals {
         Arrivals {
             seen: vec![(u64::MAX, 0.0, 0); replicas],
             window_s,
-            decay: (0, 1.0),
         }
     }
 
-    /// Read `c.routed` at `now_us` (every candidate of a request, before any `weight`).
-    #[inline]
-    fn update(&mut self, c: &Candidate, now_us: u64) {
-        let Some((routed, count, at_us)) = self.seen.get_mut(c.replica) else {
-            return;
-        };
-        if *routed == u64::MAX || c.routed < *routed {
-            // First sight, or the slot took another replica: nothing known yet.
-            (*routed, *count, *at_us) = (c.routed, 0.0, now_us);
-            return;
-        }
-        let dt = now_us.saturating_sub(*at_us);
-        if dt > 0 {
-            if self.decay.0 != dt {
-                self.decay = (dt, (-(dt as f64) * 1e-6 / self.window_s).exp());
+    fn update(&mut self, candidates: &[Candidate], now_us: u64) {
+        for c in candidates {
+            let Some((routed, count, at_us)) = self.seen.get_mut(c.replica) else {
+                continue;
+            };
+            if *routed == u64::MAX || c.routed < *routed {
+                // First sight, or the slot took another replica: nothing known yet.
+                (*routed, *count, *at_us) = (c.routed, 0.0, now_us);
+                continue;
             }
-            *count *= self.decay.1;
-            *at_us = now_us;
+            let dt = now_us.saturating_sub(*at_us);
+            if dt > 0 {
+                *count *= (-(dt as f64) * 1e-6 / self.window_s).exp();
+                *at_us = now_us;
+            }
+            *count += (c.routed - *routed) as f64;
+            *routed = c.routed;
         }
-        *count += (c.routed - *routed) as f64;
-        *routed = c.routed;
     }
 
     /// Requests per second sent to `replica` lately.
@@ -785,8 +519,6 @@ impl CacheAware {
             offload: None,
             offload_matched: Vec::new(),
             estimates: Vec::with_capacity(replicas),
-            slots: Vec::with_capacity(replicas),
-            picked: Vec::with_capacity(replicas),
             index,
             cfg,
             log: None,
@@ -795,7 +527,6 @@ impl CacheAware {
             last: Decision::default(),
             logged: Box::new([(0, 0); LOGGED_SLOTS]),
             arrivals: Arrivals::new(replicas, cfg.arrival_window_s),
-            exhaustive: false,
         })
     }
 
@@ -824,78 +555,6 @@ impl CacheAware {
     /// Requests that recently shared the prefix ending with `block` (this instance's view).
     pub fn prefix_heat(&self, block: u64) -> u32 {
         self.hot[hot_slot(block)]
-    }
-
-    /// Price every replica, as if no bound pruned any: the reference the pruned selection is
-    /// tested against (it decides the same, only slower with many replicas).
-    pub fn set_exhaustive(&mut self, exhaustive: bool) {
-        self.exhaustive = exhaustive;
-    }
-
-    /// Pass 2 of `select` for one priced replica: anti-herding (a hot prefix's saturated
-    /// holder loses its hit), then its estimate and score. Returns the score its ignored hit
-    /// would have had (infinite when none was ignored).
-    #[allow(clippy::too_many_arguments)]
-    fn score(
-        cfg: &CacheAwareConfig,
-        hot: &[u32; HOT_SLOTS],
-        arrivals: &Arrivals,
-        e: &mut Estimate,
-        c: &Candidate,
-        req: &RequestView<'_>,
-        weight: f64,
-        min_wait: f64,
-    ) -> f64 {
-        let prompt = req.prompt_tokens;
-        let mut ignored = f64::INFINITY;
-        if e.matched_tokens > 0 && e.wait - min_wait > cfg.hot_spill_wait_s {
-            let end = e.held_blocks as usize;
-            let heat = hot[hot_slot(req.blocks[end - 1])];
-            if heat >= cfg.hot_prefix_requests {
-                let parts = cfg.model.prefill_parts_tiered(
-                    e.gpu_tokens,
-                    e.matched_tokens,
-                    prompt,
-                    e.decoding,
-                    cfg.offload_load_cost,
-                );
-                let credited = parts.at(e.pace);
-                let w = arrivals.weight(c, weight, e.wait + credited);
-                ignored = e.wait + credited + (w - 1.0) * parts.held_up_at(e.pace);
-                e.matched_tokens = 0;
-                e.gpu_tokens = 0;
-            }
-        }
-        e.prefill_parts = cfg.model.prefill_parts_tiered(
-            e.gpu_tokens,
-            e.matched_tokens,
-            prompt,
-            e.decoding,
-            cfg.offload_load_cost,
-        );
-        let prefill = e.prefill_parts.at(e.pace);
-        e.weight = arrivals.weight(c, weight, e.wait + prefill);
-        e.ttft = e.wait + prefill;
-        // The requests it holds up meet it as queued work: at the queue's pace.
-        e.score = e.ttft + (e.weight - 1.0) * e.prefill_parts.held_up_at(e.pace);
-        if c.pd == PdPath::Direct {
-            // A decode replica computing the prompt stalls each sequence it decodes for
-            // as long (the inter-token latency disaggregation is there to protect).
-            e.score += prefill * e.decoding as f64;
-        }
-        if c.pd == PdPath::Decode {
-            // Its first token comes one step after its KV; the prompt it does not share
-            // there stays in the score as recomputing it would cost (the KV it adds to the
-            // resource that runs out first, and what a preemption there recomputes), and
-            // so do its decode steps and what it adds to each step of those beside it.
-            let m = &cfg.model;
-            let (d, steps) = (e.decoding, m.decode.mean_output_tokens as f64);
-            let own = m.decode_step_seconds(d + 1);
-            let added = (own - m.decode_step_seconds(d)) * d as f64;
-            e.ttft = e.wait + own;
-            e.score += cfg.decode_weight * steps * (own + added);
-        }
-        ignored
     }
 
     fn age_heat(&mut self, now_us: u64) {
@@ -941,29 +600,20 @@ impl Policy for CacheAware {
             }
             _ => false,
         };
-        // Pass 1: every replica's load, match and a lower bound on its score (`Bound`), in a
-        // compact slot; a full `Estimate` only for the replicas priced below.
-        self.slots.clear();
+        // Pass 1: waits and useful matches.
         self.estimates.clear();
-        let mut longest = 0u32;
+        let (mut min_wait, mut longest) = (f64::INFINITY, 0u32);
         let mut waiting = 0u64;
         let now_ms = req.now_us / 1000;
         let now_us = req.now_us;
-        let mut bound = Bound::new(&cfg, prompt);
-        let mut price_all = self.exhaustive || !bound.valid;
-        let (mut first, mut second) = ((f64::INFINITY, usize::MAX), (f64::INFINITY, usize::MAX));
-        for (i, c) in candidates.iter().enumerate() {
-            self.arrivals.update(c, now_us);
+        self.arrivals.update(candidates, now_us);
+        for c in candidates {
             let own = ReplicaLoad {
                 queued_prefill_tokens: c.queued_prefill_tokens,
                 decoding: c.decoding,
                 in_flight: c.in_flight,
             };
-            let load = decode_leg_load(
-                c,
-                combined_load(own, &c.reported, now_ms, cfg.foreign_request_tokens),
-            );
-            waiting += load.in_flight.saturating_sub(load.decoding) as u64;
+            let load = combined_load(own, &c.reported, now_ms, cfg.foreign_request_tokens);
             let gpu_blocks = match self.matched.get(c.replica) {
                 Some(&m) if with_prefix => m,
                 _ => 0,
@@ -974,138 +624,130 @@ impl Policy for CacheAware {
             };
             let as_tokens = |b: u32| (b as u64 * req.block_tokens as u64).min(prompt as u64) as u32;
             let (held, gpu) = (as_tokens(held_blocks), as_tokens(gpu_blocks));
-            if held >= cfg.min_match_tokens.max(1) {
+            let (tokens, gpu_tokens) = if held < cfg.min_match_tokens.max(1) {
+                (0, 0)
+            } else {
                 longest = longest.max(held_blocks);
+                let keep = hit_keep(
+                    &c.reported,
+                    now_ms,
+                    cfg.kv_evict_from,
+                    cfg.kv_hit_keep_at_full,
+                );
+                ((held as f64 * keep) as u32, (gpu as f64 * keep) as u32)
+            };
+            // A decode leg's replica: the requests there awaiting their KV decode soon too.
+            let load = match c.pd {
+                PdPath::Decode => ReplicaLoad {
+                    decoding: load.in_flight.max(load.decoding),
+                    ..load
+                },
+                _ => load,
+            };
+            let mut wait_parts = cfg.model.queue_wait_parts(&load);
+            if c.lora_slot_busy {
+                wait_parts = wait_parts + cfg.model.lora_slot_wait_parts(load.decoding);
             }
+            // A prefill replica's answer is the KV, which then moves to a decode replica.
+            // A decode replica receives what it does not hold of the prompt.
+            let transfer = match c.pd {
+                PdPath::Prefill => prompt as f64 * cfg.kv_transfer_s_per_token,
+                PdPath::Decode => prompt.saturating_sub(gpu) as f64 * cfg.kv_transfer_s_per_token,
+                _ => 0.0,
+            };
+            let fixed = c.setup_us as f64 * 1e-6 + transfer;
             let pace = if cfg.calibrated {
                 c.pace
             } else {
                 Pace::CONFIGURED
             };
-            let (bound_wait, lower) = bound.of(&cfg, c, &load, prompt, held, gpu, pace);
-            if lower.is_nan() {
-                price_all = true;
-            }
-            if lower < second.0 {
-                second = if lower < first.0 { first } else { (lower, i) };
-                if lower < first.0 {
-                    first = (lower, i);
-                }
-            }
-            self.slots.push(Slot {
-                bound: lower,
-                bound_wait,
-                load,
-                held_match: held,
-                gpu_match: gpu,
+            let wait = wait_parts.waited_at(pace) + fixed;
+            min_wait = min_wait.min(wait);
+            waiting += load.in_flight.saturating_sub(load.decoding) as u64;
+            self.estimates.push(Estimate {
+                wait,
+                wait_parts,
+                fixed,
+                pace,
+                weight: 1.0,
+                prefill_parts: Seconds::default(),
+                decoding: load.decoding,
+                matched_tokens: tokens,
+                gpu_tokens,
                 held_blocks,
                 gpu_blocks,
-                estimate: NONE,
+                ttft: 0.0,
+                score: 0.0,
             });
         }
         let weight = prefill_weight(&cfg, waiting as f64 / candidates.len() as f64);
-        // Pass 2, over the replicas that may be chosen, tied with the chosen one or be the
-        // runner-up: first the two best bounds (every replica when `price_all`), then every
-        // replica whose bound reaches what the priced ones score, until none is left. A hot
-        // prefix's holder loses its hit when its wait exceeds the shortest one by
-        // `hot_spill_wait_s`: before any is scored, the waits that may decide that are known
-        // (a bound says how short a wait can be). A replica left unscored could be neither
-        // chosen, nor tied, nor the runner-up.
-        let (hot, arrivals) = (&self.hot, &self.arrivals);
-        let (slots, estimates, picked) = (&mut self.slots, &mut self.estimates, &mut self.picked);
-        let is_hot = |e: &Estimate| {
-            e.matched_tokens > 0
-                && hot[hot_slot(req.blocks[e.held_blocks as usize - 1])] >= cfg.hot_prefix_requests
-        };
-        let price = |slots: &mut [Slot], estimates: &mut Vec<Estimate>, i: usize| -> usize {
-            let slot = &mut slots[i];
-            if slot.estimate == NONE {
-                slot.estimate = estimates.len() as u32;
-                let mut e = Estimate {
-                    candidate: i,
-                    held_blocks: slot.held_blocks,
-                    gpu_blocks: slot.gpu_blocks,
-                    held_match: slot.held_match,
-                    gpu_match: slot.gpu_match,
-                    load: slot.load,
-                    score: f64::INFINITY,
-                    ttft: f64::INFINITY,
-                    ..Estimate::default()
-                };
-                price_wait(&cfg, &mut e, &candidates[i], prompt, now_ms);
-                estimates.push(e);
-            }
-            slot.estimate as usize
-        };
+        // Pass 2: anti-herding, then the estimates.
         let mut best_ignored = f64::INFINITY;
-        let mut scored = Scored::default();
-        let (mut hot_wait, mut min_wait) = (f64::NEG_INFINITY, f64::INFINITY);
-        let mut reach = f64::INFINITY;
-        let mut round = 0;
-        loop {
-            picked.clear();
-            for i in 0..slots.len() {
-                let take = if price_all || round > 0 && reach == f64::INFINITY {
-                    true
-                } else if round == 0 {
-                    i == first.1 || i == second.1
-                } else {
-                    !above(slots[i].bound, reach)
-                };
-                if !take {
-                    continue;
-                }
-                let k = price(slots, estimates, i);
-                let e = &estimates[k];
-                if e.scored {
-                    continue;
-                }
-                min_wait = min_wait.min(e.wait);
-                if is_hot(e) {
-                    hot_wait = hot_wait.max(e.wait);
-                }
-                picked.push(k as u32);
-            }
-            if picked.is_empty() {
-                break;
-            }
-            if hot_wait > f64::NEG_INFINITY {
-                for i in 0..slots.len() {
-                    if slots[i].estimate == NONE
-                        && exceeds(hot_wait - slots[i].bound_wait, cfg.hot_spill_wait_s)
-                    {
-                        let k = price(slots, estimates, i);
-                        min_wait = min_wait.min(estimates[k].wait);
-                    }
+        let mut best = f64::INFINITY;
+        for (e, c) in self.estimates.iter_mut().zip(candidates) {
+            if e.matched_tokens > 0 && e.wait - min_wait > cfg.hot_spill_wait_s {
+                let end = e.held_blocks as usize;
+                let heat = self.hot[hot_slot(req.blocks[end - 1])];
+                if heat >= cfg.hot_prefix_requests {
+                    let parts = cfg.model.prefill_parts_tiered(
+                        e.gpu_tokens,
+                        e.matched_tokens,
+                        prompt,
+                        e.decoding,
+                        cfg.offload_load_cost,
+                    );
+                    let credited = parts.at(e.pace);
+                    let w = self.arrivals.weight(c, weight, e.wait + credited);
+                    let score = e.wait + credited + (w - 1.0) * parts.held_up_at(e.pace);
+                    best_ignored = best_ignored.min(score);
+                    e.matched_tokens = 0;
+                    e.gpu_tokens = 0;
                 }
             }
-            for &k in picked.iter() {
-                let e = &mut estimates[k as usize];
-                let c = &candidates[e.candidate];
-                let ignored = Self::score(&cfg, hot, arrivals, e, c, req, weight, min_wait);
-                best_ignored = best_ignored.min(ignored);
-                scored.add(e.score);
-                e.scored = true;
+            e.prefill_parts = cfg.model.prefill_parts_tiered(
+                e.gpu_tokens,
+                e.matched_tokens,
+                prompt,
+                e.decoding,
+                cfg.offload_load_cost,
+            );
+            let prefill = e.prefill_parts.at(e.pace);
+            e.weight = self.arrivals.weight(c, weight, e.wait + prefill);
+            e.ttft = e.wait + prefill;
+            // The requests it holds up meet it as queued work: at the queue's pace.
+            e.score = e.ttft + (e.weight - 1.0) * e.prefill_parts.held_up_at(e.pace);
+            if c.pd == PdPath::Direct {
+                // A decode replica computing the prompt stalls each sequence it decodes for
+                // as long (the inter-token latency disaggregation is there to protect).
+                e.score += prefill * e.decoding as f64;
             }
-            if price_all {
-                break;
+            if c.pd == PdPath::Decode {
+                // Its first token comes one step after its KV; the prompt it does not share
+                // there stays in the score as recomputing it would cost (the KV it adds to the
+                // resource that runs out first, and what a preemption there recomputes), and
+                // so do its decode steps and what it adds to each step of those beside it.
+                let m = &cfg.model;
+                let (d, steps) = (e.decoding, m.decode.mean_output_tokens as f64);
+                let own = m.decode_step_seconds(d + 1);
+                let added = (own - m.decode_step_seconds(d)) * d as f64;
+                e.ttft = e.wait + own;
+                e.score += cfg.decode_weight * steps * (own + added);
             }
-            reach = if scored.best.is_finite() && scored.second.is_finite() {
-                scored.reach(cfg.tie_epsilon_s)
-            } else {
-                f64::INFINITY
-            };
-            round += 1;
+            if e.score < best {
+                best = e.score;
+            }
         }
-        // In the candidates' order, as the ties and the runner-up are taken.
-        estimates.sort_unstable_by_key(|e| e.candidate);
-        let best = scored.best;
         // Ties: the `random`-th of the candidates within epsilon of the best.
         let near = |t: f64| t <= best + cfg.tie_epsilon_s || t.is_nan() && best.is_nan();
-        let ties = estimates.iter().filter(|e| near(e.score)).count().max(1);
+        let ties = self
+            .estimates
+            .iter()
+            .filter(|e| near(e.score))
+            .count()
+            .max(1);
         let mut k = (random % ties as u64) as usize;
         let mut chosen = 0;
-        for (i, e) in estimates.iter().enumerate() {
+        for (i, e) in self.estimates.iter().enumerate() {
             if near(e.score) {
                 if k == 0 {
                     chosen = i;
@@ -1114,7 +756,8 @@ impl Policy for CacheAware {
                 k -= 1;
             }
         }
-        let runner_up = estimates
+        let runner_up = self
+            .estimates
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != chosen)
@@ -1128,7 +771,6 @@ impl Policy for CacheAware {
             })
             .1;
         let e = self.estimates[chosen];
-        let chosen = e.candidate;
         if with_prefix && longest > 0 {
             // The request shared the prefix ending at block `longest - 1` with earlier ones.
             let slot = hot_slot(req.blocks[longest as usize - 1]);

@@ -179,9 +179,6 @@ pub struct RoutingPolicy {
     calibrate: bool,
 }
 
-/// The `build_with` setting that makes cache_aware price every replica (tests).
-pub const EXHAUSTIVE: &str = "exhaustive";
-
 impl RoutingPolicy {
     /// The policy called `name`, for a fleet of `replicas` engines configured as `engine`.
     pub fn build(
@@ -194,9 +191,6 @@ impl RoutingPolicy {
 
     /// As `build`, with `cache_aware`'s parameters in `set` (name, value; see
     /// `select::cache_aware::PARAMETERS`) changed after its defaults; other policies have none.
-    /// `EXHAUSTIVE` set to a non-zero value makes cache_aware price every replica rather than
-    /// only those its bound cannot rule out: the same decisions, the reference the tests
-    /// compare the pruned selection with.
     pub fn build_with(
         name: &str,
         replicas: usize,
@@ -229,18 +223,12 @@ impl RoutingPolicy {
                     ..CacheAwareConfig::default()
                 };
                 let mut cfg = cfg;
-                let mut exhaustive = false;
                 for (k, v) in set {
-                    if k == EXHAUSTIVE {
-                        exhaustive = *v != 0.0;
-                    } else {
-                        cfg.set(k, *v)?;
-                    }
+                    cfg.set(k, *v)?;
                 }
                 kv_transfer_s_per_token = cfg.kv_transfer_s_per_token;
                 residency = Some(writer);
                 let mut policy = CacheAware::new(index, cfg)?.with_routing_log(log);
-                policy.set_exhaustive(exhaustive);
                 if engine.host_kv_capacity_tokens > 0 {
                     let (index, writer) = ResidencyIndex::new(ResidencyConfig {
                         max_replicas: replicas,
@@ -1277,53 +1265,6 @@ mod tests {
             block_ids: ids.to_vec(),
             model: None,
         }
-    }
-
-    /// cache_aware prices only the replicas its bound cannot rule out; pricing every replica
-    /// must decide the same. Both run the simulator's traces on fleets of up to 1,024
-    /// replicas: any different decision would show in the records (the replica of each
-    /// request, its time to first token), since a run replays exactly.
-    #[test]
-    fn pruned_cache_aware_decides_as_pricing_every_replica() {
-        let engine = EngineConfig::default();
-        let conversation = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../traces/mooncake_conversation_trace.jsonl"
-        );
-        let mut decisions = 0;
-        for (spec, limit, replicas) in [
-            ("gen:agent-sessions", None, 64),
-            ("gen:agent-sessions", None, 1024),
-            (conversation, Some(3000), 256),
-            (conversation, Some(3000), 1024),
-        ] {
-            let trace = trace::load(spec, limit, 1).unwrap();
-            let run = |exhaustive: f64| {
-                let set = [(EXHAUSTIVE.to_string(), exhaustive)];
-                let mut p =
-                    RoutingPolicy::build_with("cache_aware", replicas, &engine, &set).unwrap();
-                simulate(&trace, replicas, &engine, &mut p, 7).unwrap()
-            };
-            let (pruned, every) = (run(0.0), run(1.0));
-            assert_eq!(pruned.records.len(), every.records.len());
-            let differ = pruned
-                .records
-                .iter()
-                .zip(&every.records)
-                .filter(|(a, b)| {
-                    a.replica != b.replica
-                        || a.prefill_replica != b.prefill_replica
-                        || a.ttft_s.to_bits() != b.ttft_s.to_bits()
-                })
-                .count();
-            eprintln!(
-                "{spec} on {replicas} replicas: {} decisions compared, {differ} differ",
-                pruned.records.len()
-            );
-            assert_eq!(differ, 0, "{spec} on {replicas} replicas");
-            decisions += pruned.records.len();
-        }
-        assert!(decisions > 5000, "{decisions}");
     }
 
     #[test]
