@@ -161,27 +161,8 @@ on_core "$FLEET_CORE" "$KVLB" replica --listen 127.0.0.1:0 --count "$REPLICAS" \
     2>"$TMP/fleet.log" &
 FLEET_PID=$!
 FLEET_PIDS+=("$FLEET_PID")
-for _ in $(seq 150); do
-    grep -q '^kvlb replica: ready' "$TMP/fleet.log" && break
-    kill -0 "$FLEET_PID" 2>/dev/null || break
-    sleep 0.1
-done
-if ! grep -q '^kvlb replica: ready' "$TMP/fleet.log"; then
-    echo "error: kvlb replica did not start:" >&2
-    cat "$TMP/fleet.log" >&2
-    exit 1
-fi
-REPLICA_URLS=()
-REPLICA_EVENTS=()
-while read -r _ _ _ _ _ addr events _; do
-    REPLICA_URLS+=("http://$addr")
-    REPLICA_EVENTS+=("${events#kv_events=}")
-done < <(grep '^kvlb replica: replica ' "$TMP/fleet.log")
-if [ "${#REPLICA_URLS[@]}" -ne "$REPLICAS" ]; then
-    echo "error: expected $REPLICAS replicas in:" >&2
-    cat "$TMP/fleet.log" >&2
-    exit 1
-fi
+kvlb_fleet_ready "$TMP/fleet.log" "$FLEET_PID" "$REPLICAS" 150
+REPLICA_URLS=("${REPLICA_ADDRS[@]/#/http://}")
 
 SPEEDUP=$(python3 -c "print($LOAD * $TIME_SCALE)")
 SLICE=$(python3 -c "print($DURATION * $LOAD * $TIME_SCALE)")

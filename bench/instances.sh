@@ -121,27 +121,7 @@ on_core "$FLEET_CORE" "$KVLB" replica --listen 127.0.0.1:0 --count "$REPLICAS" \
     2>"$TMP/fleet.log" &
 FLEET_PID=$!
 FLEET_PIDS+=("$FLEET_PID")
-for _ in $(seq 300); do
-    grep -q '^kvlb replica: ready' "$TMP/fleet.log" && break
-    kill -0 "$FLEET_PID" 2>/dev/null || break
-    sleep 0.1
-done
-if ! grep -q '^kvlb replica: ready' "$TMP/fleet.log"; then
-    echo "error: kvlb replica did not start:" >&2
-    cat "$TMP/fleet.log" >&2
-    exit 1
-fi
-REPLICA_ADDRS=()
-REPLICA_EVENTS=()
-while read -r _ _ _ _ _ addr events _; do
-    REPLICA_ADDRS+=("$addr")
-    REPLICA_EVENTS+=("${events#kv_events=}")
-done < <(grep '^kvlb replica: replica ' "$TMP/fleet.log")
-if [ "${#REPLICA_ADDRS[@]}" -ne "$REPLICAS" ]; then
-    echo "error: expected $REPLICAS replicas in:" >&2
-    cat "$TMP/fleet.log" >&2
-    exit 1
-fi
+kvlb_fleet_ready "$TMP/fleet.log" "$FLEET_PID" "$REPLICAS" 300
 REPLICA_LIST=$(IFS=,; echo "${REPLICA_ADDRS[*]}")
 
 # The instances are told the replicas' speed (kvlb's default timing is an 8B model on one H100,

@@ -110,6 +110,34 @@ round_order() {
 }
 
 # Sets SGLANG_VERSION and VLLM_ROUTER_VERSION from the peers' venv.
+# Waits up to TRIES tenths of a second for the `kvlb replica` process PID, logging to LOG, to
+# say it is ready, then reads its replicas into REPLICA_ADDRS (host:port) and REPLICA_EVENTS
+# (tcp://host:port), COUNT of each; exits with the log when it does not start.
+kvlb_fleet_ready() {
+    local log=$1 pid=$2 count=$3 tries=$4 addr events
+    for _ in $(seq "$tries"); do
+        grep -q '^kvlb replica: ready' "$log" && break
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if ! grep -q '^kvlb replica: ready' "$log"; then
+        echo "error: kvlb replica did not start:" >&2
+        cat "$log" >&2
+        exit 1
+    fi
+    REPLICA_ADDRS=()
+    REPLICA_EVENTS=()
+    while read -r _ _ _ _ _ addr events _; do
+        REPLICA_ADDRS+=("$addr")
+        REPLICA_EVENTS+=("${events#kv_events=}")
+    done < <(grep '^kvlb replica: replica ' "$log")
+    if [ "${#REPLICA_ADDRS[@]}" -ne "$count" ]; then
+        echo "error: expected $count replicas in:" >&2
+        cat "$log" >&2
+        exit 1
+    fi
+}
+
 kvlb_peer_versions() {
     SGLANG_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
     VLLM_ROUTER_VERSION=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))')
