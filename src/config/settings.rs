@@ -318,7 +318,9 @@ pub struct ServeSettings {
     pub access_log: Option<OffOrPath>,
 
     /// Prompts are read for routing up to N tokens (4 canonical bytes a token in text mode):
-    /// the longest context of the fleet's models; fixed at start (default: 1048576).
+    /// the longest context of the fleet's models; fixed at start; text mode hashes no more
+    /// than the 2,048 blocks (128k tokens) routing learns and estimates the rest (default:
+    /// 1048576).
     #[arg(long, value_name = "N")]
     pub max_prompt_tokens: Option<Whole<MIN_PROMPT, MAX_PROMPT>>,
 
