@@ -457,15 +457,7 @@ impl Loop {
         let Some(&addr) = addrs.get(next) else {
             return;
         };
-        let attempt = MioStream::connect(addr).and_then(|mut stream| {
-            self.registry().register(
-                &mut stream,
-                event_token(r),
-                Interest::READABLE | Interest::WRITABLE,
-            )?;
-            Ok(stream)
-        });
-        match attempt {
+        match open(self.registry(), addr, event_token(r)) {
             Ok(stream) => {
                 if let Some(sub) = self.events[r].as_mut() {
                     sub.link = Link::Connecting {
@@ -512,43 +504,33 @@ impl Loop {
                 addrs,
                 next,
                 ..
-            } => {
-                let outcome = match stream.take_error() {
-                    Ok(Some(e)) | Err(e) => Err(e),
-                    Ok(None) => match stream.peer_addr() {
-                        Ok(_) => Ok(true),
-                        Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
-                        Err(e) => Err(e),
-                    },
-                };
-                match outcome {
-                    Ok(false) => 0,
-                    Ok(true) => {
-                        let addrs = std::mem::take(addrs);
-                        let Link::Connecting { mut stream, .. } = std::mem::replace(
-                            &mut sub.link,
-                            Link::Waiting {
-                                until: Instant::now(),
-                            },
-                        ) else {
-                            unreachable!()
-                        };
-                        let _ = self.poll.registry().deregister(&mut stream);
-                        drop(addrs);
-                        self.handshake(r, stream.into());
-                        0
-                    }
-                    Err(e) => {
-                        let (addrs, next) = (std::mem::take(addrs), *next);
-                        let addr = addrs[next - 1];
-                        let mut s = self.events[r].take().expect("present");
-                        self.close_link(&mut s);
-                        self.events[r] = Some(s);
-                        self.connect_failed(r, addrs, next, addr, e);
-                        0
-                    }
+            } => match connected(stream) {
+                Ok(false) => 0,
+                Ok(true) => {
+                    let addrs = std::mem::take(addrs);
+                    let Link::Connecting { mut stream, .. } = std::mem::replace(
+                        &mut sub.link,
+                        Link::Waiting {
+                            until: Instant::now(),
+                        },
+                    ) else {
+                        unreachable!()
+                    };
+                    let _ = self.poll.registry().deregister(&mut stream);
+                    drop(addrs);
+                    self.handshake(r, stream.into());
+                    0
                 }
-            }
+                Err(e) => {
+                    let (addrs, next) = (std::mem::take(addrs), *next);
+                    let addr = addrs[next - 1];
+                    let mut s = self.events[r].take().expect("present");
+                    self.close_link(&mut s);
+                    self.events[r] = Some(s);
+                    self.connect_failed(r, addrs, next, addr, e);
+                    0
+                }
+            },
             Link::Handshaking { handshake, .. } => match handshake.advance(Some(Instant::now())) {
                 Ok(false) => 0,
                 Ok(true) => {
@@ -761,15 +743,7 @@ impl Loop {
                     let addr = s.scraper.addr;
                     let deadline = now + s.scraper.timeout;
                     let token = scrape_token(s.scraper.slot());
-                    let started = MioStream::connect(addr).and_then(|mut stream| {
-                        self.poll.registry().register(
-                            &mut stream,
-                            token,
-                            Interest::READABLE | Interest::WRITABLE,
-                        )?;
-                        Ok(stream)
-                    });
-                    match started {
+                    match open(self.poll.registry(), addr, token) {
                         Ok(stream) => {
                             s.fetch = Some(Fetch {
                                 stream,
@@ -791,17 +765,33 @@ impl Loop {
     }
 }
 
+/// A non-blocking connect to `addr`, its readiness reported under `token`.
+fn open(registry: &Registry, addr: SocketAddr, token: Token) -> io::Result<MioStream> {
+    let mut stream = MioStream::connect(addr)?;
+    registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
+    Ok(stream)
+}
+
+/// Whether a connect under way has completed: Ok(false) while it is in progress, the error
+/// when it failed (refused, unreachable).
+fn connected(stream: &MioStream) -> io::Result<bool> {
+    if let Some(e) = stream.take_error()? {
+        return Err(e);
+    }
+    match stream.peer_addr() {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Move a scrape on as far as its socket allows: Ok(Some(reply)) once the reply is whole.
 fn drive_fetch(f: &mut Fetch) -> io::Result<Option<Vec<u8>>> {
     if !f.connected {
-        if let Some(e) = f.stream.take_error()? {
-            return Err(e);
+        if !connected(&f.stream)? {
+            return Ok(None);
         }
-        match f.stream.peer_addr() {
-            Ok(_) => f.connected = true,
-            Err(e) if e.kind() == io::ErrorKind::NotConnected => return Ok(None),
-            Err(e) => return Err(e),
-        }
+        f.connected = true;
     }
     while f.written < f.request.len() {
         match f.stream.write(&f.request[f.written..]) {
