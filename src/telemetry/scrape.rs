@@ -1,7 +1,7 @@
 //! Polling a replica's Prometheus `/metrics` (replica-interfaces.md section 2) for its queue
 //! and KV usage: `parse_metrics` is pure; `Scraper` says what to ask and publishes what came
 //! back, while the telemetry loop (`hub`) does the non-blocking HTTP/1.0 GET (1.0 so the reply
-//! is never chunked); `fetch_metrics` is the same GET, blocking, for one-off uses.
+//! is never chunked).
 //!
 //! Names read: vLLM `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 //! `vllm:kv_cache_usage_perc` (older `vllm:gpu_cache_usage_perc`); SGLang
@@ -324,20 +324,6 @@ pub fn parse_metrics(text: &str) -> MetricsSample {
         lora: lora.report,
         prefill: prefill_totals(|k| prefill[k].sum()),
     }
-}
-
-/// GET http://`addr`/metrics (Host: `authority`) within `timeout` overall; the body on 200.
-pub fn fetch_metrics(addr: SocketAddr, authority: &str, timeout: Duration) -> io::Result<String> {
-    let (status, line, body) = http_get(
-        addr,
-        authority,
-        "/metrics",
-        "text/plain",
-        timeout,
-        MAX_METRICS_BYTES,
-    )
-    .map_err(|e| io::Error::new(e.kind(), format!("metrics: {e}")))?;
-    metrics_body(status, line, body)
 }
 
 /// The /metrics text of a reply, on 200.
